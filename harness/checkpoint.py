@@ -1,0 +1,105 @@
+"""Checkpoints: atomic, the last K kept, resumable to the exact step; and the consolidated model export.
+
+Layout of `RUN/checkpoints/`:
+    step_00000100/      DeepSpeed's files (model, optimizer, scheduler, loss scaler) + rng_rank*.pt
+    latest              the name of the newest complete checkpoint
+A checkpoint is written as `step_N.partial`, renamed when every rank has finished, and only then named in
+`latest`: a crash mid-write leaves a `.partial` directory that is never resumed from and is removed later.
+The run directory must be on a file system that every node sees (as DeepSpeed's own checkpoints assume).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .world import World, barrier
+
+LATEST = "latest"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def is_complete(path: Path) -> bool:
+    return path.name.startswith("step_") and not path.name.endswith(".partial")
+
+
+def latest(root: Path) -> Path | None:
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def complete(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+
+
+def rewind_latest(root: Path, max_step: int) -> Path | None:
+    """Point `latest` at the newest checkpoint at or before `max_step` (rank 0), e.g. past weights gone bad."""
+    good = [p for p in complete(root) if int(p.name.removeprefix("step_")) <= max_step]
+    if good:
+        _write_atomic(root / LATEST, good[-1].name + "\n")
+    elif (root / LATEST).exists():
+        (root / LATEST).unlink()
+    return good[-1] if good else None
+
+
+def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int) -> Path:
+    """Collective: every rank calls it."""
+    name = f"step_{step:08d}"
+    partial = root / f"{name}.partial"
+    if world.is_main:
+        for stale in root.glob("*.partial"):  # left by a crash
+            shutil.rmtree(stale, ignore_errors=True)
+    barrier()
+    engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+    partial.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
+    barrier()  # every rank's shards are on disk
+    final = root / name
+    if world.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(root / LATEST, name + "\n")
+        for old in complete(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load(engine, path: Path, world: World) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state."""
+    _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+    if client_state is None:
+        raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
+    rng = path / f"rng_rank{world.rank:05d}.pt"
+    if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
+        set_rng_state(torch.load(rng, weights_only=False))
+    return client_state

@@ -1,0 +1,261 @@
+"""The run config: typed, documented fields, resolved once and frozen.
+
+Precedence, stated once: defaults < run file (TOML) < command line (`--set section.key=value`).
+Every value remembers where it came from, so `harness plan` and error messages can say so.
+The DeepSpeed JSON is resolved against this config in `ds_config.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """A problem with the user's input: reported as one line, exit code 2, before any training."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    task: str = _f("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
+    output_dir: str = _f("runs/run", "the run directory: config, metrics, checkpoints and the exported model")
+    name: str = _f("", "run name for the tracker; empty means the run directory's name")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    d_model: int = _f(128, "width of the residual stream")
+    n_layers: int = _f(2, "number of Transformer blocks")
+    n_heads: int = _f(4, "attention heads; must divide d_model")
+    d_ff: int = _f(0, "feed-forward width; 0 means 4 * d_model")
+    dropout: float = _f(0.0, "dropout probability in attention and feed-forward")
+    vocab_size: int = _f(0, "vocabulary size; 0 means the task decides (256 bytes for `lm`)")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: str = _f("", "training data: a local .txt/.json/.jsonl/.csv file, or `hub:NAME` for a Hugging Face "
+                   "data set; empty means the task's embedded default")
+    format: str = _f("auto", "how to read `path`", ("auto", "text", "json", "csv"))
+    text_field: str = _f("text", "column holding the text in json/csv data")
+    val_path: str = _f("", "validation data in the same format; empty means hold out `val_fraction` of the rows")
+    val_fraction: float = _f(0.05, "fraction of rows held out for validation when `val_path` is empty")
+    seq_len: int = _f(128, "tokens per training sample")
+    max_row_chars: int = _f(20000, "rows longer than this are truncated to it (and counted)")
+    num_workers: int = _f(0, "DataLoader worker processes per rank")
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    max_steps: int = _f(0, "optimizer steps to train; 0 means derive from `epochs`")
+    epochs: float = _f(0.0, "passes over the training data, used when `max_steps` is 0")
+    micro_batch_size: int = _f(8, "samples per rank per forward/backward")
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    global_batch_size: int = _f(0, "samples per optimizer step over all ranks; 0 means "
+                                "micro_batch_size * grad_accum_steps * data-parallel size")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    log_every: int = _f(10, "write metrics every N steps")
+    eval_every: int = _f(0, "evaluate every N steps (and always at the end); 0 means only at the end")
+    eval_batches: int = _f(0, "micro-batches per rank per evaluation; 0 means the whole validation set")
+    save_every: int = _f(0, "checkpoint every N steps (and always at the end); 0 means only at the end")
+    keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep")
+    seed: int = _f(0, "seed for model init, data order and dropout")
+    max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss")
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = _f(3e-4, "peak learning rate of AdamW")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
+
+
+@dataclass(frozen=True)
+class ScheduleSection:
+    kind: str = _f("cosine", "decay after warmup", ("cosine", "linear", "inverse_sqrt", "constant"))
+    warmup_steps: int = _f(0, "linear warmup from 0 to `optimizer.lr` over this many steps")
+    min_lr_ratio: float = _f(0.1, "cosine/linear decay ends at lr * min_lr_ratio")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    backend: str = _f("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
+                      "is configured", ("wandb", "tensorboard", "none"))
+    project: str = _f("harness", "tracker project name")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = get_type_hints(RunConfig)
+
+
+def all_keys() -> dict[str, dataclasses.Field]:
+    """Every `section.key` with its field (type, default, help)."""
+    return {f"{s}.{f.name}": f for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+_TYPES = {s: get_type_hints(cls) for s, cls in SECTIONS.items()}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The frozen run config and, for every key, where its value came from."""
+    cfg: RunConfig
+    source: dict[str, str]
+
+    def is_set(self, key: str) -> bool:
+        return self.source[key] != "default"
+
+    def describe(self, key: str) -> str:
+        section, name = key.split(".")
+        return f"{key} = {getattr(getattr(self.cfg, section), name)!r} ({self.source[key]})"
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(all_keys()) + list(SECTIONS), n=1, cutoff=0.6)
+    hint = f"; did you mean `{close[0]}`?" if close else "; `harness keys` lists them all"
+    return ConfigError(f"unknown config key `{key}`{hint}")
+
+
+def _coerce(key: str, value: Any, origin: str) -> Any:
+    section, name = key.split(".")
+    expected = _TYPES[section][name]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if get_origin(expected) is not None:  # no generic fields yet; keep the check honest if one is added
+        expected = get_args(expected)[0]
+    if type(value) is not expected:
+        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r} ({origin})")
+    choices = all_keys()[key].metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r} ({origin})")
+    return value
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        return tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: run file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read run file: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: malformed TOML: {e}") from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`section.key=value`; the value is read as a TOML literal, else taken as a string."""
+    key, eq, raw = item.partition("=")
+    if not eq or "." not in key:
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    source = {k: "default" for k in all_keys()}
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if run_file:
+        flat = {}
+        for section, body in read_toml(run_file).items():
+            if section not in SECTIONS or not isinstance(body, dict):
+                raise _unknown(section) if section not in SECTIONS else ConfigError(
+                    f"{run_file}: [{section}] must be a table")
+            flat.update({f"{section}.{k}": v for k, v in body.items()})
+        layers.append((f"run file {run_file}", flat))
+    layers.append(("command line", dict(parse_override(o) for o in overrides)))
+    for origin, flat in layers:
+        for key, value in flat.items():
+            if key not in source:
+                raise _unknown(key)
+            section, name = key.split(".")
+            values[section][name] = _coerce(key, value, origin)
+            source[key] = origin
+    cfg = RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS})
+    resolved = Resolved(cfg, source)
+    _check(resolved)
+    return resolved
+
+
+def _check(r: Resolved) -> None:
+    c = r.cfg
+    positive = ["train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
+                "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
+                "data.max_row_chars"]
+    non_negative = ["train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
+                    "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
+                    "model.dropout", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
+                    "data.num_workers"]
+    for key in positive + non_negative:
+        section, name = key.split(".")
+        v = getattr(getattr(c, section), name)
+        if v < 0 or (key in positive and v == 0):
+            raise ConfigError(f"{r.describe(key)} must be {'> 0' if key in positive else '>= 0'}")
+    if c.model.d_model % c.model.n_heads:
+        raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
+                          f"{r.describe('model.n_heads')}")
+    if not 0.0 <= c.data.val_fraction < 1.0:
+        raise ConfigError(f"{r.describe('data.val_fraction')} must be in [0, 1)")
+    if c.train.max_steps and c.train.epochs:
+        raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
+                          f"{r.describe('train.epochs')}")
+    if not c.train.max_steps and not c.train.epochs:
+        raise ConfigError("set train.max_steps or train.epochs (both are 0)")
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out = {}
+    for k, v in d.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as a run file that `harness train --run` accepts as is."""
+    lines = []
+    for section, body in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in body.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)

@@ -1,0 +1,147 @@
+"""Reading rows through Hugging Face `datasets`, cleaning them by stated rules, and sharding batches across ranks.
+
+Cleaning rules (counted, reported at the start of training, never a crash mid-run):
+- empty or whitespace-only rows are skipped;
+- rows that are not valid UTF-8 (text files) are skipped;
+- rows whose text field is missing or not a string (json/csv) are skipped;
+- rows longer than `data.max_row_chars` characters are truncated to it.
+
+Batches are a pure function of (seed, step), so a resumed run sees exactly the data it would have seen.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from .config import ConfigError, DataSection
+
+SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+KEPT = ("ok", "truncated")
+
+
+@dataclass
+class DataSummary:
+    counts: dict[str, Counter] = field(default_factory=dict)  # split -> status -> rows
+
+    def line(self) -> str:
+        parts = []
+        for split, c in self.counts.items():
+            dropped = ", ".join(f"{c[s]} {s}" for s in ("empty", "undecodable", "malformed") if c[s])
+            parts.append(f"{split}: {c['ok'] + c['truncated']} rows kept of {sum(c.values())}"
+                         f" ({dropped or 'none skipped'}; {c['truncated']} truncated)")
+        return "data " + "; ".join(parts)
+
+
+def data_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    kind = SUFFIX_FORMATS.get(Path(path.lower().removesuffix(".gz")).suffix)
+    if kind is None:
+        raise ConfigError(f"{path}: cannot tell the format from the file name; set data.format to text, json or csv")
+    return kind
+
+
+def check_paths(d: DataSection) -> None:
+    """Preflight: local data files exist and are readable (hub names are checked when loaded)."""
+    for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
+        if path and not path.startswith("hub:"):
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{path}: {key} not found")
+            try:
+                with p.open("rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise ConfigError(f"{path}: {key} is not readable: {e}") from None
+            data_format(path, d.format)
+
+
+def load_rows(path: str, d: DataSection, split: str = "train"):
+    """A `datasets.Dataset` with one cleaned `text` column and a `status` column (see the rules above)."""
+    import datasets
+
+    kind = "hub" if path.startswith("hub:") else data_format(path, d.format)
+    try:
+        if kind == "hub":
+            ds = datasets.load_dataset(path[4:], split=split)
+        else:  # undecodable bytes become U+FFFD and the row is skipped below, instead of a crash
+            extra = {"encoding_errors": "replace"} if kind == "text" else {}
+            ds = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
+        raise ConfigError(f"{path}: cannot load as {kind} data: {str(e).splitlines()[0]}") from None
+    column = "text" if kind == "text" else d.text_field
+    if column not in ds.column_names:
+        raise ConfigError(f"{path}: no column {column!r} (data.text_field); columns are {ds.column_names}")
+    limit = d.max_row_chars
+
+    def clean(batch):
+        texts, status = [], []
+        for t in batch[column]:
+            if not isinstance(t, str):
+                texts.append(""), status.append("malformed")
+            elif "\ufffd" in t:
+                texts.append(""), status.append("undecodable")
+            elif not t.strip():
+                texts.append(""), status.append("empty")
+            elif len(t) > limit:
+                texts.append(t[:limit]), status.append("truncated")
+            else:
+                texts.append(t), status.append("ok")
+        return {"text": texts, "status": status}
+
+    return ds.map(clean, batched=True, remove_columns=ds.column_names, desc="cleaning rows")
+
+
+def keep(ds):
+    return ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
+
+
+class StepSampler(Sampler[list[int]]):
+    """This rank's micro-batches of sample indices, from `start_step` to `max_steps`.
+
+    Step s of epoch e takes the next `global_batch` indices of a permutation seeded by (seed, e), laid out as
+    (accum, dp_size, micro): rank r's j-th micro-batch is [j, r, :]. Ranks are disjoint and together cover the
+    global batch, and a 1-process run with the same global batch sees the same samples at each step.
+    """
+
+    def __init__(self, n: int, micro: int, accum: int, dp_rank: int, dp_size: int, seed: int,
+                 start_step: int, max_steps: int):
+        self.n, self.micro, self.accum, self.dp_rank, self.dp_size = n, micro, accum, dp_rank, dp_size
+        self.seed, self.start_step, self.max_steps = seed, start_step, max_steps
+        self.global_batch = micro * accum * dp_size
+        self.steps_per_epoch = n // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"the training set has {n} samples, fewer than one global batch of "
+                              f"{self.global_batch}; use more data or a smaller batch")
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        """All indices of global step `step`, shape (accum, dp_size, micro)."""
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        start = offset * self.global_batch
+        return perm[start:start + self.global_batch].view(self.accum, self.dp_size, self.micro)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.max_steps):
+            for micro_batch in self.step_indices(step)[:, self.dp_rank]:
+                yield micro_batch.tolist()
+
+    def __len__(self) -> int:
+        return (self.max_steps - self.start_step) * self.accum
+
+
+def eval_batches(n: int, micro: int, dp_rank: int, dp_size: int, limit: int = 0) -> tuple[list[list[int]], int]:
+    """This rank's evaluation micro-batches (a strided shard of all n samples) and how many batches every rank
+    must run: ranks with fewer real batches repeat a forward pass so collective ops (ZeRO-3) stay in step."""
+    mine = list(range(dp_rank, n, dp_size))
+    batches = [mine[i:i + micro] for i in range(0, len(mine), micro)]
+    steps = math.ceil(math.ceil(n / dp_size) / micro)
+    if limit:
+        batches, steps = batches[:limit], min(steps, limit)
+    return batches, steps

@@ -1,0 +1,40 @@
+"""AdamW and the learning-rate schedule, both owned by the run file."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import RunConfig, ScheduleSection
+
+
+def lr_factor(step: int, total: int, s: ScheduleSection) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warmup, then the chosen decay."""
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.kind == "constant":
+        return 1.0
+    if s.kind == "inverse_sqrt":
+        return math.sqrt(max(s.warmup_steps, 1) / (step + 1))
+    progress = min((step - s.warmup_steps) / max(total - s.warmup_steps, 1), 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.kind == "cosine" else 1 - progress
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
+
+
+def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps: int):
+    """AdamW without weight decay on biases and norm weights (1-d tensors). With ZeRO optimizer offload the
+    states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    else:
+        optimizer = torch.optim.AdamW(groups, fused=torch.cuda.is_available() or None, **kwargs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
+    return optimizer, schedule

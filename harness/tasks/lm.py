@@ -1,0 +1,96 @@
+"""Built-in task: a byte-level Transformer language model on a local text file.
+
+Its embedded default corpus is the Python documentation's topic pages that ship with every CPython
+(`pydoc_data.topics`, Python Software Foundation License), written once to the cache directory.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, RunConfig
+from ..data import DataSummary, check_paths, keep, load_rows
+from ..models.transformer import TransformerConfig, TransformerLM
+from . import TaskData
+
+BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "harness"))
+
+
+def default_corpus() -> str:
+    """Path of the embedded default text, written atomically on first use."""
+    import pydoc_data.topics
+
+    path = cache_dir() / "pydoc_topics.txt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text("\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)))
+        os.replace(tmp, path)
+    return str(path)
+
+
+class LanguageModelTask:
+    def check(self, cfg: RunConfig) -> None:
+        check_paths(cfg.data)
+        if cfg.model.vocab_size not in (0, BYTE_VOCAB):
+            raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the lm task is byte-level; use 0 or 256")
+
+    def build_model(self, cfg: RunConfig) -> TransformerLM:
+        m = cfg.model
+        return TransformerLM(TransformerConfig(vocab_size=BYTE_VOCAB, max_seq_len=cfg.data.seq_len,
+                                               d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                                               d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
+
+    def build_data(self, cfg: RunConfig) -> TaskData:
+        d = cfg.data
+        rows = load_rows(d.path or default_corpus(), d)
+        if d.val_path:
+            val_rows = load_rows(d.val_path, d, split="validation")
+        elif d.val_fraction:
+            parts = rows.train_test_split(test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
+            rows, val_rows = parts["train"], parts["test"]
+        else:
+            val_rows = rows.select([])
+        summary = DataSummary({"train": _counts(rows), "validation": _counts(val_rows)})
+        return TaskData(self._pack(keep(rows), d.seq_len), self._pack(keep(val_rows), d.seq_len), summary)
+
+    @staticmethod
+    def _pack(rows, seq_len: int):
+        """Concatenate the rows' bytes and cut them into samples of seq_len + 1 tokens (inputs and shifted targets)."""
+        n = seq_len + 1
+
+        def chunk(batch):
+            stream = "\n".join(batch["text"]).encode("utf-8")
+            return {"ids": [list(stream[i:i + n]) for i in range(0, len(stream) - n + 1, n)]}
+
+        packed = rows.map(chunk, batched=True, batch_size=10_000, remove_columns=["text"], desc="packing")
+        return packed.with_format("torch")
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        ids = torch.stack([s["ids"] for s in samples])  # (B, T + 1)
+        return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["targets"].numel()
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(batch["inputs"])  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="sum")
+
+    def metrics(self, mean_loss: float) -> dict[str, float]:
+        return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0)),
+                "bits_per_byte": mean_loss / math.log(2)}
+
+
+def _counts(rows):
+    from collections import Counter
+
+    return Counter(rows["status"])

@@ -1,0 +1,72 @@
+"""Where numbers go: `metrics.jsonl` / `eval.jsonl` in the run directory, and an accelerate tracker
+(Weights & Biases or TensorBoard). Rank 0 only; the other ranks get a tracker that does nothing.
+
+W&B runs online when an API key is configured (WANDB_API_KEY or a netrc entry), otherwise offline with its
+files under RUN/wandb/ (`wandb sync` uploads them later); WANDB_MODE, when set, always wins. Nothing here
+waits on the network.
+"""
+from __future__ import annotations
+
+import json
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .config import RunConfig, flatten
+
+
+def wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_jsonl(path: Path, after_step: int) -> None:
+    """Drop records past `after_step` (written by a run that crashed before its next checkpoint)."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= after_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+class Tracker:
+    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool):
+        self.enabled, self.run_dir, self.backend = enabled, run_dir, None
+        if not enabled or cfg.logging.backend == "none":
+            return
+        from accelerate import tracking
+
+        name = cfg.run.name or run_dir.name
+        if cfg.logging.backend == "wandb":
+            if "WANDB_MODE" not in os.environ and not wandb_has_key():
+                os.environ["WANDB_MODE"] = "offline"
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.backend = tracking.WandBTracker(cfg.logging.project, name=name, dir=str(run_dir))
+        else:
+            self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
+        self.backend.start()
+        self.backend.store_init_configuration(flatten(cfg.to_dict()))
+
+    def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
+        if not self.enabled:
+            return
+        _append_jsonl(self.run_dir / file, record)
+        if self.backend is not None:
+            prefix = "eval/" if file == "eval.jsonl" else "train/"
+            values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
+            self.backend.log(values, step=record["step"])
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.finish()
+            self.backend = None

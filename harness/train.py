@@ -1,0 +1,202 @@
+"""The one training loop, for every strategy DeepSpeed applies: ZeRO 0-3, offload, fp32/bf16/fp16."""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import checkpoint
+from .data import StepSampler, eval_batches
+from .export import export_model
+from .startup import Plan, build_engine, prepare_run_dir
+from .tracking import Tracker, truncate_jsonl
+from .world import World, all_reduce
+
+
+class TrainingStopped(Exception):
+    """The run cannot go on (e.g. the loss stayed non-finite); its last good checkpoint is kept."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set of this process
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
+    """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
+    cfg, task = plan.run.cfg, plan.task
+    batches, steps = eval_batches(len(val), cfg.train.micro_batch_size, world.dp_rank, world.dp_size,
+                                  cfg.train.eval_batches)
+    totals = torch.zeros(2, dtype=torch.float64, device=world.device)
+    engine.eval()
+    for i in range(steps):
+        real = i < len(batches)
+        batch = to_device(task.collate([val[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
+                          world.device)
+        loss = task.loss(engine, batch)  # every rank runs `steps` forwards: ZeRO-3 gathers weights collectively
+        if real:
+            totals += torch.stack([loss.double(), torch.tensor(task.count(batch), dtype=torch.float64,
+                                                               device=world.device)])
+    engine.train()
+    all_reduce(totals)  # sync point
+    return task.metrics((totals[0] / totals[1]).item()) if totals[1] else {}
+
+
+def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
+    cfg, ds, task = plan.run.cfg, plan.ds, plan.task
+    t = cfg.train
+    prepare_run_dir(plan, world, resume_from, overwrite)
+    say = print if world.is_main else (lambda *a, **k: None)
+
+    import datasets
+    from accelerate import PartialState
+
+    datasets.disable_progress_bars()  # the data summary line below reports what they would
+    with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
+        data = task.build_data(cfg)
+    sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=ds.grad_accum_steps,
+                        dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed)
+    steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
+    max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+
+    engine, schedule = build_engine(plan, world, max_steps)
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    start_step, samples_seen, nonfinite = 0, 0, 0
+    if resume_from is not None:
+        state = checkpoint.load(engine, resume_from, world)
+        start_step, samples_seen = state["step"], state["samples_seen"]
+        say(f"resumed from {resume_from} at step {start_step}")
+    if world.is_main:
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            truncate_jsonl(plan.run_dir / name, start_step)
+    tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
+
+    say(f"harness: task {cfg.run.task}, {n_params:,} parameters | world {world.world_size} "
+        f"(data parallel {world.dp_size}) | ZeRO-{ds.zero_stage} {ds.precision}"
+        f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
+        f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
+        f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
+    say(data.summary.line())
+
+    sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
+    # The loader's own generator: drawing its worker seed from the global RNG would shift dropout after a resume.
+    loader = iter(DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate,
+                             num_workers=cfg.data.num_workers, pin_memory=world.device.type == "cuda",
+                             generator=torch.Generator().manual_seed(t.seed)))
+    progress = _progress(world, start_step, max_steps)
+    window_start, window_items, last_metrics = time.perf_counter(), 0.0, {}
+    stop = min(max_steps, stop_at) if stop_at else max_steps
+    step = start_step
+    while step < stop:
+        lr = schedule.get_last_lr()[0]
+        micro_batches = [to_device(next(loader), world.device) for _ in range(ds.grad_accum_steps)]
+        result = train_step(engine, plan, micro_batches, world)
+        step += 1
+        samples_seen += ds.global_batch_size
+        window_items += result.n_items
+        progress.update(1)
+        nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
+        if nonfinite >= t.max_nonfinite_steps:
+            # The weights that produced the first non-finite loss were saved, if at all, one step before it.
+            first_bad = step - nonfinite + 1
+            good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
+            tracker.close()
+            raise TrainingStopped(f"the loss was non-finite for {nonfinite} consecutive steps (steps {first_bad}-"
+                                  f"{step}); stopping. Last good checkpoint: {good or 'none'} (--resume auto takes "
+                                  f"it). Lower optimizer.lr, check the data, or use bf16 instead of fp16")
+        if result.skipped and world.is_main:
+            progress.write(f"step {step}: fp16 overflow, step skipped (loss scale now "
+                           f"{float(engine.optimizer.loss_scale):g})")
+        if step % t.log_every == 0 or step == stop:
+            peak = torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
+            all_reduce(peak, torch.distributed.ReduceOp.MAX)  # sync point, on logging steps only
+            record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                      "samples_seen": samples_seen, "tokens_per_s": window_items / (time.perf_counter() - window_start),
+                      "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch}
+            if ds.precision == "fp16":
+                record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
+            tracker.log(record)
+            progress.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 refresh=False)
+            window_start, window_items = time.perf_counter(), 0.0
+        if t.eval_every and step % t.eval_every == 0 and step < max_steps:
+            last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
+        if (t.save_every and step % t.save_every == 0) or step == stop:
+            if math.isfinite(result.loss):
+                checkpoint.save(engine, plan.run_dir / "checkpoints", step,
+                                {"step": step, "samples_seen": samples_seen}, world, t.keep_checkpoints)
+            elif world.is_main:
+                progress.write(f"step {step}: loss is not finite, checkpoint skipped")
+    progress.close()
+    if step == max_steps:
+        last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
+        say(f"exported {export_model(engine, plan.run_dir, world)}")
+    else:
+        say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
+    tracker.close()
+    return {"step": step, **last_metrics}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float               # mean over the step's global items (e.g. target tokens)
+    n_items: float            # global items in the step
+    grad_norm: float | None   # global gradient norm before clipping
+    skipped: bool             # fp16 overflow: DeepSpeed skipped the update
+
+
+def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World) -> StepResult:
+    """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed."""
+    task, accum = plan.task, len(micro_batches)
+    counts = torch.tensor([sum(task.count(b) for b in micro_batches)], dtype=torch.float64, device=world.device)
+    n_items = all_reduce(counts).item()  # sync point: the step's global loss normaliser
+    skipped_before = engine.skipped_steps
+    # Stage 0 in fp32 keeps no global norm; we compute it from the averaged gradients ourselves.
+    own_grad_norm = plan.ds.zero_stage == 0 and plan.ds.precision == "fp32"
+    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    grad_norm = None
+    for i, batch in enumerate(micro_batches):
+        loss = task.loss(engine, batch)
+        # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
+        # product over the global count makes the gradient that of sum(loss) / n_items.
+        engine.backward(loss * (world.dp_size * accum / n_items))
+        if own_grad_norm and i == accum - 1:  # gradients are all-reduced in the boundary backward
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads).item()
+        engine.step()  # steps the optimizer and schedule only at the accumulation boundary
+        loss_sum += loss.detach().double()
+    if grad_norm is None and engine.get_global_grad_norm() is not None:
+        grad_norm = float(engine.get_global_grad_norm())
+    step_loss = (all_reduce(loss_sum) / n_items).item()  # sync point
+    return StepResult(step_loss, n_items, grad_norm, engine.skipped_steps > skipped_before)
+
+
+def _eval_and_log(engine, plan, val, world, tracker, step) -> dict:
+    metrics = evaluate(engine, plan, val, world)
+    if metrics:
+        tracker.log({"step": step, **metrics}, file="eval.jsonl")
+        if world.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def _progress(world: World, start: int, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not world.is_main, desc="train", unit="step",
+                dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr)
+

@@ -1,0 +1,104 @@
+"""Checkpoints, resume, the run directory and the consolidated export."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_losses_close, ds_variant, harness
+
+STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", "model.dropout=0.1"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_auto_continues_with_the_uninterrupted_losses(stage, tmp_path, corpus):
+    # dropout on: resuming must also restore every rank's RNG, not only weights and data position
+    ds = ds_variant(tmp_path, f"zero{stage}.json", stage3_param_persistence_threshold=0) if stage == 3 \
+        else f"zero{stage}.json"
+    sets = STEPS + ["train.micro_batch_size=2"]
+    full = harness(tmp_path / "full", corpus, nproc=2, ds=ds, sets=sets)
+    part = harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=sets, args=["--stop-at", "5"])
+    assert "stopped at step 5 of 8" in part.proc.stdout
+    ckpts = sorted(p.name for p in (part.dir / "checkpoints").iterdir() if not p.name.endswith(".py"))
+    assert ckpts == ["latest", "step_00000004", "step_00000005"]  # the last 2 kept
+    # as if it had crashed later: metrics logged past the checkpoint, a half-written checkpoint
+    with (part.dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 6, "loss": 99.0}) + "\n")
+    (part.dir / "checkpoints" / "step_00000007.partial").mkdir()
+    resumed = harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=sets, args=["--resume", "auto"])
+    assert "resumed from" in resumed.proc.stdout and "step_00000005" in resumed.proc.stdout
+    assert_losses_close(resumed.losses, full.losses, 1e-6)  # steps 1-5 from the first leg, 6-8 resumed
+    assert [m["step"] for m in resumed.metrics] == list(range(1, 9))
+    assert [m["samples_seen"] for m in resumed.metrics] == [4 * s for s in range(1, 9)]
+    assert not list((part.dir / "checkpoints").glob("*.partial"))
+
+
+def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
+    first = harness(tmp_path / "run", corpus, sets=["train.max_steps=2"])
+    before = (first.dir / "metrics.jsonl").read_text()
+    again = harness(tmp_path / "run", corpus, sets=["train.max_steps=2"], check=False)
+    assert again.proc.returncode == 2
+    assert "run directory exists" in again.proc.stderr and "--resume auto" in again.proc.stderr
+    assert (first.dir / "metrics.jsonl").read_text() == before
+    harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--overwrite"])
+    assert len((first.dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_zero3_export_loads_into_a_plain_model_with_the_same_outputs(cached_run, tmp_path):
+    from harness.export import load_model
+    from harness.tasks import get_task
+
+    ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
+    z3 = cached_run("zero3-2p", nproc=2, ds=ds, sets=["train.micro_batch_size=2"])
+    model, cfg = load_model(z3.dir)
+    assert all(p.numel() > 0 for p in model.parameters())  # not ZeRO-3's empty placeholders
+    # the exported weights give the final eval loss the engine measured on 2 ranks
+    task = get_task("lm")
+    val = task.build_data(cfg).val
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(0, len(val), 8):
+            batch = task.collate([val[j] for j in range(i, min(i + 8, len(val)))])
+            total += task.loss(model, batch).item()
+            count += task.count(batch)
+    assert abs(total / count - z3.evals[-1]["loss"]) < 1e-5
+    # and equal the single-process run's weights
+    ref, _ = load_model(cached_run("ref-fp32", ds="zero0.json").dir)
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_run_directory_is_readable(cached_run):
+    run = cached_run("ref-fp32", ds="zero0.json")
+    names = {p.name for p in run.dir.iterdir()}
+    assert {"config.toml", "ds_config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "model.safetensors"} <= names
+    ds = json.loads((run.dir / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 4 and ds["zero_optimization"]["stage"] == 0
+    m = run.metrics[0]
+    assert {"step", "loss", "lr", "grad_norm", "samples_seen", "tokens_per_s", "peak_mem_bytes"} <= m.keys()
+    assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
+    # the saved config is a run file that reproduces the run
+    from harness.config import resolve
+
+    assert resolve(str(run.dir / "config.toml")).cfg.train.max_steps == 6
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    # a huge learning rate, warmed up slowly, drives the weights to inf after a few finite steps
+    run = harness(tmp_path / "run", corpus, ds="zero0.json", check=False,
+                  sets=["train.max_steps=40", "train.save_every=1", "optimizer.lr=1e6", "train.grad_clip=0.0",
+                        "schedule.warmup_steps=1000", "schedule.kind=\"constant\"", "train.max_nonfinite_steps=3",
+                        "train.keep_checkpoints=40"])
+    assert run.proc.returncode == 3, run.proc.stderr[-2000:]
+    assert "non-finite for 3 consecutive steps" in run.proc.stderr
+    losses = run.losses
+    first_bad = min(s for s, v in losses.items() if not math.isfinite(v))
+    assert first_bad > 2, losses  # else there is no good checkpoint to keep and the test shows nothing
+    # the checkpoint at first_bad - 1 holds the weights that gave the first non-finite loss: not good
+    latest = (run.dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{first_bad - 2:08d}"
+    assert not (run.dir / "model.safetensors").exists()
+    shutil.rmtree(run.dir)

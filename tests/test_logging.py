@@ -1,0 +1,53 @@
+"""Trackers: W&B offline in the run directory when no API key is configured, TensorBoard as the other choice."""
+from __future__ import annotations
+
+import json
+import struct
+
+from conftest import harness
+
+
+def wandb_records(path):
+    """Records of a .wandb file: LevelDB log format (32 KiB blocks, 7-byte record headers) of protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if length == 0 and kind == 0:  # block padding
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last fragment of one
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
+    env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": str(tmp_path / "none")}  # no key anywhere
+    run = harness(tmp_path / "run", corpus, sets=["logging.backend=\"wandb\"", "train.max_steps=3"], env=env)
+    files = list((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, list(run.dir.rglob("*"))
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "history"]
+    train = [h for h in history if "train/loss" in h]
+    assert [h["_step"] for h in train] == [1, 2, 3]
+    assert [h["train/loss"] for h in train] == [m["loss"] for m in run.metrics]
+    assert any("eval/loss" in h for h in history)
+    config = [r.config for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "config"]
+    assert any(item.key == "train.max_steps" for c in config for item in c.update)
+
+
+def test_tensorboard_backend_writes_event_files(tmp_path, corpus):
+    run = harness(tmp_path / "run", corpus, sets=["logging.backend=\"tensorboard\"", "train.max_steps=2"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run.dir / "tensorboard" / run.dir.name))  # the tracker's writer, named after the run
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]

@@ -1,0 +1,36 @@
+"""Multi-node for real: two `accelerate launch` invocations on this machine, as machine rank 0 and 1 of 2, with
+launch/multi_node.yaml (DeepSpeed "standard" launcher, static rendezvous on 127.0.0.1)."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+from conftest import DS, LAUNCH, ROOT, TINY, Run, _env, assert_losses_close
+
+
+def test_two_nodes_match_two_processes_on_one_node(tmp_path, corpus, cached_run):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    train = ["-m", "harness", "train", "--ds", str(DS / "zero2.json")]
+    for item in [*TINY, "train.micro_batch_size=2", f"data.path={json.dumps(str(corpus))}",
+                 f"run.output_dir={json.dumps(str(out))}"]:
+        train += ["--set", item]
+    procs = []
+    for machine_rank in (1, 0):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
+               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+               str(port), "--num_machines", "2", "--num_processes", "2", *train]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr[-4000:]
+    node0_stdout = results[1][0]
+    assert "world 2 (data parallel 2)" in node0_stdout
+    two_nodes = Run(out, subprocess.CompletedProcess([], 0))
+    one_node = cached_run("zero2-2p", nproc=2, ds="zero2.json", sets=["train.micro_batch_size=2"])
+    assert_losses_close(two_nodes.losses, one_node.losses, 1e-6)

@@ -1,0 +1,142 @@
+"""`harness plan` and the config it resolves: precedence, provenance, and every contradiction rejected before
+launch with exit code 2 and the key named."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DS, ROOT, _env
+from harness.config import ConfigError, ScheduleSection, all_keys, resolve
+from harness.ds_config import model_state_bytes, resolve_ds
+from harness.optim import lr_factor
+
+STEPS = ["train.max_steps=10"]
+
+
+def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", "plan", *args], cwd=ROOT, env=_env(env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_scripts_can_rely_on_these_keys():
+    required = {"train.max_steps", "train.micro_batch_size", "train.grad_accum_steps", "train.log_every",
+                "train.eval_every", "train.save_every", "optimizer.lr", "run.output_dir"}
+    assert required <= set(all_keys())
+    assert all(f.metadata["help"] for f in all_keys().values())
+
+
+def test_precedence_defaults_then_run_file_then_command_line(tmp_path):
+    run = write(tmp_path, "run.toml", "[train]\nmax_steps = 5\nmicro_batch_size = 3\n[optimizer]\nlr = 0.01\n")
+    r = resolve(run, ["optimizer.lr=0.02"])
+    assert (r.cfg.train.max_steps, r.cfg.train.micro_batch_size, r.cfg.optimizer.lr) == (5, 3, 0.02)
+    assert r.source["train.max_steps"] == f"run file {run}"
+    assert r.source["optimizer.lr"] == "command line"
+    assert r.source["train.seed"] == "default"
+
+
+def test_plan_prints_values_with_their_sources_and_memory(tmp_path):
+    run = write(tmp_path, "run.toml", "[train]\nmax_steps = 5\n")
+    out = plan("--run", run, "--ds", str(DS / "zero3.json"), "--set", "train.micro_batch_size=2",
+               "--world-size", "4", "--set", "train.grad_accum_steps=3")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "train.max_steps" in text and f"run file {run}" in text
+    assert "train.micro_batch_size" in text and "command line" in text
+    assert "train_batch_size                                 = 24" in text  # 2 x 3 x 4, derived
+    assert "world size 4" in text and "ZeRO stage 3" in text and "model states per rank" in text
+
+
+def test_zero_memory_estimate_shrinks_with_stage():
+    r = resolve(None, STEPS)
+    est = {stage: model_state_bytes(1000, resolve_ds(r, str(DS / f"zero{stage}.json"), 4, "bf16"))["device"]
+           for stage in range(4)}
+    # ZeRO paper, mixed precision, N=4: 16, 4 + 12/4, 2 + 14/4, 16/4 bytes per parameter
+    assert est == {0: 16000, 1: 7000, 2: 5500, 3: 4000}
+
+
+@pytest.mark.parametrize("args,ds,message", [
+    (["--set", "train.global_batch_size=12", "--set", "train.grad_accum_steps=2", "--set", "train.micro_batch_size=2",
+      "--world-size", "2"], None,
+     "micro batch x accumulation x data-parallel size != global batch"),
+    (["--world-size", "2"], {"train_batch_size": 99}, "train_batch_size = 99"),
+    (["--world-size", "2"], {"gradient_accumulation_steps": 4}, "contradicts train.grad_accum_steps"),
+    ([], {"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
+    (["--mixed-precision", "fp16"], {"bf16": {"enabled": True}}, "accelerate mixed_precision = 'fp16'"),
+    (["--set", "train.max_stepz=3"], None, "did you mean `train.max_steps`"),
+    (["--set", "train.micro_batch_size=\"four\""], None, "train.micro_batch_size must be int"),
+    ([], {"zero_optimisation": {"stage": 2}}, "did you mean `zero_optimization`"),
+    ([], {"zero_optimization": {"stage": 2, "overlap_com": True}}, "did you mean `overlap_comm`"),
+    ([], {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}, "optimizer.params.lr = 0.5"),
+    ([], {"scheduler": {"type": "WarmupLR"}}, "belongs to the run file"),
+    ([], {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
+])
+def test_plan_rejects_contradictions_naming_the_key(args, ds, message, tmp_path):
+    extra = ["--ds", write(tmp_path, "ds.json", json.dumps(ds))] if ds is not None else []
+    out = plan("--set", "train.max_steps=3", *args, *extra)
+    assert out.returncode == 2, out.stdout
+    assert message in out.stderr
+    assert out.stderr.startswith("harness: error:") and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_contradiction_message_names_both_values_and_sources(tmp_path):
+    run = write(tmp_path, "run.toml", "[train]\nmax_steps = 3\ngrad_accum_steps = 2\n")
+    ds = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 4}))
+    with pytest.raises(ConfigError) as e:
+        resolve_ds(resolve(run), ds, 1)
+    msg = str(e.value)
+    assert "gradient_accumulation_steps = 4" in msg and f"ds file {ds}" in msg
+    assert "train.grad_accum_steps = 2" in msg and f"run file {run}" in msg
+
+
+def test_auto_precision_follows_accelerate_and_agreeing_values_pass(tmp_path):
+    r = resolve(None, STEPS)
+    assert resolve_ds(r, str(DS / "zero2.json"), 2, "bf16").precision == "bf16"
+    assert resolve_ds(r, str(DS / "zero2.json"), 2, "no").precision == "fp32"
+    agreeing = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                                                      "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    ds = resolve_ds(r, agreeing, 2)
+    assert ds.config["train_batch_size"] == 16 and "optimizer" not in ds.config
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"--run": ("run.toml", "[train\nmax_steps = 3")}, "malformed TOML"),
+    ({"--ds": ("ds.json", "{\"zero_optimization\": ")}, "malformed JSON"),
+    ({"--run": None}, "run file not found"),
+    ({"--ds": None}, "DeepSpeed config not found"),
+])
+def test_missing_or_malformed_files_are_one_line_errors(files, message, tmp_path):
+    args = ["--set", "train.max_steps=3"]
+    for flag, spec in files.items():
+        args += [flag, write(tmp_path, *spec) if spec else str(tmp_path / "nope")]
+    out = plan(*args)
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_train_rejects_missing_data_before_any_process_starts(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "harness", "train", "--set", "train.max_steps=3", "--set",
+                          f"data.path=\"{tmp_path / 'missing.txt'}\"", "--set",
+                          f"run.output_dir=\"{tmp_path / 'run'}\""],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "data.path not found" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr_schedule_warmup_then_decay():
+    cos = ScheduleSection(kind="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, 110, cos) == pytest.approx(0.1)
+    assert lr_factor(9, 110, cos) == pytest.approx(1.0)
+    assert lr_factor(60, 110, cos) == pytest.approx(0.55)      # halfway down the cosine
+    assert lr_factor(110, 110, cos) == pytest.approx(0.1)
+    lin = ScheduleSection(kind="linear", warmup_steps=0, min_lr_ratio=0.0)
+    assert lr_factor(25, 100, lin) == pytest.approx(0.75)
+    isq = ScheduleSection(kind="inverse_sqrt", warmup_steps=4, min_lr_ratio=0.0)
+    assert lr_factor(15, 100, isq) == pytest.approx(0.5)

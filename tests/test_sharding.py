@@ -1,0 +1,52 @@
+"""Data sharding across data-parallel ranks, including the CPU trap where accelerate miscounts processes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, _env
+from harness.config import ConfigError
+from harness.data import StepSampler, eval_batches
+
+
+def test_ranks_disjoint_and_complete_under_accelerate_deepspeed_on_cpu():
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+           "--use_deepspeed", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           str(ROOT / "tests" / "shard_probe.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert out["world_size"] == 2 and out["accelerate_num_processes"] == 2
+    rank0, rank1 = (set(x) for x in out["indices"])
+    assert len(out["indices"][0]) == len(out["indices"][1]) == 4 * 3 * 2  # steps x accum x micro
+    assert not rank0 & rank1
+    assert rank0 | rank1 == {i for step in out["global"] for i in step}
+
+
+def test_sampler_covers_each_epoch_once_and_resumes_mid_run():
+    kw = dict(n=50, micro=2, accum=2, dp_size=3, seed=1)
+    full = {r: list(StepSampler(**kw, dp_rank=r, start_step=0, max_steps=8)) for r in range(3)}
+    epoch0 = [i for r in range(3) for b in full[r][:4 * 2] for i in b]  # 4 steps per epoch (50 // 12)
+    assert sorted(epoch0) == sorted(set(epoch0)) and len(epoch0) == 48
+    resumed = list(StepSampler(**kw, dp_rank=1, start_step=5, max_steps=8))
+    assert resumed == full[1][5 * 2:]
+    other_seed = list(StepSampler(**{**kw, "seed": 2}, dp_rank=1, start_step=0, max_steps=1))
+    assert other_seed != full[1][:2]
+
+
+def test_sampler_rejects_data_smaller_than_a_global_batch():
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        StepSampler(n=7, micro=2, accum=2, dp_rank=0, dp_size=2, seed=0, start_step=0, max_steps=1)
+
+
+@pytest.mark.parametrize("n,micro,dp", [(10, 3, 2), (7, 2, 3), (1, 4, 2), (12, 2, 2)])
+def test_eval_shards_cover_every_sample_once_in_lockstep(n, micro, dp):
+    shards = [eval_batches(n, micro, r, dp) for r in range(dp)]
+    seen = [i for batches, _ in shards for b in batches for i in b]
+    assert sorted(seen) == list(range(n))
+    steps = {s for _, s in shards}
+    assert len(steps) == 1  # every rank runs the same number of forward passes (ZeRO-3 gathers in them)
+    assert max(len(b) for b, _ in shards) == steps.pop()
