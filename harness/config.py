@@ -158,16 +158,24 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
     return value
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+def read_file(path: str | Path, what: str, parse, syntax_error: type[Exception], language: str) -> dict[str, Any]:
+    """Read and parse a config file; every failure is one line naming the file."""
     p = Path(path)
     try:
-        return tomllib.loads(p.read_text())
+        data = parse(p.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{p}: run file not found") from None
+        raise ConfigError(f"{p}: {what} not found") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read run file: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: malformed TOML: {e}") from None
+        raise ConfigError(f"{p}: cannot read {what}: {e}") from None
+    except syntax_error as e:
+        raise ConfigError(f"{p}: malformed {language}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a {what} must hold a {language} object")
+    return data
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    return read_file(path, "run file", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
 
 
 def parse_override(item: str) -> tuple[str, Any]:

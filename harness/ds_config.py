@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, Resolved, flatten
+from .config import ConfigError, Resolved, flatten, read_file
 
 DEFAULT_DS = {"zero_optimization": {"stage": 0}}  # plain data parallel in fp32 when no --ds is given
 
@@ -63,18 +63,7 @@ class DSResolved:
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: DeepSpeed config not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read DeepSpeed config: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: malformed JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: a DeepSpeed config must be a JSON object")
-    return data
+    return read_file(path, "DeepSpeed config", json.loads, json.JSONDecodeError, "JSON")
 
 
 def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precision: str = "no") -> DSResolved:
