@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .config import ConfigError
-from .world import launched_rank
+from .world import launched_rank, quiet_deepspeed
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    quiet_deepspeed()
     is_main = launched_rank() == 0
     try:
         if args.command == "keys":
@@ -63,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harness: error: {e}", file=sys.stderr)
         return 2
     from .train import TrainingStopped, train
-    from .world import init_world
+    from .world import barrier, init_world
 
     world = init_world()
     try:
         train(plan, world, resume_from, args.overwrite, args.stop_at)
+        barrier()  # every rank is done before any tears down its connections
     except (ConfigError, TrainingStopped) as e:
         if world.is_main:
             print(f"harness: error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ def count_params(plan: Plan) -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def render(plan: Plan) -> str:
