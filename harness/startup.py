@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, Resolved, resolve, to_toml
+from .config import ConfigError, Resolved, flatten, read_toml, resolve, to_toml
 from .ds_config import DSResolved, resolve_ds
 from .tasks import Task, get_task
 from .world import World, accelerate_mixed_precision, launched_world_size, quiet_deepspeed
@@ -95,11 +95,13 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
             shutil.rmtree(plan.run_dir)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         saved = plan.run_dir / "config.toml"
-        new = to_toml(plan.run.cfg)
-        if resume_from is not None and saved.exists() and saved.read_text() != new:
-            changed = [a for a, b in zip(saved.read_text().splitlines(), new.splitlines()) if a != b]
-            print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
-        saved.write_text(new)
+        if resume_from is not None and saved.exists():
+            old = flatten(read_toml(saved))
+            changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in flatten(plan.run.cfg.to_dict()).items()
+                       if old.get(k) != v]
+            if changed:
+                print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
+        saved.write_text(to_toml(plan.run.cfg))
         (plan.run_dir / "ds_config.json").write_text(json.dumps(plan.ds.config, indent=2) + "\n")
     barrier()
 

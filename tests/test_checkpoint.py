@@ -30,6 +30,7 @@ def test_resume_auto_continues_with_the_uninterrupted_losses(stage, tmp_path, co
     (part.dir / "checkpoints" / "step_00000007.partial").mkdir()
     resumed = harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=sets, args=["--resume", "auto"])
     assert "resumed from" in resumed.proc.stdout and "step_00000005" in resumed.proc.stdout
+    assert "config differs" not in resumed.proc.stdout
     assert_losses_close(resumed.losses, full.losses, 1e-6)  # steps 1-5 from the first leg, 6-8 resumed
     assert [m["step"] for m in resumed.metrics] == list(range(1, 9))
     assert [m["samples_seen"] for m in resumed.metrics] == [4 * s for s in range(1, 9)]
