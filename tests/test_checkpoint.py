@@ -103,3 +103,19 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
     assert latest == f"step_{first_bad - 2:08d}"
     assert not (run.dir / "model.safetensors").exists()
     shutil.rmtree(run.dir)
+
+
+def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
+    run = harness(tmp_path / "a", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.eval_every=2",
+                                                "train.eval_batches=1", "train.save_every=3"])
+    per_epoch = int(run.proc.stdout.split(" per epoch)")[0].rsplit("(", 1)[1])
+    steps = math.ceil(0.01 * per_epoch)
+    assert steps > 3, per_epoch  # room for a checkpoint at 3 and steps after it
+    assert f"steps 0->{steps} " in run.proc.stdout and len(run.metrics) == steps
+    assert [e["step"] for e in run.evals] == list(range(2, steps, 2)) + [steps]
+    # --resume DIR: start a new run directory from another run's checkpoint
+    other = harness(tmp_path / "b", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.save_every=3"],
+                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")])
+    assert "at step 3" in other.proc.stdout
+    assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
+    assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
