@@ -197,9 +197,10 @@ def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
     if run_file:
         flat = {}
         for section, body in read_toml(run_file).items():
-            if section not in SECTIONS or not isinstance(body, dict):
-                raise _unknown(section) if section not in SECTIONS else ConfigError(
-                    f"{run_file}: [{section}] must be a table")
+            if section not in SECTIONS:
+                raise _unknown(section)
+            if not isinstance(body, dict):
+                raise ConfigError(f"{run_file}: [{section}] must be a table")
             flat.update({f"{section}.{k}": v for k, v in body.items()})
         layers.append((f"run file {run_file}", flat))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))

@@ -29,6 +29,11 @@ KEPT = ("ok", "truncated")
 class DataSummary:
     counts: dict[str, Counter] = field(default_factory=dict)  # split -> status -> rows
 
+    @classmethod
+    def of(cls, **splits) -> "DataSummary":
+        """From `load_rows` outputs, by split name."""
+        return cls({name: Counter(rows["status"]) for name, rows in splits.items()})
+
     def line(self) -> str:
         parts = []
         for split, c in self.counts.items():

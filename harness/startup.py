@@ -43,6 +43,7 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
               accel_precision: str | None = None) -> Plan:
     run = resolve(run_file, overrides)
     task = get_task(run.cfg.run.task)
+    task.check(run.cfg)
     ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
                     accel_precision or accelerate_mixed_precision())
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))
@@ -64,8 +65,7 @@ def check_device(ds: DSResolved) -> None:
 
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
-    """Checks that need no process group. Returns the checkpoint to resume from, if any."""
-    plan.task.check(plan.run.cfg)
+    """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     check_device(plan.ds)
     from . import checkpoint
 

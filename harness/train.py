@@ -160,8 +160,11 @@ class StepResult:
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed."""
     task, accum = plan.task, len(micro_batches)
-    counts = torch.tensor([sum(task.count(b) for b in micro_batches)], dtype=torch.float64, device=world.device)
-    n_items = all_reduce(counts).item()  # sync point: the step's global loss normaliser
+    counts = torch.tensor(sum(task.count(b) for b in micro_batches), dtype=torch.float64, device=world.device)
+    n_items = all_reduce(counts)  # collective: the step's global loss normaliser, kept on the device (no host sync)
+    # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their product
+    # over the global count makes the gradient that of sum(loss) / n_items.
+    scale = (world.dp_size * accum / n_items).float()
     skipped_before = engine.skipped_steps
     # Stage 0 in fp32 keeps no global norm; we compute it from the averaged gradients ourselves.
     own_grad_norm = plan.ds.zero_stage == 0 and plan.ds.precision == "fp32"
@@ -169,18 +172,17 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     grad_norm = None
     for i, batch in enumerate(micro_batches):
         loss = task.loss(engine, batch)
-        # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
-        # product over the global count makes the gradient that of sum(loss) / n_items.
-        engine.backward(loss * (world.dp_size * accum / n_items))
+        engine.backward(loss * scale)
         if own_grad_norm and i == accum - 1:  # gradients are all-reduced in the boundary backward
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads).item()
         engine.step()  # steps the optimizer and schedule only at the accumulation boundary
         loss_sum += loss.detach().double()
-    if grad_norm is None and engine.get_global_grad_norm() is not None:
-        grad_norm = float(engine.get_global_grad_norm())
+    if grad_norm is None:
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = None if grad_norm is None else float(grad_norm)
     step_loss = (all_reduce(loss_sum) / n_items).item()  # sync point
-    return StepResult(step_loss, n_items, grad_norm, engine.skipped_steps > skipped_before)
+    return StepResult(step_loss, n_items.item(), grad_norm, engine.skipped_steps > skipped_before)
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step) -> dict:

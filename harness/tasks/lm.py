@@ -59,7 +59,7 @@ class LanguageModelTask:
             rows, val_rows = parts["train"], parts["test"]
         else:
             val_rows = rows.select([])
-        summary = DataSummary({"train": _counts(rows), "validation": _counts(val_rows)})
+        summary = DataSummary.of(train=rows, validation=val_rows)
         return TaskData(self._pack(keep(rows), d.seq_len), self._pack(keep(val_rows), d.seq_len), summary)
 
     @staticmethod
@@ -88,9 +88,3 @@ class LanguageModelTask:
     def metrics(self, mean_loss: float) -> dict[str, float]:
         return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0)),
                 "bits_per_byte": mean_loss / math.log(2)}
-
-
-def _counts(rows):
-    from collections import Counter
-
-    return Counter(rows["status"])
