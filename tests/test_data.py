@@ -40,3 +40,14 @@ def test_training_reports_the_cleaning_summary(tmp_path, corpus):
     dirty.write_bytes(corpus.read_bytes() + b"\n\n\xff\xff\n" + b"y" * 30000 + b"\n")
     run = harness(tmp_path / "run", dirty, sets=["train.max_steps=1", "data.val_fraction=0.0"])
     assert "2 empty, 1 undecodable" in run.proc.stdout and "1 truncated" in run.proc.stdout
+
+
+def test_json_data_with_a_separate_validation_file_and_loader_workers(tmp_path, corpus):
+    lines = corpus.read_text().splitlines()
+    for name, part in (("train.jsonl", lines[:1200]), ("val.jsonl", lines[1200:])):
+        (tmp_path / name).write_text("".join(json.dumps({"body": t}) + "\n" for t in part))
+    run = harness(tmp_path / "run", tmp_path / "train.jsonl", sets=[
+        "train.max_steps=2", "data.format=\"json\"", "data.text_field=\"body\"", "data.num_workers=1",
+        f"data.val_path={json.dumps(str(tmp_path / 'val.jsonl'))}"])
+    assert "train: 1200 rows kept of 1200" in run.proc.stdout and "validation: 300 rows kept of 300" in run.proc.stdout
+    assert run.evals[-1]["step"] == 2

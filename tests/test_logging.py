@@ -31,7 +31,8 @@ def wandb_records(path):
 
 def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": str(tmp_path / "none")}  # no key anywhere
-    run = harness(tmp_path / "run", corpus, sets=["logging.backend=\"wandb\"", "train.max_steps=3"], env=env)
+    run = harness(tmp_path / "run", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=3",
+                                                           "run.name=\"tiny\"", "logging.project=\"proj\""])
     files = list((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, list(run.dir.rglob("*"))
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
@@ -40,6 +41,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     assert [h["_step"] for h in train] == [1, 2, 3]
     assert [h["train/loss"] for h in train] == [m["loss"] for m in run.metrics]
     assert any("eval/loss" in h for h in history)
+    meta = next(r.run for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "run")
+    assert (meta.display_name, meta.project) == ("tiny", "proj")
     config = [r.config for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "config"]
     assert any(item.key == "train.max_steps" for c in config for item in c.update)
 
