@@ -1,7 +1,8 @@
-"""The `harness` command: train, plan, keys. Input errors print one line and exit 2 before any training."""
+"""The `harness` command: train, plan, keys, prepare, evaluate, translate. Input errors print one line and exit 2 before any training."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .config import ConfigError
@@ -32,7 +33,39 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
                    help="accelerate's mixed_precision to check against (default: $ACCELERATE_MIXED_PRECISION or no)")
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
+    pr = sub.add_parser("prepare", help="clean, split and tokenize a case study's data once (training reuses it)")
+    pr.add_argument("task", choices=["translation", "protein", "prices"])
+    pr.add_argument("--data", metavar="SRC", help="the source (sets data.path): a directory such as "
+                    "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
+    pr.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
+    pr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
+    ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split; writes RUN/eval.json")
+    ev.add_argument("--run-dir", required=True, metavar="DIR")
+    ev.add_argument("--split", default="test", choices=["validation", "test"])
+    tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
+    tr.add_argument("--run-dir", required=True, metavar="DIR")
+    tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
     return ap
+
+
+def _prepare(args) -> int:
+    from .config import read_toml, resolve
+    from .prepare import read_meta, summary
+    from .tasks import get_task
+
+    if args.run:
+        task_in_file = read_toml(args.run).get("run", {}).get("task", "lm")
+        if task_in_file != args.task:
+            raise ConfigError(f"{args.run} is a run file for task {task_in_file!r}, not {args.task!r}")
+    sets = [f"run.task={json.dumps(args.task)}", *args.set]
+    if args.data is not None:
+        sets.append(f"data.path={json.dumps(args.data)}")
+    cfg = resolve(args.run, sets).cfg
+    task = get_task(args.task)
+    task.check(cfg)
+    directory = task.prepare(cfg)
+    print(f"prepared {directory}\n{summary(read_meta(directory)).line()}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             from .plan import render_keys
 
             print(render_keys())
+            return 0
+        if args.command == "prepare":
+            return _prepare(args)
+        if args.command in ("evaluate", "translate"):
+            from . import evaluate
+
+            if args.command == "evaluate":
+                print(evaluate.render_table(args.split, evaluate.evaluate_run(args.run_dir, args.split)))
+            else:
+                sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
+                print("\n".join(evaluate.translate(args.run_dir, sentences)))
             return 0
         from .startup import make_plan
 

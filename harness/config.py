@@ -99,6 +99,61 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
+class TranslationSection:
+    source_lang: str = _f("en", "language code of the source side (a field name or file suffix in the data)")
+    target_lang: str = _f("fr", "language code of the target side")
+    label_smoothing: float = _f(0.1, "label smoothing of the cross-entropy; padding never counts")
+    beam_size: int = _f(4, "beam width for evaluation and `harness translate`; 1 is greedy decoding")
+    length_penalty: float = _f(0.6, "GNMT length-penalty exponent for beam search; 0 turns it off")
+    eval_max_sentences: int = _f(200, "sentences decoded for BLEU at the end of training; 0 means all "
+                                 "(`harness evaluate` always decodes the whole split)")
+
+
+@dataclass(frozen=True)
+class ProteinSection:
+    objective: str = _f("classify", "what to train: masked-LM pre-training, sequence classification, or "
+                        "per-residue (secondary-structure) labels", ("mlm", "classify", "residue"))
+    mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
+    init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
+    mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "
+                            "this many times, each copy with its own fixed mask (so an epoch is that many passes)")
+    test_fraction: float = _f(0.1, "share of the distinct sequences held out for test when the source has no "
+                              "test split (validation takes data.val_fraction)")
+    sequence_field: str = _f("sequence", "column (csv/jsonl/hub) holding the amino-acid sequence")
+    label_field: str = _f("label", "column holding the label: a class (classify), or one state letter per residue "
+                          "(residue); in a fasta header, `label=VALUE`")
+
+
+@dataclass(frozen=True)
+class PricesSection:
+    lookback: int = _f(96, "past time steps the forecaster sees")
+    horizon: int = _f(24, "future time steps it predicts at once")
+    patch_len: int = _f(16, "time steps per patch (token)")
+    stride: int = _f(8, "steps between patch starts")
+    symbols: str = _f("AAPL,IBM,MSFT,GOOG", "embedded stocks only: comma-separated tickers; the series starts on "
+                      "the first date every one of them trades")
+    columns: str = _f("", "comma-separated channels: for the embedded stocks the price fields taken per symbol "
+                      "(empty = `Adj Close`, split- and dividend-adjusted); for a csv/hub source its numeric "
+                      "columns (empty = every column but the date)")
+    date_column: str = _f("", "csv/hub sources: the column holding the time stamp; empty = `date`/`Date`, else the "
+                          "first column")
+    transform: str = _f("auto", "applied before z-scoring; auto = log for the embedded stocks, none otherwise",
+                        ("auto", "none", "log"))
+    train_end: str = _f("", "last date of the training period (inclusive, e.g. 2010-12-31); empty = the source's "
+                        "default (stocks: 2010-12-31; ETTh: the standard 8640-row split; csv: 70% of the rows)")
+    val_end: str = _f("", "last date of the validation period (inclusive); the test period follows it; empty = the "
+                      "source's default (stocks: 2011-12-31; ETTh: row 11519; csv: 80% of the rows)")
+    context: str = _f("split", "where validation/test input windows may start: `split` = inside their own split "
+                      "(no window touches another split), `previous` = up to `lookback` steps back into the "
+                      "preceding split (the standard ETTh1 protocol); targets always stay inside the split",
+                      ("split", "previous"))
+    head_dropout: float = _f(0.0, "dropout before the flatten head")
+
+
+TASK_SECTIONS = ("translation", "protein", "prices")  # each belongs to the task of the same name
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -107,9 +162,13 @@ class RunConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    translation: TranslationSection = field(default_factory=TranslationSection)
+    protein: ProteinSection = field(default_factory=ProteinSection)
+    prices: PricesSection = field(default_factory=PricesSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section, except the sections of tasks other than `run.task`."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in TASK_SECTIONS or k == self.run.task}
 
 
 SECTIONS: dict[str, type] = get_type_hints(RunConfig)
@@ -239,6 +298,15 @@ def _check(r: Resolved) -> None:
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
                           f"{r.describe('train.epochs')}")
+    for section in TASK_SECTIONS:
+        given = [r.describe(k) for k in r.source if k.startswith(f"{section}.") and r.is_set(k)]
+        if given and c.run.task != section:
+            raise ConfigError(f"[{section}] keys belong to run.task = {section!r}, but {r.describe('run.task')}: "
+                              f"{'; '.join(given)}")
+
+
+def check_training_length(c: RunConfig) -> None:
+    """Training needs a length; preparing data or evaluating a run does not."""
     if not c.train.max_steps and not c.train.epochs:
         raise ConfigError("set train.max_steps or train.epochs (both are 0)")
 

@@ -37,7 +37,7 @@ class DataSummary:
     def line(self) -> str:
         parts = []
         for split, c in self.counts.items():
-            dropped = ", ".join(f"{c[s]} {s}" for s in ("empty", "undecodable", "malformed") if c[s])
+            dropped = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in c.items() if s not in KEPT and n)
             parts.append(f"{split}: {c['ok'] + c['truncated']} rows kept of {sum(c.values())}"
                          f" ({dropped or 'none skipped'}; {c['truncated']} truncated)")
         return "data " + "; ".join(parts)

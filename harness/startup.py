@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, Resolved, flatten, read_toml, resolve, to_toml
+from .config import ConfigError, Resolved, check_training_length, flatten, read_toml, resolve, to_toml
 from .ds_config import DSResolved, resolve_ds
 from .tasks import Task, get_task
 from .world import World, accelerate_mixed_precision, launched_world_size, quiet_deepspeed
@@ -42,6 +42,7 @@ def ds_file_arg(ds_file: str | None) -> str | None:
 def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, world_size: int | None = None,
               accel_precision: str | None = None) -> Plan:
     run = resolve(run_file, overrides)
+    check_training_length(run.cfg)
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
     ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),

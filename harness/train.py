@@ -141,7 +141,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                 progress.write(f"step {step}: loss is not finite, checkpoint skipped")
     progress.close()
     if step == max_steps:
-        last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
+        last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
         say(f"exported {export_model(engine, plan.run_dir, world)}")
     else:
         say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
@@ -185,14 +185,17 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     return StepResult(step_loss, n_items.item(), grad_norm, engine.skipped_steps > skipped_before)
 
 
-def _eval_and_log(engine, plan, val, world, tracker, step) -> dict:
+def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False) -> dict:
     metrics = evaluate(engine, plan, val, world)
+    if final and hasattr(plan.task, "evaluate"):  # the field's metrics (e.g. BLEU by beam search) once, at the end
+        metrics.update(plan.task.evaluate(engine, plan.run.cfg, "validation", world))
     if metrics:
         tracker.log({"step": step, **metrics}, file="eval.jsonl")
         if world.is_main:
             from tqdm.auto import tqdm
 
-            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                         if not isinstance(v, str)))
     return metrics
 
 

@@ -82,11 +82,31 @@ def init_world() -> World:
                  dp_rank=rank, dp_size=world_size, device=state.device)
 
 
+def single_world(device: str | torch.device = "cpu") -> World:
+    """One process and no process group (e.g. `harness evaluate`): collectives below become no-ops."""
+    return World(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, device=torch.device(device))
+
+
+def _grouped() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     """In-place all-reduce (sum by default) of a small CPU/device tensor; a sync point across ranks."""
-    torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+    if _grouped():
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
     return t
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank; a sync point."""
+    if not _grouped():
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
-    torch.distributed.barrier()
+    if _grouped():
+        torch.distributed.barrier()

@@ -1,8 +1,9 @@
-"""A plain pre-layer-norm Transformer decoder. No distributed code here: parallelism is applied from outside.
+"""Pre-layer-norm Transformer layers shared by every model, and the decoder-only LM.
+No distributed code here: parallelism is applied from outside.
 
 Module names follow one convention that tensor-parallel layer specs match on:
 `attn.q_proj`, `attn.k_proj`, `attn.v_proj` (column-parallel), `attn.out_proj` (row-parallel),
-`mlp.fc_in` (column-parallel), `mlp.fc_out` (row-parallel).
+`mlp.fc_in` (column-parallel), `mlp.fc_out` (row-parallel); cross-attention is `cross_attn.*`.
 """
 from __future__ import annotations
 
@@ -24,22 +25,32 @@ class TransformerConfig:
     dropout: float = 0.0
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.n_heads, self.head_dim, self.dropout = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.dropout
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
+class Attention(nn.Module):
+    """Multi-head attention over `x` (self-attention) or over `kv` (cross-attention), fused by SDPA."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.head_dim, self.dropout = d_model // n_heads, dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                causal: bool = False) -> torch.Tensor:
+        """x (B, T, C), kv (B, S, C) or None; mask bool, broadcastable to (B, nh, T, S), True = may attend."""
+        kv = x if kv is None else kv
         # (B, T, C) -> (B, nh, T, hs); the head count comes from the weight, so a column-split q_proj
         # (tensor parallel) simply sees fewer local heads.
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k, v = (p(kv).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        if causal and mask is not None:  # SDPA takes one or the other: fold causality into the mask
+            T, S = q.shape[-2], k.shape[-2]
+            mask = mask & torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            causal = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, C)
 
 
 class MLP(nn.Module):
@@ -53,15 +64,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig):
+    """Pre-layer-norm block: self-attention, optional cross-attention over `memory` (a decoder), feed-forward."""
+
+    def __init__(self, cfg: TransformerConfig, cross: bool = False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn, self.mlp = SelfAttention(cfg), MLP(cfg)
+        self.attn, self.mlp = Attention(cfg.d_model, cfg.n_heads, cfg.dropout), MLP(cfg)
+        if cross:
+            self.ln_cross = nn.LayerNorm(cfg.d_model)
+            self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False,
+                memory: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask=mask, causal=causal))
+        if memory is not None:
+            x = x + self.drop(self.cross_attn(self.ln_cross(x), kv=memory, mask=memory_mask))
         return x + self.drop(self.mlp(self.ln2(x)))
+
+
+def init_weights(m: nn.Module) -> None:
+    """GPT-2 style: normal(0, 0.02) weights, zero biases; LayerNorms keep their defaults."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.zeros_(m.bias)
 
 
 class TransformerLM(nn.Module):
@@ -76,19 +103,12 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         T = ids.shape[1]
         pos = torch.arange(T, device=ids.device)
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, causal=True)
         return self.head(self.ln_f(x))  # (B, T, vocab)

@@ -2,7 +2,9 @@
 The harness owns everything else (parallelism, the loop, checkpoints, logging)."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -40,10 +42,31 @@ class Task(Protocol):
         """Evaluation metrics from the mean validation loss."""
 
 
-def get_task(name: str) -> Task:
-    from .lm import LanguageModelTask
+class CaseStudy(Task, Protocol):
+    """A task with prepared data and its field's own evaluation (translation, protein, prices)."""
 
-    tasks = {"lm": LanguageModelTask}
-    if name not in tasks:
-        raise ConfigError(f"run.task = {name!r} is not a task; choose one of {', '.join(tasks)}")
-    return tasks[name]()
+    def prepare(self, cfg: RunConfig) -> Path:
+        """Clean, split and tokenize the source once (see `harness.prepare`); return the prepared directory."""
+
+    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+        """The field's metrics on a split, computed over the whole split on every rank.
+
+        `model` is the DeepSpeed engine at the end of training (every rank, maybe ZeRO-3) or a plain module in
+        one process (`harness evaluate`). Every rank makes the same number of forward calls, through the
+        model's top-level `__call__` only, so ZeRO-3 can gather parameters collectively.
+        """
+
+
+TASKS = {  # name -> module:class, imported on use so `harness keys` stays fast
+    "lm": "lm:LanguageModelTask",
+    "translation": "translation:TranslationTask",
+    "protein": "protein:ProteinTask",
+    "prices": "prices:PricesTask",
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ConfigError(f"run.task = {name!r} is not a task; choose one of {', '.join(TASKS)}")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()

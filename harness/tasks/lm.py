@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,13 +14,10 @@ import torch.nn.functional as F
 from ..config import ConfigError, RunConfig
 from ..data import DataSummary, check_paths, keep, load_rows
 from ..models.transformer import TransformerConfig, TransformerLM
+from ..prepare import cache_dir
 from . import TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HARNESS_CACHE", Path.home() / ".cache" / "harness"))
 
 
 def default_corpus() -> str:

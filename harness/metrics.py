@@ -1,0 +1,69 @@
+"""The metrics each field reports, as pure functions over whole evaluation sets (gathered from every rank).
+
+- translation: sacreBLEU's corpus BLEU and chrF, with the signatures that make them comparable across papers;
+- protein: accuracy, AUROC (the Mann-Whitney statistic, ties counted half), Q3 (per-residue accuracy over
+  resolved residues only);
+- forecasting: MSE, MAE and directional accuracy (did the forecast move the right way from the last value).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def _t(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float64)
+
+
+def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, float | str]:
+    """Corpus BLEU and chrF of detokenized hypotheses against one reference each (sacreBLEU defaults)."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
+    bleu, chrf = BLEU(), CHRF()
+    b, c = bleu.corpus_score(list(hyps), [list(refs)]), chrf.corpus_score(list(hyps), [list(refs)])
+    return {"bleu": b.score, "chrf": c.score, "bleu_signature": str(bleu.get_signature()),
+            "chrf_signature": str(chrf.get_signature())}
+
+
+def accuracy(pred, labels) -> float:
+    pred, labels = _t(pred), _t(labels)
+    return (pred == labels).double().mean().item()
+
+
+def auroc(scores, labels) -> float:
+    """Probability that a random positive scores above a random negative (ties count half)."""
+    scores, labels = _t(scores), _t(labels).bool()
+    pos, neg = scores[labels], scores[~labels]
+    if not len(pos) or not len(neg):
+        raise ValueError("AUROC needs both positive and negative labels")
+    greater = (pos[:, None] > neg[None, :]).double().sum()
+    ties = (pos[:, None] == neg[None, :]).double().sum()
+    return ((greater + 0.5 * ties) / (len(pos) * len(neg))).item()
+
+
+def q3(pred, labels, mask) -> float:
+    """3-state secondary-structure accuracy over residues whose mask is 1 (resolved)."""
+    pred, labels, mask = _t(pred), _t(labels), _t(mask).bool()
+    if not mask.any():
+        raise ValueError("Q3 needs at least one resolved residue")
+    return (pred[mask] == labels[mask]).double().mean().item()
+
+
+def regression(pred, target) -> dict[str, float]:
+    err = _t(pred) - _t(target)
+    return {"mse": err.pow(2).mean().item(), "mae": err.abs().mean().item()}
+
+
+def directional_accuracy(last, pred, target) -> float:
+    """Share of forecast values moving the same way from the last observed value as the truth does.
+
+    `last` (B, C) broadcasts over the horizon of `pred` and `target` (B, H, C); a zero true move counts as a
+    miss unless the forecast is flat too.
+    """
+    last, pred, target = _t(last), _t(pred), _t(target)
+    if last.dim() == pred.dim() - 1:
+        last = last.unsqueeze(-2)  # (B, 1, C)
+    return (torch.sign(pred - last) == torch.sign(target - last)).double().mean().item()

@@ -1,0 +1,84 @@
+"""The field metrics against values computed by hand, and the prepared-data cache every case study uses."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from harness import metrics
+from harness.config import ConfigError, resolve, to_toml
+from harness.prepare import package_file, prepared, read_meta, summary
+
+
+def test_bleu_brevity_penalty_by_hand():
+    # Every n-gram of the 5-word hypothesis is in the 6-word reference: precisions are 1, so BLEU is the
+    # brevity penalty exp(1 - 6/5).
+    out = metrics.bleu_chrf(["the cat sat on the"], ["the cat sat on the mat"])
+    assert out["bleu"] == pytest.approx(100 * math.exp(1 - 6 / 5), rel=1e-6)
+    assert metrics.bleu_chrf(["a b c d e"], ["a b c d e"])["chrf"] == pytest.approx(100.0)
+    assert out["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    with pytest.raises(ValueError):
+        metrics.bleu_chrf(["one"], ["one", "two"])
+
+
+def test_auroc_counts_ties_half():
+    # positives 0.35, 0.8; negatives 0.1, 0.35: pairs (0.35>0.1) 1, (0.35=0.35) 1/2, (0.8>both) 2 -> 3.5 / 4
+    assert metrics.auroc([0.1, 0.35, 0.35, 0.8], [0, 0, 1, 1]) == pytest.approx(0.875)
+    assert metrics.auroc([0.9, 0.1], [0, 1]) == 0.0
+    with pytest.raises(ValueError):
+        metrics.auroc([0.1, 0.2], [1, 1])
+
+
+def test_accuracy_and_q3_skip_unresolved_residues():
+    assert metrics.accuracy([1, 0, 1, 1], [1, 1, 1, 0]) == 0.5
+    # the last residue is wrong but unresolved (mask 0): 2 right of 3 resolved
+    assert metrics.q3([[0, 1, 2, 1]], [[0, 1, 1, 2]], [[1, 1, 1, 0]]) == pytest.approx(2 / 3)
+
+
+def test_regression_and_direction_by_hand():
+    assert metrics.regression([1.0, 2.0, 4.0], [0.0, 4.0, 4.0]) == pytest.approx({"mse": 5 / 3, "mae": 1.0})
+    # last value 1; truth goes to 3 then 0.5; forecast goes to 2 (right way) then 1.5 (wrong way)
+    assert metrics.directional_accuracy([[1.0]], [[[2.0], [1.5]]], [[[3.0], [0.5]]]) == 0.5
+
+
+def test_prepared_builds_once_and_keys_on_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path))
+    calls = []
+
+    def build(directory):
+        calls.append(directory)
+        (directory / "train.txt").write_text("x")
+        return {"counts": {"train": {"ok": 3, "empty": 1}}}
+
+    a = prepared("demo", {"v": 1}, build)
+    assert prepared("demo", {"v": 1}, build) == a and len(calls) == 1  # reused
+    assert (a / "train.txt").read_text() == "x" and read_meta(a)["settings"] == {"v": 1}
+    assert "train: 3 rows kept of 4 (1 empty" in summary(read_meta(a)).line()
+    assert prepared("demo", {"v": 2}, build) != a and len(calls) == 2  # a changed setting prepares anew
+
+    def broken(directory):
+        (directory / "half").write_text("x")
+        raise RuntimeError("source vanished")
+
+    with pytest.raises(RuntimeError):
+        prepared("demo", {"v": 3}, broken)
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "prepared").iterdir()) == ["demo", "demo"]  # no debris
+
+
+def test_package_file_names_the_extra_when_missing():
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[data\]"'):
+        package_file("harness", "no/such/file.db")
+    assert package_file("harness", "cli.py").name == "cli.py"
+
+
+def test_task_sections_belong_to_their_task(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[prices\] keys belong to run.task = 'prices'"):
+        resolve(None, ["train.max_steps=1", "prices.horizon=12"])
+    cfg = resolve(None, ["train.max_steps=1", 'run.task="prices"', "prices.horizon=12"]).cfg
+    assert cfg.prices.horizon == 12 and "translation" not in cfg.to_dict()
+    # the saved config of an lm run carries no other task's section, so it resolves again
+    saved = tmp_path / "config.toml"
+    saved.write_text(to_toml(resolve(None, ["train.max_steps=1"]).cfg))
+    assert resolve(str(saved)).cfg.run.task == "lm" and "[prices]" not in saved.read_text()
+    assert json.dumps(cfg.to_dict())  # serialisable for the trackers
