@@ -11,6 +11,8 @@ from .startup import Plan
 
 
 def count_params(plan: Plan) -> int:
+    if hasattr(plan.task, "prepare"):  # the model's vocabulary may come from the prepared data: prepare it for real
+        plan.task.prepare(plan.run.cfg)
     with torch.device("meta"):  # shapes only: no memory, no init time
         model = plan.task.build_model(plan.run.cfg)
     return sum(p.numel() for p in model.parameters())
