@@ -148,6 +148,8 @@ class PricesSection:
                       "preceding split (the standard ETTh1 protocol); targets always stay inside the split",
                       ("split", "previous"))
     head_dropout: float = _f(0.0, "dropout before the flatten head")
+    center: str = _f("mean", "per-window normalisation subtracts the window's mean (RevIN) or its last value "
+                     "(PatchTST's subtract_last; the untrained model then forecasts persistence)", ("mean", "last"))
 
 
 TASK_SECTIONS = ("translation", "protein", "prices")  # each belongs to the task of the same name

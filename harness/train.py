@@ -96,7 +96,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                              num_workers=cfg.data.num_workers, pin_memory=world.device.type == "cuda",
                              generator=torch.Generator().manual_seed(t.seed)))
     progress = _progress(world, start_step, max_steps)
-    window_start, window_items, last_metrics = time.perf_counter(), 0.0, {}
+    window_start, window_items, window_steps, last_metrics = time.perf_counter(), 0.0, 0, {}
     stop = min(max_steps, stop_at) if stop_at else max_steps
     step = start_step
     while step < stop:
@@ -106,6 +106,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         step += 1
         samples_seen += ds.global_batch_size
         window_items += result.n_items
+        window_steps += 1
         progress.update(1)
         nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
         if nonfinite >= t.max_nonfinite_steps:
@@ -122,15 +123,17 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         if step % t.log_every == 0 or step == stop:
             peak = torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
             all_reduce(peak, torch.distributed.ReduceOp.MAX)  # sync point, on logging steps only
+            seconds = time.perf_counter() - window_start
             record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                      "samples_seen": samples_seen, "tokens_per_s": window_items / (time.perf_counter() - window_start),
+                      "samples_seen": samples_seen, "tokens_per_s": window_items / seconds,
+                      "step_s": seconds / window_steps,
                       "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch}
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)
             progress.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  refresh=False)
-            window_start, window_items = time.perf_counter(), 0.0
+            window_start, window_items, window_steps = time.perf_counter(), 0.0, 0
         if t.eval_every and step % t.eval_every == 0 and step < max_steps:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
         if (t.save_every and step % t.save_every == 0) or step == stop:

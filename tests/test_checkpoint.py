@@ -79,8 +79,8 @@ def test_run_directory_is_readable(cached_run):
     ds = json.loads((run.dir / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 4 and ds["zero_optimization"]["stage"] == 0
     m = run.metrics[0]
-    assert {"step", "loss", "lr", "grad_norm", "samples_seen", "tokens_per_s", "peak_mem_bytes"} <= m.keys()
-    assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["peak_mem_bytes"] > 0
+    assert {"step", "loss", "lr", "grad_norm", "samples_seen", "tokens_per_s", "step_s", "peak_mem_bytes"} <= m.keys()
+    assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["step_s"] > 0 and m["peak_mem_bytes"] > 0
     # the saved config is a run file that reproduces the run
     from harness.config import resolve
 

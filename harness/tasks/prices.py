@@ -1,0 +1,133 @@
+"""Price-series forecasting: a PatchTST-style forecaster predicting the next `horizon` steps of every channel.
+
+The loss is the squared error summed over every predicted value (count = B * horizon * C) on the z-scored scale
+(`harness.prepare.prices`: per-channel statistics of the training period). `evaluate` reports, on the same
+windows, the model next to two baselines a forecaster must beat to be worth anything:
+- persistence: repeat the last observed value for every future step;
+- drift: the line through the first and the last look-back values, extrapolated (in the normalised space, i.e.
+  a constant growth rate for the log-transformed stocks);
+each with MSE and MAE on the normalised scale and on the source's scale (prices), and directional accuracy
+(the forecast moves the same way from the last value as the truth) for the model and for drift (persistence
+never moves).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .. import metrics as M
+from ..config import ConfigError, RunConfig
+from ..data import eval_batches
+from ..models.patch import PatchConfig, PatchTST
+from ..prepare import read_meta, summary
+from ..prepare import prices as P
+from ..world import all_gather_objects
+from . import TaskData
+
+
+class PricesTask:
+    def check(self, cfg: RunConfig) -> None:
+        p = cfg.prices
+        for key in ("lookback", "horizon", "patch_len", "stride"):
+            if getattr(p, key) <= 0:
+                raise ConfigError(f"prices.{key} = {getattr(p, key)} must be > 0")
+        if p.patch_len > p.lookback:
+            raise ConfigError(f"prices.patch_len = {p.patch_len} must be <= prices.lookback = {p.lookback}")
+        if not 0.0 <= p.head_dropout < 1.0:
+            raise ConfigError(f"prices.head_dropout = {p.head_dropout} must be in [0, 1)")
+        if cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the prices task has no vocabulary; use 0")
+        P.check_source(cfg)
+
+    def prepare(self, cfg: RunConfig) -> Path:
+        return P.prepare(cfg)
+
+    def build_model(self, cfg: RunConfig) -> PatchTST:
+        m, p = cfg.model, cfg.prices
+        return PatchTST(PatchConfig(lookback=p.lookback, horizon=p.horizon, patch_len=p.patch_len, stride=p.stride,
+                                    d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                                    d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout, head_dropout=p.head_dropout,
+                                    center=p.center))
+
+    def build_data(self, cfg: RunConfig) -> TaskData:
+        directory = self.prepare(cfg)
+        return TaskData(P.windows(cfg, directory, "train"), P.windows(cfg, directory, "validation"),
+                        summary(read_meta(directory)))
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        return {"x": torch.stack([s["x"] for s in samples]),   # (B, L, C)
+                "y": torch.stack([s["y"] for s in samples])}   # (B, H, C)
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["y"].numel()  # B * horizon * C predicted values
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pred = model(batch["x"])  # (B, H, C)
+        return (pred.float() - batch["y"].float()).pow(2).sum()
+
+    def metrics(self, mean_loss: float) -> dict[str, float]:
+        return {"loss": mean_loss, "rmse": math.sqrt(max(mean_loss, 0.0))}
+
+    @torch.no_grad()
+    def forecast(self, model, data: P.Windows, micro: int, world) -> torch.Tensor:
+        """The model's forecasts for every window of `data`, (n, H, C) float32 on CPU, on every rank."""
+        batches, steps = eval_batches(len(data), micro, world.dp_rank, world.dp_size)
+        was_training = model.training
+        model.eval()
+        mine = []
+        for i in range(steps):  # every rank runs `steps` forwards (ZeRO-3 gathers weights collectively)
+            real = i < len(batches)
+            idx = batches[i] if real else (batches[-1] if batches else [0])
+            x = self.collate([data[j] for j in idx])["x"].to(world.device)
+            pred = model(x).float().cpu()  # (b, H, C)
+            if real:
+                mine.append((idx, pred))
+        model.train(was_training)
+        out = torch.empty(len(data), data.horizon, data.values.shape[1])
+        for part in all_gather_objects(mine):  # sync point: every rank's (indices, forecasts)
+            for idx, pred in part:
+                out[idx] = pred
+        return out
+
+    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+        directory = self.prepare(cfg)
+        data = P.windows(cfg, directory, split)
+        pred = self.forecast(model, data, cfg.train.micro_batch_size, world)
+        x = torch.stack([data[i]["x"] for i in range(len(data))])  # (n, L, C)
+        y = torch.stack([data[i]["y"] for i in range(len(data))])  # (n, H, C)
+        forecasts = {"model": pred, **baselines(x, data.horizon)}
+        return score(forecasts, x[:, -1], y, read_meta(directory)["norm"]) | {
+            "windows": float(len(data)), "protocol": protocol(cfg, directory, split)}
+
+
+def baselines(x: torch.Tensor, horizon: int) -> dict[str, torch.Tensor]:
+    """Persistence and drift forecasts (n, H, C) from input windows (n, L, C)."""
+    last = x[:, -1:]  # (n, 1, C)
+    slope = (x[:, -1:] - x[:, :1]) / (x.shape[1] - 1)  # (n, 1, C): per-step change of the line first -> last
+    steps = torch.arange(1, horizon + 1, dtype=x.dtype).view(1, -1, 1)  # (1, H, 1)
+    return {"persistence": last.expand(-1, horizon, -1), "drift": last + slope * steps}
+
+
+def score(forecasts: dict[str, torch.Tensor], last: torch.Tensor, y: torch.Tensor, norm: dict) -> dict[str, float]:
+    """MSE/MAE (normalised and price scale) for each forecast; directional accuracy for all but persistence.
+    Keys: mse, mae, price_mse, price_mae, directional_accuracy for the model; the same prefixed by a baseline."""
+    out: dict[str, float] = {}
+    y_price = P.to_price(y, norm)
+    for name, f in forecasts.items():
+        prefix = "" if name == "model" else f"{name}_"
+        out |= {f"{prefix}{k}": v for k, v in M.regression(f, y).items()}
+        out |= {f"{prefix}price_{k}": v for k, v in M.regression(P.to_price(f, norm), y_price).items()}
+        if name != "persistence":
+            out[f"{prefix}directional_accuracy"] = M.directional_accuracy(last, f, y)
+    return out
+
+
+def protocol(cfg: RunConfig, directory: Path, split: str) -> str:
+    meta = read_meta(directory)
+    s = meta["splits"][split]
+    return (f"{split} {s['first'][:10]}..{s['last'][:10]}, {len(meta['channels'])} channels, lookback "
+            f"{cfg.prices.lookback}, horizon {cfg.prices.horizon}, every window (stride 1), inputs inside "
+            f"{'the split' if cfg.prices.context == 'split' else 'the split or the one before'}, z-scored with "
+            f"train statistics{' of log prices' if meta['norm']['transform'] == 'log' else ''}")

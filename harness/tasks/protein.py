@@ -1,0 +1,263 @@
+"""Protein sequences: masked-LM pre-training, sequence classification, per-residue secondary structure.
+
+Every sample is "<cls> r1 r2 ... rL" (residue ids from the prepared residue vocabulary); batches are padded
+with id 0 and carry a bool mask (True = real token) that the encoder uses to ignore padding.
+
+- mlm: the BERT rule. max(1, round(mask_prob * L)) residues are chosen; of those 80% become <mask>, 10% a
+  random standard amino acid, 10% stay as they are; the loss is summed over the chosen residues (count =
+  chosen residues). The choice is a pure function of (train.seed, sample index) where the training set holds
+  `protein.mask_variants` copies of each sequence, copy k at index k * n + i with its own mask: resumed runs and
+  any number of processes see the same masks, and a sequence meets a new mask in each of its copies.
+  Validation and test use one fixed masking (independent of the seed), so perplexities compare across runs.
+- classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences); evaluated by
+  accuracy and, for two classes, AUROC of the second class's probability (label 1 = AMP on the default data).
+- residue: cross-entropy over resolved residues only (count = resolved residues); evaluated by Q3.
+`protein.init_from = RUN_DIR` starts from another protein run's exported weights (e.g. an mlm run): parameters
+are taken by name and shape (embedding rows matched by residue, position rows up to the shorter length); the
+others, e.g. a new head, keep their fresh initialisation; rank 0 prints which were loaded.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, RunConfig, resolve
+from ..data import eval_batches
+from ..metrics import accuracy, auroc, q3
+from ..models.encoder import Encoder
+from ..models.transformer import TransformerConfig
+from ..prepare import read_meta, summary
+from ..prepare import protein as prep
+from ..tokenizer import PAD
+from ..world import all_gather_objects, launched_rank
+from . import TaskData
+
+IGNORE = prep.IGNORE
+EVAL_MASK_SEED = 1_234_567  # validation/test masks do not depend on train.seed
+N_STATES = len(prep.STATES)
+
+
+class Samples(torch.utils.data.Dataset):
+    """One split's samples for an objective: {"ids": (L+1,), and "label" () or "targets" (L+1,)}."""
+
+    def __init__(self, rows, objective: str, tok, mask_prob: float = 0.15, seed: int = 0, variants: int = 1):
+        self.rows, self.objective, self.n = rows.with_format("torch"), objective, len(rows)
+        self.mask_prob, self.seed, self.variants = mask_prob, seed, variants
+        self.cls_id, self.mask_id = tok.piece_id("<cls>"), tok.piece_id("<mask>")
+        self.residue_ids = torch.tensor([tok.piece_id(a) for a in prep.AMINO_ACIDS if _known(tok, a)])
+
+    def __len__(self) -> int:
+        return self.n * self.variants
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.rows[index % self.n]
+        ids = torch.cat([torch.tensor([self.cls_id]), row["ids"].long()])  # (L + 1,)
+        if self.objective == "classify":
+            return {"ids": ids, "label": row["label"]}
+        if self.objective == "residue":
+            return {"ids": ids, "targets": torch.cat([torch.tensor([IGNORE]), row["states"].long()])}
+        return {"ids": ids, **self.mask(ids, index)}
+
+    def mask(self, ids: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+        """BERT masking of residues 1..L, a pure function of (seed, index)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        L = len(ids) - 1
+        chosen = torch.randperm(L, generator=g)[:max(1, round(self.mask_prob * L))] + 1  # skip <cls>
+        rule = torch.rand(len(chosen), generator=g)
+        random_ids = self.residue_ids[torch.randint(len(self.residue_ids), (len(chosen),), generator=g)]
+        targets = torch.full_like(ids, IGNORE)
+        targets[chosen] = ids[chosen]
+        masked = ids.clone()
+        masked[chosen] = torch.where(rule < 0.8, self.mask_id, torch.where(rule < 0.9, random_ids, ids[chosen]))
+        return {"ids": masked, "targets": targets}
+
+
+def _known(tok, piece: str) -> bool:
+    try:
+        tok.piece_id(piece)
+        return True
+    except KeyError:
+        return False
+
+
+class ProteinTask:
+    objective = "classify"  # set by build_data, for `metrics`
+
+    def check(self, cfg: RunConfig) -> None:
+        prep.check(cfg)
+        p = cfg.protein
+        if not 0 < p.mask_prob < 1:
+            raise ConfigError(f"protein.mask_prob = {p.mask_prob}: must be between 0 and 1")
+        if p.mask_variants < 1:
+            raise ConfigError(f"protein.mask_variants = {p.mask_variants}: must be at least 1")
+        if p.init_from and not all((Path(p.init_from) / f).is_file() for f in ("config.toml", "model.safetensors")):
+            raise ConfigError(f"protein.init_from = {p.init_from!r}: not a finished run directory (it needs "
+                              f"config.toml and model.safetensors)")
+
+    def prepare(self, cfg: RunConfig) -> Path:
+        return prep.prepare(cfg)
+
+    def build_model(self, cfg: RunConfig) -> Encoder:
+        directory = self.prepare(cfg)
+        meta, m, objective = read_meta(directory), cfg.model, cfg.protein.objective
+        vocab = m.vocab_size or meta["vocab_size"]
+        if vocab < meta["vocab_size"]:
+            raise ConfigError(f"model.vocab_size = {vocab} is smaller than the prepared vocabulary "
+                              f"({meta['vocab_size']}); use 0")
+        if objective == "classify" and len(meta["classes"]) < 2:
+            raise ConfigError(f"protein.objective = 'classify' needs two classes or more; the data has "
+                              f"{meta['classes'] or 'no labels'}")
+        n_out = {"mlm": vocab, "classify": len(meta["classes"]), "residue": N_STATES}[objective]
+        model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=cfg.data.seq_len + 1, d_model=m.d_model,
+                                          n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
+                                          dropout=m.dropout), objective, n_out)
+        source = Path(cfg.protein.init_from)
+        # `check` requires the source before training; a finished run rebuilt by `harness evaluate` after the
+        # source was deleted skips it (its own exported weights replace these anyway).
+        if cfg.protein.init_from and (source / "model.safetensors").is_file() and not next(model.parameters()).is_meta:
+            loaded, fresh = init_from(model, cfg, source)
+            if launched_rank() == 0:
+                print(f"protein.init_from {cfg.protein.init_from}: loaded {', '.join(loaded) or 'nothing'}; "
+                      f"fresh {', '.join(fresh) or 'nothing'}", flush=True)
+        return model
+
+    def samples(self, cfg: RunConfig, split: str, train: bool = False) -> Samples:
+        directory = self.prepare(cfg)
+        p = cfg.protein
+        variants = p.mask_variants if train and p.objective == "mlm" else 1
+        return Samples(prep.load(directory, split), p.objective, prep.tokenizer(directory), p.mask_prob,
+                       cfg.train.seed if train else EVAL_MASK_SEED, variants)
+
+    def build_data(self, cfg: RunConfig) -> TaskData:
+        directory, self.objective = self.prepare(cfg), cfg.protein.objective
+        return TaskData(self.samples(cfg, "train", train=True), self.samples(cfg, "validation"),
+                        summary(read_meta(directory)))
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        ids = torch.nn.utils.rnn.pad_sequence([s["ids"] for s in samples], batch_first=True, padding_value=PAD)
+        batch = {"ids": ids, "mask": ids != PAD}  # (B, T) each
+        if "label" in samples[0]:
+            batch["labels"] = torch.stack([torch.as_tensor(s["label"]) for s in samples]).long()  # (B,)
+        else:
+            batch["targets"] = torch.nn.utils.rnn.pad_sequence([s["targets"] for s in samples], batch_first=True,
+                                                               padding_value=IGNORE)  # (B, T)
+        return batch
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        if "labels" in batch:
+            return batch["labels"].numel()
+        return int((batch["targets"] != IGNORE).sum())
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(batch["ids"], batch["mask"]).float()  # (B, classes) or (B, T, vocab or states)
+        if "labels" in batch:
+            return F.cross_entropy(logits, batch["labels"], reduction="sum")
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+
+    def metrics(self, mean_loss: float) -> dict[str, float]:
+        """From the mean loss alone (accuracy, AUROC and Q3 come from `evaluate`): mlm's loss is per masked residue."""
+        if self.objective == "mlm":
+            return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
+        return {"loss": mean_loss}
+
+    @torch.no_grad()
+    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+        """The field's metrics over the whole split, on every rank (see the Task protocol for the ZeRO-3 rules)."""
+        samples = self.samples(cfg, split)
+        if not len(samples):
+            return {}
+        batches, steps = eval_batches(len(samples), cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
+        was_training = model.training
+        model.eval()
+        mine = []
+        for i in range(steps):
+            real = i < len(batches)
+            index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
+            batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
+            logits = model(batch["ids"], batch["mask"]).float()  # every rank calls the model `steps` times
+            if real:
+                mine += _per_sample(logits, batch)
+        model.train(was_training)
+        outputs = [o for rank in all_gather_objects(mine) for o in rank]  # sync point
+        return _field_metrics(cfg.protein.objective, outputs)
+
+
+def _per_sample(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[tuple]:
+    """Per-sample results as plain Python, cheap to gather: (probabilities, label) or (predictions, targets, nll)."""
+    if "labels" in batch:
+        probs = logits.softmax(-1).cpu()
+        return [(p.tolist(), int(y)) for p, y in zip(probs, batch["labels"].cpu())]
+    out = []
+    nll = F.cross_entropy(logits.transpose(1, 2), batch["targets"], ignore_index=IGNORE, reduction="none")  # (B, T)
+    for lg, t, n in zip(logits.cpu(), batch["targets"].cpu(), nll.cpu()):
+        keep = t != IGNORE
+        out.append((lg[keep].argmax(-1).tolist(), t[keep].tolist(), n[keep].sum().item()))
+    return out
+
+
+def _field_metrics(objective: str, outputs: list[tuple]) -> dict[str, float]:
+    if objective == "classify":
+        probs, labels = [p for p, _ in outputs], [y for _, y in outputs]
+        pred = [max(range(len(p)), key=p.__getitem__) for p in probs]
+        nll = -sum(math.log(max(p[y], 1e-12)) for p, y in outputs) / len(outputs)
+        result = {"accuracy": accuracy(pred, labels), "sequences": float(len(outputs)), "loss": nll}
+        if len(probs[0]) == 2 and 0 < sum(labels) < len(labels):
+            result["auroc"] = auroc([p[1] for p in probs], labels)
+        return result
+    pred = [a for p, _, _ in outputs for a in p]
+    target = [a for _, t, _ in outputs for a in t]
+    n = len(target)
+    if objective == "residue":
+        return {"q3": q3(pred, target, [1] * n), "residues": float(n)}
+    mean_nll = sum(x for _, _, x in outputs) / n
+    return {"masked_accuracy": accuracy(pred, target), "perplexity": math.exp(min(mean_nll, 50.0)),
+            "masked_residues": float(n)}
+
+
+def init_from(model: Encoder, cfg: RunConfig, run_dir: Path) -> tuple[list[str], list[str]]:
+    """Copy another protein run's exported weights into `model` where names match; returns (loaded, fresh)."""
+    from safetensors.torch import load_file
+
+    source_cfg = resolve(str(run_dir / "config.toml")).cfg
+    if source_cfg.run.task != "protein":
+        raise ConfigError(f"protein.init_from = {str(run_dir)!r} is a {source_cfg.run.task!r} run, not a protein run")
+    theirs = load_file(str(run_dir / "model.safetensors"))
+    # Residue ids depend on the vocabulary each run prepared: match embedding (and mlm output) rows by piece.
+    ours_tok, their_tok = prep.tokenizer(prep.prepare(cfg)), prep.tokenizer(prep.prepare(source_cfg))
+    pieces = {their_tok.sp.id_to_piece(i): i for i in range(their_tok.vocab_size)}
+    state, loaded, fresh = model.state_dict(), [], []
+    for name, own in state.items():
+        src = theirs.get(name)
+        if src is None or src.dim() != own.dim() or src.shape[1:] != own.shape[1:]:
+            fresh.append(name)
+        elif name in ("tok_emb.weight", "mlm_head.weight", "mlm_head.bias"):
+            for i in range(min(own.shape[0], ours_tok.vocab_size)):
+                j = pieces.get(ours_tok.sp.id_to_piece(i))
+                if j is not None and j < src.shape[0]:
+                    own[i] = src[j]
+            loaded.append(name)
+        elif name == "pos_emb.weight":  # a different seq_len: the positions both have
+            n = min(own.shape[0], src.shape[0])
+            own[:n] = src[:n]
+            loaded.append(name)
+        elif src.shape == own.shape:
+            own.copy_(src)
+            loaded.append(name)
+        else:
+            fresh.append(name)
+    model.load_state_dict(state)
+    return _short(loaded), _short(fresh)
+
+
+def _short(names: list[str]) -> list[str]:
+    """Parameter names grouped by module: blocks.0.attn.q_proj.weight -> blocks.*, cls_head.weight -> cls_head."""
+    out = []
+    for name in names:
+        top = "blocks.*" if name.startswith("blocks.") else name.rsplit(".", 1)[0]
+        if top not in out:
+            out.append(top)
+    return out

@@ -1,0 +1,159 @@
+"""Case study: translation with an encoder-decoder Transformer (`harness.models.seq2seq`).
+
+Data, splits and the joint SentencePiece vocabulary come from `harness.prepare.translation`. The loss is
+label-smoothed cross-entropy summed over non-padding target tokens (the loop divides by their global count,
+across accumulation steps and ranks). Smoothing follows `F.cross_entropy(label_smoothing=eps)`: the target
+gets 1 - eps and every vocabulary entry eps / V, i.e. (1 - eps) * nll + eps * mean_v(-log p_v) per token.
+
+`evaluate` decodes a split with beam search (translation.beam_size, GNMT length penalty) and scores the
+detokenized output with sacreBLEU's BLEU and chrF (signatures included), next to the BLEU of copying the source
+sentence as the translation (the floor any model must clear), and the teacher-forced NLL / perplexity.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, RunConfig, TranslationSection
+from ..data import eval_batches
+from ..decoding import generate
+from ..metrics import bleu_chrf
+from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
+from ..prepare import read_meta, summary
+from ..prepare import translation as prep
+from ..tokenizer import PAD
+from ..world import all_gather_objects, all_reduce
+from . import TaskData
+
+
+class TranslationTask:
+    def __init__(self):
+        # `loss` takes no config (task protocol): the run's smoothing is bound by `check` and `build_data`.
+        self.label_smoothing = TranslationSection().label_smoothing
+
+    def check(self, cfg: RunConfig) -> None:
+        t, m = cfg.translation, cfg.model
+        self.label_smoothing = t.label_smoothing
+        if not 0.0 <= t.label_smoothing < 1.0:
+            raise ConfigError(f"translation.label_smoothing = {t.label_smoothing} must be in [0, 1)")
+        if t.beam_size < 1:
+            raise ConfigError(f"translation.beam_size = {t.beam_size} must be >= 1 (1 is greedy decoding)")
+        if t.length_penalty < 0 or t.eval_max_sentences < 0:
+            raise ConfigError("translation.length_penalty and translation.eval_max_sentences must be >= 0")
+        if m.vocab_size and m.vocab_size < 32:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size} is too small for a SentencePiece vocabulary; "
+                              f"use 0 (default {prep.DEFAULT_VOCAB}) or at least 32")
+        if cfg.data.seq_len < 4:
+            raise ConfigError(f"data.seq_len = {cfg.data.seq_len}: translation needs at least 4 tokens a side")
+        prep.check(cfg)
+
+    def prepare(self, cfg: RunConfig) -> Path:
+        return prep.prepare(cfg)
+
+    def build_model(self, cfg: RunConfig) -> Seq2Seq:
+        m = cfg.model
+        # The vocabulary is the prepared tokenizer's: SentencePiece may learn fewer pieces than asked for.
+        return Seq2Seq(Seq2SeqConfig(vocab_size=prep.vocab_size(self.prepare(cfg)), d_model=m.d_model,
+                                     n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
+                                     dropout=m.dropout, pad_id=PAD))
+
+    def build_data(self, cfg: RunConfig) -> TaskData:
+        self.label_smoothing = cfg.translation.label_smoothing
+        directory = self.prepare(cfg)
+        columns = ["src_ids", "tgt_ids"]
+        return TaskData(prep.load(directory, "train").select_columns(columns),
+                        prep.load(directory, "validation").select_columns(columns),
+                        summary(read_meta(directory)))
+
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        src = _pad([s["src_ids"] for s in samples])  # (B, S): pieces + EOS, right-padded
+        tgt = _pad([s["tgt_ids"] for s in samples])  # (B, T + 1): BOS + pieces + EOS
+        return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["tgt_out"] != PAD).sum())
+
+    def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
+        real = batch["tgt_out"] != PAD  # (B, T)
+        logits = model(batch["src"], batch["tgt_in"], keep=real)  # (N, V): logits at the N real target tokens
+        eps = self.label_smoothing if label_smoothing is None else label_smoothing
+        return F.cross_entropy(logits.float(), batch["tgt_out"][real], label_smoothing=eps, reduction="sum")
+
+    def metrics(self, mean_loss: float) -> dict[str, float]:
+        return {"loss": mean_loss}  # label-smoothed; `evaluate` reports the plain NLL and perplexity
+
+    # --- the field's evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model, cfg: RunConfig, split: str, world, max_sentences: int | None = None) -> dict:
+        """BLEU/chrF of beam-search output on `split`, copy-source BLEU, NLL; the same on every rank.
+
+        At the end of training (`model` is a DeepSpeed engine) only translation.eval_max_sentences sentences,
+        evenly spread over the split, are decoded; `harness evaluate` (a plain module) decodes them all.
+        """
+        directory = self.prepare(cfg)
+        rows, tok = prep.load(directory, split), prep.tokenizer(directory)
+        if max_sentences is None:
+            max_sentences = cfg.translation.eval_max_sentences if hasattr(model, "backward") else 0
+        if not len(rows):
+            raise ConfigError(f"{directory}: the {split!r} split has no sentence pairs to evaluate")
+        n = len(rows) if not max_sentences else min(max_sentences, len(rows))
+        chosen = [i * len(rows) // n for i in range(n)]
+        # Sorted by source length, so a batch's sentences pad and finish alike; ranks take strided shares.
+        chosen.sort(key=lambda i: len(rows[i]["src_ids"]))
+        batches, steps = eval_batches(n, cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
+        t, dev = cfg.translation, world.device
+
+        def any_rank(active: bool) -> bool:  # sync point: decode until every rank's batch is done
+            return bool(all_reduce(torch.tensor([float(active)], device=dev)).item())
+
+        was_training = model.training
+        model.eval()
+        out, nll = [], torch.zeros(2, dtype=torch.float64, device=dev)
+        for i in range(steps):
+            real = i < len(batches)
+            ids = [chosen[j] for j in (batches[i] if real else batches[-1] if batches else [0])]
+            batch = {k: v.to(dev) for k, v in self.collate([rows[j] for j in ids]).items()}
+            loss = self.loss(model, batch, label_smoothing=0.0)  # one forward on every rank
+            hyps = generate(model, batch["src"], bos=tok.bos_id, eos=tok.eos_id, pad=PAD,
+                            max_len=min(cfg.data.seq_len, 2 * batch["src"].shape[1] + 10),
+                            beam_size=t.beam_size, length_penalty=t.length_penalty, any_active=any_rank)
+            if real:
+                nll += torch.tensor([loss.item(), self.count(batch)], dtype=torch.float64, device=dev)
+                out += [(j, tok.decode(h)) for j, h in zip(ids, hyps)]
+        model.train(was_training)
+        all_reduce(nll)  # sync point
+        decoded = dict(x for part in all_gather_objects(out) for x in part)  # sync point; index -> hypothesis
+        order = sorted(decoded)
+        hyps = [decoded[j] for j in order]
+        refs = [rows[j]["tgt"] for j in order]
+        scores = bleu_chrf(hyps, refs)
+        mean_nll = (nll[0] / nll[1]).item()
+        return {"bleu": scores["bleu"], "chrf": scores["chrf"],
+                "copy_source_bleu": bleu_chrf([rows[j]["src"] for j in order], refs)["bleu"],
+                "nll": mean_nll, "perplexity": math.exp(min(mean_nll, 50.0)), "sentences": float(len(order)),
+                "beam_size": float(t.beam_size),
+                "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"]}
+
+    @torch.no_grad()
+    def translate(self, model, cfg: RunConfig, sentences: list[str]) -> list[str]:
+        """Translate raw sentences on one process with the run's tokenizer and beam settings."""
+        tok = prep.tokenizer(self.prepare(cfg))
+        dev = next(model.parameters()).device
+        ids = [tok.encode(s.strip())[:cfg.data.seq_len - 1] + [tok.eos_id] for s in sentences]
+        model.eval()
+        hyps = generate(model, _pad(ids).to(dev), bos=tok.bos_id, eos=tok.eos_id, pad=PAD,
+                        max_len=min(cfg.data.seq_len, 2 * max(map(len, ids), default=1) + 10),
+                        beam_size=cfg.translation.beam_size, length_penalty=cfg.translation.length_penalty)
+        return [tok.decode(h) for h in hyps]
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, rows), default=1)
+    out = torch.full((len(rows), width), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out

@@ -1,0 +1,236 @@
+"""The price-forecasting case study: preparation (chronological splits, windows inside their split, train-only
+normalisation, cleaning counts), the PatchTST-style model, the baselines and metrics, and a 2-process run."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from harness.config import ConfigError, resolve
+from harness.models.patch import PatchConfig, PatchTST
+from harness.prepare import prices as P
+from harness.prepare import read_meta
+from harness.tasks.prices import PricesTask, baselines, score
+
+from conftest import ROOT, _env, harness
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache(tmp_path_factory):
+    """Prepared data goes to a fresh cache for the session (the subprocess runs get it through the environment)."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_CACHE", str(path))
+        yield path
+
+
+def cfg_for(path: str = "", *sets: str):
+    return resolve(None, ['run.task="prices"', "train.max_steps=1", f"data.path={json.dumps(path)}", *sets]).cfg
+
+
+def write_series(path, n: int = 400, channels: int = 3, seed: int = 0, extra_rows: list[str] = ()):
+    """Hourly sums of sines plus noise, one csv column per channel; `extra_rows` are appended as written."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)[:, None]
+    values = 10 + np.sin(2 * np.pi * t / (12 + 5 * np.arange(channels))) * (1 + np.arange(channels)) \
+        + 0.05 * rng.standard_normal((n, channels))
+    dates = np.datetime64("2020-01-01T00") + np.arange(n).astype("timedelta64[h]")
+    lines = ["date," + ",".join(f"c{i}" for i in range(channels))]
+    lines += [f"{str(d).replace('T', ' ')}:00:00," + ",".join(f"{v:.6f}" for v in row) for d, row in zip(dates, values)]
+    path.write_text("\n".join([*lines, *extra_rows]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def series_csv(tmp_path_factory):
+    return write_series(tmp_path_factory.mktemp("prices") / "series.csv", n=600)
+
+
+@pytest.fixture(scope="session")
+def stocks():
+    cfg = cfg_for("")
+    return cfg, P.prepare(cfg)
+
+
+def test_stocks_split_chronologically_on_the_same_dates(stocks):
+    cfg, directory = stocks
+    meta = read_meta(directory)
+    s = meta["splits"]
+    assert meta["channels"] == ["AAPL Adj Close", "IBM Adj Close", "MSFT Adj Close", "GOOG Adj Close"]
+    assert s["train"]["first"] >= "2004-08-19" and s["train"]["last"] <= "2010-12-31T23"
+    assert "2011-01-01" <= s["validation"]["first"] and s["validation"]["last"] <= "2011-12-31T23"
+    assert "2012-01-01" <= s["test"]["first"]
+    dates = [d for name in P.SPLITS for d in P.load_split(directory, name)["date"]]
+    assert dates == sorted(dates) and len(set(dates)) == len(dates)
+    values, bounds = P.series(directory)
+    assert values.shape == (len(dates), 4) and torch.isfinite(values).all()
+    # rows before GOOG's first day are counted, not silently lost
+    assert meta["counts"]["train"]["before_start"] > 0 and meta["counts"]["train"]["ok"] == s["train"]["rows"]
+
+
+def test_stocks_normalisation_uses_training_rows_only(stocks):
+    import pandas as pd
+
+    cfg, directory = stocks
+    raw = pd.read_csv(P.package_file(*P.STOCKS))
+    aapl = raw[(raw.Ticker == "AAPL") & (raw.Date >= "2004-08-19") & (raw.Date <= "2010-12-31")]["Adj Close"]
+    norm = read_meta(directory)["norm"]
+    assert norm["transform"] == "log"
+    assert norm["mean"][0] == pytest.approx(np.log(aapl).mean(), rel=1e-9)
+    assert norm["std"][0] == pytest.approx(np.log(aapl).std(ddof=0), rel=1e-9)
+    values, bounds = P.series(directory)
+    a, b = bounds["train"]
+    assert values[a:b].mean(0).abs().max() < 1e-4 and values[b:].mean(0).abs().max() > 0.5  # prices rose after 2010
+    # back to prices: the first training row of AAPL is its adjusted close on 2004-08-19
+    assert P.to_price(values[0], norm)[0].item() == pytest.approx(aapl.iloc[0], rel=1e-5)
+
+
+def test_csv_normalisation_fitted_on_train_rows(series_csv):
+    cfg = cfg_for(str(series_csv))
+    directory = P.prepare(cfg)
+    meta = read_meta(directory)
+    assert [meta["splits"][s]["rows"] for s in P.SPLITS] == [420, 60, 120]  # 70/10/20 in time order
+    raw = np.loadtxt(series_csv, delimiter=",", skiprows=1, usecols=(1, 2, 3))
+    assert meta["norm"]["mean"] == pytest.approx(raw[:420].mean(0).tolist(), rel=1e-9)
+    assert meta["norm"]["std"] == pytest.approx(raw[:420].std(0).tolist(), rel=1e-9)
+    assert meta["norm"]["mean"] != pytest.approx(raw.mean(0).tolist(), rel=1e-6)
+
+
+@pytest.mark.parametrize("context", ["split", "previous"])
+def test_windows_stay_inside_their_split(tmp_path, context):
+    """Each value encodes its row number, so the rows a window reads can be checked against the split bounds."""
+    n, lookback, horizon = 200, 12, 5
+    rows = ["date,row"] + [f"{np.datetime64('2021-01-01T00:00:00') + np.timedelta64(i, 'h')},{i}" for i in range(n)]
+    (tmp_path / "rows.csv").write_text("\n".join(rows) + "\n")
+    cfg = cfg_for(str(tmp_path / "rows.csv"), f"prices.lookback={lookback}", f"prices.horizon={horizon}",
+                  f'prices.context="{context}"')
+    directory = P.prepare(cfg)
+    norm, (_, bounds) = read_meta(directory)["norm"], P.series(directory)
+    for split in P.SPLITS:
+        a, b = bounds[split]
+        w = P.windows(cfg, directory, split)
+        reach = 0 if split == "train" or context == "split" else lookback
+        assert len(w) == (b - a) - horizon + 1 - (lookback - reach)
+        for i in range(len(w)):
+            x = P.to_price(w[i]["x"], norm).round().long().flatten()
+            y = P.to_price(w[i]["y"], norm).round().long().flatten()
+            assert y.min() >= a and y.max() < b, (split, i)
+            assert x.min() >= a - reach and x.max() == y.min() - 1
+            assert torch.equal(torch.cat([x, y]), torch.arange(x.min(), y.max() + 1))
+
+
+def test_malformed_rows_are_counted(tmp_path):
+    extra = ["2020-01-10 05:00:00,1.0,2.0,3.0",          # a date already seen: duplicate
+             "not a date,1.0,2.0,3.0",                     # malformed date
+             "2020-01-30 00:00:00,abc,2.0,3.0",            # non-numeric value: malformed
+             "2020-01-30 01:00:00,,2.0,3.0",               # missing value
+             "2019-12-31 23:00:00,10.0,10.0,10.0"]         # before the first row: unsorted, kept
+    path = write_series(tmp_path / "dirty.csv", n=500, extra_rows=extra)
+    directory = P.prepare(cfg_for(str(path)))
+    meta = read_meta(directory)
+    total = {}
+    for counts in meta["counts"].values():
+        for status, k in counts.items():
+            total[status] = total.get(status, 0) + k
+    assert total == {"ok": 501, "duplicate": 1, "malformed": 2, "missing": 1}
+    assert meta["counts"]["unused"] == {"malformed": 1}  # the undated row belongs to no split
+    assert meta["cleaning"]["unsorted"] == 2  # the repeated date and the 2019 row come after later dates
+    assert sum(s["rows"] for s in meta["splits"].values()) == 501
+    assert meta["splits"]["train"]["first"].startswith("2019-12-31T23")
+
+
+def test_bad_settings_fail_before_training(series_csv):
+    task = PricesTask()
+    with pytest.raises(ConfigError, match="patch_len"):
+        task.check(cfg_for(str(series_csv), "prices.lookback=8", "prices.patch_len=16"))
+    with pytest.raises(ConfigError, match="both"):
+        task.check(cfg_for(str(series_csv), 'prices.train_end="2020-01-05"'))
+    with pytest.raises(ConfigError, match="not found"):
+        task.check(cfg_for(str(series_csv) + ".missing"))
+    with pytest.raises(ConfigError, match="too few"):
+        P.windows(cfg_for(str(series_csv), "prices.lookback=64", "prices.horizon=16"), P.prepare(cfg_for(
+            str(series_csv), "prices.lookback=64", "prices.horizon=16")), "validation")
+
+
+@pytest.mark.parametrize("lookback,patch_len,stride", [(96, 16, 8), (50, 7, 3), (16, 16, 4)])
+def test_model_output_shape(lookback, patch_len, stride):
+    cfg = PatchConfig(lookback=lookback, horizon=11, patch_len=patch_len, stride=stride, d_model=16, n_heads=2,
+                      d_ff=32)
+    model = PatchTST(cfg)
+    assert model(torch.randn(3, lookback, 5)).shape == (3, 11, 5)
+    assert model.embed.pos_emb.num_embeddings == cfg.n_patches == (lookback - patch_len) // stride + 2
+    with torch.device("meta"):
+        assert PatchTST(cfg)(torch.randn(2, lookback, 1)).shape == (2, 11, 1)
+
+
+@pytest.mark.parametrize("center", ["mean", "last"])
+def test_instance_normalisation_scales_and_shifts_the_forecast(center):
+    torch.manual_seed(0)
+    model = PatchTST(PatchConfig(lookback=32, horizon=8, patch_len=8, stride=4, d_model=16, n_heads=2, d_ff=32,
+                                 center=center)).eval()
+    torch.nn.init.normal_(model.head.proj.weight, std=0.1)  # the zero-initialised head would forecast a constant
+    x = torch.randn(4, 32, 3).cumsum(1)
+    base = model(x)
+    assert base.std() > 0.1
+    torch.testing.assert_close(model(2.5 * x + 7.0), 2.5 * base + 7.0, rtol=1e-4, atol=1e-4)
+    # channels are independent: one channel's forecast does not depend on the others
+    y = x.clone()
+    y[..., 1:] = torch.randn(4, 32, 2)
+    torch.testing.assert_close(model(y)[..., 0], base[..., 0])
+
+
+def test_untrained_last_centred_model_forecasts_persistence():
+    model = PatchTST(PatchConfig(lookback=32, horizon=8, patch_len=8, stride=4, d_model=16, n_heads=2, d_ff=32,
+                                 center="last"))
+    x = torch.randn(2, 32, 3).cumsum(1)
+    torch.testing.assert_close(model(x), baselines(x, 8)["persistence"])
+
+
+def test_baselines_and_metrics_on_a_hand_made_series():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 4, 1)  # one window, one channel
+    y = torch.tensor([5.0, 7.0]).view(1, 2, 1)
+    b = baselines(x, 2)
+    assert b["persistence"].flatten().tolist() == [4.0, 4.0]
+    assert b["drift"].flatten().tolist() == [5.0, 6.0]  # slope (4 - 1) / 3
+    model = torch.tensor([3.0, 8.0]).view(1, 2, 1)
+    identity = {"transform": "none", "mean": [0.0], "std": [1.0]}
+    m = score({"model": model, **b}, x[:, -1], y, identity)
+    assert m["persistence_mse"] == pytest.approx((1 + 9) / 2) and m["persistence_mae"] == pytest.approx(2.0)
+    assert m["drift_mse"] == pytest.approx(0.5) and m["drift_mae"] == pytest.approx(0.5)
+    assert m["mse"] == pytest.approx((4 + 1) / 2) and m["mae"] == pytest.approx(1.5)
+    assert m["directional_accuracy"] == pytest.approx(0.5) and m["drift_directional_accuracy"] == 1.0
+    assert "persistence_directional_accuracy" not in m and m["price_mse"] == m["mse"]
+    # log prices, z-scored: the price scale is exp(z * std + mean)
+    norm = {"transform": "log", "mean": [1.0], "std": [0.5]}
+    price = lambda z: math.exp(z * 0.5 + 1.0)  # noqa: E731
+    m = score({"model": model, **b}, x[:, -1], y, norm)
+    want = ((price(4) - price(5)) ** 2 + (price(4) - price(7)) ** 2) / 2
+    assert m["persistence_price_mse"] == pytest.approx(want, rel=1e-9)
+    assert m["drift_price_mae"] == pytest.approx(abs(price(6) - price(7)) / 2, rel=1e-9)
+
+
+def test_two_process_zero2_run_lowers_the_loss_and_evaluates(tmp_path, series_csv, cache):
+    run = harness(tmp_path / "run", series_csv, nproc=2, ds="zero2.json", env={"HARNESS_CACHE": str(cache)},
+                  sets=['run.task="prices"', "prices.lookback=32", "prices.horizon=8", "prices.patch_len=8",
+                        "prices.stride=4", "train.max_steps=10", "train.micro_batch_size=8", "schedule.warmup_steps=1"])
+    losses = run.losses
+    assert len(losses) == 10 and losses[10] < 0.7 * losses[1], losses
+    final = run.evals[-1]
+    assert final["step"] == 10
+    for key in ("loss", "mse", "mae", "price_mse", "persistence_mse", "drift_mse", "directional_accuracy",
+                "drift_directional_accuracy"):
+        assert math.isfinite(final[key]), key
+    assert final["mse"] == pytest.approx(final["loss"], rel=1e-4)  # the same windows, the same squared errors
+    # the exported model evaluates on the test split in one process
+    proc = subprocess.run([sys.executable, "-m", "harness", "evaluate", "--run-dir", str(run.dir), "--split", "test"],
+                          cwd=ROOT, env=_env({"HARNESS_CACHE": str(cache)}), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    test = json.loads((run.dir / "eval.json").read_text())["test"]
+    assert test["windows"] == 120 - 8 + 1 - 32 and test["mse"] < test["persistence_mse"]
+    assert "persistence_mse" in proc.stdout

@@ -1,0 +1,215 @@
+"""The protein case study: data preparation, vocabulary, encoder heads, loss masking, MLM masking, training."""
+from __future__ import annotations
+
+import json
+import zipfile
+from collections import Counter
+
+import pytest
+import torch
+
+from harness.config import ConfigError, resolve
+from harness.evaluate import evaluate_run
+from harness.models.encoder import Encoder
+from harness.models.transformer import TransformerConfig
+from harness.prepare import read_meta
+from harness.prepare import protein as prep
+from harness.tasks.protein import IGNORE, ProteinTask
+
+from conftest import harness
+
+SPLITS = ("train", "validation", "test")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    """Prepared data of this module (and of its training run) in a fresh cache, shared by the module's tests."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HARNESS_CACHE", str(tmp_path_factory.mktemp("harness_cache")))
+    yield
+    mp.undo()
+
+
+def config(*sets: str, path: str = ""):
+    return resolve(None, ['run.task="protein"', f"data.path={json.dumps(path)}", *sets]).cfg
+
+
+def totals(meta: dict) -> Counter:
+    return sum((Counter(meta["counts"][s]) for s in SPLITS), Counter())
+
+
+@pytest.fixture(scope="module")
+def default_dir():
+    cfg = config("data.val_fraction=0.1", "data.seq_len=200")
+    ProteinTask().check(cfg)
+    return prep.prepare(cfg)
+
+
+def test_default_data_splits_are_disjoint_and_counted(default_dir):
+    meta = read_meta(default_dir)
+    assert meta["first_line"] == {"rows": 5200, "names": ["UniProt", "AMP"]}  # the count line, not a row
+    counts = totals(meta)
+    assert sum(counts.values()) == 5200 and counts["duplicate"] > 0 and counts["conflict"] > 0
+    assert meta["classes"] == ["0", "1"]
+    splits = {s: prep.load(default_dir, s) for s in SPLITS}
+    seqs = {s: set(d["sequence"]) for s, d in splits.items()}
+    for s, d in splits.items():
+        assert len(seqs[s]) == len(d) == meta["counts"][s]["ok"] + meta["counts"][s].get("truncated", 0)
+    assert not (seqs["train"] & seqs["validation"] or seqs["train"] & seqs["test"] or seqs["validation"] & seqs["test"])
+    n = {s: len(d) for s, d in splits.items()}
+    assert abs(n["test"] / sum(n.values()) - 0.1) < 0.01 and abs(n["validation"] / sum(n.values()) - 0.1) < 0.01
+    for d in splits.values():  # stratified: both classes in every split, in about the source's proportion
+        assert 0.4 < sum(d["label"]) / len(d) < 0.6
+
+
+def test_malformed_rows_are_counted(tmp_path):
+    rows = ["ACDEFGHIKL, 1", "MKVLAAGG, 0", "AC1DE, 1", "GLWSK,", "WWWWW, 1, 3", " , 0", "MNPQRSTVWYAC, 1",
+            "mkvlaagg, 0", "PPPPP, 1", "PPPPP, 0"]
+    path = tmp_path / "amp.csv"
+    path.write_text(f"{len(rows)},1,neg,pos\n" + "\n".join(rows) + "\n")
+    directory = prep.prepare(config("data.seq_len=10", path=str(path)))
+    meta = read_meta(directory)
+    assert totals(meta) == Counter(ok=2, truncated=1, malformed=3, empty=1, duplicate=1, conflict=2)
+    kept = [s for split in SPLITS for s in prep.load(directory, split)["sequence"]]
+    assert sorted(kept) == ["ACDEFGHIKL", "MKVLAAGG", "MNPQRSTVWY"]
+    path.write_text(f"{len(rows) + 1},1,neg,pos\n" + "\n".join(rows) + "\n")
+    with pytest.raises(ConfigError, match="announces 11 rows but 10 follow"):
+        prep.prepare(config("data.seq_len=10", path=str(path)))
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text('{"sequence": "ACDK", "label": "pos"}\nnot json\n{"sequence": 5, "label": "neg"}\n'
+                     '{"sequence": "GGKL", "label": "neg"}\n')
+    meta = read_meta(prep.prepare(config(path=str(jsonl))))
+    assert totals(meta) == Counter(ok=2, malformed=2) and meta["classes"] == ["neg", "pos"]
+
+
+def write_flip(directory):
+    """A FLIP-style splits.zip: t1 train (ends unresolved), t2 train, v1 validation, x1 test, x2 a test copy of
+    t1 (leak), x3 a test chain whose states do not match its length (malformed)."""
+    recs = [("t1", "train", "False", "ACDEFGHIK", "CCHHHEECC", "011111110"),
+            ("t2", "train", "False", "MKVLA", "CHHHC", "11111"),
+            ("v1", "train", "True", "GGSSAW", "CEEEEC", "111111"),
+            ("x1", "test", "False", "PQRSTY", "CCHHCC", "111111"),
+            ("x2", "test", "False", "ACDEFGHIK", "CCHHHEECC", "111111111"),
+            ("x3", "test", "False", "WYWYW", "CCC", "11111")]
+    files = {"sequences.fasta": "".join(f">{n}\n{s}\n" for n, _, _, s, _, _ in recs),
+             "sampled.fasta": "".join(f">{n} SET={st} VALIDATION={v}\n{ss}\n" for n, st, v, _, ss, _ in recs),
+             "mask.fasta": "".join(f">{n}\n{m}\n" for n, _, _, _, _, m in recs)}
+    directory.mkdir()
+    with zipfile.ZipFile(directory / "splits.zip", "w") as z:
+        for name, text in files.items():
+            z.writestr(f"splits/{name}", text)
+    return directory
+
+
+def test_flip_archive_gives_three_splits_with_resolved_residues(tmp_path):
+    cfg = config('protein.objective="residue"', "data.seq_len=64", path=str(write_flip(tmp_path / "flip")))
+    ProteinTask().check(cfg)
+    directory = prep.prepare(cfg)
+    meta = read_meta(directory)
+    assert meta["counts"] == {"train": {"ok": 2}, "validation": {"ok": 1}, "test": {"ok": 1, "leak": 1, "malformed": 1}}
+    train = prep.load(directory, "train")
+    assert train["sequence"] == ["ACDEFGHIK", "MKVLA"]
+    assert train["states"][0] == [IGNORE, 0, 1, 1, 1, 2, 2, 0, IGNORE]  # C=0 H=1 E=2, unresolved ignored
+    assert prep.load(directory, "test")["sequence"] == ["PQRSTY"]
+    with pytest.raises(ConfigError, match="objective = 'residue'"):
+        ProteinTask().check(config(path=str(tmp_path / "flip")))  # classify on per-residue data
+
+
+def test_residue_vocabulary_round_trip(default_dir):
+    tok = prep.tokenizer(default_dir)
+    test = prep.load(default_dir, "test")
+    for seq, ids in zip(test["sequence"], test["ids"]):
+        assert len(ids) == len(seq) and tok.decode(ids) == seq  # one id per residue
+    specials = {tok.piece_id("<mask>"), tok.piece_id("<cls>"), tok.pad_id}
+    assert len(specials) == 3 and not specials & {i for ids in test["ids"] for i in ids}
+
+
+def test_model_shapes_for_every_head():
+    cfg = TransformerConfig(vocab_size=26, max_seq_len=20, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    ids, mask = torch.randint(4, 26, (3, 20)), torch.ones(3, 20, dtype=torch.bool)
+    assert Encoder(cfg, "mlm", 26)(ids, mask).shape == (3, 20, 26)
+    assert Encoder(cfg, "classify", 2)(ids, mask).shape == (3, 2)
+    assert Encoder(cfg, "residue", 3)(ids, mask).shape == (3, 20, 3)
+    with torch.device("meta"):  # `harness plan` builds the model without memory
+        model = ProteinTask().build_model(config("data.val_fraction=0.1", "data.seq_len=200", "model.d_model=32"))
+    assert next(model.parameters()).is_meta and model.cls_head.out_features == 2
+
+
+@pytest.mark.parametrize("objective", ["classify", "residue"])
+def test_padding_never_changes_the_loss(objective, tmp_path):
+    path = "" if objective == "classify" else str(write_flip(tmp_path / "flip"))
+    cfg = config(f"protein.objective={json.dumps(objective)}", "data.val_fraction=0.1", "data.seq_len=200",
+                 "model.d_model=32", "model.n_heads=2", path=path)
+    task = ProteinTask()
+    torch.manual_seed(0)
+    model = task.build_model(cfg).double().eval()
+    samples = task.build_data(cfg).train
+    picked = [samples[i] for i in range(min(4, len(samples)))]
+    batch = task.collate(picked)
+    padded = {k: torch.nn.functional.pad(v, (0, 7), value=fill) if v.dim() == 2 else v
+              for (k, v), fill in zip(batch.items(), (0, False, IGNORE))}
+    alone = sum(task.loss(model, task.collate([s])) for s in picked)
+    together, extra = task.loss(model, batch), task.loss(model, padded)
+    # the loss casts logits to float32: equal to float32 precision
+    assert torch.allclose(together, alone, rtol=1e-6) and torch.allclose(extra, alone, rtol=1e-6)
+    assert task.count(padded) == task.count(batch) == sum(task.count(task.collate([s])) for s in picked)
+    # the mask is what makes this true: attending to the padding changes the loss
+    unmasked = dict(padded, mask=torch.ones_like(padded["mask"]))
+    assert not torch.allclose(task.loss(model, unmasked), alone, rtol=1e-4)
+
+
+def test_masking_is_a_pure_function_of_seed_and_index(default_dir):
+    task = ProteinTask()
+    cfg = config('protein.objective="mlm"', "data.val_fraction=0.1", "data.seq_len=200", "protein.mask_variants=3")
+    rank0, rank1 = task.samples(cfg, "train", train=True), task.samples(cfg, "train", train=True)
+    n = rank0.n
+    assert len(rank0) == 3 * n
+    for i in (0, 5, n + 5):
+        a, b = rank0[i], rank1[i]  # two processes (or a resumed run) asking for the same sample
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["targets"], b["targets"])
+    assert not torch.equal(rank0[5]["targets"], rank0[n + 5]["targets"])  # another copy, another mask
+    other_seed = task.samples(config('protein.objective="mlm"', "data.val_fraction=0.1", "data.seq_len=200",
+                                     "train.seed=1"), "train", train=True)
+    assert any(not torch.equal(rank0[i]["targets"], other_seed[i]["targets"]) for i in range(5))
+    cls, mask_id = rank0.cls_id, rank0.mask_id
+    kinds, original = Counter(), prep.load(default_dir, "train")["ids"]
+    for i in range(400):
+        s, seq = rank0[i], torch.tensor(original[i % n])
+        chosen = s["targets"] != IGNORE
+        assert s["ids"][0] == cls and not chosen[0] and chosen.sum() == max(1, round(0.15 * len(seq)))
+        assert torch.equal(s["targets"][1:][chosen[1:]], seq[chosen[1:]])
+        assert torch.equal(s["ids"][1:][~chosen[1:]], seq[~chosen[1:]])  # only chosen residues change
+        got = s["ids"][chosen]
+        kinds.update(mask=int((got == mask_id).sum()), same=int((got == s["targets"][chosen]).sum()))
+    total = sum(int((rank0[i]["targets"] != IGNORE).sum()) for i in range(400))
+    assert 0.75 < kinds["mask"] / total < 0.85 and 0.07 < kinds["same"] / total < 0.16  # 80/10/10 (+ random hits)
+    val_a, val_b = task.samples(cfg, "validation"), task.samples(config('protein.objective="mlm"', "train.seed=7",
+                                                                        "data.val_fraction=0.1", "data.seq_len=200"),
+                                                                 "validation")
+    assert all(torch.equal(val_a[i]["targets"], val_b[i]["targets"]) for i in range(20))  # fixed eval masking
+
+
+def test_two_process_zero2_classification_learns(tmp_path):
+    out = tmp_path / "run"
+    run = harness(out, "", nproc=2, ds="zero2.json", sets=[
+        'run.task="protein"', "data.seq_len=200", "train.micro_batch_size=16", "train.max_steps=24",
+        "model.d_model=32", "schedule.warmup_steps=3", "train.seed=0"])
+    losses = [run.losses[s] for s in sorted(run.losses)]
+    assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05, losses
+    final = run.evals[-1]
+    assert {"accuracy", "auroc", "loss"} <= final.keys() and final["sequences"] == 462
+    assert final["accuracy"] > 0.6 and final["auroc"] > 0.6, final
+    test = evaluate_run(out, "test")  # one process, the exported model
+    assert test["sequences"] == 462 and test["auroc"] > 0.6
+    # the trained encoder starts an mlm model: shared weights by name, the new head fresh
+    from harness.tasks.protein import init_from
+
+    cfg = config('protein.objective="mlm"', "data.val_fraction=0.1", "data.seq_len=200", "model.d_model=32",
+                 "model.n_heads=2")
+    model = ProteinTask().build_model(cfg)
+    loaded, fresh = init_from(model, cfg, out)
+    assert loaded == ["tok_emb", "pos_emb", "blocks.*", "ln_f"] and fresh == ["mlm_head"]
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / "model.safetensors"))
+    assert torch.equal(model.blocks[1].mlp.fc_in.weight, exported["blocks.1.mlp.fc_in.weight"])

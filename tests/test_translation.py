@@ -1,0 +1,260 @@
+"""Translation case study: data preparation, tokenizer, model, loss, decoding, and a 2-process ZeRO-2 run."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, _env, ds_variant, harness
+from harness.config import ConfigError, resolve
+from harness.decoding import beam_search, greedy
+from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
+from harness.prepare import read_meta
+from harness.prepare import translation as prep
+from harness.tasks.translation import TranslationTask
+
+BIBLE_PAIRS = 31_102  # verses of the King James Bible, every one also in Louis Segond (the issue's figure)
+
+
+def cfg_for(path: str = "", *sets: str):
+    return resolve(None, ['run.task="translation"', "train.max_steps=1", f"data.path={json.dumps(path)}",
+                          *sets]).cfg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_CACHE", str(tmp_path_factory.mktemp("harness_cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def bible():
+    return prep.prepare(cfg_for("", "model.vocab_size=1000"))
+
+
+# A made-up language pair: each English word has one "French" word, adjectives follow their noun.
+LEXICON = {"the": "le", "a": "un", "cat": "chat", "dog": "chien", "man": "homme", "child": "enfant",
+           "sees": "voit", "eats": "mange", "likes": "aime", "follows": "suit", "big": "grand", "small": "petit",
+           "red": "rouge", "old": "vieux", "and": "et", "bread": "pain", "house": "maison", "river": "fleuve"}
+NOUNS, ADJS = ["cat", "dog", "man", "child", "bread", "house", "river"], ["big", "small", "red", "old"]
+
+
+def toy_pair(rng: random.Random) -> tuple[str, str]:
+    def phrase():
+        det, adj, noun = rng.choice(["the", "a"]), rng.choice(ADJS + [""]), rng.choice(NOUNS)
+        return [det, adj, noun] if adj else [det, noun], [LEXICON[det], LEXICON[noun]] + ([LEXICON[adj]] if adj else [])
+    (s1, t1), (s2, t2) = phrase(), phrase()
+    verb = rng.choice(["sees", "eats", "likes", "follows"])
+    return " ".join(s1 + [verb] + s2) + ".", " ".join(t1 + [LEXICON[verb]] + t2) + "."
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    """A Multi30k-shaped directory of line-aligned, gzipped files."""
+    root, rng = tmp_path_factory.mktemp("toy"), random.Random(0)
+    for name, n in (("train", 1200), ("val", 60), ("test_2016_toy", 60)):
+        pairs = [toy_pair(rng) for _ in range(n)]
+        for lang, side in (("en", 0), ("fr", 1)):
+            with gzip.open(root / f"{name}.{lang}.gz", "wt") as f:
+                f.write("\n".join(p[side] for p in pairs) + "\n")
+    return root
+
+
+def tiny_model(vocab: int = 40, seed: int = 0) -> Seq2Seq:
+    torch.manual_seed(seed)
+    return Seq2Seq(Seq2SeqConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)).eval()
+
+
+# --- data --------------------------------------------------------------------------------------------------------
+
+def test_bible_pairs_and_held_out_books(bible):
+    counts = read_meta(bible)["counts"]
+    assert sum(n for split in counts.values() for n in split.values()) == BIBLE_PAIRS
+    splits = {s: prep.load(bible, s) for s in prep.SPLITS}
+    books = {s: {int(k.split(":")[0]) for k in ds["key"]} for s, ds in splits.items()}
+    assert books["validation"] == {prep.BIBLE_BOOKS["validation"]} and books["test"] == {prep.BIBLE_BOOKS["test"]}
+    assert not books["train"] & set(prep.BIBLE_BOOKS.values())  # no held-out book's verse in train
+    held_out = {prep._norm(s) for s in [*splits["validation"]["src"], *splits["test"]["src"]]}
+    assert not held_out & {prep._norm(s) for s in splits["train"]["src"]}  # nor any of their sentences
+    assert counts["validation"].get("ok", 0) + counts["validation"].get("truncated", 0) == len(splits["validation"])
+    first = splits["validation"][0]  # Mark 1:1 in both Bibles, Segond's verse markers stripped
+    assert first["key"] == "41:1:1" and first["src"].startswith("The beginning of the gospel")
+    assert first["tgt"].startswith("Commencement de l'Évangile")
+    assert not any(re.search(r"\(\d+:\d+\)|\[", t) for t in splits["train"]["tgt"])  # Psalm 9:1 had "(9:1)"
+
+
+def test_tokenizer_round_trip(bible):
+    tok, rows = prep.tokenizer(bible), prep.load(bible, "test")
+    assert tok.vocab_size <= 1000 and read_meta(bible)["vocab_size"] == tok.vocab_size
+    for row in rows.select(range(0, len(rows), 97)):
+        for text in (row["src"], row["tgt"]):
+            assert tok.decode(tok.encode(text)) == text
+    assert rows[0]["tgt_ids"][0] == tok.bos_id and rows[0]["tgt_ids"][-1] == tok.eos_id
+    assert rows[0]["src_ids"][-1] == tok.eos_id
+
+
+def test_user_file_rules_are_counted(tmp_path):
+    rows = [{"en": f"the cat number {i} sleeps.", "fr": f"le chat numéro {i} dort."} for i in range(40)]
+    rows += [{"en": "   ", "fr": "vide"},                    # empty
+             {"en": "no target here"},                      # malformed: missing side
+             {"en": 7, "fr": "sept"},                       # malformed: not a string
+             {"en": "x" * 300, "fr": "trop long"},          # too_long: over data.max_row_chars
+             {"en": "the dog barks.", "fr": "le chien aboie."}]  # leak: also in validation
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.tsv"
+    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    val.write_text('en\tfr\nthe dog barks.\tle chien aboie.\n"quoted" words.\t« mots » cités.\n')
+    cfg = cfg_for(str(train), f"data.val_path={json.dumps(str(val))}", "data.max_row_chars=200",
+                  "model.vocab_size=60")
+    directory = prep.prepare(cfg)
+    counts = read_meta(directory)["counts"]
+    assert counts["train"] == {"ok": 40, "empty": 1, "malformed": 2, "too_long": 1, "leak": 1}
+    assert counts["validation"] == {"ok": 2} and "test" not in counts
+    assert prep.load(directory, "validation")["src"][1] == '"quoted" words.'  # tsv: quotes are text
+    with pytest.raises(ConfigError, match="no 'test' split"):
+        prep.load(directory, "test")
+    with pytest.raises(ConfigError, match="model.vocab_size = 32: SentencePiece cannot train"):
+        prep.prepare(cfg_for(str(train), "model.vocab_size=32"))  # fewer pieces than characters
+    with pytest.raises(ConfigError, match="needs columns 'en' and 'de'"):
+        prep.prepare(cfg_for(str(train), "translation.target_lang=\"de\"", "model.vocab_size=60"))
+
+
+def test_directory_source(toy_dir, tmp_path):
+    cfg = cfg_for(str(toy_dir), 'translation.target_lang="fr"', "model.vocab_size=64")
+    directory = prep.prepare(cfg)
+    counts = read_meta(directory)["counts"]
+    assert counts["validation"] == {"ok": 60} and counts["test"] == {"ok": 60}
+    assert sum(counts["train"].values()) == 1200 and counts["train"]["leak"] > 0  # toy sentences repeat
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("train.en", "train.fr", "val.en", "val.fr", "test.en", "test.fr"):
+        (bad / name).write_text("one\ntwo\n" if name != "val.fr" else "one\n")
+    with pytest.raises(ConfigError, match="line i of one must translate line i"):
+        prep.prepare(cfg_for(str(bad), "model.vocab_size=40"))
+    with pytest.raises(ConfigError, match="need exactly one train file for language 'de'"):
+        TranslationTask().check(cfg_for(str(toy_dir), 'translation.source_lang="de"'))
+
+
+# --- model and loss ----------------------------------------------------------------------------------------------
+
+def test_model_shapes_and_cached_decoding():
+    model = tiny_model()
+    src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
+    src[1, 4:] = 0
+    logits = model(src, tgt)
+    assert logits.shape == (3, 5, 40)
+    keep = tgt > 20
+    assert torch.equal(model(src, tgt, keep=keep), logits[keep])  # (N, V) at the kept positions only
+    memory, mask = model(src=src)
+    assert memory.shape == (3, 7, 32) and mask.tolist()[1] == [True] * 4 + [False] * 3
+    cache, steps = None, []
+    for t in range(5):
+        step, cache = model(tgt_in=tgt[:, t:t + 1], memory=memory, src_mask=mask, cache=cache)
+        steps.append(step)
+    assert torch.allclose(torch.cat(steps, 1), logits, atol=1e-5)  # the cache computes what teacher forcing does
+    shared = [n for n, p in model.named_parameters() if p.shape == (40, 32)]
+    assert shared == ["embed"]  # one matrix: source, target and output projection
+
+
+def test_padding_never_changes_the_loss():
+    task, model = TranslationTask(), tiny_model()
+    samples = [{"src_ids": [5, 6, 7, 3], "tgt_ids": [2, 8, 9, 3]}, {"src_ids": [10, 3], "tgt_ids": [2, 11, 12, 13, 3]}]
+    batch = task.collate(samples)
+    wide = {k: torch.cat([v, torch.zeros(v.shape[0], 6, dtype=v.dtype)], 1) for k, v in batch.items()}
+    assert task.count(batch) == task.count(wide) == 7
+    a, b = task.loss(model, batch), task.loss(model, wide)
+    assert torch.allclose(a, b, rtol=1e-5), (a, b)
+    alone = sum(task.loss(model, task.collate([s])) for s in samples)  # each sentence padded to itself
+    assert torch.allclose(a, alone, rtol=1e-5), (a, alone)
+
+
+def test_label_smoothing_by_hand():
+    logits = torch.tensor([[[2.0, 0.0, 1.0, -1.0], [0.5, 0.5, 0.0, 3.0], [1.0, 1.0, 1.0, 1.0]]])  # (1, 3, V=4)
+    batch = {"src": torch.tensor([[3]]), "tgt_in": torch.tensor([[2, 1, 2]]), "tgt_out": torch.tensor([[2, 3, 0]])}
+    task, eps = TranslationTask(), 0.2
+    got = task.loss(lambda src, tgt_in, keep: logits[keep], batch, label_smoothing=eps)
+    want = 0.0
+    for row, target in ((logits[0, 0].tolist(), 2), (logits[0, 1].tolist(), 3)):  # the third target is padding
+        log_z = math.log(sum(math.exp(x) for x in row))
+        nll = [log_z - x for x in row]
+        want += (1 - eps) * nll[target] + eps * sum(nll) / len(row)
+    assert task.count(batch) == 2
+    assert got.item() == pytest.approx(want, rel=1e-6)
+
+
+# --- decoding ----------------------------------------------------------------------------------------------------
+
+def test_beam_one_equals_greedy_and_lockstep():
+    model = tiny_model(seed=3)
+    src = torch.randint(4, 40, (5, 6))
+    src[2, 3:] = 0
+    kw = dict(bos=2, eos=3, pad=0, max_len=12)
+    g = greedy(model, src, **kw)
+    assert beam_search(model, src, beam_size=1, length_penalty=0.6, **kw) == g
+
+    calls = []
+
+    class Counting(torch.nn.Module):  # a rank done early keeps calling the model, as ZeRO-3 needs
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *a, **k):
+            calls.append(1)
+            return self.inner(*a, **k)
+
+    more = lambda active: active or len(calls) < 20  # another rank still busy until 20 calls
+    counting = Counting().eval()
+    assert greedy(counting, src, any_active=more, **kw) == g and len(calls) == 20
+    calls.clear()
+    b4 = beam_search(model, src, beam_size=4, **kw)
+    assert beam_search(counting, src, beam_size=4, any_active=more, **kw) == b4 and len(calls) == 20
+
+
+# --- end to end: 2 processes, ZeRO-2 -----------------------------------------------------------------------------
+
+def test_two_process_zero2_run(toy_dir, tmp_path):
+    run = harness(tmp_path / "run", str(toy_dir), nproc=2, ds="zero2.json",
+                  env={"HARNESS_CACHE": str(tmp_path / "cache")},
+                  sets=['run.task="translation"', 'translation.target_lang="fr"', "model.vocab_size=64",
+                        "model.n_heads=4", "train.max_steps=12", "translation.eval_max_sentences=16",
+                        "translation.beam_size=2"])
+    losses = run.losses
+    assert len(losses) == 12 and losses[12] < losses[1] * 0.8, losses
+    final = run.evals[-1]
+    assert final["sentences"] == 16 and 0.0 <= final["bleu"] <= 100.0 and "bleu_signature" in final
+    assert "copy_source_bleu" in final and final["nll"] > 0
+
+
+def test_zero3_generation_matches_one_process(toy_dir, tmp_path):
+    """Beam search under ZeRO-3 on 2 ranks (parameters gathered collectively at every decoder call, ranks
+    finishing at different steps) ends without deadlock and scores what the exported model scores in 1 process."""
+    cache = tmp_path / "cache"
+    ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)  # every parameter sharded
+    run = harness(tmp_path / "run", str(toy_dir), nproc=2, ds=ds, env={"HARNESS_CACHE": str(cache)},
+                  sets=['run.task="translation"', 'translation.target_lang="fr"', "model.vocab_size=64",
+                        "model.n_heads=4", "train.max_steps=8", "translation.eval_max_sentences=12",
+                        "translation.beam_size=3"], timeout=240)
+    final = run.evals[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_CACHE", str(cache))
+        from harness.export import load_model
+        from harness.world import single_world
+
+        model, cfg = load_model(run.dir)
+        alone = TranslationTask().evaluate(model, cfg, "validation", single_world(), max_sentences=12)
+    assert final["sentences"] == alone["sentences"] == 12
+    assert final["bleu"] == pytest.approx(alone["bleu"], abs=1e-6) and final["chrf"] == pytest.approx(alone["chrf"])
+    assert final["nll"] == pytest.approx(alone["nll"], rel=1e-4)
+    proc = subprocess.run([sys.executable, "-m", "harness", "translate", "--run-dir", str(run.dir),
+                           "the big cat sees a dog.", "a child likes the red bread."], cwd=ROOT,
+                          env=_env({"HARNESS_CACHE": str(cache)}), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.strip().splitlines()) == 2
