@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, _env, ds_variant, harness
+from conftest import ROOT, _env, assert_losses_close, ds_variant, harness
 from harness.config import ConfigError, resolve
 from harness.decoding import beam_search, greedy
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -232,6 +232,40 @@ def test_two_process_zero2_run(toy_dir, tmp_path):
     assert final["sentences"] == 16 and 0.0 <= final["bleu"] <= 100.0 and "bleu_signature" in final
     assert "copy_source_bleu" in final and final["nll"] > 0
 
+
+def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_dir, tmp_path):
+    """Sentences have different lengths, so a mean of per-micro-batch means would weigh tokens unequally:
+    4 x 1, 1 x 4 and 2 ranks x 1 x 2 must give the same step losses and the same weights."""
+    env, sets = {"HARNESS_CACHE": str(tmp_path / "cache")}, [
+        'run.task="translation"', 'translation.target_lang="fr"', "model.vocab_size=64", "model.n_heads=4",
+        "train.max_steps=4", "translation.eval_max_sentences=2", "translation.beam_size=1"]
+    one = harness(tmp_path / "one", str(toy_dir), env=env, sets=sets)
+    accum = harness(tmp_path / "accum", str(toy_dir), env=env,
+                    sets=sets + ["train.micro_batch_size=1", "train.grad_accum_steps=4"])
+    ranks = harness(tmp_path / "ranks", str(toy_dir), nproc=2, ds="zero2.json", env=env,
+                    sets=sets + ["train.micro_batch_size=1", "train.global_batch_size=4"])
+    assert "global batch 4 = 1 x 2 x 2" in ranks.proc.stdout
+    with pytest.MonkeyPatch.context() as mp:  # the premise: micro-batches of one step hold unequal token counts
+        mp.setenv("HARNESS_CACHE", env["HARNESS_CACHE"])
+        from harness.data import StepSampler
+
+        cfg = resolve(str(one.dir / "config.toml")).cfg
+        task = TranslationTask()
+        data = task.build_data(cfg)
+        sampler = StepSampler(len(data.train), 1, 4, 0, 1, cfg.train.seed, 0, 1)
+        counts = [task.count(task.collate([data.train[int(i)]])) for i in sampler.step_indices(0).flatten()]
+        assert len(set(counts)) > 1, counts
+    assert_losses_close(accum.losses, one.losses, 1e-5)
+    assert_losses_close(ranks.losses, one.losses, 1e-5)
+    from safetensors.torch import load_file
+
+    # A key bias shifts every attention score of a query equally, so its true gradient is 0: what reaches it is
+    # rounding noise, which Adam blows up to lr-sized steps of random sign. Every other weight must agree.
+    ref = load_file(str(one.dir / "model.safetensors"))
+    for run in (accum, ranks):
+        other = load_file(str(run.dir / "model.safetensors"))
+        worst = max((other[k] - ref[k]).abs().max().item() for k in ref if not k.endswith("k_proj.bias"))
+        assert worst <= 1e-5, worst
 
 def test_zero3_generation_matches_one_process(toy_dir, tmp_path):
     """Beam search under ZeRO-3 on 2 ranks (parameters gathered collectively at every decoder call, ranks
