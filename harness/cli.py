@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from .train import TrainingStopped, train
     from .world import barrier, init_world
 
-    world = init_world()
+    world = init_world(plan.ds.layout)
     try:
         train(plan, world, resume_from, args.overwrite, args.stop_at)
         barrier()  # every rank is done before any tears down its connections

@@ -1,15 +1,16 @@
 """The consolidated model: one ordinary safetensors file of full fp32 weights, whatever the strategy.
 
 Under ZeRO-3 each rank holds a shard and the module's parameters are empty placeholders; saving
-`engine.module.state_dict()` there writes empty tensors. We gather each parameter's full fp32 (master)
-value instead. Under mixed precision that is the optimizer's fp32 master copy, not the 16-bit weights.
+`engine.module.state_dict()` there writes empty tensors. Under tensor parallelism each rank holds a slice of
+the split layers, under pipeline parallelism only its stage. `parallel.full_state_dict` gathers each
+parameter's full fp32 (master) value under the plain model's name instead. Under mixed precision that is the
+optimizer's fp32 master copy, not the 16-bit weights.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from .config import RunConfig, resolve
@@ -18,20 +19,13 @@ from .world import World
 MODEL_FILE = "model.safetensors"
 
 
-def _full_fp32(param: torch.nn.Parameter) -> torch.Tensor:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    full = safe_get_full_fp32_param(param)  # collective under ZeRO-3; None without a DeepSpeed master copy
-    return (param if full is None else full).detach().float().cpu()
-
-
 def export_model(engine, run_dir: Path, world: World) -> Path | None:
     """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically."""
     from safetensors.torch import save_file
 
-    state = {name: _full_fp32(p) for name, p in engine.module.named_parameters()}
-    for name, buf in engine.module.named_buffers():
-        state[name] = buf.detach().cpu()
+    from .parallel import full_state_dict
+
+    state = full_state_dict(engine, world)
     if not world.is_main:
         return None
     path = run_dir / MODEL_FILE

@@ -6,16 +6,69 @@ import json
 import torch
 
 from .config import all_keys, flatten
-from .ds_config import model_state_bytes
+from .ds_config import model_state_bytes, tp_split_params
+from .parallel import pipeline_partition
 from .startup import Plan
 
 
-def count_params(plan: Plan) -> int:
+MAX_RANKS_SHOWN = 16
+
+
+def meta_model(plan: Plan) -> torch.nn.Module:
     if hasattr(plan.task, "prepare"):  # the model's vocabulary may come from the prepared data: prepare it for real
         plan.task.prepare(plan.run.cfg)
     with torch.device("meta"):  # shapes only: no memory, no init time
-        model = plan.task.build_model(plan.run.cfg)
-    return sum(p.numel() for p in model.parameters())
+        return plan.task.build_model(plan.run.cfg)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Idle share of a step under DeepSpeed's 1F1B TrainSchedule: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def parallel_lines(plan: Plan, model: torch.nn.Module) -> tuple[list[str], int]:
+    """The layout, what each rank holds, and the most parameters any rank holds."""
+    ds, layout = plan.ds, plan.ds.layout
+    n = sum(p.numel() for p in model.parameters())
+    lines = [f"layout: {layout.describe()}"]
+    holds: dict[int, str] = {}
+    per_rank = n
+    if layout.tp_size > 1:
+        split = tp_split_params([name for name, _ in model.named_parameters()], ds.config)
+        sizes = {name: p.numel() for name, p in model.named_parameters()}
+        per_rank = sum(v // layout.tp_size if k in split else v for k, v in sizes.items())
+        column = sum(1 for v in split.values() if v == "column")
+        lines.append(f"tensor parallel: {len(split)} of {len(sizes)} parameter tensors split {layout.tp_size} ways "
+                     f"({column} column-parallel, {len(split) - column} row-parallel; "
+                     f"{sum(sizes[k] for k in split):,} of {n:,} parameters); the rest (embeddings, norms, heads, "
+                     f"row-parallel biases) replicated on every rank")
+        for r in range(layout.world_size):
+            c = layout.coords(r)
+            holds[r] = f"data shard {c['dp_rank']}, tensor slice {c['tp_rank']} of {layout.tp_size}"
+    if layout.pp_size > 1:
+        parts, names, counts, shared = pipeline_partition(model, layout)
+        m = ds.grad_accum_steps
+        lines.append(f"pipeline: {len(names)} layers in {layout.pp_size} stages (partition {layout.partition!r}), "
+                     f"{m} micro-batches per step; bubble (p-1)/(m+p-1) = ({layout.pp_size}-1)/({m}+"
+                     f"{layout.pp_size}-1) = {bubble_fraction(layout.pp_size, m):.1%} of each step idle "
+                     f"(DeepSpeed's 1F1B schedule; more micro-batches shrink it)")
+        stage_params = []
+        for s in range(layout.pp_size):
+            a, b = parts[s], parts[s + 1]
+            # a shared parameter is held once per stage however often the stage uses it
+            stage_params.append(sum(c for c, key in zip(counts[a:b], shared[a:b]) if not key) +
+                                sum(model.get_parameter(key).numel() for key in set(shared[a:b]) - {None}))
+            lines.append(f"  stage {s}: layers {a}-{b - 1} ({', '.join(names[a:b])}), {stage_params[-1]:,} parameters")
+        per_rank = max(stage_params)
+        for r in range(layout.world_size):
+            c = layout.coords(r)
+            holds[r] = f"stage {c['stage']}, data shard {c['dp_rank']}"
+    if holds:
+        shown = list(holds.items())[:MAX_RANKS_SHOWN]
+        lines += [f"  rank {r}: {what}" for r, what in shown]
+        if len(holds) > len(shown):
+            lines.append(f"  ... ({len(holds) - len(shown)} more ranks, same pattern)")
+    return lines, per_rank
 
 
 def _gib(n: int) -> str:
@@ -31,16 +84,19 @@ def render(plan: Plan) -> str:
     lines.append("# DeepSpeed config (as passed to deepspeed.initialize)")
     for key, value in flatten(ds.config).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.source.get(key, 'DeepSpeed default')}")
-    n = count_params(plan)
-    mem = model_state_bytes(n, ds)
+    model = meta_model(plan)
+    n = sum(p.numel() for p in model.parameters())
+    layout_lines, per_rank = parallel_lines(plan, model)
+    mem = model_state_bytes(per_rank, ds)
     lines += [
         "",
         f"world size {ds.layout.world_size} (data parallel {ds.layout.dp_size}); ZeRO stage {ds.zero_stage}, "
         f"{ds.precision}, optimizer offload {'on' if ds.offload_optimizer else 'off'}, "
         f"parameter offload {'on' if ds.offload_params else 'off'}",
+        *layout_lines,
         f"global batch {ds.global_batch_size} = micro {run.cfg.train.micro_batch_size} x accumulation "
         f"{ds.grad_accum_steps} x data parallel {ds.layout.dp_size}",
-        f"model: {n:,} parameters",
+        f"model: {n:,} parameters" + (f", at most {per_rank:,} on one rank" if per_rank != n else ""),
         f"model states per rank (weights, gradients, AdamW; activations not included): "
         f"device {_gib(mem['device'])}, CPU {_gib(mem['cpu'])}",
         f"run directory: {plan.run_dir}",

@@ -1,8 +1,7 @@
 """Everything between the command line and the first step: resolve, preflight, run directory, engine.
 
 `preflight` runs before any process group exists, so bad input ends with one line and exit code 2 on every
-rank instead of a stack trace on rank 7. `build_engine` is the one place that applies parallelism
-(DeepSpeed ZeRO stage, offload, precision) to a plain model.
+rank instead of a stack trace on rank 7. Parallelism is applied to the model in `parallel.py`.
 """
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from .config import ConfigError, Resolved, check_training_length, flatten, read_toml, resolve, to_toml
 from .ds_config import DSResolved, resolve_ds
@@ -105,17 +102,3 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
         saved.write_text(to_toml(plan.run.cfg))
         (plan.run_dir / "ds_config.json").write_text(json.dumps(plan.ds.config, indent=2) + "\n")
     barrier()
-
-
-def build_engine(plan: Plan, world: World, total_steps: int):
-    """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
-    import deepspeed
-
-    from .optim import build_optimizer
-
-    torch.manual_seed(plan.run.cfg.train.seed)  # identical initial weights on every rank
-    model = plan.task.build_model(plan.run.cfg)
-    optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=plan.ds.config)
-    return engine, schedule

@@ -1,11 +1,13 @@
-"""The one training loop, for every strategy DeepSpeed applies: ZeRO 0-3, offload, fp32/bf16/fp16."""
+"""The one training loop, for every strategy DeepSpeed applies: ZeRO 0-3, offload, fp32/bf16/fp16, tensor and
+pipeline parallelism. A pipeline runs each step (and each evaluation batch) through DeepSpeed's schedule;
+everything else (data, loss normalisation, logging, checkpoints, resume, export) is the same code."""
 from __future__ import annotations
 
 import math
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +16,8 @@ from torch.utils.data import DataLoader
 from . import checkpoint
 from .data import StepSampler, eval_batches
 from .export import export_model
-from .startup import Plan, build_engine, prepare_run_dir
+from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
+from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
 from .world import World, all_reduce
 
@@ -45,12 +48,15 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
         real = i < len(batches)
         batch = to_device(task.collate([val[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
                           world.device)
-        loss = task.loss(engine, batch)  # every rank runs `steps` forwards: ZeRO-3 gathers weights collectively
+        # Every rank runs `steps` forwards: ZeRO-3 gathers weights, tensor parallelism all-reduces, collectively.
+        if world.pp_size > 1:  # the data-parallel mean of the ranks' sums (a rank's repeated batch counts 0),
+            totals[0] += pipeline_loss_sum(engine, task, batch, real).double()  # the same on every rank
+        elif real:
+            totals[0] += task.loss(engine, batch).double()
         if real:
-            totals += torch.stack([loss.double(), torch.tensor(task.count(batch), dtype=torch.float64,
-                                                               device=world.device)])
+            totals[1] += task.count(batch)
     engine.train()
-    all_reduce(totals)  # sync point
+    all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return task.metrics((totals[0] / totals[1]).item()) if totals[1] else {}
 
 
@@ -72,7 +78,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
     engine, schedule = build_engine(plan, world, max_steps)
-    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    with torch.device("meta"):  # the whole model's size, whatever share of it this rank holds
+        n_params = sum(p.numel() for p in task.build_model(cfg).parameters())
     start_step, samples_seen, nonfinite = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from, world)
@@ -83,8 +90,10 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             truncate_jsonl(plan.run_dir / name, start_step)
     tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
 
+    model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
+        (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "")
     say(f"harness: task {cfg.run.task}, {n_params:,} parameters | world {world.world_size} "
-        f"(data parallel {world.dp_size}) | ZeRO-{ds.zero_stage} {ds.precision}"
+        f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
         f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
@@ -164,34 +173,45 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed."""
     task, accum = plan.task, len(micro_batches)
     counts = torch.tensor(sum(task.count(b) for b in micro_batches), dtype=torch.float64, device=world.device)
-    n_items = all_reduce(counts)  # collective: the step's global loss normaliser, kept on the device (no host sync)
+    # Collective: the step's global loss normaliser, kept on the device (no host sync). Ranks that read the same
+    # batch (tensor-parallel peers, pipeline stages) each add it, hence the division.
+    n_items = all_reduce(counts) / world.replicas
     # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their product
     # over the global count makes the gradient that of sum(loss) / n_items.
     scale = (world.dp_size * accum / n_items).float()
     skipped_before = engine.skipped_steps
-    # Stage 0 in fp32 keeps no global norm; we compute it from the averaged gradients ourselves.
-    own_grad_norm = plan.ds.zero_stage == 0 and plan.ds.precision == "fp32"
-    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    # Stage 0 in fp32 keeps no global norm; we compute it from the averaged gradients ourselves (one replica).
+    own_grad_norm = plan.ds.zero_stage == 0 and plan.ds.precision == "fp32" and world.replicas == 1
     grad_norm = None
-    for i, batch in enumerate(micro_batches):
-        loss = task.loss(engine, batch)
-        engine.backward(loss * scale)
-        if own_grad_norm and i == accum - 1:  # gradients are all-reduced in the boundary backward
-            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads).item()
-        engine.step()  # steps the optimizer and schedule only at the accumulation boundary
-        loss_sum += loss.detach().double()
+    if world.pp_size > 1:
+        step_loss = pipeline_step(engine, task, micro_batches, scale).item()  # sync point
+    else:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+        for i, batch in enumerate(micro_batches):
+            loss = task.loss(engine, batch)
+            engine.backward(loss * scale)
+            if own_grad_norm and i == accum - 1:  # gradients are all-reduced in the boundary backward
+                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                grad_norm = torch.nn.utils.get_total_norm(grads).item()
+            engine.step()  # steps the optimizer and schedule only at the accumulation boundary
+            loss_sum += loss.detach().double()
+        step_loss = (all_reduce(loss_sum) / world.replicas / n_items).item()  # sync point
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
-    step_loss = (all_reduce(loss_sum) / n_items).item()  # sync point
     return StepResult(step_loss, n_items.item(), grad_norm, engine.skipped_steps > skipped_before)
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False) -> dict:
     metrics = evaluate(engine, plan, val, world)
     if final and hasattr(plan.task, "evaluate"):  # the field's metrics (e.g. BLEU by beam search) once, at the end
-        metrics.update(plan.task.evaluate(engine, plan.run.cfg, "validation", world))
+        model, eval_world = engine, world
+        if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
+            model = plan.task.build_model(plan.run.cfg)  # model and a share of the data
+            model.load_state_dict(full_state_dict(engine, world, everywhere=True))
+            model.to(world.device)
+            eval_world = replace(world, dp_rank=world.rank, dp_size=world.world_size, stage=0, pp_size=1)
+        metrics.update(plan.task.evaluate(model, plan.run.cfg, "validation", eval_world, in_training=True))
     if metrics:
         tracker.log({"step": step, **metrics}, file="eval.jsonl")
         if world.is_main:

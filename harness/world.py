@@ -48,16 +48,32 @@ class World:
     rank: int
     world_size: int
     local_rank: int
-    dp_rank: int
-    dp_size: int
+    dp_rank: int          # which shard of the data this rank reads; tensor-parallel peers and the stages of
+    dp_size: int          # one pipeline read the same one
     device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
+    stage: int = 0        # pipeline stage
+    pp_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def replicas(self) -> int:
+        """Ranks that read the same batch: world / data-parallel size (tensor-parallel peers or stages)."""
+        return self.world_size // self.dp_size
 
-def init_world() -> World:
+    def gather(self, obj) -> list:
+        """Every data-parallel rank's `obj` (picklable), in data-parallel order, on every rank; a sync point.
+        Of the ranks that read the same batch (tensor-parallel peers, pipeline stages) only the first counts."""
+        first = self.tp_rank == 0 and self.stage == 0
+        return [o for lead, o in all_gather_objects((first, obj)) if lead]
+
+
+def init_world(layout=None) -> World:
+    """The process group and this rank's place in `layout` (a `ds_config.Layout`; None = data parallel only)."""
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -66,6 +82,9 @@ def init_world() -> World:
 
     # DeepSpeed 0.19 calls collectives torch has renamed; the warning is theirs to fix, not the user's.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    # A pipeline's tied weights are broadcast in place at build; backward then warns on every rank that the
+    # broadcast has no autograd kernel. Nothing flows back through it (the tests match 1-process losses).
+    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
     # cpu=True routes accelerate to its MULTI_CPU (gloo) set-up, which counts processes correctly.
     with warnings.catch_warnings():  # accelerate warns that it chose OMP_NUM_THREADS for us
         warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
@@ -78,8 +97,14 @@ def init_world() -> World:
         raise RuntimeError(f"inconsistent world size: accelerate says {state.num_processes}, torch.distributed "
                            f"{world_size}, the launcher {launched_world_size()}")
     rank = torch.distributed.get_rank()
-    return World(rank=rank, world_size=world_size, local_rank=state.local_process_index,
-                 dp_rank=rank, dp_size=world_size, device=state.device)
+    if layout is None:
+        from .ds_config import Layout
+
+        layout = Layout(world_size=world_size, dp_size=world_size)
+    if layout.world_size != world_size:
+        raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
+    return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
+                 dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, **layout.coords(rank))
 
 
 def single_world(device: str | torch.device = "cpu") -> World:

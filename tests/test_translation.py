@@ -56,16 +56,21 @@ def toy_pair(rng: random.Random) -> tuple[str, str]:
     return " ".join(s1 + [verb] + s2) + ".", " ".join(t1 + [LEXICON[verb]] + t2) + "."
 
 
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
+def write_toy_dir(root):
     """A Multi30k-shaped directory of line-aligned, gzipped files."""
-    root, rng = tmp_path_factory.mktemp("toy"), random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
     for name, n in (("train", 1200), ("val", 60), ("test_2016_toy", 60)):
         pairs = [toy_pair(rng) for _ in range(n)]
         for lang, side in (("en", 0), ("fr", 1)):
             with gzip.open(root / f"{name}.{lang}.gz", "wt") as f:
                 f.write("\n".join(p[side] for p in pairs) + "\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    return write_toy_dir(tmp_path_factory.mktemp("toy"))
 
 
 def tiny_model(vocab: int = 40, seed: int = 0) -> Seq2Seq:

@@ -9,9 +9,12 @@ objective load into a model with another by name: the shared encoder is taken an
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
 HEADS = {"mlm": "mlm_head", "classify": "cls_head", "residue": "residue_head"}
@@ -34,17 +37,39 @@ class Encoder(nn.Module):
         self.apply(init_weights)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        T = ids.shape[1]
-        pos = torch.arange(T, device=ids.device)
-        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))  # (B, T, C)
-        # Keys that are padding are never attended to, so a real position's output does not depend on how much
-        # padding follows it. (B, 1, 1, T): broadcast over heads and queries.
-        attn_mask = mask[:, None, None, :]
+        x, _ = _embed(self, (ids, mask))  # (B, T, C)
         for block in self.blocks:
-            x = block(x, mask=attn_mask)
-        x = self.ln_f(x)  # (B, T, C)
-        if self.head == "classify":
-            m = mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
-            pooled = (x * m).sum(1) / m.sum(1).clamp(min=1)  # (B, C): mean over real positions only
-            return self.cls_head(pooled)  # (B, n_out)
-        return getattr(self, HEADS[self.head])(x)  # (B, T, vocab) or (B, T, n_out)
+            x, _ = _block(block, (x, mask))
+        return _out(self.head, self, (x, mask))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The same forward as pipeline layers (`pipeline.py`): (ids, mask) -> (x, mask) -> ... -> head output."""
+        head = HEADS[self.head]
+        return [PipeLayer(_embed, tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop),
+                *[PipeLayer(lambda layer, inputs: _block(layer.block, inputs), block=b) for b in self.blocks],
+                PipeLayer(partial(_out, self.head), ln_f=self.ln_f, **{head: getattr(self, head)})]
+
+
+# Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
+def _out(kind: str, m, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Final norm and the head of `kind`."""
+    x, mask = inputs
+    x = m.ln_f(x)  # (B, T, C)
+    if kind == "classify":
+        w = mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
+        pooled = (x * w).sum(1) / w.sum(1).clamp(min=1)  # (B, C): mean over real positions only
+        return m.cls_head(pooled)  # (B, n_out)
+    return getattr(m, HEADS[kind])(x)  # (B, T, vocab) or (B, T, n_out)
+
+
+def _embed(m, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = inputs
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return m.drop(m.tok_emb(ids) + m.pos_emb(pos)), mask  # (B, T, C), (B, T)
+
+
+def _block(block: Block, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Keys that are padding are never attended to, so a real position's output does not depend on how much
+    # padding follows it. mask[:, None, None, :] is (B, 1, 1, T): broadcast over heads and queries.
+    x, mask = inputs
+    return block(x, mask=mask[:, None, None, :]), mask

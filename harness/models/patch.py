@@ -11,10 +11,12 @@ at once. No distributed code here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
+from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
 
@@ -90,18 +92,44 @@ class PatchTST(nn.Module):
         nn.init.zeros_(self.head.proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        B, L, C = x.shape
-        # Instance normalisation in float32 whatever the engine's precision: (B, 1, C) statistics per window.
-        x = x.float()
-        centre = x[:, -1:] if cfg.center == "last" else x.mean(1, keepdim=True)
-        std = (x.var(1, keepdim=True, unbiased=False) + cfg.eps).sqrt()
-        z = ((x - centre) / std).transpose(1, 2).reshape(B * C, L)  # (B*C, L): channels become independent series
-        z = torch.cat([z, z[:, -1:].expand(-1, cfg.stride)], dim=1)  # (B*C, L + stride): repeat the last value
-        patches = z.unfold(1, cfg.patch_len, cfg.stride)  # (B*C, N, P)
-        h = self.embed(patches.to(self.embed.value.weight.dtype))  # (B*C, N, d), in the weights' dtype (bf16/fp16)
+        h, centre, std = _patches(self.cfg, self, x)
         for block in self.blocks:
             h = block(h)  # non-causal: every patch sees every other
-        y = self.head(h).float()  # (B*C, H)
-        y = y.view(B, C, cfg.horizon).transpose(1, 2)  # (B, H, C)
-        return y * std + centre  # undo the instance normalisation
+        return _forecast(self.cfg, self, (h, centre, std))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The same forward as pipeline layers (`pipeline.py`): x -> (tokens, centre, std) -> ... -> forecast."""
+        return [PipeLayer(partial(_pipeline_patches, self.cfg), embed=self.embed),
+                *[PipeLayer(lambda layer, inputs: (layer.block(inputs[0]), *inputs[1:]), block=b)
+                  for b in self.blocks],
+                PipeLayer(partial(_forecast, self.cfg), head=self.head)]
+
+
+# Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
+def _patches(cfg: PatchConfig, m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Windows (B, L, C) -> patch tokens (B*C, N, d) and each window's centre and scale (B, 1, C)."""
+    B, L, C = x.shape
+    # Instance normalisation in float32 whatever the engine's precision: (B, 1, C) statistics per window.
+    x = x.float()
+    centre = x[:, -1:] if cfg.center == "last" else x.mean(1, keepdim=True)
+    std = (x.var(1, keepdim=True, unbiased=False) + cfg.eps).sqrt()
+    z = ((x - centre) / std).transpose(1, 2).reshape(B * C, L)  # (B*C, L): channels become independent series
+    z = torch.cat([z, z[:, -1:].expand(-1, cfg.stride)], dim=1)  # (B*C, L + stride): repeat the last value
+    patches = z.unfold(1, cfg.patch_len, cfg.stride)  # (B*C, N, P)
+    return m.embed(patches.to(m.embed.value.weight.dtype)), centre, std  # tokens in the weights' dtype (bf16/fp16)
+
+
+def _pipeline_patches(cfg: PatchConfig, m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_patches` for a pipeline's first stage: the window statistics are constants of the input, but every float
+    tensor sent to the next stage must take part in backward, so they go as leaves that accept a gradient."""
+    h, centre, std = _patches(cfg, m, x)
+    return h, centre.detach().requires_grad_(), std.detach().requires_grad_()
+
+
+def _forecast(cfg: PatchConfig, m, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Tokens (B*C, N, d) -> forecasts (B, H, C) on the inputs' scale."""
+    h, centre, std = inputs
+    B, C = centre.shape[0], centre.shape[2]
+    y = m.head(h).float()  # (B*C, H)
+    y = y.view(B, C, cfg.horizon).transpose(1, 2)  # (B, H, C)
+    return y * std + centre  # undo the instance normalisation

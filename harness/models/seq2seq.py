@@ -16,7 +16,7 @@
 
 Every use goes through the top-level call (ZeRO-3 gathers parameters in module hooks), selected by keywords:
     model(src, tgt_in)                                  -> logits (B, T, V)          teacher forcing
-    model(src, tgt_in, keep=mask)                       -> logits (N, V)             at mask's N True positions
+    model(src, tgt_in, keep)                            -> logits (N, V)             at keep's N True positions
     model(src=src)                                      -> (memory (B, S, C), src_mask (B, S))   encode once
     model(tgt_in=tok, memory=m, src_mask=s, cache=c)    -> (logits (B, 1, V), cache) one decoder step
 The step's `cache` (None on the first step) is {"self": [(k, v)] per layer, (B, nh, t, hs) growing by one
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .pipeline import PipeLayer, SharedUse
 from .transformer import Attention, Block, TransformerConfig
 
 
@@ -61,7 +62,6 @@ class Seq2Seq(nn.Module):
         layer = TransformerConfig(vocab_size=cfg.vocab_size, max_seq_len=0, d_model=cfg.d_model,
                                   n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ff=cfg.d_ff, dropout=cfg.dropout)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))  # shared: source, target, output
-        self.drop = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(Block(layer) for _ in range(cfg.n_layers))
         self.enc_norm = nn.LayerNorm(cfg.d_model)
         self.decoder = nn.ModuleList(Block(layer, cross=True) for _ in range(cfg.n_layers))
@@ -73,12 +73,10 @@ class Seq2Seq(nn.Module):
         nn.init.normal_(self.embed, std=cfg.d_model ** -0.5)
 
     def _embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(B, T) -> (B, T, C): scaled token embedding plus sinusoidal positions."""
-        x = F.embedding(ids, self.embed) * math.sqrt(self.cfg.d_model)
-        return self.drop(x + sinusoid(start, ids.shape[1], self.cfg.d_model, ids.device).to(x.dtype))
+        return embed_tokens(self.embed, ids, start, self.cfg.dropout, self.training)
 
-    def forward(self, src: torch.Tensor | None = None, tgt_in: torch.Tensor | None = None, *,
-                keep: torch.Tensor | None = None, memory: torch.Tensor | None = None,
+    def forward(self, src: torch.Tensor | None = None, tgt_in: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None, *, memory: torch.Tensor | None = None,
                 src_mask: torch.Tensor | None = None, cache: dict | None = None):
         if memory is None:
             memory, src_mask = self._encode(src)
@@ -86,6 +84,43 @@ class Seq2Seq(nn.Module):
                 return memory, src_mask
             return self._decode(tgt_in, memory, src_mask, keep)
         return self._step(tgt_in, memory, src_mask, cache)
+
+    def pipeline_layers(self) -> list:
+        """Teacher forcing, `model(src, tgt_in, keep)`, as pipeline layers (`pipeline.py`). Between stages flow
+        (x, src_mask, tgt_in, keep) through the encoder, (memory, src_mask, y, keep) through the decoder, then
+        (y, keep); the one embedding matrix is a shared parameter used three times (source, target, output)."""
+        p, pad, last = self.cfg.dropout, self.cfg.pad_id, len(self.decoder) - 1
+
+        def source(weight, inputs, training):
+            src, tgt_in, keep = inputs
+            return embed_tokens(weight, src, 0, p, training), src != pad, tgt_in, keep
+
+        def encode(layer, inputs):
+            x, src_mask, tgt_in, keep = inputs
+            return layer.block(x, mask=src_mask[:, None, None, :]), src_mask, tgt_in, keep
+
+        def target(weight, inputs, training):
+            x, src_mask, tgt_in, keep = inputs
+            return x, src_mask, embed_tokens(weight, tgt_in, 0, p, training), keep
+
+        def decode(i):
+            def run(layer, inputs):
+                memory, src_mask, y, keep = inputs
+                y = layer.block(y, causal=True, memory=memory, memory_mask=src_mask[:, None, None, :])
+                return (y, keep) if i == last else (memory, src_mask, y, keep)  # the memory's last use
+            return run
+
+        def output(weight, inputs, training):
+            y, keep = inputs
+            return F.linear(y[keep], weight)  # (N, V) at the kept target positions
+
+        return [SharedUse("embed", source),
+                *[PipeLayer(encode, block=b) for b in self.encoder],
+                PipeLayer(lambda layer, inputs: (layer.norm(inputs[0]), *inputs[1:]), norm=self.enc_norm),
+                SharedUse("embed", target),
+                *[PipeLayer(decode(i), block=b) for i, b in enumerate(self.decoder)],
+                PipeLayer(lambda layer, inputs: (layer.norm(inputs[0]), inputs[1]), norm=self.dec_norm),
+                SharedUse("embed", output)]
 
     def _encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         src_mask = src != self.cfg.pad_id  # (B, S), True = real token
@@ -131,6 +166,13 @@ class Seq2Seq(nn.Module):
             x = x + block.mlp(block.ln2(x))
         logits = F.linear(self.dec_norm(x), self.embed)  # (B, 1, V)
         return logits, {"self": new_self, "cross": cache["cross"]}
+
+
+def embed_tokens(weight: torch.Tensor, ids: torch.Tensor, start: int, dropout: float, training: bool) -> torch.Tensor:
+    """(B, T) -> (B, T, C): token embedding scaled by sqrt(C) plus sinusoidal positions from `start`, dropout."""
+    C = weight.shape[1]
+    x = F.embedding(ids, weight) * math.sqrt(C)
+    return F.dropout(x + sinusoid(start, ids.shape[1], C, ids.device).to(x.dtype), dropout, training)
 
 
 def _heads(attn: Attention, t: torch.Tensor) -> torch.Tensor:

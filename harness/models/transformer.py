@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .pipeline import PipeLayer
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -106,9 +108,23 @@ class TransformerLM(nn.Module):
         self.apply(init_weights)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        T = ids.shape[1]
-        pos = torch.arange(T, device=ids.device)
-        x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))  # (B, T, C)
+        x = _embed(self, ids)  # (B, T, C)
         for block in self.blocks:
             x = block(x, causal=True)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
+        return _head(self, x)  # (B, T, vocab)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The same forward as pipeline layers (`pipeline.py`): ids -> x (B, T, C) -> ... -> logits."""
+        return [PipeLayer(_embed, tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop),
+                *[PipeLayer(lambda layer, x: layer.block(x, causal=True), block=b) for b in self.blocks],
+                PipeLayer(_head, ln_f=self.ln_f, head=self.head)]
+
+
+# Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
+def _embed(m, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return m.drop(m.tok_emb(ids) + m.pos_emb(pos))  # (B, T, C)
+
+
+def _head(m, x: torch.Tensor) -> torch.Tensor:
+    return m.head(m.ln_f(x))  # (B, T, vocab)

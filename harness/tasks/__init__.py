@@ -35,8 +35,14 @@ class Task(Protocol):
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         """How many items (e.g. target tokens) the batch's loss sums over, known before the forward pass."""
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The SUM of per-item losses over the batch; the loop divides by the global item count."""
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The model's positional arguments for this batch (also what a pipeline's first stage receives)."""
+
+    def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The SUM of per-item losses over the batch, from the model's outputs; the loop divides by the global
+        item count. `loss(model, batch)` is `loss_from(model(*inputs(batch)), batch)`."""
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
     def metrics(self, mean_loss: float) -> dict[str, float]:
         """Evaluation metrics from the mean validation loss."""
@@ -48,12 +54,14 @@ class CaseStudy(Task, Protocol):
     def prepare(self, cfg: RunConfig) -> Path:
         """Clean, split and tokenize the source once (see `harness.prepare`); return the prepared directory."""
 
-    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
         """The field's metrics on a split, computed over the whole split on every rank.
 
-        `model` is the DeepSpeed engine at the end of training (every rank, maybe ZeRO-3) or a plain module in
-        one process (`harness evaluate`). Every rank makes the same number of forward calls, through the
-        model's top-level `__call__` only, so ZeRO-3 can gather parameters collectively.
+        `model` is the DeepSpeed engine at the end of training (every rank, maybe ZeRO-3 or tensor parallel;
+        `in_training` is then true and a task may score a sample of the split), the consolidated plain model on
+        every rank (pipeline runs), or a plain module in one process (`harness evaluate`). Every rank makes the
+        same number of forward calls, through the model's top-level `__call__` only, so ZeRO-3 and tensor
+        parallelism can run their collectives; results are gathered with `world.gather`.
         """
 
 

@@ -77,9 +77,15 @@ class LanguageModelTask:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
 
-    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch["inputs"])  # (B, T, V)
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        return (batch["inputs"],)
+
+    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # logits (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="sum")
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss_from(model(*self.inputs(batch)), batch)
 
     def metrics(self, mean_loss: float) -> dict[str, float]:
         return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0)),

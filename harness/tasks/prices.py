@@ -23,7 +23,6 @@ from ..data import eval_batches
 from ..models.patch import PatchConfig, PatchTST
 from ..prepare import read_meta, summary
 from ..prepare import prices as P
-from ..world import all_gather_objects
 from . import TaskData
 
 
@@ -63,9 +62,14 @@ class PricesTask:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["y"].numel()  # B * horizon * C predicted values
 
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        return (batch["x"],)
+
+    def loss_from(self, pred: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (pred.float() - batch["y"].float()).pow(2).sum()  # pred (B, H, C)
+
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        pred = model(batch["x"])  # (B, H, C)
-        return (pred.float() - batch["y"].float()).pow(2).sum()
+        return self.loss_from(model(*self.inputs(batch)), batch)
 
     def metrics(self, mean_loss: float) -> dict[str, float]:
         return {"loss": mean_loss, "rmse": math.sqrt(max(mean_loss, 0.0))}
@@ -86,12 +90,12 @@ class PricesTask:
                 mine.append((idx, pred))
         model.train(was_training)
         out = torch.empty(len(data), data.horizon, data.values.shape[1])
-        for part in all_gather_objects(mine):  # sync point: every rank's (indices, forecasts)
+        for part in world.gather(mine):  # sync point: every data-parallel rank's (indices, forecasts)
             for idx, pred in part:
                 out[idx] = pred
         return out
 
-    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
         directory = self.prepare(cfg)
         data = P.windows(cfg, directory, split)
         pred = self.forecast(model, data, cfg.train.micro_batch_size, world)

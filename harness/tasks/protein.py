@@ -32,7 +32,7 @@ from ..models.transformer import TransformerConfig
 from ..prepare import read_meta, summary
 from ..prepare import protein as prep
 from ..tokenizer import PAD
-from ..world import all_gather_objects, launched_rank
+from ..world import launched_rank
 from . import TaskData
 
 IGNORE = prep.IGNORE
@@ -151,8 +151,14 @@ class ProteinTask:
             return batch["labels"].numel()
         return int((batch["targets"] != IGNORE).sum())
 
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["ids"], batch["mask"]
+
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(batch["ids"], batch["mask"]).float()  # (B, classes) or (B, T, vocab or states)
+        return self.loss_from(model(*self.inputs(batch)), batch)
+
+    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = logits.float()  # (B, classes) or (B, T, vocab or states)
         if "labels" in batch:
             return F.cross_entropy(logits, batch["labels"], reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
@@ -165,7 +171,7 @@ class ProteinTask:
         return {"loss": mean_loss}
 
     @torch.no_grad()
-    def evaluate(self, model, cfg: RunConfig, split: str, world) -> dict[str, float | str]:
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
         """The field's metrics over the whole split, on every rank (see the Task protocol for the ZeRO-3 rules)."""
         samples = self.samples(cfg, split)
         if not len(samples):
@@ -182,7 +188,7 @@ class ProteinTask:
             if real:
                 mine += _per_sample(logits, batch)
         model.train(was_training)
-        outputs = [o for rank in all_gather_objects(mine) for o in rank]  # sync point
+        outputs = [o for rank in world.gather(mine) for o in rank]  # sync point
         return _field_metrics(cfg.protein.objective, outputs)
 
 

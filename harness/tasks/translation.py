@@ -25,7 +25,7 @@ from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 from ..prepare import read_meta, summary
 from ..prepare import translation as prep
 from ..tokenizer import PAD
-from ..world import all_gather_objects, all_reduce
+from ..world import all_reduce
 from . import TaskData
 
 
@@ -76,11 +76,18 @@ class TranslationTask:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["tgt_out"] != PAD).sum())
 
-    def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
-        real = batch["tgt_out"] != PAD  # (B, T)
-        logits = model(batch["src"], batch["tgt_in"], keep=real)  # (N, V): logits at the N real target tokens
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return batch["src"], batch["tgt_in"], batch["tgt_out"] != PAD  # keep (B, T): the real target tokens
+
+    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor],
+                  label_smoothing: float | None = None) -> torch.Tensor:
+        # logits (N, V) at the N real target tokens, in row-major order
         eps = self.label_smoothing if label_smoothing is None else label_smoothing
-        return F.cross_entropy(logits.float(), batch["tgt_out"][real], label_smoothing=eps, reduction="sum")
+        target = batch["tgt_out"][batch["tgt_out"] != PAD]  # (N,)
+        return F.cross_entropy(logits.float(), target, label_smoothing=eps, reduction="sum")
+
+    def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
+        return self.loss_from(model(*self.inputs(batch)), batch, label_smoothing)
 
     def metrics(self, mean_loss: float) -> dict[str, float]:
         return {"loss": mean_loss}  # label-smoothed; `evaluate` reports the plain NLL and perplexity
@@ -88,16 +95,17 @@ class TranslationTask:
     # --- the field's evaluation ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, model, cfg: RunConfig, split: str, world, max_sentences: int | None = None) -> dict:
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
+                 max_sentences: int | None = None) -> dict:
         """BLEU/chrF of beam-search output on `split`, copy-source BLEU, NLL; the same on every rank.
 
-        At the end of training (`model` is a DeepSpeed engine) only translation.eval_max_sentences sentences,
-        evenly spread over the split, are decoded; `harness evaluate` (a plain module) decodes them all.
+        At the end of training (`in_training`) only translation.eval_max_sentences sentences, evenly spread over
+        the split, are decoded; `harness evaluate` decodes them all.
         """
         directory = self.prepare(cfg)
         rows, tok = prep.load(directory, split), prep.tokenizer(directory)
         if max_sentences is None:
-            max_sentences = cfg.translation.eval_max_sentences if hasattr(model, "backward") else 0
+            max_sentences = cfg.translation.eval_max_sentences if in_training else 0
         if not len(rows):
             raise ConfigError(f"{directory}: the {split!r} split has no sentence pairs to evaluate")
         n = len(rows) if not max_sentences else min(max_sentences, len(rows))
@@ -126,7 +134,7 @@ class TranslationTask:
                 out += [(j, tok.decode(h)) for j, h in zip(ids, hyps)]
         model.train(was_training)
         all_reduce(nll)  # sync point
-        decoded = dict(x for part in all_gather_objects(out) for x in part)  # sync point; index -> hypothesis
+        decoded = dict(x for part in world.gather(out) for x in part)  # sync point; index -> hypothesis
         order = sorted(decoded)
         hyps = [decoded[j] for j in order]
         refs = [rows[j]["tgt"] for j in order]

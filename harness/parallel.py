@@ -1,0 +1,229 @@
+"""Parallelism applied to a plain model: the one module that hands models to DeepSpeed and gets them back.
+
+- Data parallel, ZeRO 0-3, offload, precision: `deepspeed.initialize` with the resolved config.
+- Tensor parallel: the same call; DeepSpeed's AutoTP replaces the Linear layers that the config's layer specs
+  match (by the models' naming convention, see `models/transformer.py`) with column- or row-parallel ones, in
+  place, so the optimizer built before still holds the right parameters. Embeddings, norms and output heads
+  stay whole on every rank (replicated): they are small next to the blocks at the sizes AutoTP pays off, and a
+  whole head keeps every task's loss code unchanged.
+- Pipeline: the model's `pipeline_layers()` (the same modules, so the same initial weights as one process)
+  become a `deepspeed.pipe.PipelineModule` whose loss is the task's summed loss times a scale that the loop
+  sets before each batch; a shared parameter becomes a tied layer.
+
+`full_state_dict` undoes all of it: the full fp32 (master) weights under the plain model's names.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+from torch import nn
+
+from .config import ConfigError
+from .ds_config import tp_split_params
+from .models.pipeline import SharedUse
+from .world import World, all_gather_objects, barrier
+
+
+def build_engine(plan, world: World, total_steps: int):
+    """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
+    import deepspeed
+
+    from .optim import build_optimizer
+
+    torch.manual_seed(plan.run.cfg.train.seed)  # identical initial weights on every rank
+    model = plan.task.build_model(plan.run.cfg)
+    layout = plan.ds.layout
+    if layout.tp_size > 1:
+        split = tp_split_params([n for n, _ in model.named_parameters()], plan.ds.config)
+        if not split:
+            raise ConfigError("tensor_parallel.partition_config.layer_specs match no parameter of the model; the "
+                              "harness's models name them blocks.N.attn.q_proj.weight, ... (see configs/ds/tp2_*.json)")
+    if layout.pp_size > 1:
+        model = pipeline_module(model, plan)
+    optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=plan.ds.config)
+    _check_groups(engine, world)
+    return engine, schedule
+
+
+# --- pipeline ----------------------------------------------------------------------------------------------------
+
+class PipelineLoss:
+    """The pipeline's loss_fn: the task's summed loss over a micro-batch, times `scale`.
+
+    DeepSpeed averages a pipeline's micro-batch losses over the accumulation steps and the data-parallel ranks;
+    the loop sets scale = dp x accumulation / (global item count), so the gradient is that of sum / count, as
+    in every other strategy. `labels` is the whole batch (its tensors in key order), rebuilt into a dict."""
+
+    def __init__(self, task):
+        self.task, self.keys, self.scale = task, (), 1.0
+
+    def __call__(self, outputs, labels) -> torch.Tensor:
+        return self.task.loss_from(outputs, dict(zip(self.keys, labels))) * self.scale
+
+
+class _Shared(nn.Module):
+    """One copy of a shared parameter on a stage that uses it (a DeepSpeed tied layer)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+
+
+def pipeline_module(model: nn.Module, plan):
+    """`model`'s pipeline layers as a PipelineModule with the plan's stages, partition and checkpointing.
+
+    Every rank builds the whole plain model first (so the weights equal a 1-process run's), then keeps its
+    stage's layers on the device; `plain_names` maps each local parameter to its name in the plain model."""
+    from deepspeed.pipe import PipelineModule, TiedLayerSpec
+
+    if not hasattr(model, "pipeline_layers"):
+        raise ConfigError(f"task {plan.run.cfg.run.task!r}: its model has no pipeline_layers(); use a config without "
+                          f"a pipeline section")
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    layers = []
+    for layer in model.pipeline_layers():
+        if isinstance(layer, SharedUse):
+            layers.append(TiedLayerSpec(layer.key, _Shared, tuple(params[layer.key].shape), tied_weight_attr=["weight"],
+                                        forward_fn=lambda mod, x, fn=layer.fn: fn(mod.weight, x, mod.training)))
+        else:
+            layers.append(layer)
+    layout = plan.ds.layout
+    rng = torch.get_rng_state()  # building tied layers draws random init: keep the stream a 1-process run has
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints the partition; `harness plan` shows it
+        pipe = PipelineModule(layers=layers, num_stages=layout.pp_size, loss_fn=PipelineLoss(plan.task),
+                              partition_method=layout.partition,
+                              activation_checkpoint_interval=layout.checkpoint_interval,
+                              dynamic_shape=True)  # batches differ in length from one micro-batch to the next
+    torch.set_rng_state(rng)
+    if list(pipe.parts) != pipeline_partition(model, layout)[0]:  # what `harness plan` showed is what runs
+        raise RuntimeError(f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, the plan as "
+                           f"{pipeline_partition(model, layout)[0]}")
+    plain_names = {}
+    for name, p in pipe.named_parameters():
+        if name.startswith("tied_modules."):  # tied_modules.<key>.weight: a fresh copy, given the plain value
+            key = name.split(".")[1]
+            with torch.no_grad():
+                p.copy_(params[key])
+            plain_names[name] = key
+        else:
+            plain_names[name] = names[id(p)]
+    pipe.plain_names = plain_names
+    pipe.plain_param_count = len(params)
+    return pipe
+
+
+def pipeline_partition(model: nn.Module, layout) -> tuple[list[int], list[str], list[int], list[str | None]]:
+    """Stage boundaries as DeepSpeed's PipelineModule computes them (parts[s]:parts[s+1] are stage s's layers),
+    and per layer: its name (its modules in the plain model), its parameter count, its shared parameter's key."""
+    from deepspeed.runtime import utils as ds_utils
+
+    module_names = {id(m): n for n, m in model.named_modules()}
+    params = dict(model.named_parameters())
+    names, counts, shared = [], [], []
+    for layer in model.pipeline_layers():
+        if isinstance(layer, SharedUse):  # a tied layer counts its parameter at every use, as DeepSpeed does
+            names.append(f"{layer.key} (shared)")
+            counts.append(params[layer.key].numel())
+            shared.append(layer.key)
+        else:
+            names.append("+".join(module_names[id(m)] for m in layer.children()))
+            counts.append(sum(p.numel() for p in layer.parameters()))
+            shared.append(None)
+    if layout.partition == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(counts), num_parts=layout.pp_size)
+    else:
+        parts = ds_utils.partition_balanced(weights=counts, num_parts=layout.pp_size)
+    return [int(p) for p in parts], names, counts, shared
+
+
+def pipeline_batch(engine, task, batch: dict[str, torch.Tensor]) -> tuple:
+    """(inputs, labels) for one micro-batch: the first stage reads the inputs, the last the labels."""
+    inputs = task.inputs(batch)
+    engine.module.loss_fn.keys = tuple(sorted(batch))
+    return (inputs[0] if len(inputs) == 1 else inputs), tuple(batch[k] for k in sorted(batch))
+
+
+def pipeline_step(engine, task, micro_batches: list[dict[str, torch.Tensor]], scale: torch.Tensor) -> torch.Tensor:
+    """One optimizer step through the pipeline schedule; the step's loss (sum / global count), on every rank."""
+    engine.module.loss_fn.scale = scale
+    return engine.train_batch(data_iter=iter([pipeline_batch(engine, task, b) for b in micro_batches]))
+
+
+def pipeline_loss_sum(engine, task, batch: dict[str, torch.Tensor], real: bool) -> torch.Tensor:
+    """The summed loss of one evaluation batch, averaged over the data-parallel ranks (DeepSpeed's eval_batch);
+    a batch run only to keep ranks in step (`real` false) counts zero."""
+    engine.module.loss_fn.scale = 1.0 if real else 0.0
+    out = engine.eval_batch(data_iter=iter([pipeline_batch(engine, task, batch)]), num_micro_batches=1)
+    return out.reshape(())
+
+
+# --- consolidation -----------------------------------------------------------------------------------------------
+
+def full_state_dict(engine, world: World, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
+    """The full fp32 (master) weights and the buffers, under the plain model's names, on rank 0 (on every rank
+    with `everywhere`). Collective: every rank calls it."""
+    if world.pp_size > 1:
+        mine = {engine.module.plain_names[n]: _full_fp32(p) for n, p in engine.module.named_parameters()}
+        full = {}
+        for part in all_gather_objects(mine if world.dp_rank == 0 else {}):  # sync point: one copy per stage
+            full.update(part)
+        if len(full) != engine.module.plain_param_count:
+            raise RuntimeError(f"pipeline consolidation found {len(full)} of {engine.module.plain_param_count} "
+                               f"parameters")
+    else:
+        full = {name: _tp_full(module, pname, p, world)
+                for name_m, module in engine.module.named_modules()
+                for pname, p in module.named_parameters(recurse=False)
+                for name in [f"{name_m}.{pname}" if name_m else pname]}
+        full.update({name: buf.detach().cpu() for name, buf in engine.module.named_buffers()})
+    barrier()
+    return full if everywhere or world.is_main else None
+
+
+def _fp32(param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master value (on the device) of a parameter, whole over ZeRO's data-parallel shards."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(param)  # collective under ZeRO; None without a DeepSpeed master copy
+    return (param if full is None else full).detach().float()
+
+
+def _full_fp32(param: torch.nn.Parameter) -> torch.Tensor:
+    return _fp32(param).cpu()
+
+
+def _tp_full(module: nn.Module, pname: str, param, world: World) -> torch.Tensor:
+    """A parameter's fp32 value; a tensor-parallel shard is all-gathered along its split dimension."""
+    if world.tp_size == 1:
+        return _full_fp32(param)
+    local = _fp32(param)
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+    from deepspeed.utils import groups
+
+    dim = 1 if isinstance(module, LinearAllreduce) and pname == "weight" else \
+        0 if isinstance(module, LinearLayer) and not isinstance(module, LinearAllreduce) else None
+    if dim is None:  # replicated (embeddings, norms, heads, a row layer's bias)
+        return local.cpu()
+    parts = [torch.empty_like(local) for _ in range(world.tp_size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=groups.get_tensor_model_parallel_group())  # sync
+    return torch.cat(parts, dim).cpu()
+
+
+def _check_groups(engine, world: World) -> None:
+    """The data shards the loop reads must be the ones DeepSpeed averages gradients over."""
+    if world.pp_size > 1:
+        got = {"dp_rank": engine.grid.data_parallel_id, "stage": engine.stage_id}
+    elif world.tp_size > 1:
+        from deepspeed.utils import groups
+
+        got = {"dp_rank": groups.get_data_parallel_rank(), "tp_rank": groups.get_tensor_model_parallel_rank()}
+    else:
+        return
+    want = {k: getattr(world, k) for k in got}
+    if got != want:
+        raise RuntimeError(f"rank {world.rank}: DeepSpeed placed it at {got}, the harness at {want}")

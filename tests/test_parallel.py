@@ -1,0 +1,192 @@
+"""Tensor and pipeline parallelism, named by a DeepSpeed config: 2 (and 4) processes give the per-step losses of
+1 process over the same global batches; resume and the consolidated export work in each; layouts DeepSpeed does
+not support are refused by `harness plan` before launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import DS, assert_losses_close, harness
+from harness.plan import bubble_fraction
+from test_plan import plan, write
+
+FP32_TOL = 1e-5
+PIPE = ["train.micro_batch_size=2", "train.grad_accum_steps=2"]  # 2 micro-batches of 2 flow through the stages
+
+
+def ds_file(tmp_path, base: str, **sections) -> str:
+    """A shipped DeepSpeed config with some top-level sections changed."""
+    cfg = json.loads((DS / base).read_text())
+    cfg.update(sections)
+    path = tmp_path / f"{base.removesuffix('.json')}-variant.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def val_loss_of_export(run) -> float:
+    """The exported model's mean validation loss, computed in this process with a plain module."""
+    from harness.export import load_model
+    from harness.tasks import get_task
+
+    model, cfg = load_model(run.dir)
+    task = get_task(cfg.run.task)
+    val = task.build_data(cfg).val
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(0, len(val), 8):
+            batch = task.collate([val[j] for j in range(i, min(i + 8, len(val)))])
+            total += task.loss(model, batch).item()
+            count += task.count(batch)
+    return total / count
+
+
+@pytest.mark.parametrize("config,sets,layout", [("tp2_zero1.json", [], "tensor parallel 2"),
+                                                ("pp2_zero1.json", PIPE, "pipeline 2 stages")])
+def test_model_parallel_matches_single_process_and_exports_the_whole_model(config, sets, layout, cached_run):
+    ref = cached_run("ref-fp32", ds="zero0.json")
+    two = cached_run(config, nproc=2, ds=config, sets=sets)
+    assert f"(data parallel 1, {layout})" in two.proc.stdout
+    assert_losses_close(two.losses, ref.losses, FP32_TOL)
+    # the consolidated export: whole tensors under the plain model's names, giving the engine's final loss
+    from safetensors.torch import load_file
+
+    exported, plain = load_file(str(two.dir / "model.safetensors")), load_file(str(ref.dir / "model.safetensors"))
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in plain.items()}
+    assert abs(val_loss_of_export(two) - two.evals[-1]["loss"]) < 1e-5
+    assert abs(two.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("config,sets,layout", [
+    ("tp2_zero2.json", ["train.micro_batch_size=2"], "tensor parallel 2"),
+    ("pp2_zero1.json", ["train.micro_batch_size=1", "train.grad_accum_steps=2"], "pipeline 2 stages")])
+def test_model_parallel_times_data_parallel_on_four_processes(config, sets, layout, cached_run):
+    """x DP2: the two replicas read different halves of each global batch (else the losses would differ), and
+    the validation loss counts every sample once."""
+    ref = cached_run("ref-fp32", ds="zero0.json")
+    four = cached_run(f"{config}-dp2", nproc=4, ds=config, sets=sets)
+    assert f"world 4 (data parallel 2, {layout})" in four.proc.stdout
+    assert_losses_close(four.losses, ref.losses, FP32_TOL)
+    assert abs(four.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
+
+
+@pytest.mark.parametrize("config,sets", [("tp2_zero1.json", []), ("pp2_zero1.json", PIPE)])
+def test_resume_continues_with_the_uninterrupted_losses(config, sets, tmp_path, corpus):
+    # dropout on: every rank's RNG (each stage's, each tensor-parallel peer's) must come back too
+    sets = sets + ["train.max_steps=8", "train.save_every=2", "model.dropout=0.1"]
+    full = harness(tmp_path / "full", corpus, nproc=2, ds=config, sets=sets)
+    harness(tmp_path / "part", corpus, nproc=2, ds=config, sets=sets, args=["--stop-at", "5"])
+    resumed = harness(tmp_path / "part", corpus, nproc=2, ds=config, sets=sets, args=["--resume", "auto"])
+    assert "resumed from" in resumed.proc.stdout and "step_00000005" in resumed.proc.stdout
+    assert_losses_close(resumed.losses, full.losses, 1e-6)
+    assert resumed.evals[-1]["loss"] == pytest.approx(full.evals[-1]["loss"], rel=1e-6)
+
+
+def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(tmp_path):
+    """Encoder-decoder stages pass (memory, source mask, token ids, ...) along, the one embedding matrix is used on
+    both stages, and activations are recomputed in backward: the losses and the BLEU are those of 1 process."""
+    from test_translation import write_toy_dir
+
+    toy = write_toy_dir(tmp_path / "toy")
+    env = {"HARNESS_CACHE": str(tmp_path / "cache")}
+    sets = ['run.task="translation"', 'translation.target_lang="fr"', "model.vocab_size=64", "model.n_heads=4",
+            "train.max_steps=6", "translation.eval_max_sentences=8", "translation.beam_size=2"]
+    ref = harness(tmp_path / "ref", str(toy), env=env, sets=sets)
+    ds = ds_file(tmp_path, "pp2_zero1.json", pipeline={"stages": 2, "activation_checkpoint_interval": 1})
+    pp = harness(tmp_path / "pp", str(toy), nproc=2, ds=ds, env=env, sets=sets + PIPE)
+    assert_losses_close(pp.losses, ref.losses, FP32_TOL)
+    for key in ("loss", "nll", "bleu", "chrf"):
+        assert pp.evals[-1][key] == pytest.approx(ref.evals[-1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_pipeline_forecaster_passes_window_statistics_between_stages(tmp_path, cached_run):
+    """The price forecaster's first stage sends its per-window centre and scale to the last (float tensors that
+    need no gradient, which a pipeline must still carry through backward)."""
+    from test_prices import write_series
+
+    series = write_series(tmp_path / "series.csv", n=600)
+    env = {"HARNESS_CACHE": str(tmp_path / "cache")}
+    sets = ['run.task="prices"', "prices.lookback=32", "prices.horizon=8", "prices.patch_len=8", "prices.stride=4",
+            "train.max_steps=5"]
+    ref = harness(tmp_path / "ref", str(series), env=env, sets=sets)
+    pp = harness(tmp_path / "pp", str(series), nproc=2, ds="pp2_zero1.json", env=env, sets=sets + PIPE)
+    assert_losses_close(pp.losses, ref.losses, FP32_TOL)
+    assert pp.evals[-1]["mse"] == pytest.approx(ref.evals[-1]["mse"], rel=1e-5)
+
+
+def test_every_model_runs_the_same_forward_as_pipeline_layers():
+    from harness.models.encoder import Encoder
+    from harness.models.patch import PatchConfig, PatchTST
+    from harness.models.pipeline import SharedUse
+    from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
+    from harness.models.transformer import TransformerConfig, TransformerLM
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=40, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    ids, tgt = torch.randint(4, 40, (3, 9)), torch.randint(4, 40, (3, 6))
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    patch = PatchTST(PatchConfig(lookback=32, horizon=8, patch_len=8, stride=4, d_model=16, n_heads=2, d_ff=32))
+    torch.nn.init.normal_(patch.head.proj.weight)  # the zero-initialised head would hide the blocks
+    cases = [(TransformerLM(cfg), (ids,)), (Encoder(cfg, "classify", 2), (ids, mask)),
+             (Encoder(cfg, "residue", 3), (ids, mask)),
+             (Seq2Seq(Seq2SeqConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)),
+              (ids * mask, tgt, tgt > 20)),
+             (patch, (torch.randn(3, 32, 4),))]
+    for model, inputs in cases:
+        model.eval()
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for layer in model.pipeline_layers():
+            x = layer.fn(getattr(model, layer.key), x, False) if isinstance(layer, SharedUse) else layer(x)
+        assert torch.equal(x, model(*inputs)), type(model).__name__
+
+
+def test_plan_shows_the_layout_the_bubble_and_what_each_rank_holds(tmp_path):
+    run = write(tmp_path, "run.toml", "[train]\nmax_steps = 5\ngrad_accum_steps = 4\n[model]\nn_layers = 4\n")
+    out = plan("--run", run, "--ds", str(DS / "pp2_zero1.json"), "--world-size", "4")
+    assert out.returncode == 0, out.stderr
+    assert "layout: data 2 x tensor 1 x pipeline 2 = world 4" in out.stdout
+    assert "(2-1)/(4+2-1) = 20.0% of each step idle" in out.stdout
+    assert "rank 3: stage 1, data shard 1" in out.stdout and "stage 0: layers 0-" in out.stdout
+    out = plan("--run", run, "--ds", str(DS / "tp2_zero1.json"), "--world-size", "4")
+    assert out.returncode == 0, out.stderr
+    assert "rank 1: data shard 0, tensor slice 1 of 2" in out.stdout and "split 2 ways" in out.stdout
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 8) == 0.0
+
+
+TP = json.loads((DS / "tp2_zero1.json").read_text())["tensor_parallel"]
+
+
+@pytest.mark.parametrize("ds,args,message", [
+    ({"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}}, ["--world-size", "2"],
+     "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+    ({"zero_optimization": {"stage": 3}, "pipeline": {"stages": 2}}, ["--world-size", "2"],
+     "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": TP}, ["--world-size", "3"],
+     "world size 3 is not a multiple of tensor_parallel.autotp_size 2"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, ["--world-size", "3"],
+     "world size 3 is not a multiple"),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": TP}, ["--world-size", "2", "--set", "model.n_heads=1"],
+     "must divide model.n_heads = 1"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 4}}, ["--world-size", "4", "--set", "model.n_layers=2"],
+     "pipeline.stages = 4 (ds file"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}, "tensor_parallel": TP}, ["--world-size", "4"],
+     "cannot combine AutoTP with pipeline parallelism"),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}, ["--world-size", "2"],
+     "needs partition_config.layer_specs"),
+    ({"zero_optimization": {"stage": 0}, "pipeline": {"stages": 2}}, ["--world-size", "2"],
+     "clips by the first stage's gradient norm only"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "micro_batch": 4}}, ["--world-size", "2"],
+     "did you mean `pipeline.micro_batches`"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "micro_batches": 4}},
+     ["--world-size", "2", "--set", "train.grad_accum_steps=2"], "pipeline.micro_batches = 4"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "partition": "best"}}, ["--world-size", "2"],
+     "pipeline.partition = 'best'"),
+])
+def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
+    path = write(tmp_path, "ds.json", json.dumps(ds))
+    out = plan("--ds", path, "--set", "train.max_steps=10", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
