@@ -1,4 +1,5 @@
-"""The `harness` command: train, plan, keys, prepare, evaluate, translate. Input errors print one line and exit 2 before any training."""
+"""The `harness` command: train, plan, keys, prepare, evaluate, translate, bench. Input errors print one line and exit 2
+before any training."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
                    help="accelerate's mixed_precision to check against (default: $ACCELERATE_MIXED_PRECISION or no)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="also estimate on paper the memory per GPU, step "
+                   "time and speedup of this strategy on G GPUs per node x --nodes (nothing is run)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes for the scaling estimate (default 1)")
+    p.add_argument("--interconnect", default="ib-ndr400", metavar="[INTRA:]INTER", help="inter-node link preset: "
+                   "nvlink4, nvlink3, pcie5, pcie4, ib-ndr400, ib-hdr200, ethernet-100g; INTRA:INTER also sets the "
+                   "intra-node link (default nvlink4), e.g. pcie4:ethernet-100g")
+    p.add_argument("--profile", metavar="bench.json", help="a `harness bench` result: its one-process step time and "
+                   "peak memory replace the 6N-FLOPs and activation formulas")
+    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed without --profile")
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
     pr = sub.add_parser("prepare", help="clean, split and tokenize a case study's data once (training reuses it)")
     pr.add_argument("task", choices=["translation", "protein", "prices"])
@@ -42,6 +52,29 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split; writes RUN/eval.json")
     ev.add_argument("--run-dir", required=True, metavar="DIR")
     ev.add_argument("--split", default="test", choices=["validation", "test"])
+    b = sub.add_parser("bench", help="time a sweep of strategies, precisions, sizes and process counts, one "
+                       "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
+    b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
+    b.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train, for all")
+    b.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
+    b.add_argument("--nproc", default="1", help="comma-separated process counts (GPUs on a GPU machine)")
+    b.add_argument("--mixed-precision", default="no", help="comma-separated accelerate mixed_precision values "
+                   "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
+    b.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                   help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
+    b.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    b.add_argument("--warmup", type=int, default=5, help="steps run before timing starts")
+    b.add_argument("--out", default="bench", help="the report's directory")
+    b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
+    b.add_argument("--overhead", action="store_true", help="also time the harness against a plain PyTorch loop "
+                   "on the same model and batches (1 process)")
+    b.add_argument("--rounds", type=int, default=2, help="alternations of harness and plain loop for --overhead")
+    b.add_argument("--largest", choices=["n_layers", "d_model"], help="also find, per configuration, the largest "
+                   "model (by this size) that trains within the memory budget")
+    b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
+                   "GPU: the card's memory)")
+    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers or units of "
+                   "n_heads x 8 of width")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     tr.add_argument("--run-dir", required=True, metavar="DIR")
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
@@ -80,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "bench":
+            from .bench.run import run_bench
+
+            run_bench(args)
+            return 0
         if args.command in ("evaluate", "translate"):
             from . import evaluate
 
@@ -96,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
 
             plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
             print(render(plan))
+            if args.gpus_per_node is not None:
+                from .plan import meta_model
+                from .scaling import render_scaling
+
+                n = sum(p.numel() for p in meta_model(plan).parameters())
+                print("\n" + "\n".join(render_scaling(plan, n, args.gpus_per_node, args.nodes, args.interconnect,
+                                                      args.profile, args.mfu)))
             return 0
         plan = make_plan(args.run, args.set, args.ds)
         from .startup import preflight

@@ -54,7 +54,10 @@ class DataSection:
     val_fraction: float = _f(0.05, "fraction of rows held out for validation when `val_path` is empty")
     seq_len: int = _f(128, "tokens per training sample")
     max_row_chars: int = _f(20000, "rows longer than this are truncated to it (and counted)")
-    num_workers: int = _f(0, "DataLoader worker processes per rank")
+    num_workers: int = _f(0, "DataLoader worker processes per rank (each prefetches 4 batches ahead)")
+    bucket: int = _f(0, "length-bucketed batches: sort samples by length within windows of this many global "
+                     "batches, so a micro-batch pads little (the batches' order stays random); 0 = off; tasks with "
+                     "variable-length samples only (translation, protein)")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class TrainSection:
     keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep")
     seed: int = _f(0, "seed for model init, data order and dropout")
     max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss")
+    activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
+                                        "pass instead of storing them: less memory, about a third more compute "
+                                        "(pipelines use pipeline.activation_checkpoint_interval instead)")
+    compile: bool = _f(False, "compile the model with torch.compile (DeepSpeed's engine.compile); the first "
+                       "steps are slow while it compiles")
 
 
 @dataclass(frozen=True)
@@ -286,7 +294,7 @@ def _check(r: Resolved) -> None:
     non_negative = ["train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
                     "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
                     "model.dropout", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
-                    "data.num_workers"]
+                    "data.num_workers", "data.bucket"]
     for key in positive + non_negative:
         section, name = key.split(".")
         v = getattr(getattr(c, section), name)

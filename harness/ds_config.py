@@ -349,6 +349,12 @@ def _check_optimizer(opt: Any, run: Resolved, label: str) -> None:
                               f"{run_values[key]!r} ({origin}); set it to \"auto\" or make them agree")
 
 
+def gpu_has_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
     if accel not in ("no", "fp16", "bf16"):
         raise ConfigError(f"accelerate mixed_precision = {accel!r} is not supported with DeepSpeed here; "
@@ -363,9 +369,13 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
         if not isinstance(section, dict):
             raise ConfigError(f"{name} ({label}) must be an object like {{\"enabled\": true}}")
         value = section.get("enabled", False)
-        if value == "auto":  # accelerate's meaning: follow --mixed_precision
+        if value == "auto" and accel != "no":  # accelerate's meaning: follow --mixed_precision
             section["enabled"] = value = accel == name
             source[f"{name}.enabled"] = f"auto, filled from accelerate mixed_precision={accel!r}"
+        elif value == "auto":  # no precision asked for: bf16 where the GPU has it, else fp32
+            section["enabled"] = value = name == "bf16" and gpu_has_bf16()
+            source[f"{name}.enabled"] = f"auto: {'bf16, the default on this GPU' if gpu_has_bf16() else 'fp32 here'}" \
+                                        f" (accelerate mixed_precision='no')"
         enabled[name] = bool(value)
     if enabled.get("fp16") and enabled.get("bf16"):
         raise ConfigError(f"fp16.enabled and bf16.enabled are both true ({label}); choose one")

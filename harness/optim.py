@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ def lr_factor(step: int, total: int, s: ScheduleSection) -> float:
 
 def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps: int):
     """AdamW without weight decay on biases and norm weights (1-d tensors). With ZeRO optimizer offload the
-    states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update."""
+    states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update; on a GPU, DeepSpeed's fused
+    Adam does it."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -34,7 +36,22 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    elif torch.cuda.is_available():
+        optimizer = _fused_adamw(groups, kwargs)
     else:
-        optimizer = torch.optim.AdamW(groups, fused=torch.cuda.is_available() or None, **kwargs)
+        optimizer = torch.optim.AdamW(groups, **kwargs)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
     return optimizer, schedule
+
+
+def _fused_adamw(groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
+    """DeepSpeed's fused (multi-tensor) AdamW on the GPU; PyTorch's fused AdamW if DeepSpeed's kernel cannot be
+    built here (it compiles on first use with the CUDA toolkit's nvcc)."""
+    try:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the other fused kernel
+        warnings.warn(f"DeepSpeed's FusedAdam is not available ({str(e).splitlines()[0][:200]}); using "
+                      f"torch.optim.AdamW(fused=True)")
+        return torch.optim.AdamW(groups, fused=True, **kwargs)

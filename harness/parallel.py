@@ -40,13 +40,36 @@ def build_engine(plan, world: World, total_steps: int):
         if not split:
             raise ConfigError("tensor_parallel.partition_config.layer_specs match no parameter of the model; the "
                               "harness's models name them blocks.N.attn.q_proj.weight, ... (see configs/ds/tp2_*.json)")
+    if plan.run.cfg.train.activation_checkpointing:
+        checkpoint_blocks(model)
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
     optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)
     _check_groups(engine, world)
+    if plan.run.cfg.train.compile:
+        engine.compile()  # torch.compile of the wrapped module, after DeepSpeed has installed its hooks
     return engine, schedule
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Recompute every Transformer block's activations in backward instead of keeping them (non-reentrant
+    checkpointing: integer inputs and ZeRO-3's parameter hooks are fine with it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .models.transformer import Block
+
+    def wrap(forward):
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation and decoding: nothing to save memory on
+                return forward(*args, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return run
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = wrap(module.forward)
 
 
 # --- pipeline ----------------------------------------------------------------------------------------------------

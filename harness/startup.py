@@ -42,8 +42,14 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     check_training_length(run.cfg)
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
+    if run.cfg.data.bucket and not hasattr(task, "lengths"):
+        raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
+                          f"bucketing them changes nothing, set it to 0")
     ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
                     accel_precision or accelerate_mixed_precision())
+    if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
+        raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
+                          f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))
 
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from . import checkpoint
 from .data import StepSampler, eval_batches
 from .export import export_model
+from .models.flops import TRAIN_FACTOR
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
@@ -73,13 +74,15 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
         data = task.build_data(cfg)
     sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=ds.grad_accum_steps,
-                        dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed)
+                        dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
+                        lengths=task.lengths(data.train) if cfg.data.bucket else None)
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
     engine, schedule = build_engine(plan, world, max_steps)
-    with torch.device("meta"):  # the whole model's size, whatever share of it this rank holds
-        n_params = sum(p.numel() for p in task.build_model(cfg).parameters())
+    with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
+        meta_model = task.build_model(cfg)
+    n_params = sum(p.numel() for p in meta_model.parameters())
     start_step, samples_seen, nonfinite = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from, world)
@@ -101,20 +104,22 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
     # The loader's own generator: drawing its worker seed from the global RNG would shift dropout after a resume.
-    loader = iter(DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate,
-                             num_workers=cfg.data.num_workers, pin_memory=world.device.type == "cuda",
-                             generator=torch.Generator().manual_seed(t.seed)))
+    workers = cfg.data.num_workers
+    loader = iter(DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate, num_workers=workers,
+                             pin_memory=world.device.type == "cuda", prefetch_factor=4 if workers else None,
+                             persistent_workers=workers > 0, generator=torch.Generator().manual_seed(t.seed)))
     progress = _progress(world, start_step, max_steps)
-    window_start, window_items, window_steps, last_metrics = time.perf_counter(), 0.0, 0, {}
+    window_start, window_work, window_steps, last_metrics = time.perf_counter(), torch.zeros(4, dtype=torch.float64), 0, {}
     stop = min(max_steps, stop_at) if stop_at else max_steps
     step = start_step
     while step < stop:
         lr = schedule.get_last_lr()[0]
-        micro_batches = [to_device(next(loader), world.device) for _ in range(ds.grad_accum_steps)]
-        result = train_step(engine, plan, micro_batches, world)
+        cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
+        work = step_work(task, meta_model, cpu_batches)  # counted on the host: no device sync
+        result = train_step(engine, plan, [to_device(b, world.device) for b in cpu_batches], world, work)
         step += 1
         samples_seen += ds.global_batch_size
-        window_items += result.n_items
+        window_work += result.work
         window_steps += 1
         progress.update(1)
         nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
@@ -133,16 +138,18 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             peak = torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
             all_reduce(peak, torch.distributed.ReduceOp.MAX)  # sync point, on logging steps only
             seconds = time.perf_counter() - window_start
+            items, flops, real, padded = window_work.tolist()
             record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                      "samples_seen": samples_seen, "tokens_per_s": window_items / seconds,
-                      "step_s": seconds / window_steps,
+                      "samples_seen": samples_seen, "tokens_per_s": items / seconds,
+                      "step_s": seconds / window_steps, "tflops": flops / seconds / 1e12,
+                      "padding": 1 - real / padded if padded else 0.0,
                       "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch}
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)
             progress.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                                  refresh=False)
-            window_start, window_items, window_steps = time.perf_counter(), 0.0, 0
+            window_start, window_work, window_steps = time.perf_counter(), torch.zeros_like(window_work), 0
         if t.eval_every and step % t.eval_every == 0 and step < max_steps:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
         if (t.save_every and step % t.save_every == 0) or step == stop:
@@ -164,18 +171,31 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
 @dataclass(frozen=True)
 class StepResult:
     loss: float               # mean over the step's global items (e.g. target tokens)
-    n_items: float            # global items in the step
+    work: torch.Tensor        # global: items, model FLOPs, real and padded positions (see `step_work`)
     grad_norm: float | None   # global gradient norm before clipping
     skipped: bool             # fp16 overflow: DeepSpeed skipped the update
 
 
-def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World) -> StepResult:
+def step_work(task, meta_model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """This rank's share of a step, from its host-side batches: [items (the loss normaliser), model training FLOPs
+    (analytic, `models/flops.py`), real positions, padded positions]."""
+    work = torch.zeros(4, dtype=torch.float64)
+    for b in batches:
+        real, padded = task.padding(b) if hasattr(task, "padding") else (1, 1)
+        work += torch.tensor([task.count(b), TRAIN_FACTOR * meta_model.forward_flops(*task.inputs(b)), real, padded],
+                             dtype=torch.float64)
+    return work
+
+
+def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
+               work: torch.Tensor) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed."""
     task, accum = plan.task, len(micro_batches)
-    counts = torch.tensor(sum(task.count(b) for b in micro_batches), dtype=torch.float64, device=world.device)
-    # Collective: the step's global loss normaliser, kept on the device (no host sync). Ranks that read the same
-    # batch (tensor-parallel peers, pipeline stages) each add it, hence the division.
-    n_items = all_reduce(counts) / world.replicas
+    # Collective: the step's global loss normaliser (and the logged work), one all-reduce kept on the device (no
+    # host sync). Ranks that read the same batch (tensor-parallel peers, pipeline stages) each add it, hence the
+    # division.
+    work = all_reduce(work.to(world.device)) / world.replicas
+    n_items = work[0]
     # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their product
     # over the global count makes the gradient that of sum(loss) / n_items.
     scale = (world.dp_size * accum / n_items).float()
@@ -199,7 +219,7 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
-    return StepResult(step_loss, n_items.item(), grad_norm, engine.skipped_steps > skipped_before)
+    return StepResult(step_loss, work.cpu(), grad_norm, engine.skipped_steps > skipped_before)
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False) -> dict:

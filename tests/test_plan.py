@@ -103,6 +103,13 @@ def test_auto_precision_follows_accelerate_and_agreeing_values_pass(tmp_path):
     r = resolve(None, STEPS)
     assert resolve_ds(r, str(DS / "zero2.json"), 2, "bf16").precision == "bf16"
     assert resolve_ds(r, str(DS / "zero2.json"), 2, "no").precision == "fp32"
+    # no precision asked for: bf16 on a GPU that has it (the default for speed), fp32 elsewhere
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("harness.ds_config.gpu_has_bf16", lambda: True)
+        on_gpu = resolve_ds(r, str(DS / "zero2.json"), 2, "no")
+        assert on_gpu.precision == "bf16" and "bf16, the default on this GPU" in on_gpu.source["bf16.enabled"]
+        assert resolve_ds(r, str(DS / "zero2.json"), 2, "fp16").precision == "fp16"  # asked for: followed
+        assert resolve_ds(r, str(DS / "fp32.json"), 2, "no").precision == "fp32"  # pinned: kept
     agreeing = write(tmp_path, "ds.json", json.dumps({"gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                                                       "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
     ds = resolve_ds(r, agreeing, 2)

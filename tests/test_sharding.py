@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, _env
 from harness.config import ConfigError
@@ -50,3 +51,24 @@ def test_eval_shards_cover_every_sample_once_in_lockstep(n, micro, dp):
     steps = {s for _, s in shards}
     assert len(steps) == 1  # every rank runs the same number of forward passes (ZeRO-3 gathers in them)
     assert max(len(b) for b, _ in shards) == steps.pop()
+
+
+def test_length_buckets_keep_the_epoch_a_permutation_and_batch_similar_lengths():
+    lengths = [(i * 37) % 101 + 1 for i in range(960)]
+    kw = dict(n=960, micro=4, accum=2, dp_size=2, seed=3, start_step=0, max_steps=60)
+    plain = StepSampler(**kw, dp_rank=0)
+    bucketed = [StepSampler(**kw, dp_rank=r, lengths=lengths, bucket=10) for r in range(2)]
+    assert sorted(bucketed[0].epoch_order(0).tolist()) == sorted(plain.epoch_order(0).tolist())  # same samples
+    assert not torch.equal(bucketed[0].epoch_order(0), plain.epoch_order(0))
+    assert torch.equal(bucketed[0].epoch_order(1), StepSampler(**kw, dp_rank=0, lengths=lengths, bucket=10)
+                       .epoch_order(1))  # a pure function of (seed, epoch): resume and ranks agree
+
+    def spread(sampler):  # mean (longest - shortest) within a micro-batch: what padding costs
+        batches = list(sampler)
+        return sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+
+    assert spread(bucketed[0]) < 0.2 * spread(plain)
+    mine = [set(i for b in StepSampler(**kw, dp_rank=r, lengths=lengths, bucket=10) for i in b) for r in range(2)]
+    assert not mine[0] & mine[1]  # ranks stay disjoint
+    steps = [bucketed[0].step_indices(s)[0, 0].tolist() for s in range(0, 120, 24)]  # epochs 0-1, varied steps
+    assert len({lengths[b[0]] for b in steps}) > 1  # the batches' order is shuffled, not long-to-short

@@ -79,3 +79,11 @@ def test_accumulation_across_ranks(cached_run):
                      sets=["train.micro_batch_size=1", "train.global_batch_size=4"])
     assert "global batch 4 = 1 x 2 x 2" in two.proc.stdout
     assert_losses_close(two.losses, ref.losses, FP32_TOL)
+
+
+@pytest.mark.parametrize("option", ["train.activation_checkpointing=true", "train.compile=true"])
+def test_recomputation_and_compilation_keep_the_losses(option, cached_run):
+    """Activations recomputed in backward, or the model compiled: the same arithmetic, the same losses."""
+    ref = cached_run("ref-fp32", ds="zero0.json")
+    run = cached_run(option, ds="zero2.json", sets=[option])
+    assert_losses_close(run.losses, ref.losses, FP32_TOL)

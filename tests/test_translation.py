@@ -233,6 +233,7 @@ def test_two_process_zero2_run(toy_dir, tmp_path):
                         "translation.beam_size=2"])
     losses = run.losses
     assert len(losses) == 12 and losses[12] < losses[1] * 0.8, losses
+    assert all(0 < m["padding"] < 1 and m["tflops"] > 0 for m in run.metrics)  # sentences differ in length
     final = run.evals[-1]
     assert final["sentences"] == 16 and 0.0 <= final["bleu"] <= 100.0 and "bleu_signature" in final
     assert "copy_source_bleu" in final and final["nll"] > 0

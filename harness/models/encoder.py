@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from . import flops
 from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
@@ -41,6 +42,13 @@ class Encoder(nn.Module):
         for block in self.blocks:
             x, _ = _block(block, (x, mask))
         return _out(self.head, self, (x, mask))
+
+    def forward_flops(self, ids: torch.Tensor, mask: torch.Tensor) -> float:
+        """Analytic FLOPs of `forward(ids, mask)` over the real (unpadded) positions (see `flops.py`)."""
+        c, lengths = self.cfg, mask.sum(1)
+        n_out = getattr(self, HEADS[self.head]).out_features
+        head = flops.linear(len(ids) if self.head == "classify" else int(lengths.sum()), c.d_model, n_out)
+        return flops.encoder_blocks(lengths, c.n_layers, c.d_model, c.d_ff) + head
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The same forward as pipeline layers (`pipeline.py`): (ids, mask) -> (x, mask) -> ... -> head output."""

@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from . import flops
 from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
@@ -96,6 +97,14 @@ class PatchTST(nn.Module):
         for block in self.blocks:
             h = block(h)  # non-causal: every patch sees every other
         return _forecast(self.cfg, self, (h, centre, std))
+
+    def forward_flops(self, x: torch.Tensor) -> float:
+        """Analytic FLOPs of `forward(x)` (see `flops.py`): B*C series of n_patches tokens each."""
+        c, series = self.cfg, x.shape[0] * x.shape[2]
+        tokens = series * c.n_patches
+        return flops.linear(tokens, c.patch_len, c.d_model) + \
+            flops.encoder_blocks(torch.full((series,), c.n_patches), c.n_layers, c.d_model, c.d_ff) + \
+            flops.linear(series, c.n_patches * c.d_model, c.horizon)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The same forward as pipeline layers (`pipeline.py`): x -> (tokens, centre, std) -> ... -> forecast."""

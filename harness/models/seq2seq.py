@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flops
 from .pipeline import PipeLayer, SharedUse
 from .transformer import Attention, Block, TransformerConfig
 
@@ -84,6 +85,13 @@ class Seq2Seq(nn.Module):
                 return memory, src_mask
             return self._decode(tgt_in, memory, src_mask, keep)
         return self._step(tgt_in, memory, src_mask, cache)
+
+    def forward_flops(self, src: torch.Tensor, tgt_in: torch.Tensor, keep: torch.Tensor) -> float:
+        """Analytic FLOPs of teacher forcing, `forward(src, tgt_in, keep)`, over real tokens (see `flops.py`)."""
+        c = self.cfg
+        s, t = (src != c.pad_id).sum(1), keep.sum(1)  # (B,) source and target lengths
+        return flops.encoder_blocks(s, c.n_layers, c.d_model, c.d_ff) + \
+            flops.decoder_blocks(t, s, c.n_layers, c.d_model, c.d_ff) + flops.linear(int(t.sum()), c.d_model, c.vocab_size)
 
     def pipeline_layers(self) -> list:
         """Teacher forcing, `model(src, tgt_in, keep)`, as pipeline layers (`pipeline.py`). Between stages flow

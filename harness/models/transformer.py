@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flops
 from .pipeline import PipeLayer
 
 
@@ -112,6 +113,12 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x, causal=True)
         return _head(self, x)  # (B, T, vocab)
+
+    def forward_flops(self, ids: torch.Tensor) -> float:
+        """Analytic FLOPs of `forward(ids)` (see `flops.py`)."""
+        c, (B, T) = self.cfg, ids.shape
+        return flops.encoder_blocks(torch.full((B,), T), c.n_layers, c.d_model, c.d_ff) + \
+            flops.linear(B * T, c.d_model, c.vocab_size)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The same forward as pipeline layers (`pipeline.py`): ids -> x (B, T, C) -> ... -> logits."""

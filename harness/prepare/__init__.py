@@ -50,6 +50,9 @@ def prepared(task: str, settings: dict[str, Any], build: Callable[[Path], dict[s
     if (final / META).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    import datasets
+
+    datasets.disable_progress_bars()  # the counts in meta.json, printed by the callers, say what they would
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         meta = build(tmp)

@@ -146,6 +146,15 @@ class ProteinTask:
                                                                padding_value=IGNORE)  # (B, T)
         return batch
 
+    def padding(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(real, padded) positions of the batch."""
+        return int(batch["mask"].sum()), batch["mask"].numel()
+
+    def lengths(self, data: Samples) -> list[int]:
+        """Each sample's length in positions (with <cls>), for length-bucketed batches."""
+        lengths = [len(ids) + 1 for ids in data.rows.with_format(None)["ids"]]
+        return lengths * data.variants
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         if "labels" in batch:
             return batch["labels"].numel()

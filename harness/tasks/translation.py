@@ -76,6 +76,15 @@ class TranslationTask:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["tgt_out"] != PAD).sum())
 
+    def padding(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(real, padded) positions of the batch, source and target sides."""
+        src, tgt = batch["src"], batch["tgt_in"]
+        return int((src != PAD).sum()) + self.count(batch), src.numel() + tgt.numel()
+
+    def lengths(self, data) -> list[int]:
+        """Each training pair's cost in positions, for length-bucketed batches."""
+        return [len(a) + len(b) for a, b in zip(data["src_ids"], data["tgt_ids"])]
+
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return batch["src"], batch["tgt_in"], batch["tgt_out"] != PAD  # keep (B, T): the real target tokens
 

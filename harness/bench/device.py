@@ -1,0 +1,75 @@
+"""The device's peak arithmetic rate, two ways: a datasheet table and a measured matrix multiply.
+
+Model FLOPs utilisation (MFU) divides the model's achieved FLOP/s by one of these; both are reported, since
+a datasheet peak is a promise (dense tensor-core rate at boost clock) and a measured one is what this machine
+does with a large matrix product today.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense (no sparsity) peak TFLOP/s per GPU, from the vendors' datasheets, by a substring of the device name.
+# fp32 is the plain (non-tensor-core) rate: PyTorch does not use TF32 for matmuls unless told to.
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},   # SXM5 (H100 80GB HBM3)
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def table_peak(name: str, precision: str) -> float | None:
+    """FLOP/s from the table, or None for a device (or precision) it does not list (every CPU)."""
+    for key, rates in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100": first match wins
+        if key in name and precision in rates:
+            return rates[precision] * 1e12
+    return None
+
+
+def measured_peak(precision: str, n: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n matrix product in `precision` on this device: the median of `repeats` timed
+    products after a warm-up (CUDA events on a GPU), on random data (zeros can run faster)."""
+    cuda = torch.cuda.is_available()
+    n = n or (8192 if cuda else 1024)
+    dtype = DTYPES[precision] if cuda or precision == "fp32" else torch.float32  # CPUs: fp32 is the honest peak
+    device = "cuda" if cuda else "cpu"
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up: kernel selection, thread pool start
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()  # sync point
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
+def describe(precisions: list[str]) -> dict:
+    """The device block of bench.json: name, kind, count and, per precision, both peaks (FLOP/s per device)."""
+    name = device_name()
+    return {"name": name, "kind": "cuda" if torch.cuda.is_available() else "cpu",
+            "count": torch.cuda.device_count() if torch.cuda.is_available() else 1,
+            "peak_flops": {p: {"table": table_peak(name, p), "measured": measured_peak(p)} for p in precisions}}

@@ -1,0 +1,129 @@
+"""`harness bench`: resolve a sweep, measure it, derive utilisation and scaling, write the report.
+
+Optional studies in the same run (so their variants share the machine's state):
+- `--overhead`: the harness (1 process, ZeRO-0) against a plain PyTorch loop (`plain.py`) on the same model
+  and batches, alternating `--rounds` times; overhead = median step time of the harness / of the plain loop - 1.
+- `--largest n_layers|d_model`: for each configuration, the largest model it trains, found by doubling that
+  size and then bisecting, each try a 2-step run that must exit cleanly within `--memory-budget-gb` of device
+  memory per rank (on a GPU, the card's memory by default; on a CPU, required: there, offloaded states share
+  the same RAM, so offload reaches no further).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from . import device, report
+from .sweep import ROOT, Config, ds_path, grid, measure, model_parallel_size, plan_for, summary
+
+
+def _params(plan) -> int:
+    from ..plan import meta_model
+
+    return sum(p.numel() for p in meta_model(plan).parameters())
+
+
+def run_bench(args) -> dict:
+    sets = list(args.set)
+    configs = grid([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
+                   args.mixed_precision.split(","), args.vary)
+    fitting = [c for c in configs if c.nproc % model_parallel_size(c.ds) == 0]  # tp2 on 1 process: not a config
+    for c in [c for c in configs if c not in fitting]:
+        print(f"skipped {c.name}: its tensor x pipeline size {model_parallel_size(c.ds)} needs a multiple of it "
+              f"in processes", flush=True)
+    if not fitting:
+        raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
+    configs = fitting
+    plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any launch
+    if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
+        raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
+    out = Path(args.out)
+    precisions = sorted({p.ds.precision for p in plans.values()})
+    result = {"schema": report.SCHEMA, "task": next(iter(plans.values())).run.cfg.run.task, "run_file": args.run,
+              "sets": sets, "steps": args.steps, "warmup": args.warmup, "device": device.describe(precisions),
+              "configs": []}
+    for i, c in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] {c.name}", flush=True)
+        entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout)
+        result["configs"].append({**entry, "params": _params(plans[c])})
+    report.derive(result["configs"], result["device"])
+    if args.overhead:
+        result["overhead"] = overhead(args, sets, out)
+    if args.largest:
+        result["largest"] = [largest(c, args, sets, out) for c in configs]
+    for path in report.write(result, out):
+        print(f"wrote {path}")
+    print(report.markdown(result))
+    return result
+
+
+def overhead(args, sets: list[str], out: Path) -> dict:
+    """Harness vs plain loop on 1 process, alternated `args.rounds` times; medians of all timed steps."""
+    config = Config(ds_path("zero0"), 1, "no")
+    plan = plan_for(config, args.run, sets)
+    harness_steps, plain_steps = [], []
+    for _ in range(args.rounds):
+        entry = measure(config, plan, args.run, sets, out / "overhead", args.warmup, args.steps, args.timeout)
+        if entry["status"] != "ok":
+            raise RuntimeError(f"the harness run for the overhead study failed: {entry['error']}")
+        harness_steps += entry["step_s_values"]
+        cmd = [sys.executable, "-m", "harness.bench.plain", "--steps", str(args.warmup + args.steps),
+               "--precision", plan.ds.precision, *(["--run", args.run] if args.run else [])]
+        for s in sets:
+            cmd += ["--set", s]
+        env = {**os.environ, **({} if torch.cuda.is_available() else {"OMP_NUM_THREADS": str(os.cpu_count() or 1)})}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the plain loop failed: {proc.stderr.strip().splitlines()[-1:]}")
+        plain_steps += json.loads(proc.stdout.strip().splitlines()[-1])["step_s"][args.warmup:]
+    h, p = summary(harness_steps), summary(plain_steps)
+    return {"precision": plan.ds.precision, "rounds": args.rounds, "harness_step_s": h["median"],
+            "plain_step_s": p["median"], "harness": h, "plain": p, "overhead": h["median"] / p["median"] - 1}
+
+
+def largest_fitting(fits, start: int, cap: int) -> int:
+    """The largest k in 1..cap with fits(k) (0 if none), for a fits() that is true up to some k and false after:
+    double from `start` until a failure, then bisect between the last success and the first failure."""
+    good, bad, k = 0, cap + 1, start
+    while k <= cap:
+        if not fits(k):
+            bad = k
+            break
+        good, k = k, k * 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def largest(config: Config, args, sets: list[str], out: Path) -> dict:
+    key = f"model.{args.largest}"
+    plan = plan_for(config, args.run, sets)
+    current = getattr(plan.run.cfg.model, args.largest)
+    unit = 1 if args.largest == "n_layers" else plan.run.cfg.model.n_heads * 8  # widths that split into heads
+    budget = (args.memory_budget_gb * 2**30 if args.memory_budget_gb
+              else torch.cuda.get_device_properties(0).total_memory)
+    tried = {}
+
+    def fits(k: int) -> bool:
+        trial = replace(config, sets=(*config.sets, f"{key}={k * unit}"))
+        try:
+            trial_plan = plan_for(trial, args.run, sets)
+        except ConfigError:
+            return False
+        entry = measure(trial, trial_plan, args.run, sets, out / "largest", 0, 2, args.timeout)
+        tried[k * unit] = {"status": entry["status"], "peak_mem_bytes": entry.get("peak_mem_bytes"),
+                           "params": _params(trial_plan)}
+        return entry["status"] == "ok" and entry["peak_mem_bytes"] <= budget
+
+    k = largest_fitting(fits, max(1, current // unit), args.largest_max)
+    best = tried.get(k * unit, {})
+    return {"name": config.name, "key": key, "value": k * unit, "params": best.get("params", 0),
+            "budget_bytes": budget, "tried": tried}

@@ -1,0 +1,139 @@
+"""`harness bench`: a sweep of configurations, one `accelerate launch` each, timed from the runs' own metrics.
+
+A configuration is a DeepSpeed file x a number of processes x accelerate's mixed precision x any run-config
+values being compared (`--vary model.d_model=256,512`, `--vary train.compile=false,true`). Each is resolved
+with `harness plan`'s checks before anything launches, then trained for `warmup + steps` steps with a metrics
+record every step; the warm-up steps are dropped and the rest summarised by their median and spread. The run
+stops with `--stop-at` (a checkpoint, no final evaluation or export), so only training steps are timed.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..startup import Plan, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
+
+
+@dataclass(frozen=True)
+class Config:
+    ds: str                     # path of the DeepSpeed JSON
+    nproc: int
+    mixed_precision: str        # accelerate's --mixed_precision: no | bf16 | fp16
+    sets: tuple[str, ...] = ()  # the compared run-config values, "section.key=value"
+
+    @property
+    def name(self) -> str:
+        parts = [Path(self.ds).stem, f"x{self.nproc}"]
+        parts += [self.mixed_precision] if self.mixed_precision != "no" else []
+        return " ".join(parts + list(self.sets))
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name)
+
+
+def grid(ds_files: list[str], nprocs: list[int], precisions: list[str], varies: list[str]) -> list[Config]:
+    """Every combination; `varies` are "section.key=v1,v2,..." (values as on the command line)."""
+    axes = []
+    for vary in varies:
+        key, eq, values = vary.partition("=")
+        if not eq or not values:
+            raise ConfigError(f"--vary expects section.key=value1,value2; got {vary!r}")
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    return [Config(ds, n, p, tuple(sets)) for ds, n, p in itertools.product(ds_files, nprocs, precisions)
+            for sets in itertools.product(*axes)]
+
+
+def model_parallel_size(ds: str) -> int:
+    """Tensor x pipeline size named in a DeepSpeed file: the process counts it can run on are its multiples."""
+    cfg = json.loads(Path(ds).read_text())
+    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
+    return tp * (cfg.get("pipeline") or {}).get("stages", 1)
+
+
+def ds_path(name: str) -> str:
+    """A DeepSpeed config by path, or by its name in configs/ds (`zero2` or `zero2.json`)."""
+    if Path(name).is_file():
+        return name
+    shipped = ROOT / "configs" / "ds" / (name if name.endswith(".json") else f"{name}.json")
+    if not shipped.is_file():
+        raise ConfigError(f"--ds {name}: neither a file nor one of configs/ds/*.json")
+    return str(shipped)
+
+
+def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
+    """The configuration resolved and checked as `harness train` would (the bench sets the length itself)."""
+    return make_plan(run_file, [*sets, *config.sets, "train.epochs=0.0", "train.max_steps=1"], config.ds,
+                     config.nproc, config.mixed_precision)
+
+
+def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int) -> list[str]:
+    gpu = torch.cuda.is_available()
+    launch = ROOT / "launch" / ("multi_gpu.yaml" if gpu else "cpu_2proc.yaml")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch),
+           "--num_processes", str(config.nproc), "--mixed_precision", config.mixed_precision,
+           "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at", str(stop_at)]
+    cmd += ["--run", run_file] if run_file else []
+    timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
+              "train.save_every=0", 'logging.backend="none"', f"train.max_steps={stop_at + 1}", "train.epochs=0.0"]
+    for s in [*sets, *config.sets, *timing]:
+        cmd += ["--set", s]
+    return cmd
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median and spread: on a shared machine single timings are noise, their median is not."""
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9), "min": ordered[0],
+            "max": ordered[-1], "n": len(ordered)}
+
+
+def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], out: Path, warmup: int,
+            steps: int, timeout: int) -> dict:
+    """Launch one configuration and summarise its timed steps; a failure is recorded, not raised."""
+    run_dir = out / "runs" / config.slug
+    log = out / "runs" / f"{config.slug}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"name": config.name, **asdict(config), "ds": os.path.relpath(config.ds, ROOT),
+             "precision": plan.ds.precision, "zero_stage": plan.ds.zero_stage, "layout": plan.ds.layout.describe(),
+             "global_batch": plan.ds.global_batch_size, "micro_batch": plan.run.cfg.train.micro_batch_size,
+             "grad_accum": plan.ds.grad_accum_steps, "seq_len": plan.run.cfg.data.seq_len}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not torch.cuda.is_available():  # the processes share the cores, as accelerate arranges for 2 or more
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+    try:
+        proc = subprocess.run(command(config, run_file, sets, run_dir, warmup + steps), cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        log.write_text(proc.stdout + proc.stderr)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = -1, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        log.write_text(text)
+    if rc != 0:
+        oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
+        errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
+        return {**entry, "status": "oom" if oom else "failed", "error": (errors or text.splitlines() or [""])[-1][-300:]}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["step"] > warmup]
+    if not timed:
+        return {**entry, "status": "failed", "error": f"no step after the {warmup} warm-up steps was recorded"}
+    step_s = summary([r["step_s"] for r in timed])
+    return {**entry, "status": "ok", "step_s": step_s, "step_s_values": [r["step_s"] for r in timed],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "samples_per_s": entry["global_batch"] / step_s["median"],
+            "flops_per_step": statistics.median(r["tflops"] * 1e12 * r["step_s"] for r in timed),
+            "padding": statistics.median(r["padding"] for r in timed),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed), "log": os.path.relpath(log, out)}

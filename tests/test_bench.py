@@ -1,0 +1,127 @@
+"""`harness bench`: a CPU sweep end to end, the analytic FLOPs against hand counts, the largest-model search."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, _env
+from harness.bench.run import largest_fitting
+from harness.models.flops import TRAIN_FACTOR
+from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
+from harness.models.transformer import TransformerConfig, TransformerLM
+
+
+def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", "bench", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
+    sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
+    args = ["--ds", "zero2", "--nproc", "1,2", "--steps", "4", "--warmup", "2", "--out", str(tmp_path / "b"),
+            "--overhead", "--rounds", "1"]
+    for s in sets:
+        args += ["--set", s]
+    proc = bench(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert result["schema"] == 1 and result["task"] == "lm" and result["steps"] == 4
+    assert result["device"]["kind"] == "cpu" and result["device"]["peak_flops"]["fp32"]["measured"] > 1e8
+    one, two = result["configs"]
+    assert (one["name"], two["name"]) == ("zero2 x1", "zero2 x2")
+    for e in (one, two):
+        assert e["status"] == "ok", e
+        assert e["step_s"]["n"] == 4 and 0 < e["step_s"]["min"] <= e["step_s"]["median"] <= e["step_s"]["max"]
+        assert e["tokens_per_s"] > 0 and 0 < e["mfu_measured"] < 1 and e["mfu_table"] is None  # no CPU datasheet
+        assert e["peak_mem_bytes"] > 0 and e["padding"] == 0.0 and e["params"] == 42_880
+    # every step trains the same shapes: its FLOPs are the analytic count of its global batch
+    model = TransformerLM(TransformerConfig(vocab_size=256, max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
+                                            d_ff=128))
+    for e in (one, two):
+        ids = torch.zeros(e["global_batch"], 32, dtype=torch.long)
+        assert e["flops_per_step"] == pytest.approx(TRAIN_FACTOR * model.forward_flops(ids), rel=1e-9)
+    assert (one["global_batch"], two["global_batch"]) == (4, 8)  # micro 4 per rank: weak scaling
+    assert one["speedup"] == 1.0 and two["baseline"] == "zero2 x1"
+    assert two["speedup"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+    assert two["scaling_efficiency"] == pytest.approx(two["speedup"] / 2)
+    overhead = result["overhead"]
+    assert overhead["harness_step_s"] > 0 and overhead["plain_step_s"] > 0 and overhead["precision"] == "fp32"
+    assert overhead["overhead"] == pytest.approx(overhead["harness_step_s"] / overhead["plain_step_s"] - 1)
+    table = (tmp_path / "b" / "bench.md").read_text()
+    assert "| zero2 x1 |" in table and "| zero2 x2 |" in table and "Harness overhead" in table
+    assert (tmp_path / "b" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_checks_every_configuration_before_launching(tmp_path):
+    proc = bench("--ds", "zero2,nonexistent", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--ds nonexistent: neither a file" in proc.stderr
+    proc = bench("--ds", "pp2_zero1", "--nproc", "3", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "no configuration of the sweep fits its process counts" in proc.stderr
+    proc = bench("--ds", "zero2,tp2_zero1", "--nproc", "1,2", "--vary", "model.n_heads=4,3", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "model.n_heads must divide model.d_model" in proc.stderr
+    assert "skipped tp2_zero1 x1" in proc.stdout
+    assert not (tmp_path / "b").exists()  # nothing launched, nothing written
+
+
+def test_flops_formula_matches_a_hand_count():
+    # d = 4, f = 8, V = 10, 1 layer, 2 sequences of 3 tokens. Per token: q, k, v, out 4 x (2 x 4 x 4) = 128,
+    # feed-forward 2 x 4 x 8 + 2 x 8 x 4 = 128, head 2 x 4 x 10 = 80: 336 x 6 tokens = 2016. Attention: scores
+    # and weighted sum 4 x T^2 x d = 4 x 9 x 4 = 144 per sequence: 288. Forward 2304, training 3x.
+    lm = TransformerLM(TransformerConfig(vocab_size=10, max_seq_len=3, d_model=4, n_layers=1, n_heads=2, d_ff=8))
+    assert lm.forward_flops(torch.zeros(2, 3, dtype=torch.long)) == 2304
+    # Encoder-decoder, d = 4, f = 8, V = 10, 1 layer each, one pair: source 3 tokens (+ 1 padding), target 2.
+    # Encoder: 3 x 256 + 4 x 9 x 4 = 912. Decoder per target token: self q,k,v,out 128 + cross q,out 64 + ffn 128
+    # = 320, x 2 = 640; cross k,v over the source 3 x 64 = 192; self attention 4 x 4 x 4 = 64; cross 4 x 2 x 3 x 4
+    # = 96. Output projection 2 tokens x 80 = 160. Total 912 + 640 + 192 + 64 + 96 + 160 = 2064.
+    s2s = Seq2Seq(Seq2SeqConfig(vocab_size=10, d_model=4, n_layers=1, n_heads=2, d_ff=8, dropout=0.0))
+    src, tgt = torch.tensor([[5, 6, 7, 0]]), torch.tensor([[2, 5]])
+    assert s2s.forward_flops(src, tgt, torch.ones(1, 2, dtype=torch.bool)) == 2064
+
+
+def test_flops_match_pytorch_s_counter_apart_from_attention():
+    """PyTorch's FLOP counter sees every matmul but not the CPU attention kernel: the rest must agree exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.models.encoder import Encoder
+    from harness.models.patch import PatchConfig, PatchTST
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=50, max_seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    ids = torch.randint(4, 50, (3, 16))
+    full = torch.ones(3, 16, dtype=torch.bool)
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    patch = PatchTST(PatchConfig(lookback=32, horizon=8, patch_len=8, stride=4, d_model=16, n_layers=2, n_heads=2,
+                                 d_ff=32))
+    n = patch.cfg.n_patches
+    attention = lambda t, s, d, seqs, layers: 4 * t * s * d * seqs * layers  # noqa: E731
+    cases = [(TransformerLM(cfg), (ids,), attention(16, 16, 32, 3, 2)),
+             (Encoder(cfg, "mlm", 50), (ids, full), attention(16, 16, 32, 3, 2)),
+             (Encoder(cfg, "classify", 2), (ids, full), attention(16, 16, 32, 3, 2)),
+             (Seq2Seq(Seq2SeqConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)),
+              (src, tgt, torch.ones(3, 5, dtype=torch.bool)),
+              attention(7, 7, 32, 3, 2) + attention(5, 5, 32, 3, 2) + attention(5, 7, 32, 3, 2)),
+             (patch, (torch.randn(3, 32, 4),), attention(n, n, 16, 12, 2))]
+    for model, inputs, attn in cases:
+        with FlopCounterMode(display=False) as counter:
+            model(*inputs)
+        assert model.forward_flops(*inputs) - attn == counter.get_total_flops(), type(model).__name__
+
+
+def test_largest_fitting_doubles_then_bisects():
+    calls = []
+
+    def fits_below(limit):
+        def fits(k):
+            calls.append(k)
+            return k <= limit
+        return fits
+
+    assert largest_fitting(fits_below(13), 1, 64) == 13 and calls[:5] == [1, 2, 4, 8, 16]
+    calls.clear()
+    assert largest_fitting(fits_below(3), 8, 64) == 3 and calls[0] == 8  # the start fails: search below it
+    assert largest_fitting(fits_below(0), 4, 64) == 0  # nothing fits
+    assert largest_fitting(fits_below(1000), 4, 64) == 64  # capped
