@@ -21,6 +21,7 @@ Combinations DeepSpeed 0.19 does not support are refused here, before any proces
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
 import re
@@ -99,6 +100,13 @@ class DSResolved:
     offload_params: bool
     grad_accum_steps: int
     global_batch_size: int
+    loop_clips: float = 0.0     # > 0: the loop clips to this itself (DeepSpeed's gradient_clipping is then 0)
+
+    @property
+    def loop_norms(self) -> bool:
+        """ZeRO-0 in fp32 without model parallelism keeps no gradient norm: the loop computes it (and clips),
+        once, instead of DeepSpeed's own clipping pass plus a second pass for the norm."""
+        return self.zero_stage == 0 and self.precision == "fp32" and self.layout.tp_size == self.layout.pp_size == 1
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
@@ -184,8 +192,13 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         if key not in ds:  # DeepSpeed's own step logging would interleave with the progress bar
             ds[key] = value
             source[key] = "harness default"
-    return DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
-                      micro * accum * layout.dp_size)
+    resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
+                          micro * accum * layout.dp_size)
+    if resolved.loop_norms and ds["gradient_clipping"]:
+        resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
+        ds["gradient_clipping"] = 0.0
+        source["gradient_clipping"] += "; clipped by the harness loop, which computes the norm ZeRO-0 fp32 keeps none of"
+    return resolved
 
 
 def _layout(ds: dict, source: dict, run: Resolved, world_size: int, stage: int,

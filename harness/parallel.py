@@ -48,6 +48,10 @@ def build_engine(plan, world: World, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)
     _check_groups(engine, world)
+    if plan.ds.zero_stage == 0 and plan.ds.layout.dp_size == 1 and plan.ds.layout.pp_size == 1:
+        # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
+        # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
+        engine.enable_backward_allreduce = False
     if plan.run.cfg.train.compile:
         engine.compile()  # torch.compile of the wrapped module, after DeepSpeed has installed its hooks
     return engine, schedule

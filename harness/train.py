@@ -109,7 +109,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                              pin_memory=world.device.type == "cuda", prefetch_factor=4 if workers else None,
                              persistent_workers=workers > 0, generator=torch.Generator().manual_seed(t.seed)))
     progress = _progress(world, start_step, max_steps)
-    window_start, window_work, window_steps, last_metrics = time.perf_counter(), torch.zeros(4, dtype=torch.float64), 0, {}
+    window_work, window_steps, last_metrics = torch.zeros(4, dtype=torch.float64), 0, {}
+    window_start = time.perf_counter()
     stop = min(max_steps, stop_at) if stop_at else max_steps
     step = start_step
     while step < stop:
@@ -200,8 +201,6 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     # over the global count makes the gradient that of sum(loss) / n_items.
     scale = (world.dp_size * accum / n_items).float()
     skipped_before = engine.skipped_steps
-    # Stage 0 in fp32 keeps no global norm; we compute it from the averaged gradients ourselves (one replica).
-    own_grad_norm = plan.ds.zero_stage == 0 and plan.ds.precision == "fp32" and world.replicas == 1
     grad_norm = None
     if world.pp_size > 1:
         step_loss = pipeline_step(engine, task, micro_batches, scale).item()  # sync point
@@ -210,9 +209,9 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         for i, batch in enumerate(micro_batches):
             loss = task.loss(engine, batch)
             engine.backward(loss * scale)
-            if own_grad_norm and i == accum - 1:  # gradients are all-reduced in the boundary backward
-                grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                grad_norm = torch.nn.utils.get_total_norm(grads).item()
+            if plan.ds.loop_norms and i == accum - 1:  # gradients are all-reduced in the boundary backward
+                grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
+                    engine.module.parameters(), plan.ds.loop_clips or float("inf")).item()
             engine.step()  # steps the optimizer and schedule only at the accumulation boundary
             loss_sum += loss.detach().double()
         step_loss = (all_reduce(loss_sum) / world.replicas / n_items).item()  # sync point

@@ -113,7 +113,9 @@ def single_world(device: str | torch.device = "cpu") -> World:
 
 
 def _grouped() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether there are other ranks to talk to (a world of one skips its collectives: they cost, do nothing)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:

@@ -120,3 +120,22 @@ def assert_losses_close(a: dict[int, float], b: dict[int, float], rel: float) ->
     assert a.keys() == b.keys() and a, (a, b)
     for step in a:
         assert abs(a[step] - b[step]) <= rel * abs(b[step]), f"step {step}: {a[step]} vs {b[step]} (rel {rel})"
+
+
+def val_loss_of_export(run_dir: Path) -> float:
+    """The exported model's mean validation loss, computed in this process with a plain module."""
+    import torch
+
+    from harness.export import load_model
+    from harness.tasks import get_task
+
+    model, cfg = load_model(run_dir)
+    task = get_task(cfg.run.task)
+    val = task.build_data(cfg).val
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(0, len(val), 8):
+            batch = task.collate([val[j] for j in range(i, min(i + 8, len(val)))])
+            total += task.loss(model, batch).item()
+            count += task.count(batch)
+    return total / count

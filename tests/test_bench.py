@@ -61,7 +61,8 @@ def test_bench_checks_every_configuration_before_launching(tmp_path):
     assert proc.returncode == 2 and "--ds nonexistent: neither a file" in proc.stderr
     proc = bench("--ds", "pp2_zero1", "--nproc", "3", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "no configuration of the sweep fits its process counts" in proc.stderr
-    proc = bench("--ds", "zero2,tp2_zero1", "--nproc", "1,2", "--vary", "model.n_heads=4,3", "--out", str(tmp_path / "b"))
+    proc = bench("--ds", "zero2,tp2_zero1", "--nproc", "1,2", "--vary", "model.n_heads=4,3",
+                 "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "model.n_heads must divide model.d_model" in proc.stderr
     assert "skipped tp2_zero1 x1" in proc.stdout
     assert not (tmp_path / "b").exists()  # nothing launched, nothing written

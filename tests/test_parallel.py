@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import DS, assert_losses_close, harness
+from conftest import DS, assert_losses_close, harness, val_loss_of_export
 from harness.plan import bubble_fraction
 from test_plan import plan, write
 
@@ -25,23 +25,6 @@ def ds_file(tmp_path, base: str, **sections) -> str:
     return str(path)
 
 
-def val_loss_of_export(run) -> float:
-    """The exported model's mean validation loss, computed in this process with a plain module."""
-    from harness.export import load_model
-    from harness.tasks import get_task
-
-    model, cfg = load_model(run.dir)
-    task = get_task(cfg.run.task)
-    val = task.build_data(cfg).val
-    total = count = 0.0
-    with torch.no_grad():
-        for i in range(0, len(val), 8):
-            batch = task.collate([val[j] for j in range(i, min(i + 8, len(val)))])
-            total += task.loss(model, batch).item()
-            count += task.count(batch)
-    return total / count
-
-
 @pytest.mark.parametrize("config,sets,layout", [("tp2_zero1.json", [], "tensor parallel 2"),
                                                 ("pp2_zero1.json", PIPE, "pipeline 2 stages")])
 def test_model_parallel_matches_single_process_and_exports_the_whole_model(config, sets, layout, cached_run):
@@ -54,7 +37,7 @@ def test_model_parallel_matches_single_process_and_exports_the_whole_model(confi
 
     exported, plain = load_file(str(two.dir / "model.safetensors")), load_file(str(ref.dir / "model.safetensors"))
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in plain.items()}
-    assert abs(val_loss_of_export(two) - two.evals[-1]["loss"]) < 1e-5
+    assert abs(val_loss_of_export(two.dir) - two.evals[-1]["loss"]) < 1e-5
     assert abs(two.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
 
 
@@ -184,6 +167,8 @@ TP = json.loads((DS / "tp2_zero1.json").read_text())["tensor_parallel"]
      ["--world-size", "2", "--set", "train.grad_accum_steps=2"], "pipeline.micro_batches = 4"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "partition": "best"}}, ["--world-size", "2"],
      "pipeline.partition = 'best'"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}},
+     ["--world-size", "2", "--set", "train.activation_checkpointing=true"], "set pipeline.activation_checkpoint_interval"),
 ])
 def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
     path = write(tmp_path, "ds.json", json.dumps(ds))

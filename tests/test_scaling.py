@@ -107,7 +107,8 @@ def test_pipeline_bubble_and_model_split_in_compute():
                      accel_precision="bf16")
     n = n_params(plan)
     s = estimate(plan, n, 8, 1, "ib-ndr400")
-    per_gpu = 6 * n * plan.run.cfg.train.micro_batch_size * 4 * 128 / (0.40 * GPUS["H100"].flops_16bit) / 2  # half the model
+    per_gpu = 6 * n * plan.run.cfg.train.micro_batch_size * 4 * 128 / (0.40 * GPUS["H100"].flops_16bit) / 2  # half
+    # of the model on each of the 2 stages
     assert s.compute_s == pytest.approx(per_gpu * 5 / 4)                                   # (m + p - 1) / m
     assert s.layout.dp_size == 4 and s.volume["pipeline sends"] > 0
     # 1F1B: the first stage holds min(p, m) = 2 micro-batches of half the layers: all layers' worth of one

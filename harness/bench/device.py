@@ -47,8 +47,7 @@ def measured_peak(precision: str, n: int | None = None, repeats: int = 5) -> flo
     products after a warm-up (CUDA events on a GPU), on random data (zeros can run faster)."""
     cuda = torch.cuda.is_available()
     n = n or (8192 if cuda else 1024)
-    dtype = DTYPES[precision] if cuda or precision == "fp32" else torch.float32  # CPUs: fp32 is the honest peak
-    device = "cuda" if cuda else "cpu"
+    dtype, device = DTYPES[precision], "cuda" if cuda else "cpu"
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up: kernel selection, thread pool start
     times = []

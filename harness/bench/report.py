@@ -61,7 +61,7 @@ def markdown(result: dict) -> str:
              f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
              f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "
-             "| MFU table | MFU measured | peak mem/rank | padding | speedup | efficiency |",
+             "| MFU table | MFU measured | peak mem/rank | padding | speedup (x) | efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in result["configs"]:
         if e["status"] != "ok":
@@ -73,7 +73,7 @@ def markdown(result: dict) -> str:
             f"| {e['name']} | {e['layout']} | {e['precision']} | {e['params']:,} | {s['median']:.4f} "
             f"({s['p10']:.4f}-{s['p90']:.4f}) | {e['tokens_per_s']:,.0f} | {e['samples_per_s']:,.1f} | "
             f"{e['model_flops_per_s'] / 1e12:.3f} | {_num(e['mfu_table'], '.1%')} | {_num(e['mfu_measured'], '.1%')} "
-            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {e['padding']:.1%} | {_num(e['speedup'], '.2f')}x | "
+            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
             f"{_num(e['scaling_efficiency'], '.0%')} |")
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())

@@ -125,7 +125,8 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
     if rc != 0:
         oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
         errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
-        return {**entry, "status": "oom" if oom else "failed", "error": (errors or text.splitlines() or [""])[-1][-300:]}
+        last = (errors or text.splitlines() or [""])[-1]
+        return {**entry, "status": "oom" if oom else "failed", "error": last[-300:]}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["step"] > warmup]
     if not timed:

@@ -91,7 +91,8 @@ class Seq2Seq(nn.Module):
         c = self.cfg
         s, t = (src != c.pad_id).sum(1), keep.sum(1)  # (B,) source and target lengths
         return flops.encoder_blocks(s, c.n_layers, c.d_model, c.d_ff) + \
-            flops.decoder_blocks(t, s, c.n_layers, c.d_model, c.d_ff) + flops.linear(int(t.sum()), c.d_model, c.vocab_size)
+            flops.decoder_blocks(t, s, c.n_layers, c.d_model, c.d_ff) + \
+            flops.linear(int(t.sum()), c.d_model, c.vocab_size)
 
     def pipeline_layers(self) -> list:
         """Teacher forcing, `model(src, tgt_in, keep)`, as pipeline layers (`pipeline.py`). Between stages flow
