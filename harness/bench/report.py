@@ -83,7 +83,9 @@ def markdown(result: dict) -> str:
         lines += ["", f"Harness overhead against a plain PyTorch loop on the same model and batches: "
                       f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s)."]
     for e in result.get("largest", []):
-        lines.append(f"Largest model for {e['name']}: {e['params']:,} parameters ({e['key']} = {e['value']}).")
+        lines.append(f"Largest model for {e['name']} within {e['budget_bytes'] / 2**30:.1f} GiB per rank: "
+                     f"{e['params']:,} parameters ({e['key']} = {e['value']}"
+                     f"{', the --largest-max cap: larger may fit' if e['capped'] else ''}).")
     return "\n".join(lines)
 
 

@@ -126,4 +126,4 @@ def largest(config: Config, args, sets: list[str], out: Path) -> dict:
     k = largest_fitting(fits, max(1, current // unit), args.largest_max)
     best = tried.get(k * unit, {})
     return {"name": config.name, "key": key, "value": k * unit, "params": best.get("params", 0),
-            "budget_bytes": budget, "tried": tried}
+            "capped": k == args.largest_max, "budget_bytes": budget, "tried": tried}
