@@ -386,9 +386,10 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
             section["enabled"] = value = accel == name
             source[f"{name}.enabled"] = f"auto, filled from accelerate mixed_precision={accel!r}"
         elif value == "auto":  # no precision asked for: bf16 where the GPU has it, else fp32
-            section["enabled"] = value = name == "bf16" and gpu_has_bf16()
-            source[f"{name}.enabled"] = f"auto: {'bf16, the default on this GPU' if gpu_has_bf16() else 'fp32 here'}" \
-                                        f" (accelerate mixed_precision='no')"
+            bf16_here = gpu_has_bf16()
+            section["enabled"] = value = name == "bf16" and bf16_here
+            source[f"{name}.enabled"] = f"auto: {'bf16, the default on this GPU' if bf16_here else 'fp32 here'} " \
+                                        f"(accelerate mixed_precision='no')"
         enabled[name] = bool(value)
     if enabled.get("fp16") and enabled.get("bf16"):
         raise ConfigError(f"fp16.enabled and bf16.enabled are both true ({label}); choose one")

@@ -127,9 +127,9 @@ def pipeline_module(model: nn.Module, plan):
                               activation_checkpoint_interval=layout.checkpoint_interval,
                               dynamic_shape=True)  # batches differ in length from one micro-batch to the next
     torch.set_rng_state(rng)
-    if list(pipe.parts) != pipeline_partition(model, layout)[0]:  # what `harness plan` showed is what runs
-        raise RuntimeError(f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, the plan as "
-                           f"{pipeline_partition(model, layout)[0]}")
+    planned = pipeline_partition(model, layout)[0]
+    if list(pipe.parts) != planned:  # what `harness plan` showed is what runs
+        raise RuntimeError(f"DeepSpeed partitioned the pipeline as {list(pipe.parts)}, the plan as {planned}")
     plain_names = {}
     for name, p in pipe.named_parameters():
         if name.startswith("tied_modules."):  # tied_modules.<key>.weight: a fresh copy, given the plain value

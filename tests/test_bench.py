@@ -65,6 +65,8 @@ def test_bench_checks_every_configuration_before_launching(tmp_path):
                  "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "model.n_heads must divide model.d_model" in proc.stderr
     assert "skipped tp2_zero1 x1" in proc.stdout
+    proc = bench("--ds", "zero0", "--largest", "n_layers", "--out", str(tmp_path / "b"))  # this machine: a CPU
+    assert proc.returncode == 2 and "--largest on a CPU needs --memory-budget-gb" in proc.stderr
     assert not (tmp_path / "b").exists()  # nothing launched, nothing written
 
 
