@@ -135,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
             print(render(plan))
             if args.gpus_per_node is not None:
-                from .plan import meta_model
+                from .plan import count_params
                 from .scaling import render_scaling
 
-                n = sum(p.numel() for p in meta_model(plan).parameters())
-                print("\n" + "\n".join(render_scaling(plan, n, args.gpus_per_node, args.nodes, args.interconnect,
+                print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes, args.interconnect,
                                                       args.profile, args.mfu)))
             return 0
         plan = make_plan(args.run, args.set, args.ds)

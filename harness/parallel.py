@@ -48,7 +48,7 @@ def build_engine(plan, world: World, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)
     _check_groups(engine, world)
-    if plan.ds.zero_stage == 0 and plan.ds.layout.dp_size == 1 and plan.ds.layout.pp_size == 1:
+    if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1:
         # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
         engine.enable_backward_allreduce = False
@@ -110,8 +110,8 @@ def pipeline_module(model: nn.Module, plan):
     if not hasattr(model, "pipeline_layers"):
         raise ConfigError(f"task {plan.run.cfg.run.task!r}: its model has no pipeline_layers(); use a config without "
                           f"a pipeline section")
-    names = {id(p): n for n, p in model.named_parameters()}
     params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
     layers = []
     for layer in model.pipeline_layers():
         if isinstance(layer, SharedUse):

@@ -21,6 +21,11 @@ def meta_model(plan: Plan) -> torch.nn.Module:
         return plan.task.build_model(plan.run.cfg)
 
 
+def count_params(plan: Plan) -> int:
+    """The whole model's parameter count, from its shapes alone."""
+    return sum(p.numel() for p in meta_model(plan).parameters())
+
+
 def bubble_fraction(stages: int, micro_batches: int) -> float:
     """Idle share of a step under DeepSpeed's 1F1B TrainSchedule: (p - 1) / (m + p - 1)."""
     return (stages - 1) / (micro_batches + stages - 1)

@@ -20,14 +20,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..plan import count_params
 from . import device, report
 from .sweep import ROOT, Config, ds_path, grid, measure, model_parallel_size, plan_for, summary
-
-
-def _params(plan) -> int:
-    from ..plan import meta_model
-
-    return sum(p.numel() for p in meta_model(plan).parameters())
 
 
 def run_bench(args) -> dict:
@@ -52,7 +47,7 @@ def run_bench(args) -> dict:
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", flush=True)
         entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout)
-        result["configs"].append({**entry, "params": _params(plans[c])})
+        result["configs"].append({**entry, "params": count_params(plans[c])})
     report.derive(result["configs"], result["device"])
     if args.overhead:
         result["overhead"] = overhead(args, sets, out)
@@ -120,7 +115,7 @@ def largest(config: Config, args, sets: list[str], out: Path) -> dict:
             return False
         entry = measure(trial, trial_plan, args.run, sets, out / "largest", 0, 2, args.timeout)
         tried[k * unit] = {"status": entry["status"], "peak_mem_bytes": entry.get("peak_mem_bytes"),
-                           "params": _params(trial_plan)}
+                           "params": count_params(trial_plan)}
         return entry["status"] == "ok" and entry["peak_mem_bytes"] <= budget
 
     k = largest_fitting(fits, max(1, current // unit), args.largest_max)
