@@ -1,4 +1,4 @@
-"""The `harness` command: train, plan, keys, prepare, evaluate, translate, bench. Input errors print one line and exit 2
+"""The `harness` command: train, plan, keys, prepare, evaluate, translate, bench, results. Input errors print one line and exit 2
 before any training."""
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def parser() -> argparse.ArgumentParser:
                    "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
     b.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                    help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
-    b.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
-    b.add_argument("--warmup", type=int, default=5, help="steps run before timing starts")
-    b.add_argument("--out", default="bench", help="the report's directory")
+    b.add_argument("--steps", type=int, help="timed steps per configuration (default 20; --smoke: 3)")
+    b.add_argument("--warmup", type=int, help="steps run before timing starts (default 5; --smoke: 2)")
+    b.add_argument("--out", help="the report's directory (default bench; --suite gpu: results/gpu/DATE-DEVICE)")
     b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
     b.add_argument("--overhead", action="store_true", help="also time the harness against a plain PyTorch loop "
                    "on the same model and batches (1 process)")
@@ -75,6 +75,21 @@ def parser() -> argparse.ArgumentParser:
                    "GPU: the card's memory)")
     b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers or units of "
                    "n_heads x 8 of width")
+    b.add_argument("--suite", choices=["gpu"], help="run a whole measurement suite instead of a sweep: gpu = MFU, "
+                   "overhead, largest model and the recipes' quality, each part under its own time budget "
+                   "(see harness/bench/suite.py)")
+    b.add_argument("--parts", help="--suite: comma-separated parts to run, in order (default all: ops, speed, "
+                   "overhead, largest, quality); results of a later command join the same --out")
+    b.add_argument("--data", metavar="DIR", help="--suite: the benchmark data (multi30k/, flip_ss/, ett/), e.g. "
+                   "../shared/data")
+    b.add_argument("--smoke", action="store_true", help="--suite: every part at toy size, on a CPU in about two "
+                   "minutes; proves the suite works, measures nothing")
+    b.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="--suite: change a "
+                   "part's time budget")
+    b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
+                   "checkpoints (default bench/suite-work)")
+    r = sub.add_parser("results", help="regenerate the README's GPU table from results/gpu/*/suite.json")
+    r.add_argument("--check", action="store_true", help="only check that the README matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     tr.add_argument("--run-dir", required=True, metavar="DIR")
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
@@ -114,10 +129,26 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             return _prepare(args)
         if args.command == "bench":
+            toy = args.suite and args.smoke
+            args.steps = (3 if toy else 20) if args.steps is None else args.steps
+            args.warmup = (2 if toy else 5) if args.warmup is None else args.warmup
+            if args.suite:
+                from .bench.suite import run_suite
+
+                run_suite(args)
+                return 0
+            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work") if getattr(args, k)]
+            if suite_only:
+                raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
             from .bench.run import run_bench
 
+            args.out = args.out or "bench"
             run_bench(args)
             return 0
+        if args.command == "results":
+            from .bench.results import main as results
+
+            return results(args.check)
         if args.command in ("evaluate", "translate"):
             from . import evaluate
 

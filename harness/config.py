@@ -81,6 +81,9 @@ class TrainSection:
                                         "(pipelines use pipeline.activation_checkpoint_interval instead)")
     compile: bool = _f(False, "compile the model with torch.compile (DeepSpeed's engine.compile); the first "
                        "steps are slow while it compiles")
+    profile_step: int = _f(0, "trace this optimizer step (counted from 1) with torch.profiler on rank 0 and write "
+                           "RUN/profile.json: wall time, data-loader wait, device busy time, host overhead and the "
+                           "top kernels; 0 = off")
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,7 @@ def _check(r: Resolved) -> None:
     non_negative = ["train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
                     "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
                     "model.dropout", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
-                    "data.num_workers", "data.bucket"]
+                    "data.num_workers", "data.bucket", "train.profile_step"]
     for key in positive + non_negative:
         section, name = key.split(".")
         v = getattr(getattr(c, section), name)

@@ -184,6 +184,19 @@ def _states(n_params: float, ds: DSResolved, layout: Layout, **change) -> dict[s
     return model_state_bytes(int(n_params), dataclasses.replace(ds, layout=layout, **change))
 
 
+def target_precision(ds: DSResolved, gpu: str | None) -> tuple[str, str]:
+    """The precision the target GPU trains this DeepSpeed file in, and why. A file whose bf16.enabled is "auto"
+    (with accelerate's mixed_precision "no") trains in bf16 on a GPU that has it, whatever this host resolved it
+    to: planning an H100 run on a CPU host must not estimate it in fp32."""
+    auto = ds.source.get("bf16.enabled", "").startswith("auto:")
+    if gpu and auto:
+        return "bf16", (f"the DeepSpeed file leaves it \"auto\", which is bf16 on {gpu}"
+                        + (f" (this host resolved it to {ds.precision})" if ds.precision != "bf16" else ""))
+    if gpu is None and auto:
+        return ds.precision, "the DeepSpeed file leaves it \"auto\" and the target GPU is unknown: as on this host"
+    return ds.precision, "as the DeepSpeed file or accelerate's mixed_precision pins it"
+
+
 @dataclass(frozen=True)
 class Scaling:
     """The estimate for one strategy on G x N GPUs; seconds and bytes are per GPU per optimizer step."""
@@ -221,6 +234,10 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     spans = _placement(layout, G)
     profile = read_profile(profile_path, ds.precision) if profile_path else None
     gpu = DEFAULT_GPU if not profile else next((k for k in GPUS if k in profile.device), None)
+    precision, why = target_precision(ds, gpu)
+    if precision != ds.precision:  # the estimate is of the target GPU's run, not of this host's
+        ds = dataclasses.replace(ds, precision=precision)
+        profile = read_profile(profile_path, precision) if profile_path else None
     b_act = 4 if ds.precision == "fp32" else 2     # activations travel in the training dtype
     b = 4 if b_act == 4 or ds.config.get("communication_data_type") == "fp32" else 2   # gradients, parameters
     peak = (GPUS[gpu].flops_fp32 if b_act == 4 else GPUS[gpu].flops_16bit) if gpu else 0.0
@@ -229,6 +246,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     act_bytes = B * seq * h * b_act                 # one (B, seq, d_model) activation
     A = [f"world {world} = {G} GPUs per node x {nodes} nodes; the plan's micro batch {B} and accumulation {m} are "
          f"kept, so the global batch grows with data parallelism to {B * m * dp}",
+         f"training precision {precision}: {why}",
          f"links at {EFFICIENCY:.0%} of nominal per GPU per direction, latency ignored: intra-node {intra} "
          f"{LINKS[intra].bytes_per_s / 1e9:g} GB/s ({LINKS[intra].source}), inter-node {inter} "
          f"{LINKS[inter].bytes_per_s / 1e9:g} GB/s ({LINKS[inter].source}){' (unused: one node)' * (nodes == 1)}",

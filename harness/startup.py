@@ -68,8 +68,48 @@ def check_device(ds: DSResolved) -> None:
         raise ConfigError(f"bf16 is not supported on this {acc.device_name()}; use an fp16 or fp32 config")
 
 
+def extension_root() -> Path:
+    """Where torch (and so DeepSpeed's op builder) JIT-builds C++/CUDA ops: $TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/<python>_<cuda|cpu>/ (torch.utils.cpp_extension._get_build_directory)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+COMPILERS = {"ninja", "cc1plus", "nvcc", "cicc", "ptxas", "c++", "g++", "gcc", "clang++"}
+
+
+def compiler_running() -> bool:
+    """Whether any process on this machine is a compiler or ninja (a JIT build in progress, ours or another's)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv0 = cmdline.read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if Path(argv0).name in COMPILERS:
+            return True
+    return False
+
+
+def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> None:
+    """A JIT build killed midway leaves `<extension>/lock` behind, and every later start waits on it forever,
+    silently (torch's FileBaton polls for the file to vanish). Refuse to start instead, naming the file, when a
+    lock is older than `max_age_s` and no compiler runs on this machine."""
+    import time
+
+    root = root or extension_root()
+    locks = [p for p in (*root.glob("*/lock"), *root.glob("*/*/lock")) if p.is_file()]
+    stale = [p for p in locks if time.time() - p.stat().st_mtime > max_age_s]
+    if stale and not compiler_running():
+        age = (time.time() - stale[0].stat().st_mtime) / 60
+        raise ConfigError(f"a JIT build of DeepSpeed's {stale[0].parent.name} op was killed midway: its lock "
+                          f"{stale[0]} is {age:.0f} min old and no compiler is running, so every start would wait "
+                          f"on it forever. Remove it (rm {' '.join(map(str, stale))}) and start again")
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
+    check_build_locks()
     check_device(plan.ds)
     from . import checkpoint
 

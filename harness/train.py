@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint
+from . import checkpoint, profiling
 from .data import StepSampler, eval_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR
@@ -115,10 +115,15 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     step = start_step
     while step < stop:
         lr = schedule.get_last_lr()[0]
+        traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
+        fetch_start = time.perf_counter()
         cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
+        loader_wait = time.perf_counter() - fetch_start
         work = step_work(task, meta_model, cpu_batches)  # counted on the host: no device sync
         result = train_step(engine, plan, [to_device(b, world.device) for b in cpu_batches], world, work)
         step += 1
+        if traced:
+            progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
         samples_seen += ds.global_batch_size
         window_work += result.work
         window_steps += 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, _env
+from harness.bench import report
 from harness.bench.run import largest_fitting
 from harness.models.flops import TRAIN_FACTOR
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -29,8 +31,10 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     proc = bench(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
-    assert result["schema"] == 1 and result["task"] == "lm" and result["steps"] == 4
+    assert result["schema"] == 2 and result["task"] == "lm" and result["steps"] == 4
     assert result["device"]["kind"] == "cpu" and result["device"]["peak_flops"]["fp32"]["measured"] > 1e8
+    # every process gets the same share of the cores, the 1-process baseline too
+    assert result["device"]["threads_per_process"] == max(1, (os.cpu_count() or 1) // 2)
     one, two = result["configs"]
     assert (one["name"], two["name"]) == ("zero2 x1", "zero2 x2")
     for e in (one, two):
@@ -38,6 +42,8 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
         assert e["step_s"]["n"] == 4 and 0 < e["step_s"]["min"] <= e["step_s"]["median"] <= e["step_s"]["max"]
         assert e["tokens_per_s"] > 0 and 0 < e["mfu_measured"] < 1 and e["mfu_table"] is None  # no CPU datasheet
         assert e["peak_mem_bytes"] > 0 and e["padding"] == 0.0 and e["params"] == 42_880
+        assert e["peak_flops_measured"] > 1e8  # measured beside the configuration, its MFU's denominator
+        assert e["mfu_measured"] == pytest.approx(e["model_flops_per_s"] / (e["peak_flops_measured"] * e["nproc"]))
     # every step trains the same shapes: its FLOPs are the analytic count of its global batch
     model = TransformerLM(TransformerConfig(vocab_size=256, max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
                                             d_ff=128))
@@ -128,3 +134,41 @@ def test_largest_fitting_doubles_then_bisects():
     assert largest_fitting(fits_below(3), 8, 64) == 3 and calls[0] == 8  # the start fails: search below it
     assert largest_fitting(fits_below(0), 4, 64) == 0  # nothing fits
     assert largest_fitting(fits_below(1000), 4, 64) == 64  # capped
+
+
+def test_impossible_utilisation_is_flagged_not_reported(tmp_path):
+    """A busy machine once gave "MFU" of 213% and 2-process efficiencies of 1814%: such figures are invalid."""
+    device = {"name": "cpu (x86_64, 2 threads)", "kind": "cpu", "count": 1, "threads_per_process": 1,
+              "peak_flops": {"fp32": {"table": None, "measured": 1e9}}}
+    common = {"status": "ok", "precision": "fp32", "sets": [], "ds": "configs/ds/zero2.json", "layout": "data 1",
+              "params": 1000, "peak_mem_bytes": 2**20, "padding": 0.0, "samples_per_s": 1.0,
+              "step_s": {"median": 1.0, "p10": 1.0, "p90": 1.0}}
+    one = {**common, "name": "zero2 x1", "nproc": 1, "tokens_per_s": 100.0, "flops_per_step": 5e8,
+           "peak_flops_measured": 1e9}
+    two = {**common, "name": "zero2 x2", "nproc": 2, "tokens_per_s": 3600.0, "flops_per_step": 4.26e9,
+           "peak_flops_measured": 1e9}
+    report.derive([one, two], device)
+    assert one["mfu_measured"] == pytest.approx(0.5) and "invalid" not in one
+    assert two["mfu_measured"] is None and two["invalid"]["mfu_measured"]["value"] == pytest.approx(2.13)
+    assert two["scaling_efficiency"] is None and two["invalid"]["scaling_efficiency"]["value"] == pytest.approx(18)
+    assert two["speedup"] == pytest.approx(36)  # a ratio of two measurements, not bounded: shown as it is
+    result = {"task": "lm", "steps": 4, "warmup": 2, "device": device, "configs": [one, two]}
+    table = report.markdown(result)
+    row = next(line for line in table.splitlines() if line.startswith("| zero2 x2 |"))
+    assert row.count("invalid (>100%)") == 2 and "213" not in row and "1800" not in row
+    assert "| 50.0% |" in next(line for line in table.splitlines() if line.startswith("| zero2 x1 |"))
+    assert report.plot(result, tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_largest_fitting_with_a_resolution_grows_gently_and_stops_close():
+    """At billions of parameters a try takes minutes: from a good start, few tries within 25%."""
+    calls = []
+
+    def fits(k):
+        calls.append(k)
+        return k <= 21
+
+    assert largest_fitting(fits, 16, 512, resolution=0.25) in range(17, 22)
+    assert calls[:2] == [16, 20] and len(calls) <= 4
+    calls.clear()
+    assert 21 * 0.75 <= largest_fitting(fits, 40, 512, resolution=0.25) <= 21 and calls[0] == 40  # start too big

@@ -151,3 +151,27 @@ def test_lr_schedule_warmup_then_decay():
     assert lr_factor(25, 100, lin) == pytest.approx(0.75)
     isq = ScheduleSection(kind="inverse_sqrt", warmup_steps=4, min_lr_ratio=0.0)
     assert lr_factor(15, 100, isq) == pytest.approx(0.5)
+
+
+def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path, corpus):
+    """A DeepSpeed op build killed midway leaves `<op>/lock`; every later start would wait on it forever."""
+    import os
+    import time
+
+    from harness.startup import check_build_locks
+
+    lock = tmp_path / "ext" / "py312_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    check_build_locks(tmp_path / "ext")  # a fresh lock: a build may be running, wait for it as DeepSpeed does
+    old = time.time() - 600
+    os.utime(lock, (old, old))
+    with pytest.raises(ConfigError, match=f"lock {lock} is 10 min old and no compiler is running.*rm {lock}"):
+        check_build_locks(tmp_path / "ext")
+    out = subprocess.run([sys.executable, "-m", "harness", "train", "--set", "train.max_steps=3", "--set",
+                          f"data.path=\"{corpus}\"", "--set", f"run.output_dir=\"{tmp_path / 'run'}\""],
+                         cwd=ROOT, env=_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext" / "py312_cpu")}),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"rm {lock}" in out.stderr  # one line, not a silent wait
+    lock.unlink()
+    check_build_locks(tmp_path / "ext")

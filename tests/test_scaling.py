@@ -138,7 +138,7 @@ def test_impossible_inputs_are_config_errors():
 
 
 def test_profile_gives_compute_time_and_activations(tmp_path):
-    plan = make_plan(None, STEPS + ["train.grad_accum_steps=2"], "configs/ds/zero3.json", world_size=1)  # fp32
+    plan = make_plan(None, STEPS + ["train.grad_accum_steps=2"], "configs/ds/fp32.json", world_size=1)  # pinned
     n, micro = n_params(plan), plan.run.cfg.train.micro_batch_size
     states = device_states(n, plan, 1)
     bench = {"device": {"name": "NVIDIA H100 80GB HBM3", "peak_flops_table": 989e12, "peak_flops_measured": 7e14},
@@ -217,3 +217,20 @@ def test_plan_command_prints_the_estimate_and_refuses_bad_input():
     out = plan("--ds", "configs/ds/zero3.json", "--set", "train.max_steps=10", "--gpus-per-node", "8",
                "--interconnect", "carrier-pigeon")
     assert out.returncode == 2 and "carrier-pigeon" in out.stderr and "ib-ndr400" in out.stderr
+
+
+def test_auto_precision_is_estimated_as_the_target_gpu_trains_it():
+    """zero3.json leaves the precision "auto": fp32 on this CPU host, bf16 on the H100 the estimate is for."""
+    host = make_plan(None, STEPS, "configs/ds/zero3.json", world_size=1)
+    assert host.ds.precision == "fp32"
+    pinned = make_plan(None, STEPS, "configs/ds/zero3.json", world_size=1, accel_precision="bf16")
+    n = n_params(host)
+    auto, bf16 = estimate(host, n, 8, 1, "ib-ndr400"), estimate(pinned, n, 8, 1, "ib-ndr400")
+    assert auto.compute_s == pytest.approx(bf16.compute_s)       # the 16-bit peak, not the fp32 one
+    assert auto.volume == pytest.approx(bf16.volume) and auto.states == bf16.states
+    assert any("training precision bf16" in a and "resolved it to fp32" in a for a in auto.assumptions)
+    fp32 = make_plan(None, STEPS, "configs/ds/fp32.json", world_size=1)  # pinned fp32 stays fp32
+    s = estimate(fp32, n, 8, 1, "ib-ndr400")
+    assert s.compute_s == pytest.approx(6 * n * fp32.run.cfg.train.micro_batch_size * 128
+                                        / (0.40 * GPUS["H100"].flops_fp32))
+    assert any("training precision fp32: as the DeepSpeed file" in a for a in s.assumptions)

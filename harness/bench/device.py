@@ -6,6 +6,7 @@ does with a large matrix product today.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -42,10 +43,25 @@ def table_peak(name: str, precision: str) -> float | None:
     return None
 
 
-def measured_peak(precision: str, n: int | None = None, repeats: int = 5) -> float:
+def cpu_threads(max_nproc: int) -> int:
+    """Threads per process on a CPU for a sweep whose largest configuration runs `max_nproc` processes: the same
+    share of the cores in every configuration, so a 1-process baseline does not get all cores while 2 processes
+    get half each (that made 2-process "speedups" of 30x on a busy machine)."""
+    return max(1, (os.cpu_count() or 1) // max(1, max_nproc))
+
+
+def measured_peak(precision: str, n: int | None = None, repeats: int = 5, threads: int | None = None) -> float:
     """FLOP/s of an n x n x n matrix product in `precision` on this device: the median of `repeats` timed
-    products after a warm-up (CUDA events on a GPU), on random data (zeros can run faster)."""
+    products after a warm-up (CUDA events on a GPU), on random data (zeros can run faster). On a CPU, with
+    `threads` threads (one process's share of the cores)."""
     cuda = torch.cuda.is_available()
+    if not cuda and threads:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measured_peak(precision, n, repeats)
+        finally:
+            torch.set_num_threads(before)
     n = n or (8192 if cuda else 1024)
     dtype, device = DTYPES[precision], "cuda" if cuda else "cpu"
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -66,9 +82,13 @@ def measured_peak(precision: str, n: int | None = None, repeats: int = 5) -> flo
     return 2 * n**3 / sorted(times)[len(times) // 2]
 
 
-def describe(precisions: list[str]) -> dict:
-    """The device block of bench.json: name, kind, count and, per precision, both peaks (FLOP/s per device)."""
+def describe(precisions: list[str], threads: int | None = None) -> dict:
+    """The device block of bench.json: name, kind, count, threads per process (CPU) and, per precision, both peaks
+    (FLOP/s per device, or per process's share of the CPU) at the start of the sweep; each configuration also
+    measures the peak right before it runs."""
     name = device_name()
-    return {"name": name, "kind": "cuda" if torch.cuda.is_available() else "cpu",
-            "count": torch.cuda.device_count() if torch.cuda.is_available() else 1,
-            "peak_flops": {p: {"table": table_peak(name, p), "measured": measured_peak(p)} for p in precisions}}
+    cuda = torch.cuda.is_available()
+    return {"name": name, "kind": "cuda" if cuda else "cpu", "count": torch.cuda.device_count() if cuda else 1,
+            "threads_per_process": None if cuda else threads,
+            "peak_flops": {p: {"table": table_peak(name, p), "measured": measured_peak(p, threads=threads)}
+                           for p in precisions}}

@@ -1,38 +1,53 @@
 """What a sweep reports: utilisation and scaling derived from the measurements, bench.json, a table, a plot.
 
 - MFU = the model's achieved FLOP/s (the median step's analytic training FLOPs, `models/flops.py`, over the
-  median step time) / (peak FLOP/s per device x devices), against the datasheet peak and against the measured
-  matmul peak.
-  On a CPU the processes share one machine, whose measured peak is the denominator (devices = 1).
+  median step time) / (peak FLOP/s per device x devices), against the datasheet peak and against the matmul peak
+  measured right before the configuration ran (`peak_flops_measured`). On a CPU a "device" is one process with
+  its share of the cores (`threads_per_process`, the same in every configuration of a sweep).
 - speedup = tokens/s of a configuration / tokens/s of its 1-process baseline (same precision and compared
   values; the same DeepSpeed file if it ran on 1 process, else the first 1-process one); scaling efficiency =
   speedup / processes. Data parallel keeps the micro-batch per rank, so the global batch grows with the
   processes: this is weak scaling, the way data parallelism is used.
+- An MFU or a scaling efficiency above 100% cannot be true (a busy machine during the peak measurement, a
+  baseline that ran slow): it is not reported. Its field is null, and `invalid` keeps the raw value and why.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-SCHEMA = 1
+SCHEMA = 2
+BOUNDED = ("mfu_table", "mfu_measured", "scaling_efficiency")  # fractions that cannot exceed 1
 
 
 def derive(entries: list[dict], device: dict) -> list[dict]:
-    """Adds flops_per_step, mfu_table, mfu_measured, speedup and scaling_efficiency to each measured entry."""
-    gpu = device["kind"] == "cuda"
+    """Adds model_flops_per_s, mfu_table, mfu_measured, speedup and scaling_efficiency to each measured entry,
+    and `invalid` for a bounded figure above 1."""
     for e in entries:
         if e["status"] != "ok":
             continue
         peaks = device["peak_flops"][e["precision"]]
-        devices = e["nproc"] if gpu else 1
+        measured = e.get("peak_flops_measured") or peaks["measured"]
         e["model_flops_per_s"] = e["flops_per_step"] / e["step_s"]["median"]  # at the median step time
-        e["mfu_table"] = e["model_flops_per_s"] / (peaks["table"] * devices) if peaks["table"] else None
-        e["mfu_measured"] = e["model_flops_per_s"] / (peaks["measured"] * devices)
+        e["mfu_table"] = e["model_flops_per_s"] / (peaks["table"] * e["nproc"]) if peaks["table"] else None
+        e["mfu_measured"] = e["model_flops_per_s"] / (measured * e["nproc"])
         base = baseline(e, entries)
         e["baseline"] = base["name"] if base else None
         e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"] if base else None
         e["scaling_efficiency"] = e["speedup"] * base["nproc"] / e["nproc"] if base else None
+        flag_invalid(e)
     return entries
+
+
+def flag_invalid(e: dict) -> None:
+    why = {"mfu_table": "above the datasheet peak", "mfu_measured": "above the matmul peak measured before the run "
+           "(the machine was busier then, or the processes shared cores)",
+           "scaling_efficiency": "faster per process than the 1-process baseline (it ran slow, or the machine was "
+           "busy then)"}
+    for key in BOUNDED:
+        if e.get(key) is not None and e[key] > 1.0:
+            e.setdefault("invalid", {})[key] = {"value": e[key], "why": why[key]}
+            e[key] = None
 
 
 def baseline(entry: dict, entries: list[dict]) -> dict | None:
@@ -55,6 +70,11 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def bounded(e: dict, key: str) -> str:
+    """A fraction as percent; "invalid" where it came out above 100%."""
+    return "invalid (>100%)" if key in e.get("invalid", {}) else _num(e.get(key), ".1%" if "mfu" in key else ".0%")
+
+
 def markdown(result: dict) -> str:
     d = result["device"]
     lines = [f"# harness bench: {result['task']} on {d['name']} ({d['count']} device(s))", "",
@@ -72,12 +92,15 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {e['name']} | {e['layout']} | {e['precision']} | {e['params']:,} | {s['median']:.4f} "
             f"({s['p10']:.4f}-{s['p90']:.4f}) | {e['tokens_per_s']:,.0f} | {e['samples_per_s']:,.1f} | "
-            f"{e['model_flops_per_s'] / 1e12:.3f} | {_num(e['mfu_table'], '.1%')} | {_num(e['mfu_measured'], '.1%')} "
+            f"{e['model_flops_per_s'] / 1e12:.3f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} "
             f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
-            f"{_num(e['scaling_efficiency'], '.0%')} |")
+            f"{bounded(e, 'scaling_efficiency')} |")
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())
-    lines += ["", f"Peaks per device: {peaks}."]
+    per_process = f" ({d['threads_per_process']} thread(s) per process)" if d.get("threads_per_process") else ""
+    lines += ["", f"Peaks per device{per_process} at the start: {peaks}; each configuration measured its own right "
+                  f"before it ran, and its MFU is against that one. \"invalid\": above 100%, which cannot be true; "
+                  f"bench.json keeps the raw value."]
     if result.get("overhead"):
         o = result["overhead"]
         lines += ["", f"Harness overhead against a plain PyTorch loop on the same model and batches: "
@@ -103,12 +126,16 @@ def plot(result: dict, path: Path) -> Path | None:
         return None
     names = [e["name"] for e in ok]
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.5 * len(ok) + 2.5), sharey=True)
+    mfu = [100 * e["mfu_measured"] if e["mfu_measured"] is not None else 0.0 for e in ok]  # percent, as the table
     panels = [("tokens/s (median)", [e["tokens_per_s"] for e in ok]),
-              ("MFU vs measured peak", [e["mfu_measured"] for e in ok]),
+              ("MFU vs measured peak (%)", mfu),
               ("peak memory per rank (GiB)", [e["peak_mem_bytes"] / 2**30 for e in ok])]
     for ax, (title, values) in zip(axes, panels):
         ax.barh(names, values)
         ax.set_title(title)
+    for i, e in enumerate(ok):  # no bar for a figure that cannot be true: say so where it would be
+        if "mfu_measured" in e.get("invalid", {}):
+            axes[1].text(0, i, " invalid (>100%)", va="center", color="tab:red")
     axes[0].invert_yaxis()  # the sweep's order, top to bottom (the axes share it)
     fig.suptitle(f"harness bench: {result['task']} on {result['device']['name']}")
     fig.tight_layout()

@@ -14,13 +14,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError
+from ..ds_config import model_state_bytes
 from ..plan import count_params
+from ..startup import check_build_locks
 from . import device, report
 from .sweep import ROOT, Config, ds_path, grid, measure, model_parallel_size, plan_for, summary
 
@@ -39,15 +42,18 @@ def run_bench(args) -> dict:
     plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any launch
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
+    check_build_locks()
     out = Path(args.out)
     precisions = sorted({p.ds.precision for p in plans.values()})
+    threads = device.cpu_threads(max(c.nproc for c in configs))  # every process the same share of the cores
     result = {"schema": report.SCHEMA, "task": next(iter(plans.values())).run.cfg.run.task, "run_file": args.run,
-              "sets": sets, "steps": args.steps, "warmup": args.warmup, "device": device.describe(precisions),
-              "configs": []}
+              "sets": sets, "steps": args.steps, "warmup": args.warmup,
+              "device": device.describe(precisions, threads), "configs": []}
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", flush=True)
-        entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout)
-        result["configs"].append({**entry, "params": count_params(plans[c])})
+        peak = device.measured_peak(plans[c].ds.precision, threads=threads)  # beside the run: the machine's state now
+        entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
+        result["configs"].append({**entry, "params": count_params(plans[c]), "peak_flops_measured": peak})
     report.derive(result["configs"], result["device"])
     if args.overhead:
         result["overhead"] = overhead(args, sets, out)
@@ -73,7 +79,7 @@ def overhead(args, sets: list[str], out: Path) -> dict:
                "--precision", plan.ds.precision, *(["--run", args.run] if args.run else [])]
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, **({} if torch.cuda.is_available() else {"OMP_NUM_THREADS": str(os.cpu_count() or 1)})}
+        env = {**os.environ, **({} if torch.cuda.is_available() else {"OMP_NUM_THREADS": str(device.cpu_threads(1))})}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"the plain loop failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -83,42 +89,71 @@ def overhead(args, sets: list[str], out: Path) -> dict:
             "plain_step_s": p["median"], "harness": h, "plain": p, "overhead": h["median"] / p["median"] - 1}
 
 
-def largest_fitting(fits, start: int, cap: int) -> int:
+def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:
     """The largest k in 1..cap with fits(k) (0 if none), for a fits() that is true up to some k and false after:
-    double from `start` until a failure, then bisect between the last success and the first failure."""
+    grow from `start` until a failure (doubling; by 1 + resolution when a resolution is given), then bisect
+    between the last success and the first failure until they are within `resolution` of the success."""
     good, bad, k = 0, cap + 1, start
     while k <= cap:
         if not fits(k):
             bad = k
             break
-        good, k = k, k * 2
-    while bad - good > 1:
+        good, k = k, max(k + 1, int(k * (1 + resolution))) if resolution else k * 2
+    while bad - good > max(1, good * resolution):
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good
 
 
+def predicted_size(plan_of, budget_bytes: float, host_bytes: float) -> int:
+    """The size (layers, or width units) at which the ZeRO paper's model states fill `budget_bytes` of device memory,
+    or 80% of host memory with offloaded states plus the fp32 model every rank first builds there, whichever is
+    smaller: where the search starts, so it needs few (slow) tries at billions of parameters."""
+    p1, p2 = count_params(plan_of(1)), count_params(plan_of(2))
+    per_unit, fixed = max(1, p2 - p1), max(0, 2 * p1 - p2)
+    states = model_state_bytes(10**6, plan_of(1).ds)
+    device_per_param, host_per_param = states["device"] / 1e6, states["cpu"] / 1e6 + 4
+    k = min((0.9 * budget_bytes / max(device_per_param, 1e-9) - fixed) / per_unit,
+            (0.8 * host_bytes / host_per_param - fixed) / per_unit)
+    return max(1, int(k))
+
+
 def largest(config: Config, args, sets: list[str], out: Path) -> dict:
+    """`args.resolution` (relative, default exact) and `args.deadline` (time.monotonic(), default none) bound the
+    search: past the deadline no try starts, and the result is then a lower bound (`stopped_by_budget`)."""
     key = f"model.{args.largest}"
     plan = plan_for(config, args.run, sets)
-    current = getattr(plan.run.cfg.model, args.largest)
     unit = 1 if args.largest == "n_layers" else plan.run.cfg.model.n_heads * 8  # widths that split into heads
     budget = (args.memory_budget_gb * 2**30 if args.memory_budget_gb
               else torch.cuda.get_device_properties(0).total_memory)
-    tried = {}
+    deadline, resolution = getattr(args, "deadline", None), getattr(args, "resolution", 0.0)
+    tried, stopped = {}, []
+
+    def trial(k: int) -> Config:
+        return replace(config, sets=(*config.sets, f"{key}={k * unit}"))
 
     def fits(k: int) -> bool:
-        trial = replace(config, sets=(*config.sets, f"{key}={k * unit}"))
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < 10:
+            stopped.append(k)
+            return False
         try:
-            trial_plan = plan_for(trial, args.run, sets)
+            trial_plan = plan_for(trial(k), args.run, sets)
         except ConfigError:
             return False
-        entry = measure(trial, trial_plan, args.run, sets, out / "largest", 0, 2, args.timeout)
+        entry = measure(trial(k), trial_plan, args.run, sets, out / "largest", 0, 2,
+                        args.timeout if left is None else min(args.timeout, left))
         tried[k * unit] = {"status": entry["status"], "peak_mem_bytes": entry.get("peak_mem_bytes"),
-                           "params": count_params(trial_plan)}
+                           "params": count_params(trial_plan), "error": entry.get("error")}
+        if entry["status"] == "timeout":
+            stopped.append(k)  # out of time, not out of memory: the result is a lower bound
         return entry["status"] == "ok" and entry["peak_mem_bytes"] <= budget
 
-    k = largest_fitting(fits, max(1, current // unit), args.largest_max)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    start = predicted_size(lambda k: plan_for(trial(k), args.run, sets), budget, host) if resolution else \
+        max(1, getattr(plan.run.cfg.model, args.largest) // unit)
+    k = largest_fitting(fits, min(start, args.largest_max), args.largest_max, resolution)
     best = tried.get(k * unit, {})
     return {"name": config.name, "key": key, "value": k * unit, "params": best.get("params", 0),
-            "capped": k == args.largest_max, "budget_bytes": budget, "tried": tried}
+            "capped": k == args.largest_max, "budget_bytes": budget, "stopped_by_budget": bool(stopped),
+            "tried": tried}

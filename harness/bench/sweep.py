@@ -1,4 +1,4 @@
-"""`harness bench`: a sweep of configurations, one `accelerate launch` each, timed from the runs' own metrics.
+"""`harness bench`: a sweep of configurations, one launch each, timed from the runs' own metrics.
 
 A configuration is a DeepSpeed file x a number of processes x accelerate's mixed precision x any run-config
 values being compared (`--vary model.d_model=256,512`, `--vary train.compile=false,true`). Each is resolved
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..profiling import PROFILE_FILE
 from ..startup import Plan, make_plan
+from .device import cpu_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
 
@@ -80,17 +82,25 @@ def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
 
 
 def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int) -> list[str]:
+    """`accelerate launch` for several processes; one process is started directly (a world of one, as
+    `harness train` without a launcher), which saves accelerate's few seconds of start-up per launch."""
     gpu = torch.cuda.is_available()
     launch = ROOT / "launch" / ("multi_gpu.yaml" if gpu else "cpu_2proc.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch),
-           "--num_processes", str(config.nproc), "--mixed_precision", config.mixed_precision,
-           "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at", str(stop_at)]
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", str(launch), "--num_processes",
+                str(config.nproc), "--mixed_precision", config.mixed_precision] if config.nproc > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
+           str(stop_at)]
     cmd += ["--run", run_file] if run_file else []
     timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
               "train.save_every=0", 'logging.backend="none"', f"train.max_steps={stop_at + 1}", "train.epochs=0.0"]
     for s in [*sets, *config.sets, *timing]:
         cmd += ["--set", s]
     return cmd
+
+
+def as_text(output: str | bytes | None) -> str:
+    """A timed-out process's partial output: bytes even under text=True on some Pythons."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -102,8 +112,10 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], out: Path, warmup: int,
-            steps: int, timeout: int) -> dict:
-    """Launch one configuration and summarise its timed steps; a failure is recorded, not raised."""
+            steps: int, timeout: float, threads: int | None = None, profile: bool = False) -> dict:
+    """Launch one configuration and summarise its timed steps; a failure is recorded, not raised. On a CPU each
+    process runs `threads` threads (default: its share of the cores). `profile` adds one step after the timed
+    ones, traced by torch.profiler (`train.profile_step`): its summary lands in the entry as "profile"."""
     run_dir = out / "runs" / config.slug
     log = out / "runs" / f"{config.slug}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -111,24 +123,28 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
              "precision": plan.ds.precision, "zero_stage": plan.ds.zero_stage, "layout": plan.ds.layout.describe(),
              "global_batch": plan.ds.global_batch_size, "micro_batch": plan.run.cfg.train.micro_batch_size,
              "grad_accum": plan.ds.grad_accum_steps, "seq_len": plan.run.cfg.data.seq_len}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not torch.cuda.is_available():  # the processes share the cores, as accelerate arranges for 2 or more
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision}
+    if not torch.cuda.is_available():  # the processes share the cores
+        env["OMP_NUM_THREADS"] = str(threads or cpu_threads(config.nproc))
+    stop_at, extra = warmup + steps, []
+    if profile:
+        stop_at += 1
+        extra = [f"train.profile_step={stop_at}"]
     try:
-        proc = subprocess.run(command(config, run_file, sets, run_dir, warmup + steps), cwd=ROOT, env=env,
+        proc = subprocess.run(command(config, run_file, [*sets, *extra], run_dir, stop_at), cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
         log.write_text(proc.stdout + proc.stderr)
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, text = -1, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-        log.write_text(text)
+        log.write_text(f"timed out after {timeout:.0f} s\n{as_text(e.stdout)}{as_text(e.stderr)}")
+        return {**entry, "status": "timeout", "error": f"timed out after {timeout:.0f} s"}
     if rc != 0:
         oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
         errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
         last = (errors or text.splitlines() or [""])[-1]
         return {**entry, "status": "oom" if oom else "failed", "error": last[-300:]}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r["step"] > warmup]
+    timed = [r for r in records if warmup < r["step"] <= warmup + steps]
     if not timed:
         return {**entry, "status": "failed", "error": f"no step after the {warmup} warm-up steps was recorded"}
     step_s = summary([r["step_s"] for r in timed])
@@ -137,4 +153,6 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
             "samples_per_s": entry["global_batch"] / step_s["median"],
             "flops_per_step": statistics.median(r["tflops"] * 1e12 * r["step_s"] for r in timed),
             "padding": statistics.median(r["padding"] for r in timed),
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed), "log": os.path.relpath(log, out)}
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed), "log": os.path.relpath(log, out),
+            **({"profile": json.loads((run_dir / PROFILE_FILE).read_text())}
+               if profile and (run_dir / PROFILE_FILE).is_file() else {})}

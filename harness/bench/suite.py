@@ -1,0 +1,492 @@
+"""`harness bench --suite gpu`: every speed and quality figure a GPU can give, in parts with their own time budgets.
+
+GPU time comes rarely and in short stretches, so the suite is ready before one appears, runs in two commands of
+under 10 minutes (`--parts ops,speed,overhead` then `--parts largest,quality`), and leaves its results in
+`--out` (default `results/gpu/<date>-<device>/`) as `suite.json` (every raw figure, the device, versions, commit,
+date and command; a second command adds its parts to the same file), `suite.md` and `speed.png`. The README's
+GPU tables are generated from those files (`harness results`). Parts, in order of value:
+
+- `ops`: DeepSpeed's JIT-built ops the harness uses here (fused Adam on a GPU, CPU Adam for offload) are built or
+  loaded once, and whether they built is recorded (the optimizer falls back to PyTorch's fused AdamW if not).
+- `speed`: MFU and tokens/s on one device in the precision DeepSpeed picks there (bf16 on a GPU that has it) for
+  the translation model at Transformer-base size (then big), the protein encoder at ~100M parameters and length
+  512, and the lm at ~125M and length 1024, each with `train.compile` off and on, activation checkpointing off;
+  one extra step of each is traced (`train.profile_step`) so a missed target says where the time went.
+- `overhead`: the harness against the plain PyTorch loop on the same model and batches.
+- `largest`: the largest lm (by layers) that trains under ZeRO-0 and under ZeRO-3 with CPU offload, and the ratio.
+- `quality`: the Multi30k, FLIP and ETTh1 recipes, each trained as many steps as its budget allows (a short probe
+  times a step, then the run resumes to the steps that fit) and scored once on its test split. A run cut short
+  of its recipe's schedule is reported as cut, never extrapolated.
+
+A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget".
+`--smoke` runs every part at toy size (CI, on a CPU, in about two minutes) so the suite is proven before a GPU
+sees it; smoke results never reach the README.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..plan import count_params
+from ..startup import check_build_locks
+from . import device, report
+from .run import largest, overhead
+from .sweep import ROOT, Config, as_text, ds_path, measure, plan_for
+
+SUITES = ("gpu",)
+PARTS = ("ops", "speed", "overhead", "largest", "quality")
+BUDGET_S = {"ops": 90, "speed": 330, "overhead": 120, "largest": 240, "quality": 330}  # two commands < 10 min
+SMOKE_BUDGET_S = {"ops": 60, "speed": 90, "overhead": 60, "largest": 60, "quality": 120}
+MIN_LAUNCH_S = {False: 20, True: 5}  # (by --smoke) a launch given less than this would only time out
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    name: str
+    run: str                            # the recipe it starts from, in configs/runs
+    data: str                           # its folder under --data ("" = the embedded default)
+    sets: tuple[str, ...]               # the GPU size
+    smoke: tuple[str, ...]              # the toy size
+    target_mfu: float | None = None     # against the datasheet peak (H100 bf16: 989 TFLOP/s)
+
+
+_TOY = ("model.d_model=32", "model.n_heads=2", "model.n_layers=1", "train.micro_batch_size=8")
+_ONE = ("train.global_batch_size=0", "train.grad_accum_steps=1", "data.bucket=0")
+SPEED = (
+    SpeedModel("translation base", "translation_multi30k.toml", "multi30k",
+               _ONE + ("model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=6",
+                       "model.dropout=0.1", "data.bucket=50", "train.micro_batch_size=256"),
+               _ONE + _TOY + ("model.d_ff=64", "model.vocab_size=1000"), 0.40),
+    SpeedModel("protein 100M, length 512", "protein_flip_ss.toml", "flip_ss",
+               _ONE + ("model.d_model=768", "model.n_heads=12", "model.n_layers=14", "data.seq_len=512",
+                       "data.bucket=50", "train.micro_batch_size=32"),
+               _ONE + _TOY + ("data.seq_len=128",), 0.45),
+    SpeedModel("lm 125M, length 1024", "lm_demo.toml", "",
+               _ONE + ("model.d_model=768", "model.n_heads=12", "model.n_layers=18", "data.seq_len=1024",
+                       "train.micro_batch_size=16"),
+               _ONE + _TOY + ("data.seq_len=64",), 0.45),
+    SpeedModel("translation big", "translation_multi30k.toml", "multi30k",
+               _ONE + ("model.d_model=1024", "model.n_heads=16", "model.d_ff=4096", "model.n_layers=6",
+                       "model.dropout=0.1", "data.bucket=50", "train.micro_batch_size=128"),
+               (), None),  # no toy twin: the smoke run has one translation model already
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    run: str
+    ds: str                             # the DeepSpeed file its header names
+    data: str
+    metric: str                         # the test-split figure it is judged by
+    target: float | None                # metric >= target (None: report next to the baselines only)
+    smoke: tuple[str, ...]
+    sets: tuple[str, ...] = ()          # always (a smaller in-training BLEU sample: the test split is scored after)
+    compare: tuple[str, ...] = field(default=())  # other figures of the same evaluation shown beside it
+
+
+RECIPES = (
+    Recipe("translation_multi30k", "translation_multi30k.toml", "bf16", "multi30k", "bleu", 35.0,
+           _TOY + ("model.d_ff=64", "model.vocab_size=1000", "translation.beam_size=1"),
+           ("translation.eval_max_sentences=200",),
+           ("chrf", "copy_source_bleu", "bleu_signature")),
+    Recipe("protein_flip_ss", "protein_flip_ss.toml", "bf16", "flip_ss", "q3", 0.70, _TOY + ("data.seq_len=128",)),
+    Recipe("prices_etth1", "prices_etth1.toml", "zero2", "ett", "mse", None, ("model.n_layers=1",),
+           compare=("mae", "persistence_mse", "persistence_mae")),
+)
+PROBE_STEPS = 30
+EVAL_SHARE = 0.25  # of a recipe's budget kept for its final evaluation, export and the test-split scoring
+
+
+class Budget:
+    """Seconds left to one part; every launch in it gets at most what is left."""
+
+    def __init__(self, seconds: float, launch_s: float):
+        self.seconds, self.launch_s, self.start = seconds, launch_s, time.monotonic()
+
+    @property
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+    def allows(self, launches: int = 1) -> bool:
+        return self.left >= launches * self.launch_s
+
+    def share(self, parts: int) -> Budget:
+        return Budget(self.left / parts, self.launch_s)
+
+
+def not_run(name: str, why: str = "budget") -> dict:
+    return {"name": name, "status": "not run", "error": why}
+
+
+def _sets(recipe_data: str, data_root: Path | None, sets: tuple[str, ...]) -> list[str]:
+    path = [f"data.path={json.dumps(str(data_root / recipe_data))}"] if recipe_data and data_root else []
+    return [*path, *sets]
+
+
+def run_suite(args) -> dict:
+    if args.suite not in SUITES:
+        raise ConfigError(f"--suite {args.suite}: the suites are {', '.join(SUITES)}")
+    parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ConfigError(f"--parts: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    budgets = dict(SMOKE_BUDGET_S if args.smoke else BUDGET_S)
+    for b in args.budget:
+        part, _, seconds = b.partition("=")
+        if part not in PARTS or not seconds.replace(".", "", 1).isdigit():
+            raise ConfigError(f"--budget {b}: expected PART=SECONDS with a part of {', '.join(PARTS)}")
+        budgets[part] = float(seconds)
+    data = Path(args.data) if args.data else None
+    if data is not None and not data.is_dir():
+        raise ConfigError(f"--data {data}: not a directory (expected the benchmark sets: multi30k/, flip_ss/, ett/)")
+    if any(p in parts for p in ("speed", "quality")):
+        if data is None:
+            raise ConfigError("--data DIR is needed for the speed and quality parts: the folder holding multi30k/, "
+                              "flip_ss/ and ett/ (e.g. ../shared/data)")
+        missing = sorted({x.data for x in (*SPEED, *RECIPES) if x.data and not (data / x.data).is_dir()})
+        if missing:
+            raise ConfigError(f"--data {data}: no {', '.join(m + '/' for m in missing)} in it (the benchmark sets the "
+                              f"speed and quality parts read)")
+    check_build_locks()
+    out = Path(args.out or default_out(args.smoke))
+    work = Path(args.work or ROOT / "bench" / "suite-work")  # runs and checkpoints: never under results/
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "suite.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    if result and result.get("smoke") != args.smoke:
+        raise ConfigError(f"{path} holds a {'smoke' if result.get('smoke') else 'full'} run; use another --out")
+    result.update(schema=SCHEMA, suite=args.suite, smoke=args.smoke, environment=environment(),
+                  budgets_s={**result.get("budgets_s", {}), **{p: budgets[p] for p in parts}})
+    result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, sys.argv[1:])]))
+    result.setdefault("parts", {})
+    for part in parts:
+        print(f"== part {part} (budget {budgets[part]:.0f} s)", flush=True)
+        budget = Budget(budgets[part], MIN_LAUNCH_S[args.smoke])
+        started = time.monotonic()
+        try:
+            result["parts"][part] = PART_RUNNERS[part](args, data, work / part, budget)
+        except ConfigError as e:  # found only once the part ran (e.g. a size the data cannot give): the rest goes on
+            result["parts"][part] = {"status": "failed", "error": str(e)}
+            print(f"  failed: {e}", flush=True)
+        result["parts"][part]["wall_s"] = time.monotonic() - started
+        path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
+    (out / "suite.md").write_text(markdown(result) + "\n")
+    speed = result["parts"].get("speed")
+    if speed and speed.get("bench"):
+        report.plot(speed["bench"], out / "speed.png")
+    print(markdown(result))
+    print(f"wrote {path}, {out / 'suite.md'}")
+    return result
+
+
+SCHEMA = 1
+
+
+def default_out(smoke: bool) -> str:
+    if smoke:
+        return "bench/suite-smoke"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.device_name().lower()).strip("-")[:40]
+    return f"results/gpu/{dt.date.today().isoformat()}-{slug}"
+
+
+def _quote(s: str) -> str:
+    return s if re.fullmatch(r"[\w./=,:@+-]+", s) else json.dumps(s)
+
+
+def environment() -> dict:
+    def version(name: str) -> str | None:
+        try:
+            from importlib.metadata import version as v
+
+            return v(name)
+        except Exception:  # noqa: BLE001 - not installed
+            return None
+    cuda = torch.cuda.is_available()
+    return {"device": device.device_name(), "kind": "cuda" if cuda else "cpu",
+            "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+            "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "deepspeed": version("deepspeed"), "accelerate": version("accelerate"),
+            "commit": commit(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def commit() -> str:
+    """The checkout's commit; a copy of the tree without .git says so through $HARNESS_COMMIT."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("HARNESS_COMMIT", "unknown")
+
+
+# --- parts -------------------------------------------------------------------------------------------------------
+
+def part_ops(args, data, work: Path, budget: Budget) -> dict:
+    """Build (or load from the cache) the DeepSpeed ops the harness uses on this device, timing each."""
+    from deepspeed.accelerator import get_accelerator
+
+    names = ["FusedAdamBuilder", "CPUAdamBuilder"] if torch.cuda.is_available() else ["CPUAdamBuilder"]
+    ops = {}
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        start = time.monotonic()
+        try:
+            if builder is None or not builder.is_compatible(verbose=False):
+                raise RuntimeError("not compatible with this machine (DeepSpeed's is_compatible)")
+            builder.load(verbose=False)
+            ops[name] = {"built": True, "seconds": time.monotonic() - start}
+        except Exception as e:  # noqa: BLE001 - a failed build is a result: the harness falls back
+            ops[name] = {"built": False, "seconds": time.monotonic() - start, "error": str(e).splitlines()[0][:300],
+                         "fallback": "torch.optim.AdamW(fused=True)" if name == "FusedAdamBuilder" else
+                         "none: ZeRO offload needs it"}
+        print(f"  {name}: {'built' if ops[name]['built'] else 'FAILED: ' + ops[name]['error']} "
+              f"({ops[name]['seconds']:.0f} s)", flush=True)
+    return {"ops": ops, "extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "default")}
+
+
+def part_speed(args, data, work: Path, budget: Budget) -> dict:
+    """Each model x compile off/on, one process, the precision DeepSpeed picks on this device."""
+    entries, models = [], [m for m in SPEED if m.smoke or not args.smoke]
+    peaks: dict[str, dict] = {}
+    for m in models:
+        base = [*_sets(m.data, data, m.smoke if args.smoke else m.sets)]
+        for compile_ in (("false",) if args.smoke else ("false", "true")):
+            name = f"{m.name}, compile {'on' if compile_ == 'true' else 'off'}"
+            if not budget.allows():
+                entries.append({**not_run(name), "model": m.name})
+                continue
+            config = Config(ds_path("zero0"), 1, "no", (f"train.compile={compile_}",))
+            run_file = str(ROOT / "configs" / "runs" / m.run)
+            try:
+                plan = plan_for(config, run_file, base)
+            except ConfigError as e:
+                entries.append({"name": name, "model": m.name, "status": "failed", "error": str(e)[:300]})
+                continue
+            precision = plan.ds.precision
+            peak = device.measured_peak(precision, threads=device.cpu_threads(1))
+            if precision not in peaks:
+                peaks[precision] = {"table": device.table_peak(device.device_name(), precision), "measured": peak}
+            print(f"  {name} ({precision}, {count_params(plan):,} parameters)", flush=True)
+            e = measure(config, plan, run_file, base, work, args.warmup, args.steps, budget.left, profile=True)
+            entries.append({**e, "name": name, "model": m.name, "params": count_params(plan),
+                            "peak_flops_measured": peak, "target_mfu": m.target_mfu})
+    dev = {"name": device.device_name(), "kind": "cuda" if torch.cuda.is_available() else "cpu",
+           "count": 1, "threads_per_process": None if torch.cuda.is_available() else device.cpu_threads(1),
+           "peak_flops": peaks}
+    report.derive(entries, dev) if peaks else None
+    for e in entries:
+        target, mfu = e.get("target_mfu"), e.get("mfu_table")
+        if e["status"] == "ok" and target is not None:
+            e["target_met"] = None if mfu is None else mfu >= target  # None: no datasheet peak (CPU)
+            if e["target_met"] is False:
+                e["missed_by"] = target - mfu
+    return {"bench": {"task": "speed suite", "steps": args.steps, "warmup": args.warmup, "device": dev,
+                      "configs": entries}}
+
+
+def part_overhead(args, data, work: Path, budget: Budget) -> dict:
+    run = str(ROOT / "configs" / "runs" / "lm_demo.toml")
+    sets = list(SPEED[2].smoke if args.smoke else SPEED[2].sets)
+    rounds = 1 if args.smoke else 2
+    if not budget.allows(2):
+        return not_run("overhead")
+    study = Namespace(rounds=rounds, warmup=args.warmup, steps=args.steps, run=run, timeout=budget.left / rounds / 2)
+    try:
+        o = overhead(study, sets, work)
+    except RuntimeError as e:
+        return {"status": "failed", "error": str(e)[:300]}
+    return {"status": "ok", "model": SPEED[2].name, "target": 0.03, "target_met": o["overhead"] <= 0.03,
+            "missed_by": max(0.0, o["overhead"] - 0.03), **o}
+
+
+def part_largest(args, data, work: Path, budget: Budget) -> dict:
+    """ZeRO-0 and ZeRO-3 + CPU offload, the lm grown by layers, half the budget each."""
+    run = str(ROOT / "configs" / "runs" / "lm_demo.toml")
+    sets = list(_TOY + ("data.seq_len=64",) if args.smoke else
+                ("model.d_model=4096", "model.n_heads=32", "data.seq_len=512",
+                 "train.micro_batch_size=1", "train.global_batch_size=0", "train.grad_accum_steps=1"))
+    found = []
+    for i, ds in enumerate(("zero0", "zero3_offload")):
+        share = budget.share(2 - i)
+        study = Namespace(largest="n_layers", run=run, memory_budget_gb=args.memory_budget_gb or (
+            None if torch.cuda.is_available() else 4.0), largest_max=2 if args.smoke else 512,
+            timeout=share.left, resolution=0.25, deadline=time.monotonic() + share.left)
+        found.append(largest(Config(ds_path(ds), 1, "no"), study, sets, work))
+    zero0, offload = found
+    ratio = offload["params"] / zero0["params"] if zero0["params"] and offload["params"] else None
+    return {"status": "ok", "key": "model.n_layers", "configs": found, "ratio": ratio, "target": 5.0,
+            "target_met": None if ratio is None else ratio >= 5.0,
+            "missed_by": None if ratio is None else max(0.0, 5.0 - ratio),
+            "bounds": "lower" if offload["stopped_by_budget"] or offload["capped"] else "measured"}
+
+
+def part_quality(args, data, work: Path, budget: Budget) -> dict:
+    results = []
+    for i, r in enumerate(RECIPES):
+        share = budget.share(len(RECIPES) - i)
+        if not share.allows(2):
+            results.append({**not_run(r.name), "metric": r.metric, "target": r.target})
+            continue
+        results.append(quality(r, data, work / r.name, share, args.smoke))
+    return {"recipes": results}
+
+
+def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -> dict:
+    """Probe: the recipe for PROBE_STEPS steps (inside its warm-up, so its schedule is the same whatever the final
+    length); then resume it to the steps that fit the budget (or its own length, if that is shorter); then score
+    the test split once."""
+    run_file = str(ROOT / "configs" / "runs" / r.run)
+    sets = [*_sets(r.data, data, (*r.sets, *(r.smoke if smoke else ()))), f"run.output_dir={json.dumps(str(run_dir))}",
+            'logging.backend="none"', "train.log_every=10", "train.save_every=0"]
+    entry = {"name": r.name, "metric": r.metric, "target": r.target, "run_file": f"configs/runs/{r.run}",
+             "ds": f"configs/ds/{r.ds}.json"}
+    probe = PROBE_STEPS // 10 if smoke else PROBE_STEPS
+    launched = time.monotonic()
+    proc = _train(run_file, ds_path(r.ds), sets, ["--overwrite", "--stop-at", str(probe)], budget)
+    if proc.returncode != 0:
+        return {**entry, "status": "failed", "error": _last_error(proc)}
+    planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch\)", proc.stdout + proc.stderr)
+    recipe_steps = int(planned.group(2)) if planned else None
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_s = records[-1]["step_s"]  # the last window: past the first steps' start-up
+    start_up = max(0.0, time.monotonic() - launched - probe * step_s)  # the second launch pays it again
+    train_s = budget.left - start_up - EVAL_SHARE * budget.seconds
+    steps = max(probe, probe + int(train_s / step_s))
+    if recipe_steps:
+        steps = min(steps, recipe_steps)
+    if smoke:
+        steps = min(steps, 2 * probe)
+    proc = _train(run_file, ds_path(r.ds), [*sets, "train.epochs=0.0", f"train.max_steps={steps}"],
+                  ["--resume", "auto"], budget)
+    if proc.returncode != 0:
+        return {**entry, "status": "failed", "error": _last_error(proc), "steps": steps}
+    from ..evaluate import evaluate_run
+
+    metrics = evaluate_run(run_dir, "test")
+    value = metrics.get(r.metric)
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return {**entry, "status": "ok", "value": value, "test": metrics, "validation": evals[-1],
+            "target_met": None if r.target is None or value is None else value >= r.target,
+            "missed_by": None if r.target is None or value is None else max(0.0, r.target - value),
+            "probe_step_s": step_s, "steps": steps, "recipe_steps": recipe_steps,
+            "schedule": "complete" if recipe_steps and steps >= recipe_steps else
+            f"cut by {'the smoke run' if smoke else 'the budget'} to {steps} of {recipe_steps} steps: not the "
+            f"recipe's result",
+            "wall_s": budget.seconds - budget.left}
+
+
+def _train(run_file: str, ds: str, sets: list[str], extra: list[str], budget: Budget) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "harness", "train", "--run", run_file, "--ds", ds, *extra]
+    for s in sets:
+        cmd += ["--set", s]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, budget.left),
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired as e:
+        return subprocess.CompletedProcess(cmd, -1, as_text(e.stdout), f"{as_text(e.stderr)}\ntimed out: the budget "
+                                                                         f"ran out")
+
+
+def _last_error(proc: subprocess.CompletedProcess) -> str:
+    text = proc.stdout + proc.stderr
+    errors = [x for x in text.splitlines() if "Error" in x or "error:" in x or "timed out" in x]
+    return ((errors or text.splitlines() or [""])[-1])[-300:]
+
+
+PART_RUNNERS = {"ops": part_ops, "speed": part_speed, "overhead": part_overhead, "largest": part_largest,
+                "quality": part_quality}
+
+
+# --- report ------------------------------------------------------------------------------------------------------
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _met(e: dict) -> str:
+    return {True: "met", False: "missed", None: "-"}[e.get("target_met")]
+
+
+def markdown(result: dict) -> str:
+    env, parts = result["environment"], result["parts"]
+    lines = [f"# harness GPU suite{' (smoke: toy sizes, not figures)' if result['smoke'] else ''}: {env['device']}",
+             "", f"torch {env['torch']} (CUDA {env['cuda']}), DeepSpeed {env['deepspeed']}, commit {env['commit']}, "
+             f"{env['date']}. Commands: " + "; ".join(f"`{c}`" for c in result["commands"]) + "."]
+    if "ops" in parts:
+        lines += ["", "## DeepSpeed ops", ""]
+        lines += [f"- {k}: {'built' if v['built'] else 'did not build (' + v['error'] + '); fallback ' + v['fallback']}"
+                  f" in {v['seconds']:.0f} s" for k, v in parts["ops"]["ops"].items()]
+    if "speed" in parts:
+        lines += ["", "## Speed (one device)", "", "| model | precision | params | step s | tokens/s | MFU (datasheet) "
+                  "| MFU (measured peak) | target | where the time went (profiled step) |", "|---|---|---|---|---|---|---|---|---|"]
+        for e in parts["speed"]["bench"]["configs"]:
+            if e["status"] != "ok":
+                lines.append(f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | |")
+                continue
+            p = e.get("profile", {})
+            where = (f"loader {p['loader_wait_s'] * 1e3:.1f} ms, host {_ms(p.get('host_overhead_s'))}, top: "
+                     + ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])) if p else "-"
+            target = f"{e['target_mfu']:.0%}: {_met(e)}" if e.get("target_mfu") else "-"
+            lines.append(f"| {e['name']} | {e['precision']} | {e['params'] / 1e6:.1f}M | {e['step_s']['median']:.4f} | "
+                         f"{e['tokens_per_s']:,.0f} | {report.bounded(e, 'mfu_table')} | "
+                         f"{report.bounded(e, 'mfu_measured')} | {target} | {where} |")
+    o = parts.get("overhead")
+    if o:
+        lines += ["", "## Overhead", "", f"Harness against the plain PyTorch loop ({o.get('model', '-')}): " + (
+            f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s, "
+            f"{o['precision']}); target <= +3%: {_met(o)}." if o.get("status") == "ok" else o.get("error", "-"))]
+    g = parts.get("largest")
+    if g:
+        lines += ["", "## Largest model", ""]
+        for c in g["configs"]:
+            lines.append(f"- {c['name']}: {c['params']:,} parameters ({c['key']} = {c['value']}) within "
+                         f"{c['budget_bytes'] / 2**30:.0f} GiB" + (" (search stopped by the time budget: a lower "
+                                                                   "bound)" if c["stopped_by_budget"] else ""))
+        ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x" + (" or more" if g["bounds"] == "lower" else "")
+        lines.append(f"- ratio ZeRO-3 + offload / ZeRO-0: {ratio} (target >= 5x: {_met(g)})")
+    q = parts.get("quality")
+    if q:
+        lines += ["", "## Quality (test split, scored once)", "", "| recipe | metric | value | target | steps | "
+                  "other figures |", "|---|---|---|---|---|---|"]
+        for e in q["recipes"]:
+            if e["status"] != "ok":
+                lines.append(f"| {e['name']} | {e['metric']} | {e['status']}: {cell(e.get('error', '')[:80])} | | | |")
+                continue
+            others = ", ".join(f"{k} {_fmt(e['test'].get(k))}" for k in RECIPE_COMPARE.get(e["name"], ()))
+            lines.append(f"| {e['name']} | {e['metric']} | {_fmt(e['value'])} | "
+                         f"{'-' if e['target'] is None else e['target']}: {_met(e)} | {e['steps']} "
+                         f"({e['schedule']}) | {others} |")
+    return "\n".join(lines)
+
+
+RECIPE_COMPARE = {r.name: r.compare for r in RECIPES}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else cell(x) if isinstance(x, str) else f"{x:.4g}"
+
+
+def cell(text: str) -> str:
+    """Text safe inside a Markdown table cell (sacreBLEU signatures are |-separated)."""
+    return text.replace("|", "\\|")
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"

@@ -1,0 +1,69 @@
+"""Where one training step's time goes: `train.profile_step = N` traces optimizer step N with torch.profiler on
+rank 0 and writes RUN/profile.json.
+
+- `wall_s`: the step, from fetching its batches to the loss on the host (the loop's one sync point).
+- `loader_wait_s`: of that, waiting for the data loader's batches.
+- `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
+  the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
+- `top`: the 10 operators (CPU) or kernels (GPU) with the most self time, in seconds and share of the step.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+PROFILE_FILE = "profile.json"
+
+
+class StepProfile:
+    """Started before a step's batches are fetched; `finish` after its loss reached the host."""
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda = device.type == "cuda"
+        self.prof = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.cuda else [])])
+        self.prof.start()
+        self.start = time.perf_counter()
+
+    def finish(self, loader_wait_s: float, step: int, top: int = 10) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()  # sync point: every kernel of the step has run
+        wall = time.perf_counter() - self.start
+        self.prof.stop()
+        summary = {"step": step, "wall_s": wall, "loader_wait_s": loader_wait_s, "device": "cuda" if self.cuda
+                   else "cpu", "device_busy_s": None, "host_overhead_s": None}
+        try:  # the profiler's event API moves between torch versions: a summary it cannot make is said, not raised
+            summary.update(self._times(wall, loader_wait_s, top))
+        except Exception as e:  # noqa: BLE001
+            summary["error"] = f"{type(e).__name__}: {e}"[:300]
+        return summary
+
+    def _times(self, wall: float, loader_wait_s: float, top: int) -> dict:
+        self_s: dict[str, float] = defaultdict(float)
+        busy = 0.0
+        for e in self.prof.events():
+            if self.cuda:  # kernels: their device time; CPU-side ops are what launched them
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                t = getattr(e, "device_time", None)
+                t = (t if t is not None else e.cuda_time) / 1e6
+                busy += t
+            else:
+                t = e.self_cpu_time_total / 1e6
+            self_s[e.name] += t
+        ranked = sorted(self_s.items(), key=lambda kv: kv[1], reverse=True)[:top]
+        out = {"top": [{"name": name[:120], "self_s": t, "share": t / wall} for name, t in ranked]}
+        if self.cuda:
+            out.update(device_busy_s=busy, host_overhead_s=max(0.0, wall - loader_wait_s - busy))
+        return out
+
+
+def write(summary: dict, run_dir: Path) -> Path:
+    path = run_dir / PROFILE_FILE
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU suite in two commands of under 10 minutes each, on a GPU machine that may have no network:
+#   bash launch/gpu_suite.sh 1 OUT      # parts ops, speed, overhead
+#   bash launch/gpu_suite.sh 2 OUT      # parts largest, quality (adds to OUT/suite.json)
+# then copy OUT into results/gpu/<date>-<device>/ and run `python -m harness results`.
+# Wheels the machine lacks go in .whl/ (e.g. `pip wheel --no-deps deepspeed` and `pip download` of datasets and
+# wandb with their dependencies, where there is network); they are installed into a private folder first.
+# The benchmark data is read from $DATA (default .bench/, holding multi30k/, flip_ss/ and ett/).
+# Set HARNESS_COMMIT to the commit when the tree is a copy without .git.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: gpu_suite.sh 1|2 OUT}
+out=${2:?usage: gpu_suite.sh 1|2 OUT}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/harness-site .whl/*.whl
+  export PYTHONPATH=/tmp/harness-site:$PWD
+fi
+case $part in
+  1) parts=ops,speed,overhead ;;
+  2) parts=largest,quality ;;
+  *) echo "gpu_suite.sh: the first argument is 1 or 2" >&2; exit 2 ;;
+esac
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+exec python3 -m harness bench --suite gpu --parts "$parts" --data "${DATA:-.bench}" --out "$out"

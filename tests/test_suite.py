@@ -1,0 +1,124 @@
+"""`harness bench --suite gpu --smoke`: every part of the GPU suite at toy size on this CPU, for real, so the suite
+works before a GPU ever sees it; the README's GPU table generated from result files; the suite's bad input."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, _env
+from harness.bench import results
+from harness.bench.suite import PARTS, RECIPES
+
+DATA = ROOT.parent / "shared" / "data"
+
+
+def harness(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    if not (DATA / "multi30k").is_dir():
+        pytest.skip(f"the shared benchmark data is not beside the repository ({DATA})")
+    out = tmp_path_factory.mktemp("suite") / "smoke"
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--data", str(DATA), "--out", str(out), "--work",
+                   str(out.parent / "work"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_smoke_runs_every_part_and_reports_it(smoke):
+    suite = json.loads((smoke / "suite.json").read_text())
+    env = suite["environment"]
+    assert suite["smoke"] is True and list(suite["parts"]) == list(PARTS)
+    assert env["kind"] == "cpu" and env["torch"] and env["deepspeed"] and env["commit"] and env["date"]
+    assert suite["commands"][0].startswith("python -m harness bench --suite gpu --smoke")
+    assert suite["parts"]["ops"]["ops"]["CPUAdamBuilder"]["built"] is True
+    speed = suite["parts"]["speed"]["bench"]["configs"]
+    assert [e["model"] for e in speed] == ["translation base", "protein 100M, length 512", "lm 125M, length 1024"]
+    for e in speed:
+        assert e["status"] == "ok", e
+        assert e["step_s"]["n"] == 3 and e["tokens_per_s"] > 0 and e["precision"] == "fp32"
+        assert 0 < e["mfu_measured"] <= 1 and e["mfu_table"] is None and e["target_met"] is None  # no CPU datasheet
+        profile = e["profile"]  # the traced step after the timed ones: where its time went
+        assert profile["step"] == 2 + 3 + 1 and profile["wall_s"] > 0 and 0 <= profile["loader_wait_s"] < 10
+        assert profile["top"] and all(0 < t["share"] <= 1 for t in profile["top"])
+    o = suite["parts"]["overhead"]
+    assert o["status"] == "ok" and o["overhead"] == pytest.approx(o["harness_step_s"] / o["plain_step_s"] - 1)
+    g = suite["parts"]["largest"]
+    assert [c["name"] for c in g["configs"]] == ["zero0 x1", "zero3_offload x1"]
+    assert all(c["params"] > 0 and c["tried"] for c in g["configs"]) and g["ratio"] > 0
+    recipes = suite["parts"]["quality"]["recipes"]
+    assert [r["name"] for r in recipes] == [r.name for r in RECIPES]
+    for r in recipes:
+        assert r["status"] == "ok", r
+        assert math.isfinite(r["value"]) and r["steps"] <= r["recipe_steps"]
+        assert r["schedule"].startswith("cut by the smoke run") and r["target_met"] in (False, None)
+    bleu = recipes[0]["test"]
+    assert bleu["sentences"] == 1000 and bleu["bleu_signature"].startswith("nrefs:1")  # the whole test2016 split
+    assert recipes[2]["test"]["persistence_mse"] == pytest.approx(1.294, abs=1e-3)  # the published 1.295
+    md = (smoke / "suite.md").read_text()
+    assert "smoke: toy sizes, not figures" in md and "nrefs:1\\|case" in md  # the signature's | escaped
+    assert (smoke / "speed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_second_command_adds_its_parts_to_the_same_results(smoke, tmp_path):
+    out = tmp_path / "two"
+    shutil.copytree(smoke, out)
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
+                   str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    suite = json.loads((out / "suite.json").read_text())
+    assert len(suite["commands"]) == 2 and "--parts ops" in suite["commands"][1]
+    assert list(suite["parts"]) == list(PARTS)  # the first command's parts are kept
+    proc = harness("bench", "--suite", "gpu", "--parts", "ops", "--out", str(out))  # a full run into a smoke folder
+    assert proc.returncode == 2 and "holds a smoke run" in proc.stderr
+
+
+def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
+    assert results.main(check=True) == 0  # the README is what results/gpu/ gives
+    root = tmp_path / "repo"
+    (root / "results" / "gpu" / "smoke").mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    suite = json.loads((smoke / "suite.json").read_text())
+    (root / "results" / "gpu" / "smoke" / "suite.json").write_text(json.dumps(suite))
+    block = results.render(root)
+    assert block.count(results.NOT_MEASURED) == len(results.ROWS)  # smoke runs are never figures
+    suite["smoke"] = False  # the same files as a full run would leave them
+    (root / "results" / "gpu" / "full").mkdir()
+    (root / "results" / "gpu" / "full" / "suite.json").write_text(json.dumps(suite))
+    block = results.render(root)
+    link = "(results/gpu/full/suite.json)"
+    lm = next(line for line in block.splitlines() if line.startswith("| lm 125M, length 1024 MFU, compile off"))
+    assert "MFU - of the datasheet peak" in lm and "tokens/s (fp32)" in lm and link in lm  # no CPU datasheet
+    assert next(line for line in block.splitlines() if "compile on" in line).endswith(f"| {results.NOT_MEASURED} |")
+    bleu = next(line for line in block.splitlines() if line.startswith("| Multi30k"))
+    assert "BLEU" in bleu and "nrefs:1\\|case" in bleu and link in bleu and "not the recipe's result" in bleu
+    assert "persistence 1.29" in next(line for line in block.splitlines() if line.startswith("| ETTh1"))
+    assert "CPUAdamBuilder built" in block
+    assert results.main(check=True, root=root) == 1  # the copied README does not show these yet
+    assert results.main(check=False, root=root) == 0 and results.main(check=True, root=root) == 0
+    assert link in (root / "README.md").read_text()
+
+
+def test_suite_refuses_bad_input_before_running(tmp_path):
+    out = tmp_path / "s"
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "speed,warp", "--data", str(tmp_path),
+                   "--out", str(out))
+    assert proc.returncode == 2 and "unknown part(s) warp" in proc.stderr
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--out", str(out))
+    assert proc.returncode == 2 and "--data DIR is needed" in proc.stderr
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--data", str(tmp_path / "nowhere"), "--out", str(out))
+    assert proc.returncode == 2 and "not a directory" in proc.stderr
+    proc = harness("bench", "--suite", "gpu", "--smoke", "--budget", "speed=soon", "--data", str(tmp_path),
+                   "--out", str(out))
+    assert proc.returncode == 2 and "--budget speed=soon" in proc.stderr
+    proc = harness("bench", "--smoke", "--out", str(out))
+    assert proc.returncode == 2 and "--smoke belong to --suite" in proc.stderr
+    assert not out.exists()
