@@ -118,6 +118,7 @@ def _prepare(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by the suite with its results
     quiet_deepspeed()
     is_main = launched_rank() == 0
     try:

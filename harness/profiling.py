@@ -50,8 +50,7 @@ class StepProfile:
             if self.cuda:  # kernels: their device time; CPU-side ops are what launched them
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
-                t = getattr(e, "device_time", None)
-                t = (t if t is not None else e.cuda_time) / 1e6
+                t = e.time_range.elapsed_us() / 1e6  # a kernel's own span on the GPU
                 busy += t
             else:
                 t = e.self_cpu_time_total / 1e6

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, _env
 from harness.bench import results
 from harness.bench.suite import PARTS, RECIPES
+from harness.cli import main
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -50,7 +51,8 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
         assert profile["step"] == 2 + 3 + 1 and profile["wall_s"] > 0 and 0 <= profile["loader_wait_s"] < 10
         assert profile["top"] and all(0 < t["share"] <= 1 for t in profile["top"])
     o = suite["parts"]["overhead"]
-    assert o["status"] == "ok" and o["overhead"] == pytest.approx(o["harness_step_s"] / o["plain_step_s"] - 1)
+    assert o["status"] == "ok" and o["precision"] == "fp32" and o["harness_step_s"] > 0 and o["plain_step_s"] > 0
+    assert o["overhead"] == pytest.approx(o["harness_step_s"] / o["plain_step_s"] - 1)
     g = suite["parts"]["largest"]
     assert [c["name"] for c in g["configs"]] == ["zero0 x1", "zero3_offload x1"]
     assert all(c["params"] > 0 and c["tried"] for c in g["configs"]) and g["ratio"] > 0
@@ -68,17 +70,16 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
     assert (smoke / "speed.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_second_command_adds_its_parts_to_the_same_results(smoke, tmp_path):
+def test_a_second_command_adds_its_parts_to_the_same_results(smoke, tmp_path, capsys):
     out = tmp_path / "two"
     shutil.copytree(smoke, out)
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
-                   str(tmp_path / "work"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
+                 str(tmp_path / "work")]) == 0
     suite = json.loads((out / "suite.json").read_text())
     assert len(suite["commands"]) == 2 and "--parts ops" in suite["commands"][1]
     assert list(suite["parts"]) == list(PARTS)  # the first command's parts are kept
-    proc = harness("bench", "--suite", "gpu", "--parts", "ops", "--out", str(out))  # a full run into a smoke folder
-    assert proc.returncode == 2 and "holds a smoke run" in proc.stderr
+    assert main(["bench", "--suite", "gpu", "--parts", "ops", "--out", str(out)]) == 2  # a full run, a smoke folder
+    assert "holds a smoke run" in capsys.readouterr().err
 
 
 def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
@@ -107,18 +108,16 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     assert link in (root / "README.md").read_text()
 
 
-def test_suite_refuses_bad_input_before_running(tmp_path):
+def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
     out = tmp_path / "s"
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "speed,warp", "--data", str(tmp_path),
-                   "--out", str(out))
-    assert proc.returncode == 2 and "unknown part(s) warp" in proc.stderr
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--out", str(out))
-    assert proc.returncode == 2 and "--data DIR is needed" in proc.stderr
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--data", str(tmp_path / "nowhere"), "--out", str(out))
-    assert proc.returncode == 2 and "not a directory" in proc.stderr
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--budget", "speed=soon", "--data", str(tmp_path),
-                   "--out", str(out))
-    assert proc.returncode == 2 and "--budget speed=soon" in proc.stderr
-    proc = harness("bench", "--smoke", "--out", str(out))
-    assert proc.returncode == 2 and "--smoke belong to --suite" in proc.stderr
+    bad = [(["--parts", "speed,warp", "--data", str(tmp_path)], "unknown part(s) warp"),
+           (["--parts", "quality"], "--data DIR is needed"),
+           (["--data", str(tmp_path / "nowhere")], "not a directory"),
+           (["--data", str(tmp_path)], "no ett/, flip_ss/, multi30k/ in it"),
+           (["--budget", "speed=soon", "--data", str(tmp_path)], "--budget speed=soon")]
+    for args, message in bad:
+        assert main(["bench", "--suite", "gpu", "--smoke", "--out", str(out), *args]) == 2, args
+        assert message in capsys.readouterr().err, args
+    assert main(["bench", "--smoke", "--out", str(out)]) == 2
+    assert "--smoke belong to --suite" in capsys.readouterr().err
     assert not out.exists()

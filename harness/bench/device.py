@@ -32,7 +32,7 @@ def device_name() -> str:
         return torch.cuda.get_device_name(0)
     import platform
 
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"  # threads: per configuration
 
 
 def table_peak(name: str, precision: str) -> float | None:

@@ -18,7 +18,8 @@ GPU tables are generated from those files (`harness results`). Parts, in order o
   times a step, then the run resumes to the steps that fit) and scored once on its test split. A run cut short
   of its recipe's schedule is reported as cut, never extrapolated.
 
-A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget".
+A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget". Time a
+part leaves unused goes to the next part of the same command, so the command's total never exceeds their sum.
 `--smoke` runs every part at toy size (CI, on a CPU, in about two minutes) so the suite is proven before a GPU
 sees it; smoke results never reach the README.
 """
@@ -43,8 +44,10 @@ from ..plan import count_params
 from ..startup import check_build_locks
 from . import device, report
 from .run import largest, overhead
+from .results import suite_markdown
 from .sweep import ROOT, Config, as_text, ds_path, measure, plan_for
 
+SCHEMA = 1
 SUITES = ("gpu",)
 PARTS = ("ops", "speed", "overhead", "largest", "quality")
 BUDGET_S = {"ops": 90, "speed": 330, "overhead": 120, "largest": 240, "quality": 330}  # two commands < 10 min
@@ -168,31 +171,35 @@ def run_suite(args) -> dict:
     result = json.loads(path.read_text()) if path.is_file() else {}
     if result and result.get("smoke") != args.smoke:
         raise ConfigError(f"{path} holds a {'smoke' if result.get('smoke') else 'full'} run; use another --out")
-    result.update(schema=SCHEMA, suite=args.suite, smoke=args.smoke, environment=environment(),
+    env = environment()
+    if result and result["environment"]["device"] != env["device"]:
+        raise ConfigError(f"{path} holds results of {result['environment']['device']}, this is {env['device']}; use "
+                          f"another --out")
+    result.update(schema=SCHEMA, suite=args.suite, smoke=args.smoke, environment=env,
                   budgets_s={**result.get("budgets_s", {}), **{p: budgets[p] for p in parts}})
-    result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, sys.argv[1:])]))
+    result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, args.argv)]))
     result.setdefault("parts", {})
+    spare = 0.0  # what earlier parts of this command left unused goes to the next: the total stays the sum
     for part in parts:
-        print(f"== part {part} (budget {budgets[part]:.0f} s)", flush=True)
-        budget = Budget(budgets[part], MIN_LAUNCH_S[args.smoke])
+        budget = Budget(budgets[part] + spare, MIN_LAUNCH_S[args.smoke])
+        print(f"== part {part} (budget {budget.seconds:.0f} s)", flush=True)
         started = time.monotonic()
         try:
             result["parts"][part] = PART_RUNNERS[part](args, data, work / part, budget)
-        except ConfigError as e:  # found only once the part ran (e.g. a size the data cannot give): the rest goes on
-            result["parts"][part] = {"status": "failed", "error": str(e)}
-            print(f"  failed: {e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - GPU time is scarce: a part that breaks is recorded, the rest runs
+            result["parts"][part] = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"  failed: {type(e).__name__}: {e}", flush=True)
         result["parts"][part]["wall_s"] = time.monotonic() - started
+        spare = max(0.0, budget.left)
         path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
-    (out / "suite.md").write_text(markdown(result) + "\n")
+    (out / "suite.md").write_text(suite_markdown(result) + "\n")
     speed = result["parts"].get("speed")
     if speed and speed.get("bench"):
         report.plot(speed["bench"], out / "speed.png")
-    print(markdown(result))
+    print(suite_markdown(result))
     print(f"wrote {path}, {out / 'suite.md'}")
     return result
 
-
-SCHEMA = 1
 
 
 def default_out(smoke: bool) -> str:
@@ -283,14 +290,16 @@ def part_speed(args, data, work: Path, budget: Budget) -> dict:
             peak = device.measured_peak(precision, threads=device.cpu_threads(1))
             if precision not in peaks:
                 peaks[precision] = {"table": device.table_peak(device.device_name(), precision), "measured": peak}
-            print(f"  {name} ({precision}, {count_params(plan):,} parameters)", flush=True)
+            params = count_params(plan)
+            print(f"  {name} ({precision}, {params:,} parameters)", flush=True)
             e = measure(config, plan, run_file, base, work, args.warmup, args.steps, budget.left, profile=True)
-            entries.append({**e, "name": name, "model": m.name, "params": count_params(plan),
-                            "peak_flops_measured": peak, "target_mfu": m.target_mfu})
+            entries.append({**e, "name": name, "model": m.name, "params": params, "peak_flops_measured": peak,
+                            "target_mfu": m.target_mfu})
     dev = {"name": device.device_name(), "kind": "cuda" if torch.cuda.is_available() else "cpu",
            "count": 1, "threads_per_process": None if torch.cuda.is_available() else device.cpu_threads(1),
            "peak_flops": peaks}
-    report.derive(entries, dev) if peaks else None
+    if peaks:
+        report.derive(entries, dev)
     for e in entries:
         target, mfu = e.get("target_mfu"), e.get("mfu_table")
         if e["status"] == "ok" and target is not None:
@@ -304,13 +313,13 @@ def part_speed(args, data, work: Path, budget: Budget) -> dict:
 def part_overhead(args, data, work: Path, budget: Budget) -> dict:
     run = str(ROOT / "configs" / "runs" / "lm_demo.toml")
     sets = list(SPEED[2].smoke if args.smoke else SPEED[2].sets)
-    rounds = 1 if args.smoke else 2
     if not budget.allows(2):
         return not_run("overhead")
+    rounds = 2 if budget.allows(8) and not args.smoke else 1  # alternate twice where four launches fit with room
     study = Namespace(rounds=rounds, warmup=args.warmup, steps=args.steps, run=run, timeout=budget.left / rounds / 2)
     try:
         o = overhead(study, sets, work)
-    except RuntimeError as e:
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
         return {"status": "failed", "error": str(e)[:300]}
     return {"status": "ok", "model": SPEED[2].name, "target": 0.03, "target_met": o["overhead"] <= 0.03,
             "missed_by": max(0.0, o["overhead"] - 0.03), **o}
@@ -356,7 +365,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     sets = [*_sets(r.data, data, (*r.sets, *(r.smoke if smoke else ()))), f"run.output_dir={json.dumps(str(run_dir))}",
             'logging.backend="none"', "train.log_every=10", "train.save_every=0"]
     entry = {"name": r.name, "metric": r.metric, "target": r.target, "run_file": f"configs/runs/{r.run}",
-             "ds": f"configs/ds/{r.ds}.json"}
+             "ds": f"configs/ds/{r.ds}.json", "compare": list(r.compare)}
     probe = PROBE_STEPS // 10 if smoke else PROBE_STEPS
     launched = time.monotonic()
     proc = _train(run_file, ds_path(r.ds), sets, ["--overwrite", "--stop-at", str(probe)], budget)
@@ -412,81 +421,3 @@ def _last_error(proc: subprocess.CompletedProcess) -> str:
 
 PART_RUNNERS = {"ops": part_ops, "speed": part_speed, "overhead": part_overhead, "largest": part_largest,
                 "quality": part_quality}
-
-
-# --- report ------------------------------------------------------------------------------------------------------
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _met(e: dict) -> str:
-    return {True: "met", False: "missed", None: "-"}[e.get("target_met")]
-
-
-def markdown(result: dict) -> str:
-    env, parts = result["environment"], result["parts"]
-    lines = [f"# harness GPU suite{' (smoke: toy sizes, not figures)' if result['smoke'] else ''}: {env['device']}",
-             "", f"torch {env['torch']} (CUDA {env['cuda']}), DeepSpeed {env['deepspeed']}, commit {env['commit']}, "
-             f"{env['date']}. Commands: " + "; ".join(f"`{c}`" for c in result["commands"]) + "."]
-    if "ops" in parts:
-        lines += ["", "## DeepSpeed ops", ""]
-        lines += [f"- {k}: {'built' if v['built'] else 'did not build (' + v['error'] + '); fallback ' + v['fallback']}"
-                  f" in {v['seconds']:.0f} s" for k, v in parts["ops"]["ops"].items()]
-    if "speed" in parts:
-        lines += ["", "## Speed (one device)", "", "| model | precision | params | step s | tokens/s | MFU (datasheet) "
-                  "| MFU (measured peak) | target | where the time went (profiled step) |", "|---|---|---|---|---|---|---|---|---|"]
-        for e in parts["speed"]["bench"]["configs"]:
-            if e["status"] != "ok":
-                lines.append(f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | |")
-                continue
-            p = e.get("profile", {})
-            where = (f"loader {p['loader_wait_s'] * 1e3:.1f} ms, host {_ms(p.get('host_overhead_s'))}, top: "
-                     + ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])) if p else "-"
-            target = f"{e['target_mfu']:.0%}: {_met(e)}" if e.get("target_mfu") else "-"
-            lines.append(f"| {e['name']} | {e['precision']} | {e['params'] / 1e6:.1f}M | {e['step_s']['median']:.4f} | "
-                         f"{e['tokens_per_s']:,.0f} | {report.bounded(e, 'mfu_table')} | "
-                         f"{report.bounded(e, 'mfu_measured')} | {target} | {where} |")
-    o = parts.get("overhead")
-    if o:
-        lines += ["", "## Overhead", "", f"Harness against the plain PyTorch loop ({o.get('model', '-')}): " + (
-            f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s, "
-            f"{o['precision']}); target <= +3%: {_met(o)}." if o.get("status") == "ok" else o.get("error", "-"))]
-    g = parts.get("largest")
-    if g:
-        lines += ["", "## Largest model", ""]
-        for c in g["configs"]:
-            lines.append(f"- {c['name']}: {c['params']:,} parameters ({c['key']} = {c['value']}) within "
-                         f"{c['budget_bytes'] / 2**30:.0f} GiB" + (" (search stopped by the time budget: a lower "
-                                                                   "bound)" if c["stopped_by_budget"] else ""))
-        ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x" + (" or more" if g["bounds"] == "lower" else "")
-        lines.append(f"- ratio ZeRO-3 + offload / ZeRO-0: {ratio} (target >= 5x: {_met(g)})")
-    q = parts.get("quality")
-    if q:
-        lines += ["", "## Quality (test split, scored once)", "", "| recipe | metric | value | target | steps | "
-                  "other figures |", "|---|---|---|---|---|---|"]
-        for e in q["recipes"]:
-            if e["status"] != "ok":
-                lines.append(f"| {e['name']} | {e['metric']} | {e['status']}: {cell(e.get('error', '')[:80])} | | | |")
-                continue
-            others = ", ".join(f"{k} {_fmt(e['test'].get(k))}" for k in RECIPE_COMPARE.get(e["name"], ()))
-            lines.append(f"| {e['name']} | {e['metric']} | {_fmt(e['value'])} | "
-                         f"{'-' if e['target'] is None else e['target']}: {_met(e)} | {e['steps']} "
-                         f"({e['schedule']}) | {others} |")
-    return "\n".join(lines)
-
-
-RECIPE_COMPARE = {r.name: r.compare for r in RECIPES}
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else cell(x) if isinstance(x, str) else f"{x:.4g}"
-
-
-def cell(text: str) -> str:
-    """Text safe inside a Markdown table cell (sacreBLEU signatures are |-separated)."""
-    return text.replace("|", "\\|")
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f} ms"
