@@ -93,8 +93,9 @@ def compiler_running() -> bool:
 
 def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> None:
     """A JIT build killed midway leaves `<extension>/lock` behind, and every later start waits on it forever,
-    silently (torch's FileBaton polls for the file to vanish). Refuse to start instead, naming the file, when a
-    lock is older than `max_age_s` and no compiler runs on this machine."""
+    silently (torch's FileBaton polls for the file to vanish: pytorch/pytorch#189245; DeepSpeed's hang reports, e.g.
+    deepspeedai/DeepSpeedExamples#302, end in `file_baton.py wait`). Refuse to start instead, naming the file, when
+    a lock is older than `max_age_s` and no compiler runs on this machine."""
     import time
 
     root = root or extension_root()
