@@ -133,6 +133,8 @@ def plot(result: dict, path: Path) -> Path | None:
     for ax, (title, values) in zip(axes, panels):
         ax.barh(names, values)
         ax.set_title(title)
+        ax.locator_params(axis="x", nbins=5)  # readable tick labels at any magnitude
+    axes[0].xaxis.set_major_formatter(lambda x, _: f"{x / 1e3:g}k" if x >= 1e3 else f"{x:g}")
     for i, e in enumerate(ok):  # no bar for a figure that cannot be true: say so where it would be
         if "mfu_measured" in e.get("invalid", {}):
             axes[1].text(0, i, " invalid (>100%)", va="center", color="tab:red")
