@@ -82,6 +82,7 @@ def test_zero_memory_estimate_shrinks_with_stage():
     (["--set", "data.path=\"no/such/file.txt\""], None, "data.path not found"),
     (["--set", "data.bucket=20"], None, "task 'lm' has samples of one length"),
     (["--set", "data.bucket=-1"], None, "data.bucket = -1 (command line) must be >= 0"),
+    (["--set", "train.profile_step=-1"], None, "train.profile_step = -1 (command line) must be >= 0"),
 ])
 def test_plan_rejects_contradictions_naming_the_key(args, ds, message, tmp_path):
     extra = ["--ds", write(tmp_path, "ds.json", json.dumps(ds))] if ds is not None else []

@@ -109,9 +109,10 @@ def predicted_size(plan_of, budget_bytes: float, host_bytes: float) -> int:
     """The size (layers, or width units) at which the ZeRO paper's model states fill `budget_bytes` of device memory,
     or 80% of host memory with offloaded states plus the fp32 model every rank first builds there, whichever is
     smaller: where the search starts, so it needs few (slow) tries at billions of parameters."""
-    p1, p2 = count_params(plan_of(1)), count_params(plan_of(2))
+    one = plan_of(1)
+    p1, p2 = count_params(one), count_params(plan_of(2))
     per_unit, fixed = max(1, p2 - p1), max(0, 2 * p1 - p2)
-    states = model_state_bytes(10**6, plan_of(1).ds)
+    states = model_state_bytes(10**6, one.ds)
     device_per_param, host_per_param = states["device"] / 1e6, states["cpu"] / 1e6 + 4
     k = min((0.9 * budget_bytes / max(device_per_param, 1e-9) - fixed) / per_unit,
             (0.8 * host_bytes / host_per_param - fixed) / per_unit)

@@ -103,6 +103,12 @@ def as_text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
+def last_error(text: str) -> str:
+    """The line of a failed run's output that says why: its last error line, else its last line."""
+    errors = [line for line in text.splitlines() if "Error" in line or "error:" in line or "timed out" in line]
+    return ((errors or text.splitlines() or [""])[-1])[-300:]
+
+
 def summary(values: list[float]) -> dict[str, float]:
     """Median and spread: on a shared machine single timings are noise, their median is not."""
     ordered = sorted(values)
@@ -140,9 +146,7 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
         return {**entry, "status": "timeout", "error": f"timed out after {timeout:.0f} s"}
     if rc != 0:
         oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
-        errors = [line for line in text.splitlines() if "Error" in line or "error:" in line]
-        last = (errors or text.splitlines() or [""])[-1]
-        return {**entry, "status": "oom" if oom else "failed", "error": last[-300:]}
+        return {**entry, "status": "oom" if oom else "failed", "error": last_error(text)}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if warmup < r["step"] <= warmup + steps]
     if not timed:
