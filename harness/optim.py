@@ -1,7 +1,10 @@
 """AdamW and the learning-rate schedule, both owned by the run file."""
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import re
 import warnings
 
 import torch
@@ -50,8 +53,26 @@ def _fused_adamw(groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
     try:
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+        with deepspeed_arch_list():
+            return FusedAdam(groups, adam_w_mode=True, **kwargs)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the other fused kernel
         warnings.warn(f"DeepSpeed's FusedAdam is not available ({str(e).splitlines()[0][:200]}); using "
                       f"torch.optim.AdamW(fused=True)")
         return torch.optim.AdamW(groups, fused=True, **kwargs)
+
+
+@contextlib.contextmanager
+def deepspeed_arch_list():
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19's op builder can read it, while a DeepSpeed op loads. It reads each
+    entry's minor version as an integer, so an arch-specific entry such as "9.0a" (which Hopper images set) stops
+    every JIT build or load with "invalid literal for int() with base 10: '0a'" (deepspeedai/DeepSpeed#8619, open).
+    DeepSpeed's ops need no arch-specific instruction: they are built for the plain architecture ("9.0")."""
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    plain = None if old is None else re.sub(r"(\d+\.\d+)[af]\b", r"\1", old)
+    if plain != old:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain
+    try:
+        yield
+    finally:
+        if plain != old:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old

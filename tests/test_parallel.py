@@ -175,3 +175,34 @@ def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
     out = plan("--ds", path, "--set", "train.max_steps=10", *args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_sync_overflow_check_answers_as_deepspeed_s_serial_check(dtype):
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.utils import CheckOverflow
+
+    from harness.parallel import one_sync_overflow_check
+
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 300, 7)]
+    ours = SimpleNamespace(overflow_checker=CheckOverflow())
+    one_sync_overflow_check(ours)
+    assert ours.overflow_checker.has_overflow_serial != CheckOverflow().has_overflow_serial
+    cases = {"finite": None, "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
+             "large finite (an fp16 norm would overflow)": 6e4}
+    for case, bad in cases.items():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if bad is not None:
+            params[1].grad[5] = bad
+            if bad > 1:
+                params[1].grad[:] = bad  # 300 x 6e4: a norm of 1e6, finite in fp32
+        expected = CheckOverflow().has_overflow(params)
+        assert ours.overflow_checker.has_overflow(params) == expected, case
+        assert expected == (case in ("inf", "-inf", "nan")), case
+    params[0].grad, params[1].grad[0] = None, float("nan")  # a parameter without a gradient is skipped
+    assert ours.overflow_checker.has_overflow(params) is True
+    for p in params[1:]:
+        p.grad = None
+    assert ours.overflow_checker.has_overflow(params) is False

@@ -176,3 +176,19 @@ def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path
     assert out.returncode == 2 and f"rm {lock}" in out.stderr  # one line, not a silent wait
     lock.unlink()
     check_build_locks(tmp_path / "ext")
+
+
+@pytest.mark.parametrize("arch,plain", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.0 9.0a+PTX", "8.0 9.0+PTX"),
+                                        ("10.0f;12.0a", "10.0;12.0"), ("8.6+PTX", "8.6+PTX"), (None, None)])
+def test_deepspeed_builds_see_an_arch_list_it_can_parse(arch, plain, monkeypatch):
+    import os
+
+    from harness.optim import deepspeed_arch_list
+
+    if arch is None:
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch)
+    with deepspeed_arch_list():
+        assert os.environ.get("TORCH_CUDA_ARCH_LIST") == plain
+    assert os.environ.get("TORCH_CUDA_ARCH_LIST") == arch  # restored: other builds (inductor) see the user's list
