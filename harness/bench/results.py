@@ -148,6 +148,7 @@ def suite_markdown(result: dict) -> str:
     lines = [f"# harness GPU suite{' (smoke: toy sizes, not figures)' if result['smoke'] else ''}: {env['device']}",
              "", f"torch {env['torch']} (CUDA {env['cuda']}), DeepSpeed {env['deepspeed']}, commit {env['commit']}, "
              f"{env['date']}. Commands: " + "; ".join(f"`{c}`" for c in result["commands"]) + "."]
+    lines += ["", result["note"]] if result.get("note") else []  # what a reader must know beside the figures
     lines += [f"\nPart {k} failed: {v['error']}" for k, v in failed.items()]
     if "ops" in parts:
         lines += ["", "## DeepSpeed ops", ""]
@@ -176,6 +177,12 @@ def suite_markdown(result: dict) -> str:
     if g:
         lines += ["", "## Largest model", ""]
         for c in g["configs"]:
+            if not c["params"]:  # no size finished: say what was tried and how it ended
+                tried = "; ".join(f"{c['key']} = {k} ({t['params'] / 1e9:.2f}B): {t['status']}"
+                                  + (f", {cell(t['error'][:60])}" if t.get("error") else "")
+                                  for k, t in c.get("tried", {}).items())
+                lines.append(f"- {c['name']}: no size trained within the budget (tried {tried or 'none'})")
+                continue
             lines.append(f"- {c['name']}: {c['params']:,} parameters ({c['key']} = {c['value']}) within "
                          f"{c['budget_bytes'] / 2**30:.0f} GiB" + (" (search stopped by the time budget: a lower "
                                                                    "bound)" if c["stopped_by_budget"] else ""))
