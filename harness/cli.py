@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError
+from .config import ConfigError, TrainingStopped
 from .world import launched_rank, quiet_deepspeed
 
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     is_main = launched_rank() == 0
     try:
         if args.command == "keys":
-            from .plan import render_keys
+            from .planning import render_keys
 
             print(render_keys())
             return 0
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return results(args.check)
         if args.command in ("evaluate", "translate"):
-            from . import evaluate
+            from . import evaluation as evaluate
 
             if args.command == "evaluate":
                 print(evaluate.render_table(args.split, evaluate.evaluate_run(args.run_dir, args.split)))
@@ -162,43 +162,26 @@ def main(argv: list[str] | None = None) -> int:
         from .startup import make_plan
 
         if args.command == "plan":
-            from .plan import render
+            from .planning import render
 
             plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
             print(render(plan))
             if args.gpus_per_node is not None:
-                from .plan import count_params
+                from .planning import count_params
                 from .scaling import render_scaling
 
                 print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes, args.interconnect,
                                                       args.profile, args.mfu)))
             return 0
-        plan = make_plan(args.run, args.set, args.ds)
-        from .startup import preflight
+        from .api import train
 
-        resume_from = preflight(plan, args.resume, args.overwrite)
         if args.stop_at is not None and args.stop_at <= 0:
             raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-    except ConfigError as e:
+        train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at)
+    except (ConfigError, TrainingStopped) as e:
         if is_main:
             print(f"harness: error: {e}", file=sys.stderr)
-        return 2
-    from .train import TrainingStopped, train
-    from .world import barrier, init_world
-
-    world = init_world(plan.ds.layout)
-    try:
-        train(plan, world, resume_from, args.overwrite, args.stop_at)
-        barrier()  # every rank is done before any tears down its connections
-    except (ConfigError, TrainingStopped) as e:
-        if world.is_main:
-            print(f"harness: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

@@ -23,6 +23,10 @@ class ConfigError(Exception):
     """A problem with the user's input: reported as one line, exit code 2, before any training."""
 
 
+class TrainingStopped(Exception):
+    """The run cannot go on (e.g. the loss stayed non-finite); its last good checkpoint is kept. Exit code 3."""
+
+
 def _f(default: Any, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -88,11 +92,15 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = _f(3e-4, "peak learning rate of AdamW")
+    name: str = _f("adamw", "the optimizer: AdamW (DeepSpeed's fused or CPU kernel where it applies) or SGD with "
+                   "momentum (torch.optim.SGD)", ("adamw", "sgd"))
+    lr: float = _f(3e-4, "peak learning rate")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
-    weight_decay: float = _f(0.1, "decoupled weight decay (not applied to biases and norms)")
+    momentum: float = _f(0.9, "SGD momentum")
+    nesterov: bool = _f(False, "SGD: Nesterov momentum")
+    weight_decay: float = _f(0.1, "weight decay, not applied to biases and norms (AdamW: decoupled; SGD: L2)")
 
 
 @dataclass(frozen=True)
@@ -178,21 +186,21 @@ class RunConfig:
     translation: TranslationSection = field(default_factory=TranslationSection)
     protein: ProteinSection = field(default_factory=ProteinSection)
     prices: PricesSection = field(default_factory=PricesSection)
+    task: Any = None  # a plug-in task's own section (its `Config` dataclass), from the run file's [task]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every section, except the sections of tasks other than `run.task`."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in TASK_SECTIONS or k == self.run.task}
+        """Every section, except the sections of tasks other than `run.task` (and [task] when there is none)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if (k not in TASK_SECTIONS or k == self.run.task) and v is not None}
 
 
-SECTIONS: dict[str, type] = get_type_hints(RunConfig)
+SECTIONS: dict[str, type] = {k: v for k, v in get_type_hints(RunConfig).items() if k != "task"}
+PLUGIN_SECTION = "task"
 
 
-def all_keys() -> dict[str, dataclasses.Field]:
-    """Every `section.key` with its field (type, default, help)."""
-    return {f"{s}.{f.name}": f for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-
-
-_TYPES = {s: get_type_hints(cls) for s, cls in SECTIONS.items()}
+def all_keys(sections: dict[str, type] | None = None) -> dict[str, dataclasses.Field]:
+    """Every `section.key` with its field (type, default, help); `sections` adds a plug-in task's [task]."""
+    return {f"{s}.{f.name}": f for s, cls in (sections or SECTIONS).items() for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
@@ -209,22 +217,24 @@ class Resolved:
         return f"{key} = {getattr(getattr(self.cfg, section), name)!r} ({self.source[key]})"
 
 
-def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(all_keys()) + list(SECTIONS), n=1, cutoff=0.6)
+def _unknown(key: str, sections: dict[str, type]) -> ConfigError:
+    close = difflib.get_close_matches(key, list(all_keys(sections)) + list(sections), n=1, cutoff=0.6)
     hint = f"; did you mean `{close[0]}`?" if close else "; `harness keys` lists them all"
+    if key.split(".")[0] == PLUGIN_SECTION and PLUGIN_SECTION not in sections:
+        hint = "; [task] holds the keys of a plug-in task that declares a Config dataclass"
     return ConfigError(f"unknown config key `{key}`{hint}")
 
 
-def _coerce(key: str, value: Any, origin: str) -> Any:
+def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any:
     section, name = key.split(".")
-    expected = _TYPES[section][name]
+    expected = get_type_hints(sections[section])[name]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if get_origin(expected) is not None:  # no generic fields yet; keep the check honest if one is added
         expected = get_args(expected)[0]
     if type(value) is not expected:
         raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r} ({origin})")
-    choices = all_keys()[key].metadata["choices"]
+    choices = all_keys(sections)[key].metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r} ({origin})")
     return value
@@ -263,30 +273,57 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    source = {k: "default" for k in all_keys()}
     layers: list[tuple[str, dict[str, Any]]] = []
     if run_file:
         flat = {}
         for section, body in read_toml(run_file).items():
-            if section not in SECTIONS:
-                raise _unknown(section)
             if not isinstance(body, dict):
                 raise ConfigError(f"{run_file}: [{section}] must be a table")
             flat.update({f"{section}.{k}": v for k, v in body.items()})
         layers.append((f"run file {run_file}", flat))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))
+    sections = _sections(layers)
+    values: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    source = {k: "default" for k in all_keys(sections)}
     for origin, flat in layers:
         for key, value in flat.items():
             if key not in source:
-                raise _unknown(key)
+                raise _unknown(key if "." in key else f"{key}.", sections)
             section, name = key.split(".")
-            values[section][name] = _coerce(key, value, origin)
+            values[section][name] = _coerce(key, value, origin, sections)
             source[key] = origin
-    cfg = RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS})
+    if is_plugin_name(values["run"].get("task", "")):
+        from .tasks import plugin_path
+
+        values["run"]["task"] = plugin_path(values["run"]["task"])  # found again from any directory
+    try:
+        cfg = RunConfig(**{s: sections[s](**values[s]) for s in sections})
+    except TypeError as e:  # a plug-in's Config with a field that has no default
+        raise ConfigError(f"[task]: {e}") from None
     resolved = Resolved(cfg, source)
     _check(resolved)
     return resolved
+
+
+def is_plugin_name(task: str) -> bool:
+    return isinstance(task, str) and ":" in task
+
+
+def _sections(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, type]:
+    """The built-in sections, plus [task] when `run.task` names a plug-in task that declares a Config."""
+    task = RunSection.task
+    for origin, flat in layers:
+        if "run.task" in flat:
+            task = flat["run.task"]
+    from .tasks import TASKS, task_class
+
+    if not is_plugin_name(task):
+        if task not in TASKS:
+            task_class(task)  # raises: the built-in tasks and how to name a plug-in
+        return SECTIONS
+
+    section = task_class(task).Config
+    return SECTIONS if section is None else {**SECTIONS, PLUGIN_SECTION: section}
 
 
 def _check(r: Resolved) -> None:
@@ -308,6 +345,16 @@ def _check(r: Resolved) -> None:
                           f"{r.describe('model.n_heads')}")
     if not 0.0 <= c.data.val_fraction < 1.0:
         raise ConfigError(f"{r.describe('data.val_fraction')} must be in [0, 1)")
+    only = {"adamw": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps"),
+            "sgd": ("optimizer.momentum", "optimizer.nesterov")}
+    for name, keys in only.items():
+        given = [r.describe(k) for k in keys if r.is_set(k) and  # a default written back (config.toml) is no choice
+                 getattr(c.optimizer, k.split(".")[1]) != getattr(OptimizerSection, k.split(".")[1])]
+        if given and c.optimizer.name != name:
+            raise ConfigError(f"{'; '.join(given)} apply to optimizer.name = {name!r}, but "
+                              f"{r.describe('optimizer.name')}")
+    if not 0.0 <= c.optimizer.momentum < 1.0:
+        raise ConfigError(f"{r.describe('optimizer.momentum')} must be in [0, 1)")
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
                           f"{r.describe('train.epochs')}")

@@ -177,6 +177,15 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         raise ConfigError(f"zero_optimization.offload_param ({label}) needs ZeRO stage 3, got stage {stage}")
     if offload_opt and stage == 0:
         raise ConfigError(f"zero_optimization.offload_optimizer ({label}) needs ZeRO stage 1, 2 or 3, got stage 0")
+    if c.optimizer.name != "adamw" and stage > 0 and "zero_allow_untested_optimizer" not in ds:
+        # DeepSpeed lists the optimizers it tested with ZeRO (Adam family, Lamb, ...); SGD is not among them, and
+        # the harness's tests show its ZeRO-1 losses equal one process's.
+        ds["zero_allow_untested_optimizer"] = True
+        source["zero_allow_untested_optimizer"] = f"derived: {run.describe('optimizer.name')}"
+    if offload_opt and c.optimizer.name != "adamw":
+        raise ConfigError(f"zero_optimization.offload_optimizer ({label}) runs DeepSpeed's CPU Adam, not "
+                          f"{run.describe('optimizer.name')}: use optimizer.name = \"adamw\" or a config without "
+                          f"offload")
     if layout.pp_size > 1 and stage == 0 and precision == "fp32" and c.train.grad_clip:
         # PipelineEngine with ZeRO-0 in fp32 clips by the norm of the first stage's gradients only
         # (runtime/utils.py clip_grad_norm_ with the pipeline grid): clipping would silently be wrong.
@@ -343,20 +352,30 @@ def _offload_device(section: Any) -> str | None:
     return section.get("device", "none") if isinstance(section, dict) else None
 
 
+DS_OPTIMIZER_TYPES = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}  # DeepSpeed's type -> optimizer.name
+
+
 def _check_optimizer(opt: Any, run: Resolved, label: str) -> None:
     """Accept the optimizer section accelerate users keep in their DeepSpeed files, if it agrees with the run."""
     kind = str(opt.get("type", "")).lower() if isinstance(opt, dict) else ""
-    if kind not in ("adam", "adamw"):
-        raise ConfigError(f"optimizer.type = {kind!r} ({label}): the harness trains with AdamW from the run file's "
-                          f"[optimizer]; remove the section or set type AdamW with \"auto\" params")
+    o = run.cfg.optimizer
+    if DS_OPTIMIZER_TYPES.get(kind) != o.name:
+        raise ConfigError(f"optimizer.type = {opt.get('type') if isinstance(opt, dict) else opt!r} ({label}) "
+                          f"contradicts {run.describe('optimizer.name')}: the run file's [optimizer] builds the "
+                          f"optimizer; remove the section, or name the same one (AdamW or SGD) with \"auto\" params")
     params = opt.get("params", {})
-    run_values = {**{k: getattr(run.cfg.optimizer, v.split('.')[1]) for k, v in OPTIMIZER_PARAMS.items()},
-                  "betas": [run.cfg.optimizer.beta1, run.cfg.optimizer.beta2]}
+    names = {**OPTIMIZER_PARAMS, **({"momentum": "optimizer.momentum", "nesterov": "optimizer.nesterov"}
+                                    if o.name == "sgd" else {"betas": "optimizer.beta1/beta2"})}
+    if o.name == "sgd":
+        names.pop("eps")
+    run_values = {k: getattr(o, v.split('.')[1]) for k, v in names.items() if k != "betas"}
+    run_values.update({"betas": [o.beta1, o.beta2]} if "betas" in names else {})
     for key, value in params.items():
         if key not in run_values:
-            raise ConfigError(f"optimizer.params.{key} ({label}) is not supported; remove it")
+            raise ConfigError(f"optimizer.params.{key} ({label}) is not a parameter the harness sets for "
+                              f"{o.name}; remove it")
         if value != "auto" and value != run_values[key]:
-            run_key = OPTIMIZER_PARAMS.get(key, "optimizer.beta1/beta2")
+            run_key = names[key]
             origin = run.source.get(run_key, run.source["optimizer.beta1"])
             raise ConfigError(f"optimizer.params.{key} = {value!r} ({label}) contradicts {run_key} = "
                               f"{run_values[key]!r} ({origin}); set it to \"auto\" or make them agree")

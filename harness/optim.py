@@ -27,15 +27,17 @@ def lr_factor(step: int, total: int, s: ScheduleSection) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps: int):
-    """AdamW without weight decay on biases and norm weights (1-d tensors). With ZeRO optimizer offload the
-    states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update; on a GPU, DeepSpeed's fused
-    Adam does it."""
+    """AdamW or SGD with momentum, without weight decay on biases and norm weights (1-d tensors). AdamW: with ZeRO
+    optimizer offload the states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update; on a GPU,
+    DeepSpeed's fused Adam does it."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    if offload:
+    if o.name == "sgd":  # offload refused by the plan: DeepSpeed's offload runs its CPU Adam only
+        optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+    elif offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)

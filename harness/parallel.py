@@ -20,8 +20,6 @@ import io
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .ds_config import tp_split_params
 from .models.pipeline import SharedUse
 from .world import World, all_gather_objects, barrier
 
@@ -34,12 +32,7 @@ def build_engine(plan, world: World, total_steps: int):
 
     torch.manual_seed(plan.run.cfg.train.seed)  # identical initial weights on every rank
     model = plan.task.build_model(plan.run.cfg)
-    layout = plan.ds.layout
-    if layout.tp_size > 1:
-        split = tp_split_params([n for n, _ in model.named_parameters()], plan.ds.config)
-        if not split:
-            raise ConfigError("tensor_parallel.partition_config.layer_specs match no parameter of the model; the "
-                              "harness's models name them blocks.N.attn.q_proj.weight, ... (see configs/ds/tp2_*.json)")
+    layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)
     if layout.pp_size > 1:
@@ -133,9 +126,6 @@ def pipeline_module(model: nn.Module, plan):
     stage's layers on the device; `plain_names` maps each local parameter to its name in the plain model."""
     from deepspeed.pipe import PipelineModule, TiedLayerSpec
 
-    if not hasattr(model, "pipeline_layers"):
-        raise ConfigError(f"task {plan.run.cfg.run.task!r}: its model has no pipeline_layers(); use a config without "
-                          f"a pipeline section")
     params = dict(model.named_parameters())
     names = {id(p): n for n, p in params.items()}
     layers = []

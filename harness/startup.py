@@ -50,7 +50,28 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
         raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
                           f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
+    if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
+        check_model_parallel(run, ds, task)
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))
+
+
+def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
+    """What a pipeline or tensor parallelism needs from the task's model, checked on its meta-device twin: a
+    pipeline its `pipeline_layers()`, tensor parallelism parameters that the config's layer specs match."""
+    import torch
+
+    from .ds_config import tp_split_params
+
+    with torch.device("meta"):
+        model = task.build_model(run.cfg)
+    if ds.layout.pp_size > 1 and not hasattr(model, "pipeline_layers"):
+        raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
+                          f"which a pipeline needs (the list of layers it cuts into stages; see "
+                          f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
+    if ds.layout.tp_size > 1 and not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
+        raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "
+                          f"model ({type(model).__name__}); the harness's own models name them blocks.N.attn.q_proj.weight, "
+                          f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")
 
 
 def check_device(ds: DSResolved) -> None:

@@ -72,11 +72,16 @@ class World:
         return [o for lead, o in all_gather_objects((first, obj)) if lead]
 
 
+_OWN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_set_env: list[str] = []  # what init_world put in the environment itself (no launcher), for close_world
+
+
 def init_world(layout=None) -> World:
     """The process group and this rank's place in `layout` (a `ds_config.Layout`; None = data parallel only)."""
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        _set_env[:] = _OWN_ENV
     quiet_deepspeed()
     from accelerate import PartialState
 
@@ -105,6 +110,31 @@ def init_world(layout=None) -> World:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
     return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
                  dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, **layout.coords(rank))
+
+
+def close_world() -> None:
+    """Undo init_world, so the same process can train again (a notebook cell run twice): the process group,
+    DeepSpeed's and accelerate's memory of it (both keep a process-wide singleton that would otherwise claim a
+    group that no longer exists), and the rendezvous variables init_world chose itself."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.utils.groups as ds_groups
+    from accelerate.state import PartialState
+
+    ds_comm.cdb = None
+    for name, value in list(vars(ds_groups).items()):  # its cached groups (world, data, model, tensor, expert)
+        if name.startswith("_") and name.isupper() and isinstance(value, dict):
+            value.clear()
+        elif (name.startswith("_") and name.isupper() and isinstance(value, dist.ProcessGroup)) or \
+                name in ("mesh_device", "mpu"):
+            setattr(ds_groups, name, None)
+    PartialState._reset_state()
+    for name in _set_env:
+        os.environ.pop(name, None)
+    _set_env.clear()
 
 
 def single_world(device: str | torch.device = "cpu") -> World:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DS, assert_losses_close, harness, val_loss_of_export
-from harness.plan import bubble_fraction
+from harness.planning import bubble_fraction
 from test_plan import plan, write
 
 FP32_TOL = 1e-5

@@ -192,3 +192,32 @@ def test_deepspeed_builds_see_an_arch_list_it_can_parse(arch, plain, monkeypatch
     with deepspeed_arch_list():
         assert os.environ.get("TORCH_CUDA_ARCH_LIST") == plain
     assert os.environ.get("TORCH_CUDA_ARCH_LIST") == arch  # restored: other builds (inductor) see the user's list
+
+
+@pytest.mark.parametrize("sets,ds,message", [
+    (["optimizer.name=\"sgd\""], {"optimizer": {"type": "AdamW"}},
+     "optimizer.type = 'AdamW' (ds.json) contradicts optimizer.name = 'sgd' (command line)"),
+    ([], {"optimizer": {"type": "SGD"}}, "optimizer.type = 'SGD' (ds.json) contradicts optimizer.name = 'adamw'"),
+    (["optimizer.name=\"sgd\""], {"optimizer": {"type": "SGD", "params": {"momentum": 0.5}}},
+     "optimizer.params.momentum = 0.5 (ds.json) contradicts optimizer.momentum = 0.9"),
+    (["optimizer.name=\"sgd\""], {"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}},
+     "optimizer.params.betas (ds.json) is not a parameter the harness sets for sgd"),
+    (["optimizer.name=\"sgd\""], {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "runs DeepSpeed's CPU Adam, not optimizer.name = 'sgd'"),
+    (["optimizer.name=\"sgd\"", "optimizer.beta1=0.8"], None, "optimizer.beta1 = 0.8 (command line) apply to "
+     "optimizer.name = 'adamw'"),
+    (["optimizer.momentum=0.5"], None, "apply to optimizer.name = 'sgd'"),
+    (["optimizer.name=\"lion\""], None, "optimizer.name must be one of adamw, sgd"),
+])
+def test_optimizer_choice_and_the_deepspeed_section_must_agree(sets, ds, message, tmp_path):
+    path = write(tmp_path, "ds.json", json.dumps(ds)) if ds is not None else None
+    with pytest.raises(ConfigError) as e:
+        resolve_ds(resolve(None, ["train.max_steps=3", *sets]), path, 1)
+    assert message in str(e.value).replace(f"ds file {path}", "ds.json")
+
+
+def test_an_agreeing_sgd_section_is_accepted(tmp_path):
+    ds = write(tmp_path, "ds.json", json.dumps({"optimizer": {"type": "SGD", "params": {"lr": "auto",
+                                                                                     "momentum": 0.9}}}))
+    r = resolve_ds(resolve(None, ["train.max_steps=3", "optimizer.name=\"sgd\""]), ds, 1)
+    assert "optimizer" not in r.config  # the run file's optimizer is what trains

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.config import ConfigError, resolve
-from harness.evaluate import evaluate_run
+from harness.evaluation import evaluate_run
 from harness.models.encoder import Encoder
 from harness.models.transformer import TransformerConfig
 from harness.prepare import read_meta

@@ -10,7 +10,7 @@ import pytest
 
 from harness.config import ConfigError
 from harness.ds_config import Layout, model_state_bytes
-from harness.plan import bubble_fraction, meta_model
+from harness.planning import bubble_fraction, meta_model
 from harness.scaling import (EFFICIENCY, GPUS, LINKS, bubble_factor, collective_bytes, estimate, offload_bytes,
                              render_scaling, tp_step_bytes, zero_step_bytes, zero_volume_bytes)
 from harness.startup import make_plan

@@ -87,3 +87,13 @@ def test_recomputation_and_compilation_keep_the_losses(option, cached_run):
     ref = cached_run("ref-fp32", ds="zero0.json")
     run = cached_run(option, ds="zero2.json", sets=[option])
     assert_losses_close(run.losses, ref.losses, FP32_TOL)
+
+
+def test_sgd_with_momentum_matches_single_process(cached_run):
+    sgd = ["optimizer.name=\"sgd\"", "optimizer.lr=0.5", "optimizer.momentum=0.9", "optimizer.weight_decay=0.0"]
+    ref = cached_run("ref-sgd", ds="zero0.json", sets=sgd)
+    two = cached_run("sgd-zero1-2p", nproc=2, ds="zero1.json", sets=[*sgd, *TWO])  # momentum buffers sharded
+    assert_losses_close(two.losses, ref.losses, FP32_TOL)
+    assert ref.losses[6] < ref.losses[1]
+    adamw = cached_run("ref-fp32", ds="zero0.json")
+    assert ref.losses[1] == adamw.losses[1] and ref.losses[3] != adamw.losses[3]  # same start, another optimizer

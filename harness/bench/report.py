@@ -98,6 +98,10 @@ def markdown(result: dict) -> str:
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())
     per_process = f" ({d['threads_per_process']} thread(s) per process)" if d.get("threads_per_process") else ""
+    methods = sorted({e.get("flops_method", "analytic") for e in result["configs"] if e["status"] == "ok"})
+    how = {"analytic": "the model's analytic forward_flops", "counted": "counted by FlopCounterMode on the meta "
+           "device", "6N per item": "6 N per item (N parameters; the forward could not run on the meta device)"}
+    lines += ["", "Model FLOPs: " + "; ".join(how.get(m, m) for m in methods) + "."] if methods else []
     lines += ["", f"Peaks per device{per_process} at the start: {peaks}; each configuration measured its own right "
                   f"before it ran, and its MFU is against that one. \"invalid\": above 100%, which cannot be true; "
                   f"bench.json keeps the raw value."]

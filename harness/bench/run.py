@@ -22,7 +22,7 @@ import torch
 
 from ..config import ConfigError
 from ..ds_config import model_state_bytes
-from ..plan import count_params
+from ..planning import count_params
 from ..startup import check_build_locks
 from . import device, report
 from .sweep import ROOT, Config, ds_path, grid, measure, model_parallel_size, plan_for, summary

@@ -41,7 +41,7 @@ import torch
 
 from ..config import ConfigError
 from ..optim import deepspeed_arch_list
-from ..plan import count_params
+from ..planning import count_params
 from ..startup import check_build_locks
 from . import device, report
 from .run import largest, overhead
@@ -390,7 +390,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
                   ["--resume", "auto"], budget)
     if proc.returncode != 0:
         return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr), "steps": steps}
-    from ..evaluate import evaluate_run
+    from ..evaluation import evaluate_run
 
     metrics = evaluate_run(run_dir, "test")
     value = metrics.get(r.metric)

@@ -47,3 +47,40 @@ def decoder_blocks(t_lengths: torch.Tensor, s_lengths: torch.Tensor, layers: int
     """Blocks with causal self-attention, cross-attention over the source, feed-forward; lengths (B,)."""
     t, s = t_lengths.double(), s_lengths.double()
     return float(layers * (self_attention(t, d) + cross_attention(t, s, d) + feed_forward(t, d, f)).sum())
+
+
+class ForwardFlops:
+    """FLOPs of one forward pass over a batch, for the logged TFLOP/s and MFU: the model's own analytic
+    `forward_flops(*inputs)` where it has one; else counted by torch's FlopCounterMode on a forward pass of the
+    meta-device model (no memory, no compute), once per input shape; else, for a model whose forward needs real
+    values, 2 N per item (N parameters: the 6 N per item of a training step). `method` says which one is in use."""
+
+    def __init__(self, meta_model: torch.nn.Module):
+        self.model = meta_model
+        self.method = "analytic" if hasattr(meta_model, "forward_flops") else "counted"
+        self.n_params = sum(p.numel() for p in meta_model.parameters())
+        self.cache: dict[tuple, float] = {}
+
+    def __call__(self, inputs: tuple, items: int) -> float:
+        if self.method == "analytic":
+            return self.model.forward_flops(*inputs)
+        if self.method == "counted":
+            key = tuple((tuple(x.shape), x.dtype) if torch.is_tensor(x) else repr(x) for x in inputs)
+            if key not in self.cache:
+                try:
+                    self.cache[key] = _count(self.model, inputs)
+                except Exception:  # noqa: BLE001 - a forward that reads values (e.g. .item()) cannot run on meta
+                    self.method = "6N per item"
+            if self.method == "counted":
+                return self.cache[key]
+        return 2.0 * self.n_params * items
+
+
+def _count(model: torch.nn.Module, inputs: tuple) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    meta = tuple(x.to("meta") if torch.is_tensor(x) else x for x in inputs)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(*meta)
+    return float(counter.get_total_flops())

@@ -2,7 +2,12 @@
 The harness owns everything else (parallelism, the loop, checkpoints, logging)."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import hashlib
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,10 +23,22 @@ from ..data import DataSummary
 class TaskData:
     train: Any          # a map-style dataset of samples
     val: Any
-    summary: DataSummary
+    summary: DataSummary | None = None  # what was read and dropped; None: the harness says the sizes
 
 
 class Task(Protocol):
+    """What a task provides; the harness owns everything else. A plug-in task (`run.task = "package.module:Class"`
+    or `"path/to/file.py:Class"`) implements the required methods; each optional one not given takes the default
+    of `TaskDefaults` (stated there). Batches are dicts of tensors; a model is a plain `nn.Module`.
+
+    Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
+    Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
+    batches), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`.
+    The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
+    harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
+    A pipeline needs the model's `pipeline_layers()` (see `models/transformer.py`).
+    """
+
     def check(self, cfg: RunConfig) -> None:
         """Preflight: raise ConfigError for bad input before any process group starts."""
 
@@ -48,6 +65,24 @@ class Task(Protocol):
         """Evaluation metrics from the mean validation loss."""
 
 
+REQUIRED = ("build_model", "build_data", "collate", "count", "inputs", "loss_from")
+
+
+class TaskDefaults:
+    """The optional parts of a task, as a plug-in task gets them when it does not define them."""
+
+    Config = None  # a frozen dataclass: the task's own `[task]` section of the run file (None: no section)
+
+    def check(self, cfg: RunConfig) -> None:
+        """Nothing beyond the harness's own checks."""
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss_from(model(*self.inputs(batch)), batch)
+
+    def metrics(self, mean_loss: float) -> dict[str, float]:
+        return {"loss": mean_loss}
+
+
 class CaseStudy(Task, Protocol):
     """A task with prepared data and its field's own evaluation (translation, protein, prices)."""
 
@@ -71,10 +106,75 @@ TASKS = {  # name -> module:class, imported on use so `harness keys` stays fast
     "protein": "protein:ProteinTask",
     "prices": "prices:PricesTask",
 }
+PLUGIN_HINT = ('a plug-in task is named "package.module:ClassName" (importable here) or "path/to/file.py:ClassName" '
+               '(see the Task interface in harness/tasks/__init__.py)')
+
+
+def is_plugin(name: str) -> bool:
+    return ":" in name
+
+
+def plugin_path(name: str) -> str:
+    """A file-path reference made absolute, so a new process (evaluate, resume, bench) in any directory finds it."""
+    target, _, cls = name.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{cls}"
+    return name
+
+
+def task_class(name: str) -> type:
+    """The class `run.task` names: a built-in task, or a plug-in by module or file path."""
+    if not is_plugin(name):
+        if name not in TASKS:
+            raise ConfigError(f"run.task = {name!r} is not a task; the built-in tasks are {', '.join(TASKS)}; "
+                              f"{PLUGIN_HINT}")
+        module, cls = TASKS[name].split(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    target, _, cls_name = name.rpartition(":")
+    if not target or not cls_name:
+        raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
+    try:
+        module = _import_file(target) if target.endswith(".py") else importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
+        raise ConfigError(f"run.task = {name!r}: importing {target} failed: {type(e).__name__}: {e}") from None
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(cls_name, classes, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
+        raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
+    missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
+                          f"harness/tasks/__init__.py lists what a task provides)")
+    section = getattr(cls, "Config", None)
+    if section is not None and not dataclasses.is_dataclass(section):
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
+    for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
+        if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
+            setattr(cls, attr, TaskDefaults.__dict__[attr])
+    return cls
+
+
+def _import_file(path: str):
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"run.task: no file {file}")
+    # One module per file, under a name of its own: re-importing the same file (a second run) reuses it.
+    name = "harness_task_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ConfigError(f"run.task = {name!r} is not a task; choose one of {', '.join(TASKS)}")
-    module, cls = TASKS[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return task_class(name)()

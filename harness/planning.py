@@ -110,9 +110,13 @@ def render(plan: Plan) -> str:
 
 
 def render_keys() -> str:
+    from .tasks import PLUGIN_HINT, TASKS
+
     lines = []
     for key, f in all_keys().items():
         choices = f.metadata["choices"]
         extra = f" (one of {', '.join(choices)})" if choices else ""
         lines.append(f"{key:30} {json.dumps(f.default):10} {f.metadata['help']}{extra}")
+    lines += ["", f"run.task: the built-in tasks are {', '.join(TASKS)}; {PLUGIN_HINT}. A plug-in task's own keys "
+              f"go in the [task] section (its Config dataclass)."]
     return "\n".join(lines)

@@ -14,17 +14,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import checkpoint, profiling
+from .config import TrainingStopped  # noqa: F401 - raised here, caught by the CLI
 from .data import StepSampler, eval_batches
 from .export import export_model
-from .models.flops import TRAIN_FACTOR
+from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
 from .world import World, all_reduce
-
-
-class TrainingStopped(Exception):
-    """The run cannot go on (e.g. the loss stayed non-finite); its last good checkpoint is kept."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -83,6 +80,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
+    flops = ForwardFlops(meta_model)
     start_step, samples_seen, nonfinite = 0, 0, 0
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from, world)
@@ -100,7 +98,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
-    say(data.summary.line())
+    say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
     # The loader's own generator: drawing its worker seed from the global RNG would shift dropout after a resume.
@@ -119,7 +117,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         fetch_start = time.perf_counter()
         cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
         loader_wait = time.perf_counter() - fetch_start
-        work = step_work(task, meta_model, cpu_batches)  # counted on the host: no device sync
+        work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
         result = train_step(engine, plan, [to_device(b, world.device) for b in cpu_batches], world, work)
         step += 1
         if traced:
@@ -144,12 +142,13 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             peak = torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
             all_reduce(peak, torch.distributed.ReduceOp.MAX)  # sync point, on logging steps only
             seconds = time.perf_counter() - window_start
-            items, flops, real, padded = window_work.tolist()
+            items, step_flops, real, padded = window_work.tolist()
             record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                       "samples_seen": samples_seen, "tokens_per_s": items / seconds,
-                      "step_s": seconds / window_steps, "tflops": flops / seconds / 1e12,
+                      "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
                       "padding": 1 - real / padded if padded else 0.0,
-                      "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch}
+                      "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch,
+                      "flops_method": flops.method}
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)
@@ -182,14 +181,14 @@ class StepResult:
     skipped: bool             # fp16 overflow: DeepSpeed skipped the update
 
 
-def step_work(task, meta_model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """This rank's share of a step, from its host-side batches: [items (the loss normaliser), model training FLOPs
-    (analytic, `models/flops.py`), real positions, padded positions]."""
+    (`models/flops.py`: analytic, or counted), real positions, padded positions]."""
     work = torch.zeros(4, dtype=torch.float64)
     for b in batches:
         real, padded = task.padding(b) if hasattr(task, "padding") else (1, 1)
-        work += torch.tensor([task.count(b), TRAIN_FACTOR * meta_model.forward_flops(*task.inputs(b)), real, padded],
-                             dtype=torch.float64)
+        items = task.count(b)
+        work += torch.tensor([items, TRAIN_FACTOR * flops(task.inputs(b), items), real, padded], dtype=torch.float64)
     return work
 
 

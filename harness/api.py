@@ -1,0 +1,86 @@
+"""The Python API: what the `harness` command does, as functions. `import harness` gives them.
+
+    import harness
+    harness.train("configs/runs/lm_demo.toml", sets=["train.max_steps=20"], ds="configs/ds/zero2.json")
+    metrics = harness.evaluate("runs/lm_demo", split="validation")
+    model, cfg = harness.load_model("runs/lm_demo")
+
+`run` is a run file, a dict of sections ({"train": {"max_steps": 20}}) or a resolved `RunConfig`; `sets` are
+`section.key=value` overrides on top (they win); `task` is a task object to train instead of the one `run.task`
+names (its class is recorded in the run directory, so `harness evaluate` finds it again where it is
+importable). `train` runs one process on its own, or one rank when the script is started by `accelerate launch`;
+it can be called again in the same process. Bad input raises `ConfigError` before anything starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _sources(run) -> tuple[str | None, list[str]]:
+    """(run file, overrides) for any accepted form of `run`."""
+    from .config import RunConfig, flatten
+
+    if run is None or isinstance(run, (str, Path)):
+        return (None if run is None else str(run)), []
+    if isinstance(run, RunConfig):
+        run = run.to_dict()
+    if isinstance(run, dict):
+        return None, [f"{k}={json.dumps(v)}" for k, v in flatten(run).items()]
+    raise TypeError(f"run must be a run file, a dict of sections or a RunConfig, not {type(run).__name__}")
+
+
+def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world_size: int | None = None):
+    """Resolve and check everything (`harness plan`): a `Plan` whose `harness.plan_text(plan)` is what the
+    command prints."""
+    from dataclasses import replace
+
+    from .startup import make_plan
+
+    run_file, overrides = _sources(run)
+    if task is not None:  # recorded by reference; the object itself is what trains
+        overrides.append(f"run.task={json.dumps(f'{type(task).__module__}:{type(task).__qualname__}')}")
+    p = make_plan(run_file, [*overrides, *sets], ds, world_size)
+    return p if task is None else replace(p, task=task)
+
+
+def plan_text(p) -> str:
+    from .planning import render
+
+    return render(p)
+
+
+def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resume: str | None = None,
+          overwrite: bool = False, stop_at: int | None = None) -> dict[str, Any]:
+    """Train (`harness train`); returns the last evaluation's metrics and the step reached."""
+    from .config import ConfigError
+    from .startup import preflight
+    from .loop import train as run_training
+    from .world import barrier, close_world, init_world
+
+    p = plan(run, sets, ds, task)
+    resume_from = preflight(p, resume, overwrite)
+    if stop_at is not None and stop_at <= 0:
+        raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
+    world = init_world(p.ds.layout)
+    try:
+        result = run_training(p, world, resume_from, overwrite, stop_at)
+        barrier()  # every rank is done before any tears down its connections
+        return result
+    finally:
+        close_world()
+
+
+def evaluate(run_dir: str | Path, split: str = "test") -> dict[str, float | str]:
+    """The field's metrics of a finished run on a split (`harness evaluate`); also written to RUN/eval.json."""
+    from .evaluation import evaluate_run
+
+    return evaluate_run(run_dir, split)
+
+
+def load_model(run_dir: str | Path):
+    """(model, RunConfig): the task's model with the run's exported weights, in eval mode, on the CPU."""
+    from .export import load_model as load
+
+    return load(run_dir)

@@ -1,0 +1,125 @@
+"""Hugging Face `transformers` models and tokenizers, for the tasks that accept one (`model.hf`).
+
+`model.hf` names the model three ways: a hub id (`from_pretrained`, where the network allows), a local directory
+that `save_pretrained` wrote (its weights and, beside them, its tokenizer), or a local `config.json` (random
+initialisation, `from_config`). The task picks the auto class (`model.hf_class` overrides it). Built under
+`with torch.device("meta")` (`harness plan`, the FLOPs count) the model comes from its config alone: no weights are
+read. Under ZeRO-3 the loop builds it inside DeepSpeed's partitioned construction (`zero_init`), so no rank
+ever holds the whole model.
+
+`transformers` is the optional extra `[hf]`; without it a run naming `model.hf` stops before launch.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, RunConfig
+
+EXTRA = 'pip install -e ".[hf]"'
+
+
+def transformers_module(what: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"{what} needs the transformers package: {EXTRA}") from None
+    return transformers
+
+
+def _config_source(ref: str) -> tuple[str, bool]:
+    """(what AutoConfig reads, whether the weights come with it): a config.json alone has none."""
+    path = Path(ref)
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise ConfigError(f"model.hf = {ref!r}: no such file")
+        return str(path), False
+    if ref.startswith((".", "/")) and not path.is_dir():
+        raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id has no leading . or /)")
+    return ref, True
+
+
+def check(cfg: RunConfig, auto_class: str) -> None:
+    """Before launch: the package, the source, the auto class and the config, read once (no weights)."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    cls_name = cfg.model.hf_class or auto_class
+    if not hasattr(transformers, cls_name):
+        raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
+    load_config(cfg)
+
+
+def load_config(cfg: RunConfig):
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    source, _ = _config_source(cfg.model.hf)
+    try:
+        return transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0]}") from None
+
+
+def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
+    """The task's Hugging Face model: pretrained weights where `model.hf` has them, else initialised from its config;
+    on the meta device (a `torch.device("meta")` context) always from the config."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    cls = getattr(transformers, cfg.model.hf_class or auto_class)
+    config = load_config(cfg)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    source, has_weights = _config_source(cfg.model.hf)
+    on_meta = torch.empty(0).device.type == "meta"
+    torch.manual_seed(cfg.train.seed)  # a from-config model's initial weights: the same on every rank
+    if has_weights and not on_meta:
+        model = cls.from_pretrained(source, config=config)
+    else:
+        model = cls.from_config(config)
+    return model.train()
+
+
+@contextlib.contextmanager
+def zero_init(ds_config: dict):
+    """Build a Hugging Face model already partitioned over the ZeRO-3 ranks: transformers reads the DeepSpeed
+    config from `HfDeepSpeedConfig` (kept alive for the build) and constructs and loads inside
+    `deepspeed.zero.Init`, each rank keeping its shard."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference: it must stay alive
+    try:
+        yield
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+
+
+def is_hf(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def tokenizer(cfg: RunConfig):
+    """The model's own tokenizer (AutoTokenizer) from `model.hf`'s directory, or from the directory of its
+    config.json."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    source, has_weights = _config_source(cfg.model.hf)
+    where = source if has_weights else str(Path(source).parent)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({str(e).splitlines()[0]}); "
+                          f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None
+
+
+def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Path:
+    """A directory that `AutoModelFor...from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load with no
+    code of ours: the config, the consolidated fp32 weights and the tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    if tok is not None:
+        tok.save_pretrained(str(out))
+    return out

@@ -1,0 +1,115 @@
+"""Any task, any caller: a plug-in task named by file path or by module path trains under ZeRO-2 and ZeRO-3 on 2
+processes with the losses of 1, resumes exactly, is evaluated and benched in new processes that find it from the
+run directory alone; its [task] section is checked like every other; the Python API trains twice in one process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, _env, assert_losses_close, ds_variant, harness
+
+BY_FILE = ["--run", "examples/digits.toml"]  # run.task = "examples/digits_task.py:DigitsTask"
+BY_MODULE = ["--run", "examples/digits.toml", "--set", 'run.task="examples.digits_task:DigitsTask"']
+FP32_TOL = 1e-5
+
+
+def test_plugin_task_by_file_matches_one_process_under_zero2_and_zero3(cached_run, tmp_path):
+    ref = cached_run("digits-ref", args=BY_FILE)
+    assert "data train: 4000 samples; validation: 500" in ref.proc.stdout
+    assert ref.metrics[0]["flops_method"] == "counted"  # no forward_flops: counted on the meta device
+    assert ref.metrics[0]["tflops"] > 0
+    for stage in (2, 3):
+        ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0) if stage == 3 else "zero2.json"
+        two = cached_run(f"digits-zero{stage}-2p", nproc=2, ds=ds, sets=["train.micro_batch_size=2"], args=BY_FILE)
+        assert f"world 2 (data parallel 2) | ZeRO-{stage}" in two.proc.stdout
+        assert_losses_close(two.losses, ref.losses, FP32_TOL)
+        # the task's own evaluation ran on both ranks at the end (every rank the same number of forwards)
+        assert two.evals[-1]["pearson"] == pytest.approx(ref.evals[-1]["pearson"], abs=1e-4)
+    assert ref.losses[6] < ref.losses[1]
+
+
+def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_bench(cached_run, tmp_path):
+    whole = cached_run("digits-ref", args=BY_FILE)
+    out = tmp_path / "run"
+    harness(out, tmp_path, args=[*BY_MODULE, "--stop-at", "3"])
+    resumed = harness(out, tmp_path, args=[*BY_MODULE, "--resume", "auto"])
+    assert "resumed from" in resumed.proc.stdout
+    assert_losses_close(resumed.losses, whole.losses, FP32_TOL)
+    assert 'task = "examples.digits_task:DigitsTask"' in (out / "config.toml").read_text()
+    ev = subprocess.run([sys.executable, "-m", "harness", "evaluate", "--run-dir", str(out), "--split", "test"],
+                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    assert set(json.loads((out / "eval.json").read_text())["test"]) == {"mse", "pearson"}
+    bench = subprocess.run([sys.executable, "-m", "harness", "bench", *BY_MODULE, "--set", "train.micro_batch_size=8",
+                            "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "bench")],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    entry = json.loads((tmp_path / "bench" / "bench.json").read_text())["configs"][0]
+    assert entry["status"] == "ok" and entry["flops_method"] == "counted"
+    assert "counted by FlopCounterMode" in (tmp_path / "bench" / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["task.lenght=8"], "unknown config key `task.lenght`; did you mean `task.length`?"),
+    (["task.length=\"8\""], "task.length must be int, got str '8'"),
+    (['run.task="examples/digits_task.py:DigitTask"'], "has no class 'DigitTask'; did you mean 'DigitsTask'?"),
+    (['run.task="examples/digits_task.py:DigitsConfig"'], "DigitsConfig lacks build_model, build_data"),
+    (['run.task="examples/nothing_here.py:Task"'], "no file examples/nothing_here.py"),
+    (['run.task="no_such_package.tasks:Task"'], "importing no_such_package.tasks failed: ModuleNotFoundError"),
+    (['run.task="lm"', "task.length=8"], "[task] holds the keys of a plug-in task"),
+    (['run.task="nope"'], "the built-in tasks are lm, translation, protein, prices; a plug-in task is named"),
+])
+def test_plugin_task_mistakes_are_one_line_before_launch(sets, message):
+    from harness.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(str(ROOT / "examples" / "digits.toml"), sets)
+    assert message in str(e.value)
+
+
+def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):
+    from harness.config import resolve, to_toml
+
+    cfg = resolve(str(ROOT / "examples" / "digits.toml"), ["task.length=8"]).cfg
+    assert cfg.task.length == 8 and cfg.run.task.endswith("examples/digits_task.py:DigitsTask")
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    assert resolve(str(tmp_path / "config.toml")).cfg == cfg  # what evaluate and --resume read back
+
+
+def test_python_api_trains_twice_in_one_process(tmp_path):
+    script = f"""
+import harness
+for name in ("a", "b"):
+    r = harness.train("examples/digits.toml", sets=["train.max_steps=3", "run.output_dir={tmp_path}/" + name],
+                      ds="configs/ds/zero2.json")
+    print("RESULT", r["step"], r["mse"])
+model, cfg = harness.load_model("{tmp_path}/b")
+print("MODEL", type(model).__name__, cfg.task.length)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2 and results[0] == results[1]  # the same seed: the same run, twice
+    assert "MODEL DigitsModel 16" in proc.stdout
+
+
+@pytest.mark.parametrize("ds,message", [("pp2_zero1.json", "its model (DigitsModel) has no pipeline_layers()"),
+                                        ("tp2_zero1.json", "layer_specs match no parameter of run.task")])
+def test_plan_says_what_a_plugin_model_lacks_for_model_parallelism(ds, message):
+    from conftest import DS
+    from harness.config import ConfigError
+    from harness.startup import make_plan
+
+    with pytest.raises(ConfigError) as e:
+        make_plan(str(ROOT / "examples" / "digits.toml"), ["model.n_heads=2"], str(DS / ds), world_size=2)
+    assert message in str(e.value)
+
+
+def test_keys_lists_the_tasks_and_how_to_name_a_plugin():
+    from harness.planning import render_keys
+
+    assert "the built-in tasks are lm, translation, protein, prices; a plug-in task is named" in render_keys()
