@@ -1,4 +1,4 @@
-"""The `harness` command: train, plan, keys, prepare, evaluate, translate, bench, results. Input errors print one line and exit 2
+"""The `harness` command: train, plan, keys, prepare, evaluate, translate, export, bench, results. Input errors print one line and exit 2
 before any training."""
 from __future__ import annotations
 
@@ -88,6 +88,10 @@ def parser() -> argparse.ArgumentParser:
                    "part's time budget")
     b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
                    "checkpoints (default bench/suite-work)")
+    ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
+                        "from_pretrained loads (config, weights, tokenizer)")
+    ex.add_argument("--run-dir", required=True, metavar="DIR")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
     r = sub.add_parser("results", help="regenerate the README's GPU table from results/gpu/*/suite.json")
     r.add_argument("--check", action="store_true", help="only check that the README matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
@@ -150,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.results import main as results
 
             return results(args.check)
+        if args.command == "export":
+            from .export import export_hf
+
+            print(f"wrote {export_hf(args.run_dir, args.hf)}")
+            return 0
         if args.command in ("evaluate", "translate"):
             from . import evaluation as evaluate
 

@@ -46,6 +46,13 @@ class ModelSection:
     d_ff: int = _f(0, "feed-forward width; 0 means 4 * d_model")
     dropout: float = _f(0.0, "dropout probability in attention and feed-forward")
     vocab_size: int = _f(0, "vocabulary size; 0 means the task decides (256 bytes for `lm`)")
+    hf: str = _f("", "a Hugging Face transformers model instead of the built-in one: a hub id or a local directory "
+                 "(from_pretrained; its tokenizer comes from there too) or a local config.json (random init); "
+                 "needs the [hf] extra")
+    hf_class: str = _f("", "the transformers auto class to build model.hf with; empty means the task's (e.g. "
+                       "AutoModelForCausalLM for lm)")
+    zero_init: bool = _f(True, "ZeRO-3 with model.hf: build and load the model already partitioned over the ranks "
+                         "(no rank ever holds it whole)")
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ class PricesSection:
                      "(PatchTST's subtract_last; the untrained model then forecasts persistence)", ("mean", "last"))
 
 
+BUILT_IN_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "dropout", "vocab_size")
 TASK_SECTIONS = ("translation", "protein", "prices")  # each belongs to the task of the same name
 
 
@@ -343,6 +351,12 @@ def _check(r: Resolved) -> None:
     if c.model.d_model % c.model.n_heads:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
                           f"{r.describe('model.n_heads')}")
+    if c.model.hf:  # the built-in model's sizes mean nothing to a Hugging Face model: its config has its own
+        given = [r.describe(f"model.{k}") for k in BUILT_IN_MODEL_KEYS if r.is_set(f"model.{k}")
+                 and getattr(c.model, k) != getattr(ModelSection, k)]
+        if given:
+            raise ConfigError(f"{'; '.join(given)} belongs to the built-in model, not {r.describe('model.hf')}: "
+                              f"change the Hugging Face model's config.json instead")
     if not 0.0 <= c.data.val_fraction < 1.0:
         raise ConfigError(f"{r.describe('data.val_fraction')} must be in [0, 1)")
     only = {"adamw": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps"),

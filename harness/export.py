@@ -13,16 +13,21 @@ from pathlib import Path
 
 from torch import nn
 
-from .config import RunConfig, resolve
+from .config import ConfigError, RunConfig, resolve
 from .world import World
 
 MODEL_FILE = "model.safetensors"
 
 
-def export_model(engine, run_dir: Path, world: World) -> Path | None:
-    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically."""
+HF_DIR = "hf"  # beside model.safetensors for a Hugging Face model: what from_pretrained loads
+
+
+def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig | None = None) -> Path | None:
+    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically, and for a Hugging Face
+    model `RUN/hf/` (config, weights, tokenizer: `from_pretrained` loads it with no code of ours)."""
     from safetensors.torch import save_file
 
+    from .models import hf
     from .parallel import full_state_dict
 
     state = full_state_dict(engine, world)
@@ -32,17 +37,39 @@ def export_model(engine, run_dir: Path, world: World) -> Path | None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
+    if hf.is_hf(engine.module):
+        tok = task.tokenizer(cfg) if hasattr(task, "tokenizer") else None
+        hf.save(engine.module, state, tok, run_dir / HF_DIR)
     return path
 
 
 def load_model(run_dir: str | Path) -> tuple[nn.Module, RunConfig]:
-    """Rebuild the task's model from a run directory and load the exported weights, on one process."""
+    """Rebuild the task's model from a run directory and load the exported weights, on one process. A Hugging Face
+    model is built from the run's own `hf/` export, so its original source need not exist any more."""
+    from dataclasses import replace
+
     from safetensors.torch import load_file
 
     from .tasks import get_task
 
     run_dir = Path(run_dir)
     cfg = resolve(str(run_dir / "config.toml")).cfg
+    if cfg.model.hf and (run_dir / HF_DIR / "config.json").is_file():
+        cfg = replace(cfg, model=replace(cfg.model, hf=str(run_dir / HF_DIR)))
     model = get_task(cfg.run.task).build_model(cfg)
     model.load_state_dict(load_file(str(run_dir / MODEL_FILE)))
     return model.eval(), cfg
+
+
+def export_hf(run_dir: str | Path, out: str | Path) -> Path:
+    """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory."""
+    from .models import hf
+    from .tasks import get_task
+
+    model, cfg = load_model(run_dir)
+    if not hf.is_hf(model):
+        raise ConfigError(f"{run_dir}: its model ({type(model).__name__}) is the harness's own, not a Hugging Face "
+                          f"model; its weights are {Path(run_dir) / MODEL_FILE}")
+    task = get_task(cfg.run.task)
+    tok = task.tokenizer(cfg) if hasattr(task, "tokenizer") else None
+    return hf.save(model, model.state_dict(), tok, Path(out))

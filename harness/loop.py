@@ -93,7 +93,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
 
     model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
         (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "")
-    say(f"harness: task {cfg.run.task}, {n_params:,} parameters | world {world.world_size} "
+    say(f"harness: task {cfg.run.task}, {type(meta_model).__name__} of {n_params:,} parameters "
+        f"(FLOPs: {flops.method}) | world {world.world_size} "
         f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
         f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
@@ -166,7 +167,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     progress.close()
     if step == max_steps:
         last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
-        say(f"exported {export_model(engine, plan.run_dir, world)}")
+        say(f"exported {export_model(engine, plan.run_dir, world, plan.task, cfg)}")
     else:
         say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
     tracker.close()

@@ -32,8 +32,10 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
     DeepSpeed's fused Adam does it."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partitioned parameter is 1-d
+    groups = [{"params": [p for p in params if ndim(p) >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     if o.name == "sgd":  # offload refused by the plan: DeepSpeed's offload runs its CPU Adam only
         optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)

@@ -30,8 +30,17 @@ def build_engine(plan, world: World, total_steps: int):
 
     from .optim import build_optimizer
 
-    torch.manual_seed(plan.run.cfg.train.seed)  # identical initial weights on every rank
-    model = plan.task.build_model(plan.run.cfg)
+    cfg = plan.run.cfg
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    if cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init:
+        from .models.hf import zero_init
+
+        with zero_init(plan.ds.config):
+            model = plan.task.build_model(cfg)
+        if world.is_main:
+            print(f"{type(model).__name__} loaded partitioned (ZeRO-3): each rank built and read only its shard")
+    else:
+        model = plan.task.build_model(cfg)
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)
@@ -223,7 +232,11 @@ def full_state_dict(engine, world: World, everywhere: bool = False) -> dict[str,
                 for name_m, module in engine.module.named_modules()
                 for pname, p in module.named_parameters(recurse=False)
                 for name in [f"{name_m}.{pname}" if name_m else pname]}
-        full.update({name: buf.detach().cpu() for name, buf in engine.module.named_buffers()})
+        full.update({name: buf.detach().cpu()  # persistent buffers: what load_state_dict expects (not e.g. a
+                     for name_m, module in engine.module.named_modules()  # rotary table recomputed at build)
+                     for bname, buf in module.named_buffers(recurse=False)
+                     if bname not in module._non_persistent_buffers_set
+                     for name in [f"{name_m}.{bname}" if name_m else bname]})
     barrier()
     return full if everywhere or world.is_main else None
 

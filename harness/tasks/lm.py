@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, RunConfig
 from ..data import DataSummary, check_paths, keep, load_rows
+from ..models import hf
 from ..models.transformer import TransformerConfig, TransformerLM
 from ..prepare import cache_dir
 from . import TaskData
@@ -34,13 +35,23 @@ def default_corpus() -> str:
 
 
 class LanguageModelTask:
+    """Byte-level with the built-in Transformer; with a Hugging Face causal LM (`model.hf`), its own tokenizer."""
+
+    HF_CLASS = "AutoModelForCausalLM"
+    byte_level = True  # until a run names a Hugging Face model
+
     def check(self, cfg: RunConfig) -> None:
         check_paths(cfg.data)
-        if cfg.model.vocab_size not in (0, BYTE_VOCAB):
+        if cfg.model.hf:
+            hf.check(cfg, self.HF_CLASS)
+        elif cfg.model.vocab_size not in (0, BYTE_VOCAB):
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the lm task is byte-level; use 0 or 256")
 
-    def build_model(self, cfg: RunConfig) -> TransformerLM:
+    def build_model(self, cfg: RunConfig):
         m = cfg.model
+        if m.hf:
+            self.byte_level = False
+            return hf.build(cfg, self.HF_CLASS, use_cache=False)  # no key/value cache while training
         return TransformerLM(TransformerConfig(vocab_size=BYTE_VOCAB, max_seq_len=cfg.data.seq_len,
                                                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
@@ -56,15 +67,31 @@ class LanguageModelTask:
         else:
             val_rows = rows.select([])
         summary = DataSummary.of(train=rows, validation=val_rows)
-        return TaskData(self._pack(keep(rows), d.seq_len), self._pack(keep(val_rows), d.seq_len), summary)
+        encode = self._encoder(cfg)
+        return TaskData(self._pack(keep(rows), d.seq_len, encode), self._pack(keep(val_rows), d.seq_len, encode),
+                        summary)
+
+    def _encoder(self, cfg: RunConfig):
+        """Rows -> one token stream: their UTF-8 bytes joined by "\n", or the HF tokenizer's ids joined by EOS."""
+        if not cfg.model.hf:
+            return lambda texts: list("\n".join(texts).encode("utf-8"))
+        self.byte_level = False
+        tok = hf.tokenizer(cfg)
+        if tok.eos_token_id is None:
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no EOS token to separate the rows")
+        return lambda texts: [i for ids in tok(list(texts), add_special_tokens=False)["input_ids"]
+                              for i in (*ids, tok.eos_token_id)]
+
+    def tokenizer(self, cfg: RunConfig):
+        return hf.tokenizer(cfg) if cfg.model.hf else None
 
     @staticmethod
-    def _pack(rows, seq_len: int):
-        """Concatenate the rows' bytes and cut them into samples of seq_len + 1 tokens (inputs and shifted targets)."""
+    def _pack(rows, seq_len: int, encode):
+        """Concatenate the rows' tokens and cut them into samples of seq_len + 1 tokens (inputs and shifted targets)."""
         n = seq_len + 1
 
         def chunk(batch):
-            stream = "\n".join(batch["text"]).encode("utf-8")
+            stream = encode(batch["text"])
             return {"ids": [list(stream[i:i + n]) for i in range(0, len(stream) - n + 1, n)]}
 
         packed = rows.map(chunk, batched=True, batch_size=10_000, remove_columns=["text"], desc="packing")
@@ -80,13 +107,13 @@ class LanguageModelTask:
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         return (batch["inputs"],)
 
-    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # logits (B, T, V)
+    def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = getattr(outputs, "logits", outputs)  # (B, T, V); a Hugging Face model returns an output object
         return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_from(model(*self.inputs(batch)), batch)
 
     def metrics(self, mean_loss: float) -> dict[str, float]:
-        return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0)),
-                "bits_per_byte": mean_loss / math.log(2)}
+        out = {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
+        return {**out, "bits_per_byte": mean_loss / math.log(2)} if self.byte_level else out
