@@ -51,8 +51,8 @@ class ModelSection:
                  "needs the [hf] extra")
     hf_class: str = _f("", "the transformers auto class to build model.hf with; empty means the task's (e.g. "
                        "AutoModelForCausalLM for lm)")
-    zero_init: bool = _f(True, "ZeRO-3 with model.hf: build and load the model already partitioned over the ranks "
-                         "(no rank ever holds it whole)")
+    zero_init: bool = _f(True, "ZeRO-3 with model.hf: build the model already partitioned over the ranks "
+                         "(deepspeed.zero.Init through transformers' HfDeepSpeedConfig) instead of whole on each")
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,10 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
     engine, schedule = build_engine(plan, world, max_steps)
+    # Each rank's peak memory once the model is built and loaded (before DeepSpeed's buffers): what partitioned
+    # loading saves. The largest over the ranks is reported.
+    peaks = torch.tensor(engine.harness_load_peak, dtype=torch.float64, device=world.device)
+    before_load, load_peak = (int(x) for x in all_reduce(peaks, torch.distributed.ReduceOp.MAX).tolist())
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
@@ -99,6 +103,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
+    say(f"model built: peak memory {load_peak / 2**20:,.0f} MiB on the fullest rank, {before_load / 2**20:,.0f} MiB "
+        f"before building it (the model's fp32 weights: {4 * n_params / 2**20:,.0f} MiB)")
     say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
@@ -149,7 +155,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                       "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
                       "padding": 1 - real / padded if padded else 0.0,
                       "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch,
-                      "flops_method": flops.method}
+                      "flops_method": flops.method, "load_peak_mem_bytes": load_peak,
+                      "before_load_peak_mem_bytes": before_load}
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)

@@ -1,6 +1,6 @@
 """Hugging Face models in the harness (the `[hf]` extra): a tiny Llama written by the test with `save_pretrained`,
 with a tokenizer the test trains (no hub), trains as the `lm` task's model. 2 processes under ZeRO-2 and under
-ZeRO-3 (loaded already partitioned) give the per-step losses of 1 process; resume is exact; the run's HF-format
+ZeRO-3 (built already partitioned) give the per-step losses of 1 process; resume is exact; the run's HF-format
 export loads with `transformers` alone and gives the engine's outputs; `harness export --hf` writes the same
 for a finished run."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_hf_causal_lm_matches_one_process_under_zero2_and_partitioned_zero3(cach
     assert_losses_close(two2.losses, ref.losses, FP32_TOL)
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     two3 = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama), "train.micro_batch_size=2"], base=TINY_RUN)
-    assert "loaded partitioned (ZeRO-3)" in two3.proc.stdout
+    assert "built partitioned over the ranks (ZeRO-3" in two3.proc.stdout
     assert_losses_close(two3.losses, ref.losses, FP32_TOL)
 
 

@@ -17,8 +17,37 @@ STEPS = ["train.max_steps=10"]
 
 
 def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", "plan", *args], cwd=ROOT, env=_env(env),
-                          capture_output=True, text=True, timeout=120)
+    """`harness plan ARGS` in this process (it starts no process group), with the environment a new process would
+    get; `test_plan_runs_as_a_command` runs it as one."""
+    import contextlib
+    import io
+    import os
+
+    from harness.cli import main
+
+    out, err, saved = io.StringIO(), io.StringIO(), dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_env(env))
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["plan", *args])
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["harness", "plan", *args], rc, out.getvalue(), err.getvalue())
+
+
+def test_plan_runs_as_a_command(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "harness", "plan", "--set", "train.max_steps=3"], cwd=ROOT,
+                        env=_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "command line" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "harness", "plan", "--set", "train.max_stepz=3"], cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("harness: error:") and \
+        len(bad.stderr.strip().splitlines()) == 1
 
 
 def write(tmp_path, name: str, text: str) -> str:

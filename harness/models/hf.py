@@ -4,8 +4,8 @@
 that `save_pretrained` wrote (its weights and, beside them, its tokenizer), or a local `config.json` (random
 initialisation, `from_config`). The task picks the auto class (`model.hf_class` overrides it). Built under
 `with torch.device("meta")` (`harness plan`, the FLOPs count) the model comes from its config alone: no weights are
-read. Under ZeRO-3 the loop builds it inside DeepSpeed's partitioned construction (`zero_init`), so no rank
-ever holds the whole model.
+read. Under ZeRO-3 the loop builds it inside DeepSpeed's partitioned construction (`zero_init`), as
+transformers' own DeepSpeed integration does (`from_pretrained` then reads the weights on rank 0 and scatters them).
 
 `transformers` is the optional extra `[hf]`; without it a run naming `model.hf` stops before launch.
 """
