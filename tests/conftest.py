@@ -24,6 +24,15 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.seq_len
 TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose sizes come from its own config
 
 
+LONGEST_FIRST = ("test_suite.py", "test_checkpoint.py", "test_parallel.py")  # the slowest files start first, so
+# neither worker is left with a long file at the end
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: next((i for i, name in enumerate(LONGEST_FIRST) if item.path.name == name),
+                                     len(LONGEST_FIRST)))
+
+
 @dataclass
 class Run:
     dir: Path
