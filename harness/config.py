@@ -57,8 +57,9 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    path: str = _f("", "training data: a local .txt/.json/.jsonl/.csv file, or `hub:NAME` for a Hugging Face "
-                   "data set; empty means the task's embedded default")
+    path: str = _f("", "the data: a local file or directory in a format the task reads (see data/README.md: "
+                   ".txt/.json/.jsonl/.csv for lm; pairs, fasta, FLIP or csv sources for the case studies; .gz "
+                   "too), or `hub:NAME` for a Hugging Face data set; empty means the task's embedded default")
     format: str = _f("auto", "how to read `path`", ("auto", "text", "json", "csv"))
     text_field: str = _f("text", "column holding the text in json/csv data")
     val_path: str = _f("", "validation data in the same format; empty means hold out `val_fraction` of the rows")

@@ -148,7 +148,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
         return checkpoint.latest(run_dir / "checkpoints")
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
-                          f"it, --overwrite to replace it, or set run.output_dir")
+                          f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
+                          f"run.output_dir")
     return None
 
 

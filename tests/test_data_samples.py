@@ -159,18 +159,23 @@ def prepared_rows(directory: Path) -> dict[str, list[dict]]:
     return {s: protein_prep.load(directory, s).to_list() for s in SPLITS}
 
 
-@pytest.mark.parametrize("name", ["classify.csv", "classify.tsv", "classify.jsonl", "classify.fasta",
-                                  "classify_counted.csv"])
-def test_protein_classify_files(name):
-    path = SAMPLES / "protein" / name
-    expected = classify_rows(path)
-    cfg = config("protein", path, 'protein.objective="classify"', "data.seq_len=64", "data.val_fraction=0.2",
+def read_protein(path, objective: str):
+    """(the task's data, the prepared meta, the prepared rows by split) of a protein sample, 60/20/20."""
+    cfg = config("protein", path, f'protein.objective="{objective}"', "data.seq_len=64", "data.val_fraction=0.2",
                  "protein.test_fraction=0.2")
     task = ProteinTask()
     task.check(cfg)
     data = task.build_data(cfg)
     directory = task.prepare(cfg)
-    meta, rows = read_meta(directory), prepared_rows(directory)
+    return data, read_meta(directory), prepared_rows(directory)
+
+
+@pytest.mark.parametrize("name", ["classify.csv", "classify.tsv", "classify.jsonl", "classify.fasta",
+                                  "classify_counted.csv"])
+def test_protein_classify_files(name):
+    path = SAMPLES / "protein" / name
+    expected = classify_rows(path)
+    data, meta, rows = read_protein(path, "classify")
     assert len(expected) == 10 and meta["classes"] == ["0", "1"]
     assert all(set(meta["counts"][s]) == {"ok"} for s in SPLITS)  # nothing dropped, nothing truncated
     assert {s: len(rows[s]) for s in SPLITS} == {"train": 6, "validation": 2, "test": 2}  # by class: 3 / 1 / 1
@@ -195,13 +200,7 @@ def test_protein_residue_files(name):
     with_mask = name != "residue.fasta"  # a fasta header holds the label only, no resolved mask
     expected = {r["sequence"]: expected_states(r["label"], r["resolved"] if with_mask else None)
                 for r in residue_rows()}
-    cfg = config("protein", path, 'protein.objective="residue"', "data.seq_len=64", "data.val_fraction=0.2",
-                 "protein.test_fraction=0.2")
-    task = ProteinTask()
-    task.check(cfg)
-    data = task.build_data(cfg)
-    directory = task.prepare(cfg)
-    meta, rows = read_meta(directory), prepared_rows(directory)
+    data, meta, rows = read_protein(path, "residue")
     assert meta["labels"] == "residue" and sum(kept(meta["counts"][s]) for s in SPLITS) == 6
     assert {r["sequence"]: r["states"] for s in SPLITS for r in rows[s]} == expected
     assert IGNORE in data.train[0]["targets"].tolist()  # at least <cls>, which is never scored
