@@ -7,7 +7,8 @@ A contradiction is an error naming the key, both values and where each came from
 
 Model parallelism is named here too, and the world is split as data x tensor x pipeline:
 - `"tensor_parallel": {"autotp_size": N, "partition_config": {"layer_specs": [...]}}`: DeepSpeed's AutoTP
-  training, which splits the Linear layers whose names the specs match (column- or row-parallel).
+  training, which splits the Linear layers whose names the specs match (column- or row-parallel). A Hugging
+  Face model (`model.hf`) may name no specs: DeepSpeed's built-in policy for its family applies.
 - `"pipeline": {...}`: the harness's pipeline section (DeepSpeed reads only the checkpointing keys of it):
     stages                           pipeline stages (1 = off)
     partition                        "parameters" (balance parameter counts) or "uniform" (layer counts)
@@ -215,7 +216,7 @@ def _layout(ds: dict, source: dict, run: Resolved, world_size: int, stage: int,
     """Tensor and pipeline sizes from the DeepSpeed file, checked against the world and the model; and the
     pipeline's micro-batches per step if it names them."""
     c = run.cfg
-    tp = _tensor_parallel(ds, label)
+    tp = _tensor_parallel(ds, label, hf=bool(c.model.hf))
     pipe = ds.get("pipeline", {})
     if not isinstance(pipe, dict):
         raise ConfigError(f"pipeline ({label}) must be an object like {{\"stages\": 2}}")
@@ -256,7 +257,16 @@ def _layout(ds: dict, source: dict, run: Resolved, world_size: int, stage: int,
         raise ConfigError(f"the world size {world_size} is not a multiple of tensor_parallel.autotp_size {tp} x "
                           f"pipeline.stages {pp} ({label}); launch a multiple of {tp * pp} processes "
                           f"(accelerate launch --num_processes N; harness plan --world-size N)")
-    if tp > 1:
+    if tp > 1 and c.model.hf:
+        from .models.hf import load_config
+
+        config = load_config(c)
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value % tp:
+                raise ConfigError(f"tensor_parallel.autotp_size = {tp} ({label}) must divide {key} = {value} of "
+                                  f"{run.describe('model.hf')}: each rank holds {key} / {tp}")
+    elif tp > 1:
         d_ff = c.model.d_ff or 4 * c.model.d_model
         for key, value in (("model.n_heads", c.model.n_heads), ("model.d_ff", d_ff)):
             if value % tp:
@@ -270,7 +280,7 @@ def _layout(ds: dict, source: dict, run: Resolved, world_size: int, stage: int,
     return layout, (micro_batches if pp > 1 and micro_batches != "auto" else None)
 
 
-def _tensor_parallel(ds: dict, label: str) -> int:
+def _tensor_parallel(ds: dict, label: str, hf: bool = False) -> int:
     """autotp_size (1 = off) from the `tensor_parallel` section, checked with DeepSpeed's own model."""
     section = ds.get("tensor_parallel")
     if section is None:
@@ -289,6 +299,8 @@ def _tensor_parallel(ds: dict, label: str) -> int:
     if tp == 1:
         return 1
     specs = (section.get("partition_config") or {}).get("layer_specs")
+    if not specs and hf:  # DeepSpeed's AutoTP has built-in policies for Hugging Face model families (e.g. Llama)
+        return tp
     if not specs:
         raise ConfigError(f"tensor_parallel.autotp_size = {tp} ({label}) needs partition_config.layer_specs: "
                           f"DeepSpeed has no built-in policy for the harness's models (copy them from "

@@ -68,7 +68,9 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
         raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
                           f"which a pipeline needs (the list of layers it cuts into stages; see "
                           f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
-    if ds.layout.tp_size > 1 and not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
+    has_specs = bool(((ds.config.get("tensor_parallel") or {}).get("partition_config") or {}).get("layer_specs"))
+    if ds.layout.tp_size > 1 and (has_specs or not run.cfg.model.hf) and \
+            not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
         raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "
                           f"model ({type(model).__name__}); the harness's own models name them blocks.N.attn.q_proj.weight, "
                           f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")

@@ -103,3 +103,22 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_pa
             task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(ref)}"]).cfg)
     with pytest.raises(ConfigError, match="model.d_model = 64 .* belongs to the built-in model"):
         resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}", "model.d_model=64"])
+
+
+def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny_llama):
+    import torch
+
+    ref = cached_run("hf-ref", sets=hf_sets(tiny_llama), base=TINY_RUN)
+    # configs/ds/tp2_hf.json names no layer specs: DeepSpeed's AutoTP applies its built-in Llama policy
+    tp = cached_run("hf-tp2", nproc=2, ds="tp2_hf.json", sets=hf_sets(tiny_llama), base=TINY_RUN)
+    assert "tensor parallel 2" in tp.proc.stdout
+    assert_losses_close(tp.losses, ref.losses, FP32_TOL)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tp.dir / "hf").eval()
+    whole = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    assert all(a.shape == b.shape for a, b in zip(theirs.parameters(), whole.parameters()))  # gathered, not shards
+    ids = torch.tensor([[5, 6, 7, 8]])
+    from harness.export import load_model
+
+    ours, _ = load_model(tp.dir)
+    with torch.no_grad():
+        assert torch.allclose(ours(ids).logits, theirs(ids).logits, atol=1e-6)
