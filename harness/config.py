@@ -353,8 +353,7 @@ def _check(r: Resolved) -> None:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
                           f"{r.describe('model.n_heads')}")
     if c.model.hf:  # the built-in model's sizes mean nothing to a Hugging Face model: its config has its own
-        given = [r.describe(f"model.{k}") for k in BUILT_IN_MODEL_KEYS if r.is_set(f"model.{k}")
-                 and getattr(c.model, k) != getattr(ModelSection, k)]
+        given = _chosen(r, [f"model.{k}" for k in BUILT_IN_MODEL_KEYS])
         if given:
             raise ConfigError(f"{'; '.join(given)} belongs to the built-in model, not {r.describe('model.hf')}: "
                               f"change the Hugging Face model's config.json instead")
@@ -363,8 +362,7 @@ def _check(r: Resolved) -> None:
     only = {"adamw": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps"),
             "sgd": ("optimizer.momentum", "optimizer.nesterov")}
     for name, keys in only.items():
-        given = [r.describe(k) for k in keys if r.is_set(k) and  # a default written back (config.toml) is no choice
-                 getattr(c.optimizer, k.split(".")[1]) != getattr(OptimizerSection, k.split(".")[1])]
+        given = _chosen(r, keys)
         if given and c.optimizer.name != name:
             raise ConfigError(f"{'; '.join(given)} apply to optimizer.name = {name!r}, but "
                               f"{r.describe('optimizer.name')}")
@@ -378,6 +376,17 @@ def _check(r: Resolved) -> None:
         if given and c.run.task != section:
             raise ConfigError(f"[{section}] keys belong to run.task = {section!r}, but {r.describe('run.task')}: "
                               f"{'; '.join(given)}")
+
+
+def _chosen(r: Resolved, keys: list[str] | tuple[str, ...]) -> list[str]:
+    """The keys given a value other than their default, described: a default written back (the run directory's
+    config.toml) is no choice."""
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        if r.is_set(key) and getattr(getattr(r.cfg, section), name) != getattr(SECTIONS[section], name):
+            out.append(r.describe(key))
+    return out
 
 
 def check_training_length(c: RunConfig) -> None:

@@ -298,7 +298,7 @@ def _tensor_parallel(ds: dict, label: str, hf: bool = False) -> int:
     tp = section.get("autotp_size", 0) or 1
     if tp == 1:
         return 1
-    specs = (section.get("partition_config") or {}).get("layer_specs")
+    specs = layer_specs(ds)
     if not specs and hf:  # DeepSpeed's AutoTP has built-in policies for Hugging Face model families (e.g. Llama)
         return tp
     if not specs:
@@ -317,10 +317,15 @@ def _tensor_parallel(ds: dict, label: str, hf: bool = False) -> int:
     return tp
 
 
+def layer_specs(ds: dict) -> list:
+    """`tensor_parallel.partition_config.layer_specs` of a DeepSpeed config ([] if it names none)."""
+    return ((ds.get("tensor_parallel") or {}).get("partition_config") or {}).get("layer_specs") or []
+
+
 def tp_split_params(names: list[str], ds: dict) -> dict[str, str]:
     """Parameter name -> "column" or "row" for the parameters AutoTP splits (a column layer's bias is split
     with its weight; a row layer's bias stays whole)."""
-    specs = ((ds.get("tensor_parallel") or {}).get("partition_config") or {}).get("layer_specs", [])
+    specs = layer_specs(ds)
     out = {}
     for name in names:
         for spec in specs:

@@ -38,8 +38,7 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     if hf.is_hf(engine.module):
-        tok = task.tokenizer(cfg) if hasattr(task, "tokenizer") else None
-        hf.save(engine.module, state, tok, run_dir / HF_DIR)
+        hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
     return path
 
 
@@ -70,6 +69,9 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     if not hf.is_hf(model):
         raise ConfigError(f"{run_dir}: its model ({type(model).__name__}) is the harness's own, not a Hugging Face "
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
-    task = get_task(cfg.run.task)
-    tok = task.tokenizer(cfg) if hasattr(task, "tokenizer") else None
-    return hf.save(model, model.state_dict(), tok, Path(out))
+    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), Path(out))
+
+
+def _tokenizer(task, cfg: RunConfig):
+    """The task's tokenizer for a Hugging Face export (None where the task has none)."""
+    return task.tokenizer(cfg) if hasattr(task, "tokenizer") else None

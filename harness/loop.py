@@ -4,7 +4,6 @@ everything else (data, loss normalisation, logging, checkpoints, resume, export)
 from __future__ import annotations
 
 import math
-import resource
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -21,13 +20,7 @@ from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
-from .world import World, all_reduce
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set of this process
+from .world import World, all_reduce, peak_memory_bytes
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

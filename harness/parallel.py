@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .models.pipeline import SharedUse
-from .world import World, all_gather_objects, barrier
+from .world import World, all_gather_objects, barrier, peak_memory_bytes
 
 
 def build_engine(plan, world: World, total_steps: int):
@@ -29,8 +29,6 @@ def build_engine(plan, world: World, total_steps: int):
     import deepspeed
 
     from .optim import build_optimizer
-
-    from .loop import peak_memory_bytes
 
     cfg = plan.run.cfg
     before_load = peak_memory_bytes(world.device)

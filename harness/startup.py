@@ -60,7 +60,7 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
     pipeline its `pipeline_layers()`, tensor parallelism parameters that the config's layer specs match."""
     import torch
 
-    from .ds_config import tp_split_params
+    from .ds_config import layer_specs, tp_split_params
 
     with torch.device("meta"):
         model = task.build_model(run.cfg)
@@ -68,8 +68,7 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
         raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
                           f"which a pipeline needs (the list of layers it cuts into stages; see "
                           f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
-    has_specs = bool(((ds.config.get("tensor_parallel") or {}).get("partition_config") or {}).get("layer_specs"))
-    if ds.layout.tp_size > 1 and (has_specs or not run.cfg.model.hf) and \
+    if ds.layout.tp_size > 1 and (layer_specs(ds.config) or not run.cfg.model.hf) and \
             not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
         raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "
                           f"model ({type(model).__name__}); the harness's own models name them blocks.N.attn.q_proj.weight, "

@@ -142,6 +142,14 @@ def single_world(device: str | torch.device = "cpu") -> World:
     return World(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, device=torch.device(device))
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set of this process
+
+
 def _grouped() -> bool:
     """Whether there are other ranks to talk to (a world of one skips its collectives: they cost, do nothing)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() \

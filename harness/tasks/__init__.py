@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..config import ConfigError, RunConfig
+from ..config import ConfigError, RunConfig, is_plugin_name
 from ..data import DataSummary
 
 
@@ -110,10 +110,6 @@ PLUGIN_HINT = ('a plug-in task is named "package.module:ClassName" (importable h
                '(see the Task interface in harness/tasks/__init__.py)')
 
 
-def is_plugin(name: str) -> bool:
-    return ":" in name
-
-
 def plugin_path(name: str) -> str:
     """A file-path reference made absolute, so a new process (evaluate, resume, bench) in any directory finds it."""
     target, _, cls = name.rpartition(":")
@@ -124,7 +120,7 @@ def plugin_path(name: str) -> str:
 
 def task_class(name: str) -> type:
     """The class `run.task` names: a built-in task, or a plug-in by module or file path."""
-    if not is_plugin(name):
+    if not is_plugin_name(name):
         if name not in TASKS:
             raise ConfigError(f"run.task = {name!r} is not a task; the built-in tasks are {', '.join(TASKS)}; "
                               f"{PLUGIN_HINT}")
