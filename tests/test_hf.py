@@ -122,3 +122,13 @@ def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny
     ours, _ = load_model(tp.dir)
     with torch.no_grad():
         assert torch.allclose(ours(ids).logits, theirs(ids).logits, atol=1e-6)
+
+
+def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
+    from harness.config import ConfigError, resolve
+    from harness.tasks import get_task
+
+    cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                         'model.hf_class="AutoModelForNothing"']).cfg
+    with pytest.raises(ConfigError, match="model.hf_class = 'AutoModelForNothing' is not a transformers auto class"):
+        get_task("lm").check(cfg)

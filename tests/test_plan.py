@@ -237,6 +237,9 @@ def test_deepspeed_builds_see_an_arch_list_it_can_parse(arch, plain, monkeypatch
      "optimizer.name = 'adamw'"),
     (["optimizer.momentum=0.5"], None, "apply to optimizer.name = 'sgd'"),
     (["optimizer.name=\"lion\""], None, "optimizer.name must be one of adamw, sgd"),
+    (["optimizer.name=\"sgd\"", "optimizer.momentum=1.0"], None, "optimizer.momentum = 1.0 (command line) must be "
+     "in [0, 1)"),
+    (["optimizer.nesterov=true"], None, "optimizer.nesterov = True (command line) apply to optimizer.name = 'sgd'"),
 ])
 def test_optimizer_choice_and_the_deepspeed_section_must_agree(sets, ds, message, tmp_path):
     path = write(tmp_path, "ds.json", json.dumps(ds)) if ds is not None else None
