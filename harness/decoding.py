@@ -96,6 +96,20 @@ def beam_search(model, src: torch.Tensor, *, bos: int, eos: int, pad: int, max_l
     return [_strip(row, eos, pad) for row in picked.tolist()]
 
 
+@torch.no_grad()
+def hf_generate(model, src: torch.Tensor, *, bos: int, eos: int, pad: int, max_len: int, beam_size: int = 1,
+                length_penalty: float = 0.6, synced: bool = False) -> list[list[int]]:
+    """The same for a Hugging Face seq2seq model, by its own `generate` (greedy or its beam search, whose
+    `length_penalty` divides by length ** alpha rather than GNMT's penalty). `synced` (transformers' `synced_gpus`):
+    ranks sharing a sharded model (ZeRO-3, tensor parallel) step together, a finished rank making forward passes
+    until every rank is done. A DeepSpeed engine is called through its module, whose hooks still gather."""
+    module = getattr(model, "module", model)
+    out = module.generate(input_ids=src, attention_mask=src != pad, num_beams=beam_size, do_sample=False,
+                          length_penalty=length_penalty, max_new_tokens=max_len, decoder_start_token_id=bos,
+                          eos_token_id=eos, pad_token_id=pad, synced_gpus=synced, use_cache=True)
+    return [_strip(row, eos, pad) for row in out[:, 1:].tolist()]
+
+
 def _allowed(scores: torch.Tensor, bos: int, pad: int) -> torch.Tensor:
     """(N, V) -> the same with begin and padding ruled out: a live hypothesis never emits them."""
     scores = scores.clone()

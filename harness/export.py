@@ -35,11 +35,22 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
         return None
     path = run_dir / MODEL_FILE
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    save_file(_unshared(state), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     if hf.is_hf(engine.module):
         hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
     return path
+
+
+def _unshared(state: dict) -> dict:
+    """Tied weights (e.g. T5's embeddings and output layer) share one storage, which safetensors refuses: each name
+    gets its own copy, so the file loads into the model by every name it has."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return out
 
 
 def load_model(run_dir: str | Path) -> tuple[nn.Module, RunConfig]:

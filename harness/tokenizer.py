@@ -33,6 +33,9 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts)
 
+    def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encode_batch(texts)  # one joint vocabulary for both sides
+
     def decode(self, ids: Iterable[int]) -> str:
         """Special ids (padding, begin, end) are dropped."""
         return self.sp.decode([int(i) for i in ids if int(i) not in (PAD, BOS, EOS)])

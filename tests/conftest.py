@@ -24,8 +24,9 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.seq_len
 TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose sizes come from its own config
 
 
-LONGEST_FIRST = ("test_suite.py", "test_checkpoint.py", "test_parallel.py")  # the slowest files start first, so
-# neither worker is left with a long file at the end
+# The slowest files start first, so neither worker is left with a long file at the end (pyproject's
+# --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
+LONGEST_FIRST = ("test_suite.py", "test_checkpoint.py", "test_parallel.py", "test_hf.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -171,7 +171,7 @@ def test_masking_is_a_pure_function_of_seed_and_index(default_dir):
     other_seed = task.samples(config('protein.objective="mlm"', "data.val_fraction=0.1", "data.seq_len=200",
                                      "train.seed=1"), "train", train=True)
     assert any(not torch.equal(rank0[i]["targets"], other_seed[i]["targets"]) for i in range(5))
-    cls, mask_id = rank0.cls_id, rank0.mask_id
+    cls, mask_id = rank0.vocab.cls_id, rank0.vocab.mask_id
     kinds, original = Counter(), prep.load(default_dir, "train")["ids"]
     for i in range(400):
         s, seq = rank0[i], torch.tensor(original[i % n])

@@ -102,17 +102,56 @@ def is_hf(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def tokenizer(cfg: RunConfig):
-    """The model's own tokenizer (AutoTokenizer) from `model.hf`'s directory, or from the directory of its
-    config.json."""
-    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+def tokenizer_dir(cfg: RunConfig) -> str:
+    """Where the model's tokenizer is: `model.hf`'s directory (or hub id), or the directory of its config.json."""
     source, has_weights = _config_source(cfg.model.hf)
-    where = source if has_weights else str(Path(source).parent)
+    return source if has_weights else str(Path(source).parent)
+
+
+def tokenizer(cfg: RunConfig):
+    """The model's own tokenizer (AutoTokenizer), from `tokenizer_dir`."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    where = tokenizer_dir(cfg)
     try:
         return transformers.AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({str(e).splitlines()[0]}); "
                           f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None
+
+
+class TextTokenizer:
+    """A Hugging Face tokenizer behind the interface of the harness's own (`harness.tokenizer.Tokenizer`): piece ids
+    without special tokens (the task adds its own end and begin ids), so prepared data reads the same either way.
+    `bos_id` is the id the decoder starts from (a seq2seq model's `decoder_start_token_id`)."""
+
+    def __init__(self, tok, bos_id: int | None = None):
+        self.tok, self.bos_id = tok, bos_id
+        self.pad_id, self.unk_id, self.eos_id = tok.pad_token_id, tok.unk_token_id, tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
+        """The target side: a tokenizer with a vocabulary per language (Marian) reads it with its target model."""
+        return self.tok(text_target=list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def need_tokens(cfg: RunConfig, tok, task: str, *names: str) -> None:
+    """Before launch: the special tokens (e.g. "pad_token") that a task needs of the model's tokenizer."""
+    missing = [name for name in names if getattr(tok, f"{name}_id", None) is None]
+    if missing:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no {', '.join(missing)}; the {task} task "
+                          f"needs {', '.join(names)}")
 
 
 def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Path:

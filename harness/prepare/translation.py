@@ -20,7 +20,9 @@ Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
   either side (with its end/begin token);
 - truncated (validation/test): longer than `data.seq_len` tokens: kept (its token ids cut for the loss; the
   BLEU reference is the full sentence).
-The joint source/target SentencePiece model is trained on the kept training pairs only.
+The joint source/target SentencePiece model is trained on the kept training pairs only. With a Hugging Face model
+(`model.hf`) its own tokenizer reads the pairs instead (saved into the prepared directory); the decoder starts
+from the model's `decoder_start_token_id`.
 """
 from __future__ import annotations
 
@@ -31,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
+from ..models import hf
 from ..tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
 
 VERSION = 1
 DEFAULT_VOCAB = 8000
 TOKENIZER = "spm.model"
+HF_TOKENIZER = "hf_tokenizer"  # a Hugging Face model's tokenizer, saved in the prepared directory
 SPLITS = ("train", "validation", "test")
 BIBLE_BOOKS = {"validation": 41, "test": 43}  # bibleRef: 41 = Mark / Marc, 43 = John / Jean
 BIBLE_VERSIONS = ("k", "l")  # King James 1611 (English), Louis Segond 1910 (French)
@@ -86,7 +90,14 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
     return {"version": VERSION, "path": d.path, "val_path": d.val_path, "files": stamp,
             "val_fraction": d.val_fraction if source_kind(d.path) in ("file", "hub") and not d.val_path else None,
             "seed": cfg.train.seed, "langs": [t.source_lang, t.target_lang], "seq_len": d.seq_len,
-            "max_row_chars": d.max_row_chars, "vocab_size": cfg.model.vocab_size or DEFAULT_VOCAB}
+            "max_row_chars": d.max_row_chars, "vocab_size": cfg.model.vocab_size or DEFAULT_VOCAB,
+            **({"hf": cfg.model.hf, "hf_files": _stamp(hf.tokenizer_dir(cfg))} if cfg.model.hf else {})}
+
+
+def _stamp(path: str) -> list:
+    files = sorted(Path(path).iterdir()) if Path(path).is_dir() else []  # a hub id: its name alone
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin"))]
 
 
 def prepare(cfg: RunConfig) -> Path:
@@ -94,8 +105,24 @@ def prepare(cfg: RunConfig) -> Path:
     return prepared("translation", settings(cfg), lambda tmp: build(cfg, tmp))
 
 
-def tokenizer(directory: Path) -> Tokenizer:
+def tokenizer(directory: Path) -> Tokenizer | hf.TextTokenizer:
+    if (directory / HF_TOKENIZER).is_dir():
+        from transformers import AutoTokenizer
+
+        return hf.TextTokenizer(AutoTokenizer.from_pretrained(directory / HF_TOKENIZER),
+                                read_meta(directory)["decoder_start"])
     return Tokenizer.load(directory / TOKENIZER)
+
+
+def hf_tokenizer(cfg: RunConfig) -> hf.TextTokenizer:
+    """The Hugging Face model's own tokenizer; its decoder starts from the config's decoder_start_token_id."""
+    start = getattr(hf.load_config(cfg), "decoder_start_token_id", None)
+    if start is None:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config has no decoder_start_token_id; translation needs "
+                          f"a sequence-to-sequence model (e.g. T5, Marian, BART)")
+    tok = hf.tokenizer(cfg)
+    hf.need_tokens(cfg, tok, "translation", "pad_token", "eos_token")
+    return hf.TextTokenizer(tok, start)
 
 
 def vocab_size(directory: Path) -> int:
@@ -253,12 +280,11 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
     kept_train = raw["train"].filter(lambda s: s == "ok", input_columns="status")
     if not len(kept_train):
         raise ConfigError(f"{d.path or 'the Bible default'}: no usable training pairs")
-    try:
-        tok = train_tokenizer((x for pair in zip(kept_train["src"], kept_train["tgt"]) for x in pair),
-                              out / TOKENIZER, vocab_size=cfg.model.vocab_size or DEFAULT_VOCAB, model_type="unigram")
-    except RuntimeError as e:  # SentencePiece: fewer pieces asked for than the text has characters
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size or DEFAULT_VOCAB}: SentencePiece cannot train "
-                          f"on this data: {str(e).splitlines()[0][-160:]}") from None
+    if cfg.model.hf:
+        tok = hf_tokenizer(cfg)
+        tok.tok.save_pretrained(str(out / HF_TOKENIZER))
+    else:
+        tok = _train_tokenizer(cfg, kept_train, out)
 
     counts, lengths = {}, {}
     for split, ds in raw.items():
@@ -268,14 +294,23 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
         lengths[split] = {"src_tokens": sum(map(len, ds["src_ids"])), "tgt_tokens": sum(map(len, ds["tgt_ids"]))}
         save_split(out, split, ds)
     return {"counts": counts, "vocab_size": tok.vocab_size, "tokens": lengths, "source": kind,
-            "langs": [t.source_lang, t.target_lang], "splits": list(raw)}
+            "langs": [t.source_lang, t.target_lang], "splits": list(raw), "decoder_start": tok.bos_id}
 
 
-def _encode(batch, tok: Tokenizer, seq_len: int, is_train: bool) -> dict[str, list]:
+def _train_tokenizer(cfg: RunConfig, kept_train, out: Path) -> Tokenizer:
+    try:
+        return train_tokenizer((x for pair in zip(kept_train["src"], kept_train["tgt"]) for x in pair),
+                               out / TOKENIZER, vocab_size=cfg.model.vocab_size or DEFAULT_VOCAB, model_type="unigram")
+    except RuntimeError as e:  # SentencePiece: fewer pieces asked for than the text has characters
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size or DEFAULT_VOCAB}: SentencePiece cannot train "
+                          f"on this data: {str(e).splitlines()[0][-160:]}") from None
+
+
+def _encode(batch, tok: Tokenizer | hf.TextTokenizer, seq_len: int, is_train: bool) -> dict[str, list]:
     """src_ids: pieces + EOS; tgt_ids: BOS + pieces + EOS (the model reads tgt_ids[:-1], predicts tgt_ids[1:])."""
     src_ids, tgt_ids, status = [], [], []
     for s, t, st, a, b in zip(batch["src"], batch["tgt"], batch["status"], tok.encode_batch(batch["src"]),
-                              tok.encode_batch(batch["tgt"])):
+                              tok.encode_target_batch(batch["tgt"])):
         a, b = a + [tok.eos_id], [tok.bos_id] + b + [tok.eos_id]
         if st == "ok" and (len(a) > seq_len or len(b) > seq_len + 1):
             st = "too_long" if is_train else "truncated"

@@ -29,6 +29,9 @@ from . import TaskData
 class PricesTask:
     def check(self, cfg: RunConfig) -> None:
         p = cfg.prices
+        if cfg.model.hf:
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: the prices task trains its own patch Transformer on "
+                              f"numbers; Hugging Face models go with the lm, translation and protein tasks")
         for key in ("lookback", "horizon", "patch_len", "stride"):
             if getattr(p, key) <= 0:
                 raise ConfigError(f"prices.{key} = {getattr(p, key)} must be > 0")

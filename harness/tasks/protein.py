@@ -12,13 +12,19 @@ with id 0 and carry a bool mask (True = real token) that the encoder uses to ign
 - classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences); evaluated by
   accuracy and, for two classes, AUROC of the second class's probability (label 1 = AMP on the default data).
 - residue: cross-entropy over resolved residues only (count = resolved residues); evaluated by Q3.
-`protein.init_from = RUN_DIR` starts from another protein run's exported weights (e.g. an mlm run): parameters
+With a Hugging Face encoder (`model.hf`, e.g. the ESM-2 family) the objective picks its auto class (masked LM,
+sequence or token classification, `num_labels` set from the data); its tokenizer's ids replace the prepared ones
+residue by residue, the sample gains the tokenizer's end token (ESM's "<cls> ... <eos>", never a target), and the
+model is called as `model(input_ids, attention_mask)`. To start from an earlier run, name its exported `hf/`
+directory as `model.hf` (`from_pretrained` keeps the encoder and starts a new head).
+`protein.init_from = RUN_DIR` starts the built-in model from another protein run's exported weights (e.g. an mlm run): parameters
 are taken by name and shape (embedding rows matched by residue, position rows up to the shorter length); the
 others, e.g. a new head, keep their fresh initialisation; rank 0 prints which were loaded.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, RunConfig, resolve
 from ..data import eval_batches
 from ..metrics import accuracy, auroc, q3
+from ..models import hf
 from ..models.encoder import Encoder
 from ..models.transformer import TransformerConfig
 from ..prepare import read_meta, summary
@@ -38,40 +45,81 @@ from . import TaskData
 IGNORE = prep.IGNORE
 EVAL_MASK_SEED = 1_234_567  # validation/test masks do not depend on train.seed
 N_STATES = len(prep.STATES)
+HF_CLASSES = {"mlm": "AutoModelForMaskedLM", "classify": "AutoModelForSequenceClassification",
+              "residue": "AutoModelForTokenClassification"}
+
+
+@dataclass
+class Vocab:
+    """The model's token ids: the prepared vocabulary's own, or a Hugging Face tokenizer's for the same residues."""
+    cls_id: int
+    mask_id: int | None
+    pad_id: int
+    eos_id: int | None                   # appended after the residues (never a target); None: nothing
+    residue_ids: torch.Tensor            # the standard amino acids, for mlm's random replacements
+    remap: torch.Tensor | None = None    # prepared id -> model id; None: the same
+
+    @classmethod
+    def of(cls, cfg: RunConfig, tok) -> "Vocab":
+        standard = torch.tensor([tok.piece_id(a) for a in prep.AMINO_ACIDS if _known(tok, a)])
+        if not cfg.model.hf:
+            return cls(tok.piece_id("<cls>"), tok.piece_id("<mask>"), PAD, None, standard)
+        theirs = hf_tokenizer(cfg)
+        pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+        ids = [theirs.convert_tokens_to_ids(p) for p in pieces]
+        remap = [theirs.unk_token_id if i is None else i for i in ids]
+        if None in remap:
+            lost = [p for p, i in zip(pieces, remap) if i is None]
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no {', '.join(lost[:8])} and no "
+                              f"unknown token to stand for them")
+        remap = torch.tensor(remap)
+        return cls(theirs.cls_token_id, theirs.mask_token_id, theirs.pad_token_id, theirs.eos_token_id,
+                   remap[standard], remap)
+
+
+def hf_tokenizer(cfg: RunConfig):
+    """A Hugging Face model's tokenizer, with the special tokens the objective needs."""
+    tok = hf.tokenizer(cfg)
+    hf.need_tokens(cfg, tok, "protein", "cls_token", "pad_token", *(["mask_token"] if cfg.protein.objective == "mlm"
+                                                                      else []))
+    return tok
 
 
 class Samples(torch.utils.data.Dataset):
-    """One split's samples for an objective: {"ids": (L+1,), and "label" () or "targets" (L+1,)}."""
+    """One split's samples for an objective: {"ids": (n,), and "label" () or "targets" (n,)}, n = L + 1 (<cls>,
+    residues) or L + 2 (and the end token of a Hugging Face tokenizer that has one)."""
 
-    def __init__(self, rows, objective: str, tok, mask_prob: float = 0.15, seed: int = 0, variants: int = 1):
+    def __init__(self, rows, objective: str, vocab: Vocab, mask_prob: float = 0.15, seed: int = 0,
+                 variants: int = 1):
         self.rows, self.objective, self.n = rows.with_format("torch"), objective, len(rows)
-        self.mask_prob, self.seed, self.variants = mask_prob, seed, variants
-        self.cls_id, self.mask_id = tok.piece_id("<cls>"), tok.piece_id("<mask>")
-        self.residue_ids = torch.tensor([tok.piece_id(a) for a in prep.AMINO_ACIDS if _known(tok, a)])
+        self.mask_prob, self.seed, self.variants, self.vocab = mask_prob, seed, variants, vocab
+        self.specials = 1 + (vocab.eos_id is not None)  # positions besides the residues
 
     def __len__(self) -> int:
         return self.n * self.variants
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.rows[index % self.n]
-        ids = torch.cat([torch.tensor([self.cls_id]), row["ids"].long()])  # (L + 1,)
+        row, v = self.rows[index % self.n], self.vocab
+        residues = row["ids"].long() if v.remap is None else v.remap[row["ids"].long()]
+        end = [] if v.eos_id is None else [v.eos_id]
+        ids = torch.tensor([v.cls_id, *residues.tolist(), *end])  # (n,)
         if self.objective == "classify":
             return {"ids": ids, "label": row["label"]}
         if self.objective == "residue":
-            return {"ids": ids, "targets": torch.cat([torch.tensor([IGNORE]), row["states"].long()])}
-        return {"ids": ids, **self.mask(ids, index)}
+            return {"ids": ids, "targets": torch.tensor([IGNORE, *row["states"].tolist(), *[IGNORE] * len(end)])}
+        return {"ids": ids, **self.mask(ids, index, len(residues))}
 
-    def mask(self, ids: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
-        """BERT masking of residues 1..L, a pure function of (seed, index)."""
+    def mask(self, ids: torch.Tensor, index: int, L: int) -> dict[str, torch.Tensor]:
+        """BERT masking of the L residues at positions 1..L, a pure function of (seed, index)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        L = len(ids) - 1
+        v = self.vocab
         chosen = torch.randperm(L, generator=g)[:max(1, round(self.mask_prob * L))] + 1  # skip <cls>
         rule = torch.rand(len(chosen), generator=g)
-        random_ids = self.residue_ids[torch.randint(len(self.residue_ids), (len(chosen),), generator=g)]
+        random_ids = v.residue_ids[torch.randint(len(v.residue_ids), (len(chosen),), generator=g)]
         targets = torch.full_like(ids, IGNORE)
         targets[chosen] = ids[chosen]
         masked = ids.clone()
-        masked[chosen] = torch.where(rule < 0.8, self.mask_id, torch.where(rule < 0.9, random_ids, ids[chosen]))
+        masked[chosen] = torch.where(rule < 0.8, v.mask_id, torch.where(rule < 0.9, random_ids, ids[chosen]))
         return {"ids": masked, "targets": targets}
 
 
@@ -84,11 +132,22 @@ def _known(tok, piece: str) -> bool:
 
 
 class ProteinTask:
-    objective = "classify"  # set by build_data, for `metrics`
+    objective, pad = "classify", PAD  # bound by `_bind` (for `metrics` and `collate`, which take no config)
+
+    def _bind(self, cfg: RunConfig) -> Vocab:
+        vocab = Vocab.of(cfg, prep.tokenizer(self.prepare(cfg)))
+        self.objective, self.pad = cfg.protein.objective, vocab.pad_id
+        return vocab
 
     def check(self, cfg: RunConfig) -> None:
         prep.check(cfg)
         p = cfg.protein
+        if cfg.model.hf:
+            hf.check(cfg, HF_CLASSES[p.objective])
+            hf_tokenizer(cfg)
+            if p.init_from:
+                raise ConfigError(f"protein.init_from = {p.init_from!r} starts the built-in model; with model.hf, "
+                                  f"name the earlier run's exported hf/ directory as model.hf instead")
         if not 0 < p.mask_prob < 1:
             raise ConfigError(f"protein.mask_prob = {p.mask_prob}: must be between 0 and 1")
         if p.mask_variants < 1:
@@ -111,6 +170,8 @@ class ProteinTask:
             raise ConfigError(f"protein.objective = 'classify' needs two classes or more; the data has "
                               f"{meta['classes'] or 'no labels'}")
         n_out = {"mlm": vocab, "classify": len(meta["classes"]), "residue": N_STATES}[objective]
+        if m.hf:
+            return hf.build(cfg, HF_CLASSES[objective], **({} if objective == "mlm" else {"num_labels": n_out}))
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=cfg.data.seq_len + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
                                           dropout=m.dropout), objective, n_out)
@@ -125,20 +186,24 @@ class ProteinTask:
         return model
 
     def samples(self, cfg: RunConfig, split: str, train: bool = False) -> Samples:
-        directory = self.prepare(cfg)
+        directory, vocab = self.prepare(cfg), self._bind(cfg)
         p = cfg.protein
         variants = p.mask_variants if train and p.objective == "mlm" else 1
-        return Samples(prep.load(directory, split), p.objective, prep.tokenizer(directory), p.mask_prob,
+        return Samples(prep.load(directory, split), p.objective, vocab, p.mask_prob,
                        cfg.train.seed if train else EVAL_MASK_SEED, variants)
 
+    def tokenizer(self, cfg: RunConfig):
+        """A Hugging Face model's own tokenizer, for its export (the residue vocabulary stays with the data)."""
+        return hf.tokenizer(cfg) if cfg.model.hf else None
+
     def build_data(self, cfg: RunConfig) -> TaskData:
-        directory, self.objective = self.prepare(cfg), cfg.protein.objective
+        directory = self.prepare(cfg)
         return TaskData(self.samples(cfg, "train", train=True), self.samples(cfg, "validation"),
                         summary(read_meta(directory)))
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        ids = torch.nn.utils.rnn.pad_sequence([s["ids"] for s in samples], batch_first=True, padding_value=PAD)
-        batch = {"ids": ids, "mask": ids != PAD}  # (B, T) each
+        ids = torch.nn.utils.rnn.pad_sequence([s["ids"] for s in samples], batch_first=True, padding_value=self.pad)
+        batch = {"ids": ids, "mask": ids != self.pad}  # (B, T) each
         if "label" in samples[0]:
             batch["labels"] = torch.stack([torch.as_tensor(s["label"]) for s in samples]).long()  # (B,)
         else:
@@ -152,7 +217,7 @@ class ProteinTask:
 
     def lengths(self, data: Samples) -> list[int]:
         """Each sample's length in positions (with <cls>), for length-bucketed batches."""
-        lengths = [len(ids) + 1 for ids in data.rows.with_format(None)["ids"]]
+        lengths = [len(ids) + data.specials for ids in data.rows.with_format(None)["ids"]]
         return lengths * data.variants
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
@@ -166,8 +231,8 @@ class ProteinTask:
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.loss_from(model(*self.inputs(batch)), batch)
 
-    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = logits.float()  # (B, classes) or (B, T, vocab or states)
+    def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = getattr(outputs, "logits", outputs).float()  # (B, classes) or (B, T, vocab or states)
         if "labels" in batch:
             return F.cross_entropy(logits, batch["labels"], reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
@@ -193,7 +258,8 @@ class ProteinTask:
             real = i < len(batches)
             index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
             batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
-            logits = model(batch["ids"], batch["mask"]).float()  # every rank calls the model `steps` times
+            out = model(batch["ids"], batch["mask"])  # every rank calls the model `steps` times
+            logits = getattr(out, "logits", out).float()
             if real:
                 mine += _per_sample(logits, batch)
         model.train(was_training)

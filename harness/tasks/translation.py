@@ -8,6 +8,10 @@ gets 1 - eps and every vocabulary entry eps / V, i.e. (1 - eps) * nll + eps * me
 `evaluate` decodes a split with beam search (translation.beam_size, GNMT length penalty) and scores the
 detokenized output with sacreBLEU's BLEU and chrF (signatures included), next to the BLEU of copying the source
 sentence as the translation (the floor any model must clear), and the teacher-forced NLL / perplexity.
+
+With a Hugging Face sequence-to-sequence model (`model.hf`, AutoModelForSeq2SeqLM: T5, Marian, BART...) the model
+is called as `model(input_ids, attention_mask, decoder_input_ids)`, its own tokenizer prepares the pairs and its
+`generate` decodes (ranks in step under ZeRO-3 and tensor parallelism).
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, RunConfig, TranslationSection
 from ..data import eval_batches
-from ..decoding import generate
+from ..decoding import generate, hf_generate
 from ..metrics import bleu_chrf
+from ..models import hf
 from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 from ..prepare import read_meta, summary
 from ..prepare import translation as prep
@@ -30,13 +35,22 @@ from . import TaskData
 
 
 class TranslationTask:
+    HF_CLASS = "AutoModelForSeq2SeqLM"
+
     def __init__(self):
-        # `loss` takes no config (task protocol): the run's smoothing is bound by `check` and `build_data`.
-        self.label_smoothing = TranslationSection().label_smoothing
+        # The batch methods take no config (task protocol): the run's smoothing, padding id and model kind are
+        # bound by `_bind`, which every method given a config calls first.
+        self.label_smoothing, self.pad, self.hf = TranslationSection().label_smoothing, PAD, False
+
+    def _bind(self, cfg: RunConfig) -> None:
+        self.label_smoothing, self.hf = cfg.translation.label_smoothing, bool(cfg.model.hf)
+        self.pad = prep.hf_tokenizer(cfg).pad_id if self.hf else PAD
 
     def check(self, cfg: RunConfig) -> None:
         t, m = cfg.translation, cfg.model
-        self.label_smoothing = t.label_smoothing
+        if m.hf:
+            hf.check(cfg, self.HF_CLASS)
+        self._bind(cfg)
         if not 0.0 <= t.label_smoothing < 1.0:
             raise ConfigError(f"translation.label_smoothing = {t.label_smoothing} must be in [0, 1)")
         if t.beam_size < 1:
@@ -54,14 +68,21 @@ class TranslationTask:
         return prep.prepare(cfg)
 
     def build_model(self, cfg: RunConfig) -> Seq2Seq:
+        self._bind(cfg)
         m = cfg.model
+        if m.hf:
+            return hf.build(cfg, self.HF_CLASS, use_cache=False)  # no key/value cache while training
         # The vocabulary is the prepared tokenizer's: SentencePiece may learn fewer pieces than asked for.
         return Seq2Seq(Seq2SeqConfig(vocab_size=prep.vocab_size(self.prepare(cfg)), d_model=m.d_model,
                                      n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
                                      dropout=m.dropout, pad_id=PAD))
 
+    def tokenizer(self, cfg: RunConfig):
+        """A Hugging Face model's own tokenizer, for its export (the SentencePiece one stays with the data)."""
+        return hf.tokenizer(cfg) if cfg.model.hf else None
+
     def build_data(self, cfg: RunConfig) -> TaskData:
-        self.label_smoothing = cfg.translation.label_smoothing
+        self._bind(cfg)
         directory = self.prepare(cfg)
         columns = ["src_ids", "tgt_ids"]
         return TaskData(prep.load(directory, "train").select_columns(columns),
@@ -69,30 +90,34 @@ class TranslationTask:
                         summary(read_meta(directory)))
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        src = _pad([s["src_ids"] for s in samples])  # (B, S): pieces + EOS, right-padded
-        tgt = _pad([s["tgt_ids"] for s in samples])  # (B, T + 1): BOS + pieces + EOS
+        src = _pad([s["src_ids"] for s in samples], self.pad)  # (B, S): pieces + EOS, right-padded
+        tgt = _pad([s["tgt_ids"] for s in samples], self.pad)  # (B, T + 1): BOS + pieces + EOS
         return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["tgt_out"] != PAD).sum())
+        return int((batch["tgt_out"] != self.pad).sum())
 
     def padding(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(real, padded) positions of the batch, source and target sides."""
         src, tgt = batch["src"], batch["tgt_in"]
-        return int((src != PAD).sum()) + self.count(batch), src.numel() + tgt.numel()
+        return int((src != self.pad).sum()) + self.count(batch), src.numel() + tgt.numel()
 
     def lengths(self, data) -> list[int]:
         """Each training pair's cost in positions, for length-bucketed batches."""
         return [len(a) + len(b) for a, b in zip(data["src_ids"], data["tgt_ids"])]
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.hf:  # input_ids, attention_mask, decoder_input_ids
+            return batch["src"], batch["src"] != self.pad, batch["tgt_in"]
         return batch["src"], batch["tgt_in"], batch["tgt_out"] != PAD  # keep (B, T): the real target tokens
 
-    def loss_from(self, logits: torch.Tensor, batch: dict[str, torch.Tensor],
-                  label_smoothing: float | None = None) -> torch.Tensor:
-        # logits (N, V) at the N real target tokens, in row-major order
+    def loss_from(self, outputs, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
+        # the built-in model's logits (N, V) at the N real target tokens, in row-major order; a Hugging Face
+        # model's (B, T, V) at every position
         eps = self.label_smoothing if label_smoothing is None else label_smoothing
-        target = batch["tgt_out"][batch["tgt_out"] != PAD]  # (N,)
+        keep = batch["tgt_out"] != self.pad
+        target = batch["tgt_out"][keep]  # (N,)
+        logits = outputs.logits[keep] if hasattr(outputs, "logits") else outputs
         return F.cross_entropy(logits.float(), target, label_smoothing=eps, reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
@@ -111,6 +136,7 @@ class TranslationTask:
         At the end of training (`in_training`) only translation.eval_max_sentences sentences, evenly spread over
         the split, are decoded; `harness evaluate` decodes them all.
         """
+        self._bind(cfg)
         directory = self.prepare(cfg)
         rows, tok = prep.load(directory, split), prep.tokenizer(directory)
         if max_sentences is None:
@@ -135,9 +161,7 @@ class TranslationTask:
             ids = [chosen[j] for j in (batches[i] if real else batches[-1] if batches else [0])]
             batch = {k: v.to(dev) for k, v in self.collate([rows[j] for j in ids]).items()}
             loss = self.loss(model, batch, label_smoothing=0.0)  # one forward on every rank
-            hyps = generate(model, batch["src"], bos=tok.bos_id, eos=tok.eos_id, pad=PAD,
-                            max_len=min(cfg.data.seq_len, 2 * batch["src"].shape[1] + 10),
-                            beam_size=t.beam_size, length_penalty=t.length_penalty, any_active=any_rank)
+            hyps = self._decode(model, batch["src"], tok, cfg, any_rank if world.world_size > 1 else None)
             if real:
                 nll += torch.tensor([loss.item(), self.count(batch)], dtype=torch.float64, device=dev)
                 out += [(j, tok.decode(h)) for j, h in zip(ids, hyps)]
@@ -158,19 +182,26 @@ class TranslationTask:
     @torch.no_grad()
     def translate(self, model, cfg: RunConfig, sentences: list[str]) -> list[str]:
         """Translate raw sentences on one process with the run's tokenizer and beam settings."""
+        self._bind(cfg)
         tok = prep.tokenizer(self.prepare(cfg))
         dev = next(model.parameters()).device
         ids = [tok.encode(s.strip())[:cfg.data.seq_len - 1] + [tok.eos_id] for s in sentences]
         model.eval()
-        hyps = generate(model, _pad(ids).to(dev), bos=tok.bos_id, eos=tok.eos_id, pad=PAD,
-                        max_len=min(cfg.data.seq_len, 2 * max(map(len, ids), default=1) + 10),
-                        beam_size=cfg.translation.beam_size, length_penalty=cfg.translation.length_penalty)
-        return [tok.decode(h) for h in hyps]
+        return [tok.decode(h) for h in self._decode(model, _pad(ids, self.pad).to(dev), tok, cfg)]
+
+    def _decode(self, model, src: torch.Tensor, tok, cfg: RunConfig, any_rank=None) -> list[list[int]]:
+        """Token ids of each source row's translation; `any_rank` (several ranks): decode in step with them."""
+        t = cfg.translation
+        args = dict(bos=tok.bos_id, eos=tok.eos_id, pad=self.pad, max_len=min(cfg.data.seq_len, 2 * src.shape[1] + 10),
+                    beam_size=t.beam_size, length_penalty=t.length_penalty)
+        if self.hf:
+            return hf_generate(model, src, synced=any_rank is not None, **args)
+        return generate(model, src, any_active=any_rank or (lambda active: active), **args)
 
 
-def _pad(rows: list[list[int]]) -> torch.Tensor:
+def _pad(rows: list[list[int]], pad: int) -> torch.Tensor:
     width = max(map(len, rows), default=1)
-    out = torch.full((len(rows), width), PAD, dtype=torch.long)
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
     return out
