@@ -4,6 +4,9 @@ compared on the same task, data and DeepSpeed file (no weights: `model.hf` on it
     python examples/byte_llama.py runs/byte-llama --d-model 128 --n-layers 2 --n-heads 4
     python -m harness bench --run configs/runs/lm_compare.toml --vary 'model.hf="",runs/byte-llama/config.json'
 
+`--weights 100MB` also writes random weights in checkpoint shards of at most that size (`save_pretrained`), so
+`model.hf` on the directory loads them with `from_pretrained`, as a pretrained model would be.
+
 Same width, depth, heads and sequence length as the built-in model; its SwiGLU feed-forward has 3 matrices where
 the built-in GELU one has 2, so its width is 2/3 of 4 x d_model (the usual Llama choice): the parameter count
 stays within a few percent.
@@ -21,9 +24,10 @@ def main() -> None:
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--weights", metavar="SHARD_SIZE", help="also write random weights in shards of this size")
     args = ap.parse_args()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols of GPT-2's byte-level encoding
     vocab = {s: i for i, s in enumerate(sorted(alphabet))}
@@ -40,7 +44,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     fast.save_pretrained(out)
-    print(f"wrote {out / 'config.json'} and its tokenizer ({len(vocab)} tokens)")
+    if args.weights:
+        LlamaForCausalLM(config).save_pretrained(out, max_shard_size=args.weights)
+    print(f"wrote {out / 'config.json'}{' and weights' if args.weights else ''} and its tokenizer ({len(vocab)} tokens)")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
-from .world import World, all_reduce, peak_memory_bytes
+from .world import World, all_gather_objects, all_reduce, peak_memory_bytes
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -70,10 +70,9 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
     engine, schedule = build_engine(plan, world, max_steps)
-    # Each rank's peak memory once the model is built and loaded (before DeepSpeed's buffers): what partitioned
-    # loading saves. The largest over the ranks is reported.
-    peaks = torch.tensor(engine.harness_load_peak, dtype=torch.float64, device=world.device)
-    before_load, load_peak = (int(x) for x in all_reduce(peaks, torch.distributed.ReduceOp.MAX).tolist())
+    # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers): what
+    # partitioned loading saves, against the whole model's size.
+    build_peaks = all_gather_objects(engine.harness_build_peak)
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
@@ -96,8 +95,14 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
-    say(f"model built: peak memory {load_peak / 2**20:,.0f} MiB on the fullest rank, {before_load / 2**20:,.0f} MiB "
-        f"before building it (the model's fp32 weights: {4 * n_params / 2**20:,.0f} MiB)")
+    if build_peaks[0]["host"] is not None:
+        def mib(key: str) -> str:
+            return " / ".join(f"{p[key] / 2**20:,.1f}" for p in build_peaks) + " MiB"
+
+        ranks = "rank 0" if len(build_peaks) == 1 else "ranks " + "/".join(map(str, range(len(build_peaks))))
+        device = f"; of tensors on the GPU {mib('device')}" if build_peaks[0]["device"] is not None else ""
+        say(f"model built: at its peak it took {mib('host')} of host memory (resident set, an upper bound){device} "
+            f"on {ranks}; the whole model's fp32 weights are {4 * n_params / 2**20:,.1f} MiB")
     say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
@@ -148,8 +153,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                       "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
                       "padding": 1 - real / padded if padded else 0.0,
                       "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch,
-                      "flops_method": flops.method, "load_peak_mem_bytes": load_peak,
-                      "before_load_peak_mem_bytes": before_load}
+                      "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
+                      "build_peak_device_bytes": [p["device"] for p in build_peaks]}
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)

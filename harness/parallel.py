@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .models.pipeline import SharedUse
-from .world import World, all_gather_objects, barrier, peak_memory_bytes
+from .profiling import allocation_peak
+from .world import World, all_gather_objects, barrier
 
 
 def build_engine(plan, world: World, total_steps: int):
@@ -31,19 +32,19 @@ def build_engine(plan, world: World, total_steps: int):
     from .optim import build_optimizer
 
     cfg = plan.run.cfg
-    before_load = peak_memory_bytes(world.device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    if cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init:
-        from .models.hf import zero_init
+    partitioned = bool(cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init)
+    with allocation_peak(world.device) as built:
+        if partitioned:
+            from .models.hf import zero_init
 
-        with zero_init(plan.ds.config):
+            with zero_init(plan.ds.config):
+                model = plan.task.build_model(cfg)
+        else:
             model = plan.task.build_model(cfg)
-        if world.is_main:
-            print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
-                  f"transformers' HfDeepSpeedConfig)")
-    else:
-        model = plan.task.build_model(cfg)
-    load_peak = peak_memory_bytes(world.device)
+    if partitioned and world.is_main:
+        print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
+              f"transformers' HfDeepSpeedConfig)")
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)
@@ -53,7 +54,7 @@ def build_engine(plan, world: World, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)
     _check_groups(engine, world)
-    engine.harness_load_peak = (before_load, load_peak)  # read by the loop: peaks before and after building it
+    engine.harness_build_peak = built  # read by the loop: what building it took on this rank
     if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1:
         # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.

@@ -6,9 +6,12 @@ rank 0 and writes RUN/profile.json.
 - `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
   the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
 - `top`: the 10 operators (CPU) or kernels (GPU) with the most self time, in seconds and share of the step.
+
+`allocation_peak` measures the most tensor bytes live at once inside a block (building the model).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import defaultdict
@@ -66,3 +69,24 @@ def write(summary: dict, run_dir: Path) -> Path:
     path = run_dir / PROFILE_FILE
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def allocation_peak(device: torch.device):
+    """What the block took at its peak above what was in use before, set on the dict it yields: `host`, the rise of
+    the process's peak resident set (an upper bound: it keeps what the allocator freed but did not return; torch
+    counts no CPU tensor bytes), and on a GPU `device`, the most bytes of tensors live at once there."""
+    from .world import peak_memory_bytes, resident_bytes
+
+    out: dict = {"host": None, "device": None}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start_device = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = resident_bytes()
+    yield out
+    out["host"] = max(0, peak_memory_bytes(torch.device("cpu")) - start)
+    if cuda:
+        torch.cuda.synchronize(device)
+        out["device"] = torch.cuda.max_memory_allocated(device) - start_device

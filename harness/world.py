@@ -142,6 +142,15 @@ def single_world(device: str | torch.device = "cpu") -> World:
     return World(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, device=torch.device(device))
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (Linux), else 0."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)

@@ -26,7 +26,7 @@ TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose 
 
 # The slowest files start first, so neither worker is left with a long file at the end (pyproject's
 # --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
-LONGEST_FIRST = ("test_suite.py", "test_checkpoint.py", "test_parallel.py", "test_hf.py")
+LONGEST_FIRST = ("test_suite.py", "test_hf_tasks.py", "test_parallel.py", "test_checkpoint.py", "test_hf.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -150,3 +150,83 @@ def val_loss_of_export(run_dir: Path) -> float:
             total += task.loss(model, batch).item()
             count += task.count(batch)
     return total / count
+
+
+# --- Hugging Face models written by the tests (no hub), for test_hf.py and test_hf_tasks.py ---------------------
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, corpus):
+    """A 2-layer Llama and a word-level tokenizer trained on the test corpus, saved as a model directory."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(corpus)], trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"]))
+    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                                bos_token="[BOS]", eos_token="[EOS]")
+    config = _transformers().LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=False,
+                                      pad_token_id=fast.pad_token_id, bos_token_id=fast.bos_token_id,
+                                      eos_token_id=fast.eos_token_id)
+    torch.manual_seed(1234)  # not the runs' seed: a model that lost its weights and re-initialised would show
+    _transformers().LlamaForCausalLM(config).save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_t5(tmp_path_factory):
+    """The toy English-"French" pairs and a 2+2-layer T5 with a word-level tokenizer trained on both sides."""
+    import gzip
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from test_translation import write_toy_dir
+
+    root = tmp_path_factory.mktemp("t5")
+    toy = write_toy_dir(root / "toy")
+    text = root / "both.txt"
+    text.write_text("".join(gzip.open(toy / f"train.{lang}.gz", "rt").read() for lang in ("en", "fr")))
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(text)], trainers.WordLevelTrainer(special_tokens=["[PAD]", "[EOS]", "[UNK]"]))  # T5's 0, 1, 2
+    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]",
+                                                unk_token="[UNK]")
+    config = _transformers().T5Config(vocab_size=len(fast), d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0, pad_token_id=0,
+                                   eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(1234)  # not the runs' seed: a model that lost its weights and re-initialised would show
+    out = root / "tiny-t5"
+    _transformers().T5ForConditionalGeneration(config).save_pretrained(out)
+    fast.save_pretrained(out)
+    return toy, out
+
+
+ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO.-", "<null_1>", "<mask>"]  # ESM-2's 33
+
+
+@pytest.fixture(scope="session")
+def tiny_esm(tmp_path_factory):
+    """A 2-layer ESM-2-style masked LM with ESM-2's vocabulary."""
+    import torch
+
+    out = tmp_path_factory.mktemp("esm") / "tiny-esm"
+    out.mkdir()
+    (out / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n")
+    tok = _transformers().EsmTokenizer(str(out / "vocab.txt"))
+    config = _transformers().EsmConfig(vocab_size=len(ESM_VOCAB), hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64, max_position_embeddings=260,
+                                    position_embedding_type="rotary", hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, pad_token_id=1, mask_token_id=32)
+    torch.manual_seed(1234)  # not the runs' seed: a model that lost its weights and re-initialised would show
+    _transformers().EsmForMaskedLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -75,8 +75,11 @@ def bounded(e: dict, key: str) -> str:
     return "invalid (>100%)" if key in e.get("invalid", {}) else _num(e.get(key), ".1%" if "mfu" in key else ".0%")
 
 
-def _mib(x) -> str:
-    return "-" if x is None else f"{x / 2**20:,.0f} MiB"
+def _per_rank(values) -> str:
+    """What building the model took at its peak on each rank ("-" where not measured)."""
+    if not values or None in values:
+        return "-"
+    return " / ".join(f"{v / 2**20:,.1f}" for v in values) + " MiB"
 
 
 def markdown(result: dict) -> str:
@@ -85,7 +88,7 @@ def markdown(result: dict) -> str:
              f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
              f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "
-             "| MFU table | MFU measured | peak mem/rank | after loading | padding | speedup (x) | efficiency |",
+             "| MFU table | MFU measured | peak mem/rank | building the model: host, per rank | padding | speedup (x) | efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in result["configs"]:
         if e["status"] != "ok":
@@ -97,7 +100,7 @@ def markdown(result: dict) -> str:
             f"| {e['name']} | {e['layout']} | {e['precision']} | {e['params']:,} | {s['median']:.4f} "
             f"({s['p10']:.4f}-{s['p90']:.4f}) | {e['tokens_per_s']:,.0f} | {e['samples_per_s']:,.1f} | "
             f"{e['model_flops_per_s'] / 1e12:.3f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} "
-            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_mib(e.get('load_peak_mem_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
+            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_per_rank(e.get('build_peak_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
             f"{bounded(e, 'scaling_efficiency')} |")
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())

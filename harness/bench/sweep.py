@@ -159,6 +159,6 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
             "flops_method": timed[-1].get("flops_method", "analytic"),
             "padding": statistics.median(r["padding"] for r in timed),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed),
-            "load_peak_mem_bytes": timed[-1].get("load_peak_mem_bytes"), "log": os.path.relpath(log, out),
+            "build_peak_bytes": timed[-1].get("build_peak_bytes"), "log": os.path.relpath(log, out),
             **({"profile": json.loads((run_dir / PROFILE_FILE).read_text())}
                if profile and (run_dir / PROFILE_FILE).is_file() else {})}

@@ -49,6 +49,14 @@ def check(cfg: RunConfig, auto_class: str) -> None:
     if not hasattr(transformers, cls_name):
         raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
     load_config(cfg)
+    if not cfg.model.hf_tokenizer and _config_source(cfg.model.hf)[1]:
+        raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
+                          f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
+
+
+def own_tokenizer(cfg: RunConfig) -> bool:
+    """Whether the run's tokens come from the Hugging Face model's own tokenizer (not the task's)."""
+    return bool(cfg.model.hf) and cfg.model.hf_tokenizer
 
 
 def load_config(cfg: RunConfig):

@@ -91,7 +91,7 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
             "val_fraction": d.val_fraction if source_kind(d.path) in ("file", "hub") and not d.val_path else None,
             "seed": cfg.train.seed, "langs": [t.source_lang, t.target_lang], "seq_len": d.seq_len,
             "max_row_chars": d.max_row_chars, "vocab_size": cfg.model.vocab_size or DEFAULT_VOCAB,
-            **({"hf": cfg.model.hf, "hf_files": _stamp(hf.tokenizer_dir(cfg))} if cfg.model.hf else {})}
+            **({"hf": cfg.model.hf, "hf_files": _stamp(hf.tokenizer_dir(cfg))} if hf.own_tokenizer(cfg) else {})}
 
 
 def _stamp(path: str) -> list:
@@ -280,7 +280,7 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
     kept_train = raw["train"].filter(lambda s: s == "ok", input_columns="status")
     if not len(kept_train):
         raise ConfigError(f"{d.path or 'the Bible default'}: no usable training pairs")
-    if cfg.model.hf:
+    if hf.own_tokenizer(cfg):
         tok = hf_tokenizer(cfg)
         tok.tok.save_pretrained(str(out / HF_TOKENIZER))
     else:

@@ -50,8 +50,10 @@ class LanguageModelTask:
     def build_model(self, cfg: RunConfig):
         m = cfg.model
         if m.hf:
-            self.byte_level = False
-            return hf.build(cfg, self.HF_CLASS, use_cache=False)  # no key/value cache while training
+            self.byte_level = not hf.own_tokenizer(cfg)
+            byte_ids = dict(vocab_size=BYTE_VOCAB, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+            return hf.build(cfg, self.HF_CLASS, use_cache=False,  # no key/value cache while training
+                            **({} if hf.own_tokenizer(cfg) else byte_ids))
         return TransformerLM(TransformerConfig(vocab_size=BYTE_VOCAB, max_seq_len=cfg.data.seq_len,
                                                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
@@ -73,7 +75,7 @@ class LanguageModelTask:
 
     def _encoder(self, cfg: RunConfig):
         """Rows -> one token stream: their UTF-8 bytes joined by "\n", or the HF tokenizer's ids joined by EOS."""
-        if not cfg.model.hf:
+        if not hf.own_tokenizer(cfg):
             return lambda texts: list("\n".join(texts).encode("utf-8"))
         self.byte_level = False
         tok = hf.tokenizer(cfg)
@@ -83,7 +85,7 @@ class LanguageModelTask:
                               for i in (*ids, tok.eos_token_id)]
 
     def tokenizer(self, cfg: RunConfig):
-        return hf.tokenizer(cfg) if cfg.model.hf else None
+        return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None
 
     @staticmethod
     def _pack(rows, seq_len: int, encode):

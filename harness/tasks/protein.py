@@ -62,7 +62,7 @@ class Vocab:
     @classmethod
     def of(cls, cfg: RunConfig, tok) -> "Vocab":
         standard = torch.tensor([tok.piece_id(a) for a in prep.AMINO_ACIDS if _known(tok, a)])
-        if not cfg.model.hf:
+        if not hf.own_tokenizer(cfg):
             return cls(tok.piece_id("<cls>"), tok.piece_id("<mask>"), PAD, None, standard)
         theirs = hf_tokenizer(cfg)
         pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
@@ -144,7 +144,8 @@ class ProteinTask:
         p = cfg.protein
         if cfg.model.hf:
             hf.check(cfg, HF_CLASSES[p.objective])
-            hf_tokenizer(cfg)
+            if hf.own_tokenizer(cfg):
+                hf_tokenizer(cfg)
             if p.init_from:
                 raise ConfigError(f"protein.init_from = {p.init_from!r} starts the built-in model; with model.hf, "
                                   f"name the earlier run's exported hf/ directory as model.hf instead")
@@ -170,8 +171,10 @@ class ProteinTask:
             raise ConfigError(f"protein.objective = 'classify' needs two classes or more; the data has "
                               f"{meta['classes'] or 'no labels'}")
         n_out = {"mlm": vocab, "classify": len(meta["classes"]), "residue": N_STATES}[objective]
-        if m.hf:
-            return hf.build(cfg, HF_CLASSES[objective], **({} if objective == "mlm" else {"num_labels": n_out}))
+        if m.hf:  # on the prepared residue ids: that vocabulary and its special ids
+            ids = {} if hf.own_tokenizer(cfg) else dict(vocab_size=vocab, pad_token_id=PAD, mask_token_id=(
+                prep.tokenizer(directory).piece_id("<mask>")))
+            return hf.build(cfg, HF_CLASSES[objective], **ids, **({} if objective == "mlm" else {"num_labels": n_out}))
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=cfg.data.seq_len + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
                                           dropout=m.dropout), objective, n_out)
@@ -194,7 +197,7 @@ class ProteinTask:
 
     def tokenizer(self, cfg: RunConfig):
         """A Hugging Face model's own tokenizer, for its export (the residue vocabulary stays with the data)."""
-        return hf.tokenizer(cfg) if cfg.model.hf else None
+        return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None
 
     def build_data(self, cfg: RunConfig) -> TaskData:
         directory = self.prepare(cfg)

@@ -29,7 +29,7 @@ from ..models import hf
 from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 from ..prepare import read_meta, summary
 from ..prepare import translation as prep
-from ..tokenizer import PAD
+from ..tokenizer import BOS, EOS, PAD
 from ..world import all_reduce
 from . import TaskData
 
@@ -44,7 +44,7 @@ class TranslationTask:
 
     def _bind(self, cfg: RunConfig) -> None:
         self.label_smoothing, self.hf = cfg.translation.label_smoothing, bool(cfg.model.hf)
-        self.pad = prep.hf_tokenizer(cfg).pad_id if self.hf else PAD
+        self.pad = prep.hf_tokenizer(cfg).pad_id if hf.own_tokenizer(cfg) else PAD
 
     def check(self, cfg: RunConfig) -> None:
         t, m = cfg.translation, cfg.model
@@ -70,8 +70,11 @@ class TranslationTask:
     def build_model(self, cfg: RunConfig) -> Seq2Seq:
         self._bind(cfg)
         m = cfg.model
-        if m.hf:
-            return hf.build(cfg, self.HF_CLASS, use_cache=False)  # no key/value cache while training
+        if m.hf:  # no key/value cache while training; on the SentencePiece ids, its vocabulary and special ids
+            spm_ids = {} if hf.own_tokenizer(cfg) else dict(
+                vocab_size=prep.vocab_size(self.prepare(cfg)), pad_token_id=PAD, eos_token_id=EOS,
+                bos_token_id=BOS, decoder_start_token_id=BOS)
+            return hf.build(cfg, self.HF_CLASS, use_cache=False, **spm_ids)
         # The vocabulary is the prepared tokenizer's: SentencePiece may learn fewer pieces than asked for.
         return Seq2Seq(Seq2SeqConfig(vocab_size=prep.vocab_size(self.prepare(cfg)), d_model=m.d_model,
                                      n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
@@ -79,7 +82,7 @@ class TranslationTask:
 
     def tokenizer(self, cfg: RunConfig):
         """A Hugging Face model's own tokenizer, for its export (the SentencePiece one stays with the data)."""
-        return hf.tokenizer(cfg) if cfg.model.hf else None
+        return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None
 
     def build_data(self, cfg: RunConfig) -> TaskData:
         self._bind(cfg)
