@@ -52,11 +52,16 @@ def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
     return task.translate(model, cfg, sentences)
 
 
+def _number(v: float) -> str:
+    """Counts as integers; other figures to 6 significant digits, enough to tell close ones apart."""
+    return f"{int(v):,}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:.6g}"
+
+
 def render_table(split: str, metrics: dict[str, float | str]) -> str:
     """Numbers first, in a two-column table; signatures and other strings below it."""
     numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
     width = max((len(k) for k in numbers), default=6)
     lines = [f"| {'metric':{width}} | {split:>12} |", f"|{'-' * (width + 2)}|{'-' * 14}|"]
-    lines += [f"| {k:{width}} | {v:12.4f} |" for k, v in numbers.items()]
+    lines += [f"| {k:{width}} | {_number(v):>12} |" for k, v in numbers.items()]
     lines += [f"{k}: {v}" for k, v in metrics.items() if isinstance(v, str)]
     return "\n".join(lines)

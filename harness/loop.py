@@ -246,7 +246,7 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False) 
         if world.is_main:
             from tqdm.auto import tqdm
 
-            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()
                                                          if not isinstance(v, str)))
     return metrics
 

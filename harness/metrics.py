@@ -3,7 +3,9 @@
 - translation: sacreBLEU's corpus BLEU and chrF, with the signatures that make them comparable across papers;
 - protein: accuracy, AUROC (the Mann-Whitney statistic, ties counted half), Q3 (per-residue accuracy over
   resolved residues only);
-- forecasting: MSE, MAE and directional accuracy (did the forecast move the right way from the last value).
+- forecasting: MSE, MAE and directional accuracy (did the forecast move the right way from the last value); the
+  skill score against a reference forecast and a moving-block bootstrap interval, to say whether a difference
+  between two forecasts is more than chance.
 """
 from __future__ import annotations
 
@@ -67,3 +69,25 @@ def directional_accuracy(last, pred, target) -> float:
     if last.dim() == pred.dim() - 1:
         last = last.unsqueeze(-2)  # (B, 1, C)
     return (torch.sign(pred - last) == torch.sign(target - last)).double().mean().item()
+
+
+def skill(mse: float, reference_mse: float) -> float:
+    """1 - MSE / MSE_reference: above 0 the forecast beats the reference (e.g. persistence), 1 is perfect."""
+    return 1.0 - mse / reference_mse if reference_mse > 0 else float("nan")
+
+
+def block_bootstrap_ci(values, block: int, resamples: int = 2000, level: float = 0.95,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile interval for the mean of a serially correlated series by the moving-block bootstrap (Kuensch
+    1989): each resample joins ceil(n / block) runs of `block` consecutive values, their starts drawn uniformly
+    with replacement, cut to n values. `block` = 1 is the ordinary bootstrap. Deterministic for a seed."""
+    v = _t(values).flatten()
+    n = len(v)
+    block = max(1, min(block, n))
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, n - block + 1, (resamples, -(-n // block)), generator=g)
+    index = (starts[..., None] + torch.arange(block)).flatten(1)[:, :n]  # (resamples, n)
+    means = v[index].mean(1)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(means, q).tolist()
+    return low, high

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from harness.config import ConfigError, resolve
 from harness.models.patch import PatchConfig, PatchTST
 from harness.prepare import prices as P
 from harness.prepare import read_meta
-from harness.tasks.prices import PricesTask, baselines, score
+from harness.tasks.prices import PricesTask, baselines, score, trivial_directions, verdict
 
 from conftest import ROOT, _env, harness
 
@@ -233,4 +234,32 @@ def test_two_process_zero2_run_lowers_the_loss_and_evaluates(tmp_path, series_cs
     assert proc.returncode == 0, proc.stderr[-2000:]
     test = json.loads((run.dir / "eval.json").read_text())["test"]
     assert test["windows"] == 120 - 8 + 1 - 32 and test["mse"] < test["persistence_mse"]
-    assert "persistence_mse" in proc.stdout
+    assert "persistence_mse" in proc.stdout and re.search(rf"\| windows +\| +{test['windows']} \|", proc.stdout)  # a count
+    assert test["skill_vs_persistence"] == pytest.approx(1 - test["mse"] / test["persistence_mse"])
+    assert test["verdict"].startswith("the model beats persistence") and "verdict: the model beats" in proc.stdout
+    assert test["mse_difference_ci_low"] <= test["mse"] - test["persistence_mse"] <= test["mse_difference_ci_high"]
+    assert 0 <= test["always_up_directional_accuracy"] <= 1 and "majority_directional_accuracy" in test
+
+
+def test_skill_bootstrap_and_verdict_by_hand():
+    from harness.metrics import block_bootstrap_ci, skill
+
+    assert skill(0.5, 1.0) == 0.5 and skill(2.0, 1.0) == -1.0
+    # [0, 1] resampled in blocks of 1: means 0, 0.5, 1 with chances 1/4, 1/2, 1/4, so the 95% interval is [0, 1]
+    assert block_bootstrap_ci([0.0, 1.0], block=1) == (0.0, 1.0)
+    assert block_bootstrap_ci([3.0] * 10, block=4) == (3.0, 3.0)
+    assert block_bootstrap_ci([0.0, 1.0, 5.0], block=3) == pytest.approx((2.0, 2.0))  # one block: the series itself
+    # 40 windows, horizon 2: the model is off by 0.1 everywhere, persistence by 1 -> clearly better
+    y = torch.zeros(40, 2, 1)
+    out = verdict(y + 0.1, y + 1.0, y)
+    assert out["skill_vs_persistence"] == pytest.approx(0.99)
+    assert out["verdict"].startswith("the model beats persistence: its MSE is 99.0% lower; significant")
+    # the model is better on half the windows and worse on the other half, by the same amounts: a tie
+    errors = torch.tensor([0.5, 1.5] * 20).view(40, 1, 1).expand(40, 2, 1)
+    tie = verdict(y + errors, y + errors.flip(0), y)
+    assert tie["skill_vs_persistence"] == pytest.approx(0.0) and "not significant" in tie["verdict"]
+    # trivial directions: last 0, truth up, up, down over a horizon of 3
+    last, truth = torch.zeros(1, 1), torch.tensor([1.0, 2.0, -1.0]).view(1, 3, 1)
+    assert trivial_directions(last, truth, up_share=0.8) == {"always_up_directional_accuracy": pytest.approx(2 / 3),
+                                                             "majority_directional_accuracy": pytest.approx(2 / 3)}
+    assert trivial_directions(last, truth, up_share=0.3)["majority_directional_accuracy"] == pytest.approx(1 / 3)

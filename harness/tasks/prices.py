@@ -105,8 +105,11 @@ class PricesTask:
         x = torch.stack([data[i]["x"] for i in range(len(data))])  # (n, L, C)
         y = torch.stack([data[i]["y"] for i in range(len(data))])  # (n, H, C)
         forecasts = {"model": pred, **baselines(x, data.horizon)}
-        return score(forecasts, x[:, -1], y, read_meta(directory)["norm"]) | {
-            "windows": float(len(data)), "protocol": protocol(cfg, directory, split)}
+        train = P.windows(cfg, directory, "train")
+        up_share = float(torch.stack([train[i]["y"][-1] > train[i]["x"][-1] for i in range(len(train))]).double()
+                         .mean()) if len(train) else 0.5
+        return score(forecasts, x[:, -1], y, read_meta(directory)["norm"]) | verdict(pred, forecasts["persistence"], y) \
+            | trivial_directions(x[:, -1], y, up_share) | {"windows": len(data), "protocol": protocol(cfg, directory, split)}
 
 
 def baselines(x: torch.Tensor, horizon: int) -> dict[str, torch.Tensor]:
@@ -129,6 +132,32 @@ def score(forecasts: dict[str, torch.Tensor], last: torch.Tensor, y: torch.Tenso
         if name != "persistence":
             out[f"{prefix}directional_accuracy"] = M.directional_accuracy(last, f, y)
     return out
+
+
+def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name: str = "persistence") -> dict:
+    """Who wins on MSE and whether it is more than chance: the skill score, and a 95% moving-block bootstrap interval
+    for the mean over windows of (the model's squared error - the reference's), blocks of H windows (windows at
+    stride 1 share up to H - 1 targets, so their errors are correlated), in one line."""
+    per_window = ((model - y) ** 2).flatten(1).mean(1) - ((reference - y) ** 2).flatten(1).mean(1)  # (n,)
+    low, high = M.block_bootstrap_ci(per_window, block=y.shape[1])
+    mse, ref_mse = M.regression(model, y)["mse"], M.regression(reference, y)["mse"]
+    gain = M.skill(mse, ref_mse)
+    if gain >= 0:
+        line = f"the model beats {name}: its MSE is {gain:.1%} lower"
+    else:
+        line = f"{name} beats the model: the model's MSE is {mse / ref_mse - 1:.1%} higher"
+    holds_zero = low <= 0 <= high
+    line += (f"; {'not ' if holds_zero else ''}significant (the 95% block-bootstrap interval of the MSE difference, "
+             f"[{low:.4g}, {high:.4g}], {'holds' if holds_zero else 'excludes'} 0)")
+    return {f"skill_vs_{name}": gain, "mse_difference_ci_low": low, "mse_difference_ci_high": high, "verdict": line}
+
+
+def trivial_directions(last: torch.Tensor, y: torch.Tensor, up_share: float) -> dict[str, float]:
+    """The directional accuracy of forecasts that need no model: always up, and always the training split's majority
+    direction (`up_share`: its share of windows whose last target is above their last input)."""
+    up = M.directional_accuracy(last, last.unsqueeze(1) + 1, y)
+    down = M.directional_accuracy(last, last.unsqueeze(1) - 1, y)
+    return {"always_up_directional_accuracy": up, "majority_directional_accuracy": up if up_share >= 0.5 else down}
 
 
 def protocol(cfg: RunConfig, directory: Path, split: str) -> str:
