@@ -1,4 +1,4 @@
-"""The `harness` command: train, plan, keys, prepare, evaluate, translate, export, bench, results. Input errors print one line and exit 2
+"""The `harness` command: train, plan, keys, prepare, evaluate, translate, export, plot, bench, results. Input errors print one line and exit 2
 before any training."""
 from __future__ import annotations
 
@@ -92,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
                         "from_pretrained loads (config, weights, tokenizer)")
     ex.add_argument("--run-dir", required=True, metavar="DIR")
     ex.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    pl = sub.add_parser("plot", help="draw runs' curves into one PNG (training loss, learning rate, validation loss, "
+                        "the task's metric), each run a line")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("--out", required=True, metavar="FILE.png")
     r = sub.add_parser("results", help="regenerate the README's GPU table from results/gpu/*/suite.json")
     r.add_argument("--check", action="store_true", help="only check that the README matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
@@ -158,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             from .export import export_hf
 
             print(f"wrote {export_hf(args.run_dir, args.hf)}")
+            return 0
+        if args.command == "plot":
+            from .plots import plot
+
+            print(f"wrote {plot(args.run_dirs, args.out)}")
             return 0
         if args.command in ("evaluate", "translate"):
             from . import evaluation as evaluate

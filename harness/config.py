@@ -126,6 +126,8 @@ class LoggingSection:
     backend: str = _f("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
                       "is configured", ("wandb", "tensorboard", "none"))
     project: str = _f("harness", "tracker project name")
+    plots: bool = _f(True, "draw RUN/curves.png at the end of the run: training loss, learning rate, validation "
+                     "loss and the task's metric against the step (`harness plot` overlays runs)")
 
 
 @dataclass(frozen=True)

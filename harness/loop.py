@@ -176,7 +176,19 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     else:
         say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
     tracker.close()
+    if cfg.logging.plots and world.is_main:
+        _draw_curves(plan.run_dir, say)
     return {"step": step, **last_metrics}
+
+
+def _draw_curves(run_dir: Path, say) -> None:
+    """RUN/curves.png; a picture that cannot be drawn is said, never the end of a finished run."""
+    from .plots import PLOT_FILE, plot
+
+    try:
+        say(f"curves {plot([run_dir], run_dir / PLOT_FILE)}")
+    except Exception as e:  # noqa: BLE001 - matplotlib missing or failing must not fail the training
+        say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
 @dataclass(frozen=True)

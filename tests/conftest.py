@@ -20,7 +20,7 @@ DS = ROOT / "configs" / "ds"
 LAUNCH = ROOT / "launch"
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.seq_len=32", "train.micro_batch_size=4",
         "train.max_steps=6", "train.log_every=1", "optimizer.lr=3e-3", "schedule.warmup_steps=2",
-        "logging.backend=\"none\"", "data.val_fraction=0.1"]
+        "logging.backend=\"none\"", "logging.plots=false", "data.val_fraction=0.1"]  # curves: test_logging.py
 TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose sizes come from its own config
 
 

@@ -1,6 +1,8 @@
 """Launched by test_sharding.py under `accelerate launch --use_deepspeed` (the CPU trap's exact set-up):
 prints what each rank sees, as JSON, from rank 0."""
 import json
+import os
+import sys
 
 import torch
 
@@ -20,3 +22,8 @@ if world.is_main:
                       "indices": [g.tolist() for g in gathered],
                       "global": [sampler.step_indices(s).flatten().tolist() for s in range(4)]}))
 torch.distributed.destroy_process_group()
+# Leave without running C++ static destructors: under load this bare DeepSpeed set-up has aborted at exit on one
+# rank ("terminate called without an active exception", SIGABRT) after printing everything. What the test reads is
+# written and flushed by then; the harness's own processes have not shown it.
+sys.stdout.flush()
+os._exit(0)

@@ -54,3 +54,29 @@ def test_tensorboard_backend_writes_event_files(tmp_path, corpus):
     acc = EventAccumulator(str(run.dir / "tensorboard" / run.dir.name))  # the tracker's writer, named after the run
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
+
+
+def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus):
+    import shutil
+
+    from harness.cli import main
+    from harness.plots import PLOT_FILE, curves
+
+    run = harness(tmp_path / "run", corpus, sets=["logging.plots=true", "train.eval_every=3"])
+    png = run.dir / PLOT_FILE
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"curves {png}" in run.proc.stdout
+    panels = {p["title"]: p["lines"]["run"] for p in curves([run.dir])}
+    assert list(panels) == ["training loss", "learning rate", "validation loss", "validation perplexity"]
+    assert panels["training loss"] == [(m["step"], m["loss"]) for m in run.metrics]  # every logged step
+    assert [s for s, _ in panels["validation loss"]] == [3, 6]
+    other = tmp_path / "other"  # a second run to overlay: the same one, its losses doubled
+    shutil.copytree(run.dir, other)
+    (other / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss": 2 * m["loss"]}) + "\n" for m in run.metrics))
+    out = tmp_path / "both.png"
+    assert main(["plot", str(run.dir), str(other), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    both = {p["title"]: p["lines"] for p in curves([run.dir, other])}
+    assert list(both["training loss"]) == [str(run.dir), str(other)]
+    assert both["training loss"][str(other)][0][1] == 2 * both["training loss"][str(run.dir)][0][1]
+    assert main(["plot", str(tmp_path / "none"), "--out", str(out)]) == 2  # nothing to draw: one line, exit 2

@@ -367,7 +367,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     the test split once."""
     run_file = str(ROOT / "configs" / "runs" / r.run)
     sets = [*_sets(r.data, data, (*r.sets, *(r.smoke if smoke else ()))), f"run.output_dir={json.dumps(str(run_dir))}",
-            'logging.backend="none"', "train.log_every=10", "train.save_every=0"]
+            'logging.backend="none"', "logging.plots=false", "train.log_every=10", "train.save_every=0"]
     entry = {"name": r.name, "metric": r.metric, "target": r.target, "run_file": f"configs/runs/{r.run}",
              "ds": f"configs/ds/{r.ds}.json", "compare": list(r.compare)}
     probe = PROBE_STEPS // 10 if smoke else PROBE_STEPS

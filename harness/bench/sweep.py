@@ -92,7 +92,7 @@ def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path
            str(stop_at)]
     cmd += ["--run", run_file] if run_file else []
     timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
-              "train.save_every=0", 'logging.backend="none"', f"train.max_steps={stop_at + 1}", "train.epochs=0.0"]
+              "train.save_every=0", 'logging.backend="none"', "logging.plots=false", f"train.max_steps={stop_at + 1}", "train.epochs=0.0"]
     for s in [*sets, *config.sets, *timing]:
         cmd += ["--set", s]
     return cmd

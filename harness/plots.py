@@ -1,0 +1,79 @@
+"""A run's curves as a picture: `RUN/curves.png` at the end of every run (rank 0, `logging.plots`), and
+`harness plot RUN... --out FILE.png` to overlay several runs.
+
+Four panels against the optimizer step: the training loss and the learning rate (`metrics.jsonl`), the validation
+loss and the task's own metric (`eval.jsonl`: BLEU, Q3, accuracy, MSE... whichever the run's evaluations hold,
+the first of `METRICS` found, else the first other figure). An evaluation made only at the end is one marked point.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import ConfigError
+
+PLOT_FILE = "curves.png"
+METRICS = ("bleu", "q3", "spearman", "auroc", "accuracy", "masked_accuracy", "mse", "perplexity", "bits_per_byte")
+_SKIP = {"step", "loss", "epoch"}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def task_metric(evals: list[dict]) -> str | None:
+    """The figure the run's evaluations are about, besides their loss."""
+    keys = [k for row in evals for k, v in row.items() if isinstance(v, (int, float)) and k not in _SKIP]
+    return next((m for m in METRICS if m in keys), keys[0] if keys else None)
+
+
+def curves(run_dirs: list[str | Path]) -> list[dict]:
+    """Per panel: its title and, per run, the (steps, values) to draw; a panel no run has data for is left out."""
+    runs = [(Path(d), _rows(Path(d) / "metrics.jsonl"), _rows(Path(d) / "eval.jsonl")) for d in run_dirs]
+    metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
+    panels = [("training loss", "loss", 1), ("learning rate", "lr", 1), ("validation loss", "loss", 2)]
+    if metric:
+        panels.append((f"validation {metric}", metric, 2))
+    out = []
+    for title, key, source in panels:
+        lines = {}
+        for run_dir, metrics, evals in runs:
+            rows = metrics if source == 1 else evals
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                lines[run_dir.name if len(runs) == 1 else str(run_dir)] = points
+        if lines:
+            out.append({"title": title, "lines": lines})
+    return out
+
+
+def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Draw the runs' curves into a PNG; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = curves(run_dirs)
+    if not panels:
+        raise ConfigError(f"nothing to draw: no metrics.jsonl or eval.jsonl with figures in "
+                          f"{', '.join(map(str, run_dirs))}")
+    cols = 2
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for label, points in panel["lines"].items():
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if len(points) < 3 else None, label=label)
+        ax.set_title(panel["title"])
+        ax.set_xlabel("step")
+        if len(panel["lines"]) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
