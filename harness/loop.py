@@ -158,8 +158,9 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             if ds.precision == "fp16":
                 record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
             tracker.log(record)
-            progress.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 refresh=False)
+            items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
+            progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
+                                  f"{items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
             window_start, window_work, window_steps = time.perf_counter(), torch.zeros_like(window_work), 0
         if t.eval_every and step % t.eval_every == 0 and step < max_steps:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)

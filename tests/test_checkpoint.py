@@ -14,7 +14,7 @@ STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", 
 
 
 def test_resume_auto_continues_with_the_uninterrupted_losses(tmp_path, corpus):
-    # ZeRO-3 with every parameter sharded (ZeRO-2 resumes in test_hf.py and test_plugins.py, against 1 process).
+    # ZeRO-3 with every parameter sharded (ZeRO-2 on 2 processes resumes in test_hf.py, against 1 process).
     # Dropout on: resuming must also restore every rank's RNG, not only weights and data position.
     ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     sets = STEPS + ["train.micro_batch_size=2"]

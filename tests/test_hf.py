@@ -24,15 +24,17 @@ def hf_sets(model_dir) -> list[str]:
     return [f"model.hf={json.dumps(str(model_dir))}", "data.seq_len=16"]
 
 
-def test_hf_causal_lm_matches_one_process_under_zero2_and_partitioned_zero3(cached_run, tiny_llama, corpus,
+def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_zero3(cached_run, tiny_llama, corpus,
                                                                                     tmp_path):
     ref = cached_run("hf-ref", sets=hf_sets(tiny_llama), base=TINY_RUN)
     assert "task lm, LlamaForCausalLM of" in ref.proc.stdout
     # Llama's mask code reads values (.item()), which a meta-device forward cannot: the 6N fallback, said so
     assert ref.metrics[0]["flops_method"] == "6N per item"
     assert ref.losses[6] < ref.losses[1]
-    two2 = harness(tmp_path / "zero2", corpus, nproc=2, ds="zero2.json",
-                   sets=[*hf_sets(tiny_llama), "train.micro_batch_size=2"], base=TINY_RUN)
+    zero2 = {"nproc": 2, "ds": "zero2.json", "sets": [*hf_sets(tiny_llama), "train.micro_batch_size=2"], "base": TINY_RUN}
+    harness(tmp_path / "zero2", corpus, args=["--stop-at", "3"], **zero2)  # ZeRO-2 resumes exactly
+    two2 = harness(tmp_path / "zero2", corpus, args=["--resume", "auto"], **zero2)
+    assert "resumed from" in two2.proc.stdout
     assert_losses_close(two2.losses, ref.losses, FP32_TOL)
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     two3 = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama), "train.micro_batch_size=2"], base=TINY_RUN)

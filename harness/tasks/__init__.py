@@ -34,6 +34,7 @@ class Task(Protocol):
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
     Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
     batches), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`.
+    `items` names what `count` counts, for the progress bar's rate (default "items").
     The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
     harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
     A pipeline needs the model's `pipeline_layers()` (see `models/transformer.py`).

@@ -38,6 +38,7 @@ class LanguageModelTask:
     """Byte-level with the built-in Transformer; with a Hugging Face causal LM (`model.hf`), its own tokenizer."""
 
     HF_CLASS = "AutoModelForCausalLM"
+    items = "tokens"
     byte_level = True  # until a run names a Hugging Face model
 
     def check(self, cfg: RunConfig) -> None:

@@ -27,6 +27,8 @@ from . import TaskData
 
 
 class PricesTask:
+    items = "values"  # forecast values: windows x horizon x channels
+
     def check(self, cfg: RunConfig) -> None:
         p = cfg.prices
         if cfg.model.hf:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..config import ConfigError, RunConfig, resolve
 from ..data import eval_batches
@@ -132,11 +133,12 @@ def _known(tok, piece: str) -> bool:
 
 
 class ProteinTask:
-    objective, pad = "classify", PAD  # bound by `_bind` (for `metrics` and `collate`, which take no config)
+    objective, pad, items = "classify", PAD, "seqs"  # bound by `_bind` (`metrics`, `collate`, the progress bar)
 
     def _bind(self, cfg: RunConfig) -> Vocab:
         vocab = Vocab.of(cfg, prep.tokenizer(self.prepare(cfg)))
         self.objective, self.pad = cfg.protein.objective, vocab.pad_id
+        self.items = {"classify": "seqs", "mlm": "masked", "residue": "residues"}[self.objective]
         return vocab
 
     def check(self, cfg: RunConfig) -> None:
@@ -257,7 +259,7 @@ class ProteinTask:
         was_training = model.training
         model.eval()
         mine = []
-        for i in range(steps):
+        for i in tqdm(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
             real = i < len(batches)
             index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
             batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}

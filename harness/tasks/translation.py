@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..config import ConfigError, RunConfig, TranslationSection
 from ..data import eval_batches
@@ -36,6 +37,7 @@ from . import TaskData
 
 class TranslationTask:
     HF_CLASS = "AutoModelForSeq2SeqLM"
+    items = "tokens"  # target tokens
 
     def __init__(self):
         # The batch methods take no config (task protocol): the run's smoothing, padding id and model kind are
@@ -159,7 +161,7 @@ class TranslationTask:
         was_training = model.training
         model.eval()
         out, nll = [], torch.zeros(2, dtype=torch.float64, device=dev)
-        for i in range(steps):
+        for i in tqdm(range(steps), desc=f"decoding {split}", disable=not world.is_main, leave=False):
             real = i < len(batches)
             ids = [chosen[j] for j in (batches[i] if real else batches[-1] if batches else [0])]
             batch = {k: v.to(dev) for k, v in self.collate([rows[j] for j in ids]).items()}
