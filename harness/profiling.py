@@ -7,7 +7,8 @@ rank 0 and writes RUN/profile.json.
   the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
 - `top`: the 10 operators (CPU) or kernels (GPU) with the most self time, in seconds and share of the step.
 
-`allocation_peak` measures the most tensor bytes live at once inside a block (building the model).
+`allocation_peak` measures what a block (building the model) took at its peak: the host's resident set, and on a
+GPU the tensors there.
 """
 from __future__ import annotations
 

@@ -102,6 +102,11 @@ def zero_init(ds_config: dict):
         unset_hf_deepspeed_config()
 
 
+def logits(outputs) -> torch.Tensor:
+    """The logits of a forward pass: a Hugging Face model returns an output object, the built-in models the tensor."""
+    return getattr(outputs, "logits", outputs)
+
+
 def is_hf(model: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel

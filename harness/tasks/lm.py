@@ -111,7 +111,7 @@ class LanguageModelTask:
         return (batch["inputs"],)
 
     def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = getattr(outputs, "logits", outputs)  # (B, T, V); a Hugging Face model returns an output object
+        logits = hf.logits(outputs)  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

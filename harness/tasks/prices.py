@@ -140,9 +140,9 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
     """Who wins on MSE and whether it is more than chance: the skill score, and a 95% moving-block bootstrap interval
     for the mean over windows of (the model's squared error - the reference's), blocks of H windows (windows at
     stride 1 share up to H - 1 targets, so their errors are correlated), in one line."""
-    per_window = ((model - y) ** 2).flatten(1).mean(1) - ((reference - y) ** 2).flatten(1).mean(1)  # (n,)
-    low, high = M.block_bootstrap_ci(per_window, block=y.shape[1])
-    mse, ref_mse = M.regression(model, y)["mse"], M.regression(reference, y)["mse"]
+    errors = ((model - y) ** 2).flatten(1).mean(1), ((reference - y) ** 2).flatten(1).mean(1)  # (n,) each
+    low, high = M.block_bootstrap_ci(errors[0] - errors[1], block=y.shape[1])
+    mse, ref_mse = (e.mean().item() for e in errors)  # windows hold equally many values: the mean of the means
     gain = M.skill(mse, ref_mse)
     if gain >= 0:
         line = f"the model beats {name}: its MSE is {gain:.1%} lower"

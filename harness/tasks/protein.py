@@ -237,7 +237,7 @@ class ProteinTask:
         return self.loss_from(model(*self.inputs(batch)), batch)
 
     def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = getattr(outputs, "logits", outputs).float()  # (B, classes) or (B, T, vocab or states)
+        logits = hf.logits(outputs).float()  # (B, classes) or (B, T, vocab or states)
         if "labels" in batch:
             return F.cross_entropy(logits, batch["labels"], reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
@@ -263,8 +263,7 @@ class ProteinTask:
             real = i < len(batches)
             index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
             batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
-            out = model(batch["ids"], batch["mask"])  # every rank calls the model `steps` times
-            logits = getattr(out, "logits", out).float()
+            logits = hf.logits(model(batch["ids"], batch["mask"])).float()  # every rank calls the model `steps` times
             if real:
                 mine += _per_sample(logits, batch)
         model.train(was_training)

@@ -122,7 +122,8 @@ class TranslationTask:
         eps = self.label_smoothing if label_smoothing is None else label_smoothing
         keep = batch["tgt_out"] != self.pad
         target = batch["tgt_out"][keep]  # (N,)
-        logits = outputs.logits[keep] if hasattr(outputs, "logits") else outputs
+        logits = hf.logits(outputs)
+        logits = logits[keep] if logits.dim() == 3 else logits
         return F.cross_entropy(logits.float(), target, label_smoothing=eps, reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
