@@ -53,7 +53,8 @@ def plan_text(p) -> str:
 
 def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resume: str | None = None,
           overwrite: bool = False, stop_at: int | None = None) -> dict[str, Any]:
-    """Train (`harness train`); returns the last evaluation's metrics and the step reached."""
+    """Train (`harness train`); returns the last evaluation's metrics and the step reached (with train.select_best,
+    `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0)."""
     from .config import ConfigError
     from .startup import preflight
     from .loop import train as run_training

@@ -3,6 +3,7 @@
 Layout of `RUN/checkpoints/`:
     step_00000100/      DeepSpeed's files (model, optimizer, scheduler, loss scaler) + rng_rank*.pt
     latest              the name of the newest complete checkpoint
+    best                with `train.select_best`: the name of the best one (kept whatever the rotation says)
 A checkpoint is written as `step_N.partial`, renamed when every rank has finished, and only then named in
 `latest`: a crash mid-write leaves a `.partial` directory that is never resumed from and is removed later.
 The run directory must be on a file system that every node sees (as DeepSpeed's own checkpoints assume).
@@ -18,9 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import ConfigError
 from .world import World, barrier
 
 LATEST = "latest"
+BEST = "best"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -70,9 +77,11 @@ def rewind_latest(root: Path, max_step: int) -> Path | None:
     return good[-1] if good else None
 
 
-def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int) -> Path:
-    """Collective: every rank calls it."""
-    name = f"step_{step:08d}"
+def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
+         best: int | None = None) -> Path:
+    """Collective: every rank calls it. `best`: the step of the best checkpoint (`train.select_best`), named in
+    `best` and kept beside the last `keep`."""
+    name = step_name(step)
     partial = root / f"{name}.partial"
     if world.is_main:
         for stale in root.glob("*.partial"):  # left by a crash
@@ -88,10 +97,33 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
             shutil.rmtree(final)
         os.replace(partial, final)
         _write_atomic(root / LATEST, name + "\n")
+        if best is not None:
+            mark_best(root, best)
         for old in complete(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if best is None or old.name != step_name(best):
+                shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def mark_best(root: Path, step: int) -> None:
+    """Name the checkpoint of `step` in `best` (rank 0), if it was written."""
+    if (root / step_name(step)).is_dir():
+        _write_atomic(root / BEST, step_name(step) + "\n")
+
+
+def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
+    """Collective, on resume: make sure the best checkpoint (of `step`) is in this run's `root`, copying it from the
+    checkpoints of the run resumed from (`source`, for `--resume DIR`), and name it in `best`."""
+    own, other = root / step_name(step), source / step_name(step)
+    if not own.is_dir() and not other.is_dir():  # every rank sees the same file system: all raise alike
+        raise ConfigError(f"the resumed state names step {step} as the best checkpoint (train.select_best), but "
+                          f"{own} is gone; set train.select_best = \"\" to go on without it")
+    if world.is_main:
+        if not own.is_dir():
+            shutil.copytree(other, own)
+        mark_best(root, step)
+    barrier()
 
 
 def load(engine, path: Path, world: World) -> dict[str, Any]:

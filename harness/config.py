@@ -88,7 +88,16 @@ class TrainSection:
     eval_every: int = _f(0, "evaluate every N steps (and always at the end); 0 means only at the end")
     eval_batches: int = _f(0, "micro-batches per rank per evaluation; 0 means the whole validation set")
     save_every: int = _f(0, "checkpoint every N steps (and always at the end); 0 means only at the end")
-    keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep")
+    keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep (and the best, with select_best)")
+    select_best: str = _f("", "keep the checkpoint with the best validation value of this metric and export it "
+                          "instead of the last: `loss` (or `val_loss`) or any metric the task's evaluation reports "
+                          "(perplexity, accuracy, bleu, mse, ...; one the loss does not give runs the field's "
+                          "evaluation at every evaluation); recorded in RUN/best.json; empty = off, export the last")
+    select_mode: str = _f("auto", "whether lower or higher select_best is better; auto = min for loss, perplexity, "
+                          "mse, mae, rmse, nll, bits_per_byte, error and names starting or ending with one of them "
+                          "(price_mse, ...), max for any other", ("auto", "min", "max"))
+    early_stopping_patience: int = _f(0, "stop after this many evaluations in a row without improvement of "
+                                      "select_best (needs select_best and eval_every); 0 = off")
     seed: int = _f(0, "seed for model init, data order and dropout")
     max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss")
     activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
@@ -143,8 +152,9 @@ class TranslationSection:
 
 @dataclass(frozen=True)
 class ProteinSection:
-    objective: str = _f("classify", "what to train: masked-LM pre-training, sequence classification, or "
-                        "per-residue (secondary-structure) labels", ("mlm", "classify", "residue"))
+    objective: str = _f("classify", "what to train: masked-LM pre-training, sequence classification, "
+                        "per-residue (secondary-structure) labels, or one value per sequence (fitness regression)",
+                        ("mlm", "classify", "residue", "regress"))
     mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
     init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
     mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "
@@ -152,8 +162,9 @@ class ProteinSection:
     test_fraction: float = _f(0.1, "share of the distinct sequences held out for test when the source has no "
                               "test split (validation takes data.val_fraction)")
     sequence_field: str = _f("sequence", "column (csv/jsonl/hub) holding the amino-acid sequence")
-    label_field: str = _f("label", "column holding the label: a class (classify), or one state letter per residue "
-                          "(residue); in a fasta header, `label=VALUE`")
+    label_field: str = _f("label", "column holding the label: a class (classify), one state letter per residue "
+                          "(residue) or a number (regress); in a fasta header, `label=VALUE`; a FLIP csv "
+                          "(sequence,target,set,validation) without this column uses `target`")
 
 
 @dataclass(frozen=True)
@@ -348,7 +359,7 @@ def _check(r: Resolved) -> None:
     non_negative = ["train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
                     "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
                     "model.dropout", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
-                    "data.num_workers", "data.bucket", "train.profile_step"]
+                    "data.num_workers", "data.bucket", "train.profile_step", "train.early_stopping_patience"]
     for key in positive + non_negative:
         section, name = key.split(".")
         v = getattr(getattr(c, section), name)
@@ -375,6 +386,13 @@ def _check(r: Resolved) -> None:
                               f"{r.describe('optimizer.name')}")
     if not 0.0 <= c.optimizer.momentum < 1.0:
         raise ConfigError(f"{r.describe('optimizer.momentum')} must be in [0, 1)")
+    if not c.train.select_best:
+        given = _chosen(r, ["train.select_mode", "train.early_stopping_patience"])
+        if given:
+            raise ConfigError(f"{'; '.join(given)} needs train.select_best, the metric to select by (e.g. \"loss\")")
+    elif c.train.early_stopping_patience and not c.train.eval_every:
+        raise ConfigError(f"{r.describe('train.early_stopping_patience')} counts evaluations, but "
+                          f"{r.describe('train.eval_every')} evaluates only at the end")
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
                           f"{r.describe('train.epochs')}")

@@ -13,11 +13,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import checkpoint, profiling
-from .config import TrainingStopped  # noqa: F401 - raised here, caught by the CLI
+from .config import ConfigError, TrainingStopped  # raised here, caught by the CLI
 from .data import StepSampler, eval_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
+from .selection import Selection
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
 from .world import World, all_gather_objects, all_reduce, peak_memory_bytes
@@ -77,14 +78,20 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
     flops = ForwardFlops(meta_model)
-    start_step, samples_seen, nonfinite = 0, 0, 0
+    start_step, samples_seen, nonfinite, state = 0, 0, 0, {}
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from, world)
         start_step, samples_seen = state["step"], state["samples_seen"]
         say(f"resumed from {resume_from} at step {start_step}")
+    ckpts = plan.run_dir / "checkpoints"
+    selection = Selection.start(t, state.get("selection"))  # train.select_best; None when off
+    if selection and selection.value is not None:
+        checkpoint.adopt_best(ckpts, selection.step, resume_from.parent, world)
     if world.is_main:
         for name in ("metrics.jsonl", "eval.jsonl"):
             truncate_jsonl(plan.run_dir / name, start_step)
+        if selection:
+            selection.record(plan.run_dir)
     tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
 
     model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
@@ -116,7 +123,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     window_start = time.perf_counter()
     stop = min(max_steps, stop_at) if stop_at else max_steps
     step = start_step
-    while step < stop:
+    while step < stop and not (selection and selection.stopped_at):
         lr = schedule.get_last_lr()[0]
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
         fetch_start = time.perf_counter()
@@ -162,24 +169,53 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
                                   f"{items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
             window_start, window_work, window_steps = time.perf_counter(), torch.zeros_like(window_work), 0
+        improved = False
         if t.eval_every and step % t.eval_every == 0 and step < max_steps:
-            last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step)
-        if (t.save_every and step % t.save_every == 0) or step == stop:
+            last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step,
+                                         want=selection and selection.metric)
+            if selection:  # the same verdict on every rank: the metrics are all-reduced
+                improved = _select(selection, last_metrics, step, plan, world, tracker, math.isfinite(result.loss))
+        stopping = bool(selection and selection.stopped_at)
+        if (t.save_every and step % t.save_every == 0) or step == stop or improved or stopping:
             if math.isfinite(result.loss):
-                checkpoint.save(engine, plan.run_dir / "checkpoints", step,
-                                {"step": step, "samples_seen": samples_seen}, world, t.keep_checkpoints)
+                extra = {"selection": selection.state()} if selection else {}
+                best = selection.step if selection and selection.value is not None else None
+                checkpoint.save(engine, ckpts, step, {"step": step, "samples_seen": samples_seen, **extra}, world,
+                                t.keep_checkpoints, best=best)
             elif world.is_main:
                 progress.write(f"step {step}: loss is not finite, checkpoint skipped")
     progress.close()
     if step == max_steps:
         last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
+        if selection and _select(selection, last_metrics, step, plan, world, tracker, final=True) and world.is_main:
+            checkpoint.mark_best(ckpts, step)
+    if step == max_steps or (selection and selection.stopped_at):
+        if selection and selection.stopped_at:
+            say(f"stopped early at step {step} of {max_steps}: {selection.why_stopped()}")
+        if selection and selection.value is not None and selection.step != step:
+            checkpoint.load(engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
+            say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
+                f"(train.select_best); exporting its checkpoint")
         say(f"exported {export_model(engine, plan.run_dir, world, plan.task, cfg)}")
     else:
         say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
     tracker.close()
     if cfg.logging.plots and world.is_main:
         _draw_curves(plan.run_dir, say)
-    return {"step": step, **last_metrics}
+    return {"step": step, **last_metrics, **({"best": selection.state()} if selection else {})}
+
+
+def _select(selection: Selection, metrics: dict, step: int, plan: Plan, world: World, tracker: Tracker,
+            savable: bool = True, final: bool = False) -> bool:
+    """One evaluation's verdict for train.select_best (see `selection.py`); rank 0 records it in RUN/best.json."""
+    try:
+        improved = selection.update(metrics, step, savable, final)
+    except ConfigError:  # the metric named is not among those evaluated
+        tracker.close()
+        raise
+    if world.is_main:
+        selection.record(plan.run_dir)
+    return improved
 
 
 def _draw_curves(run_dir: Path, say) -> None:
@@ -244,9 +280,11 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     return StepResult(step_loss, work.cpu(), grad_norm, engine.skipped_steps > skipped_before)
 
 
-def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False) -> dict:
+def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None) -> dict:
     metrics = evaluate(engine, plan, val, world)
-    if final and hasattr(plan.task, "evaluate"):  # the field's metrics (e.g. BLEU by beam search) once, at the end
+    # The field's metrics (e.g. BLEU by beam search) once, at the end; at every evaluation when train.select_best
+    # names one (`want`) that the loss does not give.
+    if (final or (want and want not in metrics)) and hasattr(plan.task, "evaluate"):
         model, eval_world = engine, world
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data

@@ -42,6 +42,7 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     check_training_length(run.cfg)
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
+    check_selection(run, task)
     if run.cfg.data.bucket and not hasattr(task, "lengths"):
         raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
                           f"bucketing them changes nothing, set it to 0")
@@ -53,6 +54,19 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
         check_model_parallel(run, ds, task)
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))
+
+
+def check_selection(run: Resolved, task: Task) -> None:
+    """`train.select_best` names a metric the validation evaluation reports: known before launch for a task whose
+    metrics all come from the loss; a task with a field evaluation (`evaluate`) is checked at its first one."""
+    from .selection import metric_key
+
+    name = run.cfg.train.select_best
+    if name and not hasattr(task, "evaluate"):
+        reported = [k for k, v in task.metrics(1.0).items() if not isinstance(v, str)]
+        if metric_key(name) not in reported:
+            raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
+                              f"{', '.join(reported)} at each evaluation (or val_loss for loss)")
 
 
 def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:

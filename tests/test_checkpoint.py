@@ -13,16 +13,19 @@ from conftest import assert_losses_close, ds_variant, harness, val_loss_of_expor
 STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", "model.dropout=0.1"]
 
 
-def test_resume_auto_continues_with_the_uninterrupted_losses(tmp_path, corpus):
+def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_best(tmp_path, corpus):
     # ZeRO-3 with every parameter sharded (ZeRO-2 on 2 processes resumes in test_hf.py, against 1 process).
     # Dropout on: resuming must also restore every rank's RNG, not only weights and data position.
+    # train.select_best: the loss falls, so "max" picks the evaluation at step 4 over the final one at 8 (whichever it
+    # picks, eval.jsonl says); the export, gathered from 2 ranks, holds that evaluation's weights.
     ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
-    sets = STEPS + ["train.micro_batch_size=2"]
+    sets = STEPS + ["train.micro_batch_size=2", "train.eval_every=4", "train.select_best=\"loss\"",
+                    "train.select_mode=\"max\""]
     full = harness(tmp_path / "full", corpus, nproc=2, ds=ds, sets=sets)
     part = harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=sets, args=["--stop-at", "5"])
     assert "stopped at step 5 of 8" in part.proc.stdout
     ckpts = sorted(p.name for p in (part.dir / "checkpoints").iterdir() if not p.name.endswith(".py"))
-    assert ckpts == ["latest", "step_00000004", "step_00000005"]  # the last 2 kept
+    assert ckpts == ["best", "latest", "step_00000004", "step_00000005"]  # the last 2 kept; the best is one of them
     # as if it had crashed later: metrics logged past the checkpoint, a half-written checkpoint
     with (part.dir / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 6, "loss": 99.0}) + "\n")
@@ -34,6 +37,10 @@ def test_resume_auto_continues_with_the_uninterrupted_losses(tmp_path, corpus):
     assert [m["step"] for m in resumed.metrics] == list(range(1, 9))
     assert [m["samples_seen"] for m in resumed.metrics] == [4 * s for s in range(1, 9)]
     assert not list((part.dir / "checkpoints").glob("*.partial"))
+    best = max(resumed.evals, key=lambda e: e["loss"])
+    assert json.loads((resumed.dir / "best.json").read_text())["step"] == best["step"]
+    assert json.loads((full.dir / "best.json").read_text())["step"] == best["step"]
+    assert abs(val_loss_of_export(resumed.dir) - best["loss"]) < 1e-5
 
 
 def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
@@ -109,3 +116,53 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert "at step 3" in other.proc.stdout
     assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
     assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
+
+
+BEST = ["train.max_steps=12", "train.eval_every=1", "train.save_every=1", "train.keep_checkpoints=2",
+        "train.select_best=\"val_loss\"", "train.select_mode=\"max\"", "train.early_stopping_patience=3"]
+
+
+def test_best_checkpoint_is_exported_and_early_stopping_stops_the_same_after_a_resume(tmp_path, corpus):
+    """The validation loss falls over the first steps, so selecting its maximum makes an early evaluation the best:
+    a best that is not the last, and evaluations without improvement that end the run early."""
+    from safetensors.torch import load_file
+
+    run = harness(tmp_path / "run", corpus, sets=BEST)
+    best_step, best, since = 0, -math.inf, 0
+    for e in run.evals:  # the decisions, taken again from eval.jsonl
+        best_step, best, since = (e["step"], e["loss"], 0) if e["loss"] > best else (best_step, best, since + 1)
+        if since == 3:
+            stop = e["step"]
+            break
+    assert run.evals[-1]["step"] == stop < 12 and len(run.metrics) == stop
+    assert f"stopped early at step {stop} of 12: no improvement of validation loss" in run.proc.stdout
+    record = json.loads((run.dir / "best.json").read_text())
+    assert (record["step"], record["value"], record["stopped_at"]) == (best_step, best, stop)
+    assert "in 3 evaluations" in record["stopped_early"]
+    ckpts = run.dir / "checkpoints"
+    names = [f"step_{s:08d}" for s in (best_step, stop - 1, stop)]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best", "latest", *names]  # kept 2, and the best
+    assert (ckpts / "best").read_text().strip() == names[0]
+    exported = load_file(str(run.dir / "model.safetensors"))
+    module = torch.load(ckpts / names[0] / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert exported.keys() == module.keys() and all(torch.equal(exported[k], module[k]) for k in exported)
+    assert abs(val_loss_of_export(run.dir) - best) < 1e-5 and abs(best - run.evals[-1]["loss"]) > 1e-3
+
+    # resumed into a new run directory one evaluation before the stop: the carried state (best, evaluations since)
+    # stops it at the same step, and the best checkpoint comes along from the run it resumed
+    resumed = harness(tmp_path / "resumed", corpus, sets=BEST, args=["--resume", str(ckpts / names[1])])
+    assert f"stopped early at step {stop} of 12" in resumed.proc.stdout
+    assert json.loads((resumed.dir / "best.json").read_text()) == record
+    assert (resumed.dir / "checkpoints" / "best").read_text().strip() == names[0]
+    assert resumed.evals[-1]["loss"] == pytest.approx(run.evals[-1]["loss"], rel=1e-6)
+    again = load_file(str(resumed.dir / "model.safetensors"))
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
+
+
+def test_select_mode_auto_minimises_errors_and_maximises_scores():
+    from harness.selection import direction
+
+    lower = ("loss", "val_loss", "perplexity", "price_mse", "bits_per_byte")
+    assert [direction(m, "auto") for m in lower] == ["min"] * 5
+    assert [direction(m, "auto") for m in ("accuracy", "bleu", "q3", "spearman", "auroc")] == ["max"] * 5
+    assert direction("loss", "max") == "max"

@@ -112,6 +112,13 @@ def test_zero_memory_estimate_shrinks_with_stage():
     (["--set", "data.bucket=20"], None, "task 'lm' has samples of one length"),
     (["--set", "data.bucket=-1"], None, "data.bucket = -1 (command line) must be >= 0"),
     (["--set", "train.profile_step=-1"], None, "train.profile_step = -1 (command line) must be >= 0"),
+    (["--set", "train.early_stopping_patience=2"], None,
+     "train.early_stopping_patience = 2 (command line) needs train.select_best"),
+    (["--set", "train.select_best=\"loss\"", "--set", "train.early_stopping_patience=2"], None,
+     "counts evaluations, but train.eval_every = 0 (default) evaluates only at the end"),
+    (["--set", "train.select_best=\"accuracy\""], None, "task 'lm' reports loss, perplexity, bits_per_byte"),
+    (["--set", "train.select_best=\"loss\"", "--set", "train.select_mode=\"up\""], None,
+     "train.select_mode must be one of auto, min, max"),
 ])
 def test_plan_rejects_contradictions_naming_the_key(args, ds, message, tmp_path):
     extra = ["--ds", write(tmp_path, "ds.json", json.dumps(ds))] if ds is not None else []
