@@ -3,6 +3,7 @@
     harness train --run examples/digits.toml                      # run.task = "examples/digits_task.py:DigitsTask"
     accelerate launch --config_file launch/cpu_2proc.yaml -m harness train --run examples/digits.toml --ds configs/ds/zero3.json
     harness evaluate --run-dir runs/digits --split test
+    harness evaluate --run-dir runs/digits --data my_digits.txt   # new data: one line of `length` digits a sample
 
 What a task must provide and what it may leave out: the Task interface in harness/tasks/__init__.py.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from harness.config import ConfigError
-from harness.tasks import TaskData
+from harness.tasks import ReadData, TaskData
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,20 @@ class DigitsTask:
     def metrics(self, mean_loss: float) -> dict[str, float]:
         return {"mse": mean_loss, "rmse": math.sqrt(mean_loss)}
 
+    def read(self, cfg, path, stored) -> ReadData:
+        """`harness evaluate --data PATH`: a text file, one sample a line of task.length digits (others skipped)."""
+        if not path.is_file():
+            raise ConfigError(f"{path}: not found")
+        lines = path.read_text().split()
+        rows = [torch.tensor([int(c) for c in x]) for x in lines if x.isdigit() and len(x) == cfg.task.length]
+        return ReadData([{"digits": r, "target": r.float().mean() / 9} for r in rows],
+                        {"ok": len(rows), "malformed": len(lines) - len(rows)}, [path])
+
     @torch.no_grad()
-    def evaluate(self, model, cfg, split: str, world, in_training: bool = False) -> dict[str, float]:
-        """MSE and Pearson r on a split; every rank makes the same number of forward calls (ZeRO-3 gathers)."""
-        rows = _split(cfg.task.test_samples, cfg.task.length, seed=2 if split == "validation" else 3)
+    def evaluate(self, model, cfg, split: str, world, in_training: bool = False, data=None) -> dict[str, float]:
+        """MSE and Pearson r on a split (or on `data`, from `read`); every rank makes the same number of forward calls
+        (ZeRO-3 gathers)."""
+        rows = data or _split(cfg.task.test_samples, cfg.task.length, seed=2 if split == "validation" else 3)
         mine, b = rows[world.dp_rank::world.dp_size], cfg.train.micro_batch_size
         device = next(model.parameters()).device
         pairs = []

@@ -73,11 +73,13 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
         close_world()
 
 
-def evaluate(run_dir: str | Path, split: str = "test") -> dict[str, float | str]:
-    """The field's metrics of a finished run on a split (`harness evaluate`); also written to RUN/eval.json."""
-    from .evaluation import evaluate_run
+def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None):
+    """The field's metrics of a finished run on a split (`harness evaluate`), or with `data` on new data read with
+    the run's stored tokenizer and statistics (`--data`: {entry name: metrics}, one entry per data set); also
+    written to RUN/eval.json."""
+    from .evaluation import evaluate_data, evaluate_run
 
-    return evaluate_run(run_dir, split)
+    return evaluate_run(run_dir, split) if data is None else evaluate_data(run_dir, data, name)
 
 
 def load_model(run_dir: str | Path):

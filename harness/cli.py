@@ -49,9 +49,14 @@ def parser() -> argparse.ArgumentParser:
                     "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
     pr.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
     pr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
-    ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split; writes RUN/eval.json")
+    ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split or on new data; writes "
+                        "RUN/eval.json")
     ev.add_argument("--run-dir", required=True, metavar="DIR")
-    ev.add_argument("--split", default="test", choices=["validation", "test"])
+    ev.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
+    ev.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
+                    "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
+                    "and statistics")
+    ev.add_argument("--name", help="--data: the entry's name in RUN/eval.json (default: PATH's file name)")
     b = sub.add_parser("bench", help="time a sweep of strategies, precisions, sizes and process counts, one "
                        "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
     b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
@@ -171,8 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("evaluate", "translate"):
             from . import evaluation as evaluate
 
-            if args.command == "evaluate":
-                print(evaluate.render_table(args.split, evaluate.evaluate_run(args.run_dir, args.split)))
+            if args.command == "evaluate" and args.data is not None:
+                if args.split:
+                    raise ConfigError(f"--split {args.split} and --data {args.data}: name one")
+                results = evaluate.evaluate_data(args.run_dir, args.data, args.name)
+                print("\n\n".join(evaluate.render_table(k, v) for k, v in results.items()))
+            elif args.command == "evaluate":
+                if args.name:
+                    raise ConfigError("--name names new data: it goes with --data")
+                split = args.split or "test"
+                print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split)))
             else:
                 sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
                 print("\n".join(evaluate.translate(args.run_dir, sentences)))

@@ -155,6 +155,9 @@ class ProteinSection:
     objective: str = _f("classify", "what to train: masked-LM pre-training, sequence classification, "
                         "per-residue (secondary-structure) labels, or one value per sequence (fitness regression)",
                         ("mlm", "classify", "residue", "regress"))
+    pooling: str = _f("mean", "classify and regress with the built-in encoder: one vector per sequence from the mean "
+                      "of its positions, or a learned attention over them (for landscapes where a few positions "
+                      "matter, e.g. FLIP GB1)", ("mean", "attention"))
     mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
     init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
     mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "

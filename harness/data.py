@@ -22,7 +22,7 @@ from torch.utils.data import Sampler
 from .config import ConfigError, DataSection
 
 SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
-KEPT = ("ok", "truncated")
+KEPT = ("ok", "truncated", "whole")  # whole: a protein evaluation chain longer than data.seq_len, scored in windows
 
 
 @dataclass
@@ -38,8 +38,9 @@ class DataSummary:
         parts = []
         for split, c in self.counts.items():
             dropped = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in c.items() if s not in KEPT and n)
-            parts.append(f"{split}: {c['ok'] + c['truncated']} rows kept of {sum(c.values())}"
-                         f" ({dropped or 'none skipped'}; {c['truncated']} truncated)")
+            whole = f", {c['whole']} longer than data.seq_len kept whole (scored in windows)" if c["whole"] else ""
+            parts.append(f"{split}: {sum(c[s] for s in KEPT)} rows kept of {sum(c.values())}"
+                         f" ({dropped or 'none skipped'}; {c['truncated']} truncated{whole})")
         return "data " + "; ".join(parts)
 
 

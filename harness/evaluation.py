@@ -1,55 +1,137 @@
-"""`harness evaluate` and `harness translate`: a finished run's exported model, one process, any split.
+"""`harness evaluate` and `harness translate`: a finished run's exported model, one process, a split or new data.
 
-`eval.json` in the run directory keeps the latest result per split: {split: {metric: value}}.
+`eval.json` in the run directory keeps the latest result per split and per scored data set: {name: {metric: value}}.
+
+`--split` scores a split of the data prepared from the run's `data.path`; where the run keeps its tokenizer and
+statistics (`RUN/data/`, see `harness.prepare`), it refuses when the data prepared now has others (the training
+data changed since the run). `--data PATH` reads new data with the task's `read` and the stored artefacts, never
+re-fitted, and scores it with the same `evaluate`; each entry names the data, its sha256 (of the file; of a file
+pair, the sha256 of their `sha256sum` lines) and the rows kept and skipped.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from .config import ConfigError, RunConfig
-from .export import MODEL_FILE, load_model
-from .tasks import get_task
+from .export import MODEL_FILE, load_model, run_config
+from .prepare import CHECKSUMS, STORED, differences, sha256, stored
+from .tasks import ReadData, get_task
 from .world import single_world
 
 RESULTS = "eval.json"
+SPLITS = ("train", "validation", "test")  # names an entry for new data may not take
 
 
-def _load(run_dir: Path) -> tuple[torch.nn.Module, RunConfig, object]:
+def _task(run_dir: Path, reader: bool = False) -> tuple[RunConfig, object]:
     for name in ("config.toml", MODEL_FILE):
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
                               f"continued with `harness train ... --resume auto`)")
-    model, cfg = load_model(run_dir)
+    cfg = run_config(run_dir)
     task = get_task(cfg.run.task)
+    if reader and not callable(getattr(task, "read", None)):
+        raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
+                          f"harness/tasks/__init__.py), so it cannot score new data; score a split with --split")
     if not hasattr(task, "evaluate"):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no field evaluation; its validation loss is in "
                           f"{run_dir / 'eval.jsonl'}")
+    return cfg, task
+
+
+def _model(run_dir: Path, task) -> torch.nn.Module:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device), cfg, task
+    return load_model(run_dir, task)[0].to(device)
+
+
+def _record(run_dir: Path, entries: dict[str, dict]) -> None:
+    path = run_dir / RESULTS
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results.update(entries)
+    tmp = path.with_name(f".{RESULTS}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def evaluate_run(run_dir: str | Path, split: str) -> dict[str, float | str]:
     run_dir = Path(run_dir)
-    model, cfg, task = _load(run_dir)
+    cfg, task = _task(run_dir)
+    saved = stored(run_dir)
+    if saved is not None and hasattr(task, "prepare"):
+        changed = differences(saved, task.prepare(cfg))
+        if changed:
+            source = cfg.data.path or "the embedded default"
+            raise ConfigError(f"{run_dir}: the data prepared now from data.path ({source}) differs from what the run "
+                              f"was trained with ({saved}) in {', '.join(changed)}: the training data changed since "
+                              f"the run; score a test file with `harness evaluate --run-dir {run_dir} --data PATH`, "
+                              f"which uses the stored ones")
+    model = _model(run_dir, task)
     metrics = task.evaluate(model, cfg, split, single_world(next(model.parameters()).device))
-    path = run_dir / RESULTS
-    results = json.loads(path.read_text()) if path.is_file() else {}
-    results[split] = metrics
-    tmp = path.with_name(f".{RESULTS}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(path)
+    _record(run_dir, {split: metrics})
     return metrics
+
+
+def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None) -> dict[str, dict[str, float | str]]:
+    """`harness evaluate --data PATH [--name NAME]`: {entry name: metrics} for each data set PATH holds (a directory
+    may hold several: NAME/part), read with the run's stored tokenizer and statistics; also written to eval.json."""
+    run_dir, path = Path(run_dir), Path(path)
+    cfg, task = _task(run_dir, reader=True)
+    saved = stored(run_dir)
+    if saved is None and hasattr(task, "store"):
+        raise ConfigError(f"{run_dir}: holds no stored tokenizer and statistics ({STORED}/{CHECKSUMS}), which "
+                          f"reading new data needs; it was trained before runs kept them: train it again")
+    base = name or (path.name if path.name not in SPLITS else f"{path.parent.name}/{path.name}")
+    if base in SPLITS:
+        raise ConfigError(f"--name {base}: the name of a split; name the data otherwise")
+    if hasattr(task, "prepared"):  # the model and the reader take vocabulary and statistics from RUN/data/ only
+        task.prepared = saved
+    import datasets
+
+    datasets.disable_progress_bars()  # the report counts the rows kept and skipped
+    parts = task.read(cfg, path, saved)
+    parts = parts if isinstance(parts, list) else [parts]
+    model = _model(run_dir, task)
+    world = single_world(next(model.parameters()).device)
+    results = {}
+    for part in parts:
+        key = f"{base}/{part.part}" if part.part else base
+        kept, skipped = _rows(part)
+        if not kept:
+            raise ConfigError(f"{path}: no row to score survived cleaning ({_counts(part.counts)})")
+        metrics = task.evaluate(model, cfg, key, world, data=part.data)
+        results[key] = {"data": ", ".join(map(str, part.files)), "data_sha256": checksum(part.files), **metrics,
+                        "rows_kept": kept, "rows_skipped": sum(skipped.values()),
+                        **({"skipped": _counts(skipped)} if skipped else {})}
+    _record(run_dir, results)
+    return results
+
+
+def _rows(part: ReadData) -> tuple[int, dict[str, int]]:
+    kept = sum(n for status, n in part.counts.items() if status in part.kept)
+    return kept, {status: n for status, n in part.counts.items() if status not in part.kept and n}
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{status} {n:,}" for status, n in sorted(counts.items())) or "no rows"
+
+
+def checksum(files: list[Path]) -> str:
+    """The sha256 of one file; of several, the sha256 of their `sha256sum` lines ("DIGEST  NAME\\n"), in order."""
+    if len(files) == 1:
+        return sha256(files[0])
+    return hashlib.sha256("".join(f"{sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
 def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
     run_dir = Path(run_dir)
-    model, cfg, task = _load(run_dir)
+    cfg, task = _task(run_dir)
     if not hasattr(task, "translate"):
         raise ConfigError(f"{run_dir}: run.task is {cfg.run.task!r}; `harness translate` needs a translation run")
-    return task.translate(model, cfg, sentences)
+    task.prepared = stored(run_dir)  # the run's own tokenizer, where it keeps one
+    return task.translate(_model(run_dir, task), cfg, sentences)
 
 
 def _number(v: float) -> str:
@@ -60,8 +142,8 @@ def _number(v: float) -> str:
 def render_table(split: str, metrics: dict[str, float | str]) -> str:
     """Numbers first, in a two-column table; signatures and other strings below it."""
     numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
-    width = max((len(k) for k in numbers), default=6)
-    lines = [f"| {'metric':{width}} | {split:>12} |", f"|{'-' * (width + 2)}|{'-' * 14}|"]
-    lines += [f"| {k:{width}} | {_number(v):>12} |" for k, v in numbers.items()]
+    width, column = max((len(k) for k in numbers), default=6), max(12, len(split))
+    lines = [f"| {'metric':{width}} | {split:>{column}} |", f"|{'-' * (width + 2)}|{'-' * (column + 2)}|"]
+    lines += [f"| {k:{width}} | {_number(v):>{column}} |" for k, v in numbers.items()]
     lines += [f"{k}: {v}" for k, v in metrics.items() if isinstance(v, str)]
     return "\n".join(lines)

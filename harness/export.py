@@ -53,21 +53,34 @@ def _unshared(state: dict) -> dict:
     return out
 
 
-def load_model(run_dir: str | Path) -> tuple[nn.Module, RunConfig]:
-    """Rebuild the task's model from a run directory and load the exported weights, on one process. A Hugging Face
-    model is built from the run's own `hf/` export, so its original source need not exist any more."""
+def run_config(run_dir: str | Path) -> RunConfig:
+    """A run directory's resolved config; a Hugging Face model named by the run's own `hf/` export, so its original
+    source need not exist any more."""
     from dataclasses import replace
-
-    from safetensors.torch import load_file
-
-    from .tasks import get_task
 
     run_dir = Path(run_dir)
     cfg = resolve(str(run_dir / "config.toml")).cfg
     if cfg.model.hf and (run_dir / HF_DIR / "config.json").is_file():
         cfg = replace(cfg, model=replace(cfg.model, hf=str(run_dir / HF_DIR)))
-    model = get_task(cfg.run.task).build_model(cfg)
-    model.load_state_dict(load_file(str(run_dir / MODEL_FILE)))
+    return cfg
+
+
+def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
+    """Rebuild the task's model from a run directory and load the exported weights, on one process. A task that
+    prepares data builds it from the run's stored artefacts (`RUN/data/`: vocabulary, classes) where the run has them,
+    so the training data need not exist any more either; a `task` given is used as it is."""
+    from safetensors.torch import load_file
+
+    from .prepare import stored
+    from .tasks import get_task
+
+    cfg = run_config(run_dir)
+    if task is None:
+        task = get_task(cfg.run.task)
+        if hasattr(task, "prepared"):
+            task.prepared = stored(Path(run_dir))
+    model = task.build_model(cfg)
+    model.load_state_dict(load_file(str(Path(run_dir) / MODEL_FILE)))
     return model.eval(), cfg
 
 

@@ -18,6 +18,7 @@ from .data import StepSampler, eval_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
+from .prepare import store_run_data
 from .selection import Selection
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
@@ -64,6 +65,10 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     datasets.disable_progress_bars()  # the data summary line below reports what they would
     with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
         data = task.build_data(cfg)
+    if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
+        note = store_run_data(task, cfg, plan.run_dir)
+        if note:
+            say(note)
     sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=ds.grad_accum_steps,
                         dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
                         lengths=task.lengths(data.train) if cfg.data.bucket else None)

@@ -2,7 +2,8 @@
 
 - translation: sacreBLEU's corpus BLEU and chrF, with the signatures that make them comparable across papers;
 - protein: accuracy, AUROC (the Mann-Whitney statistic, ties counted half), Q3 (per-residue accuracy over
-  resolved residues only);
+  resolved residues only), Spearman's rho and Pearson's r for fitness regression, and ridge regression (the
+  baseline fitness models are compared with);
 - forecasting: MSE, MAE and directional accuracy (did the forecast move the right way from the last value); the
   skill score against a reference forecast and a moving-block bootstrap interval, to say whether a difference
   between two forecasts is more than chance.
@@ -52,6 +53,43 @@ def q3(pred, labels, mask) -> float:
     if not mask.any():
         raise ValueError("Q3 needs at least one resolved residue")
     return (pred[mask] == labels[mask]).double().mean().item()
+
+
+def pearson(x, y) -> float:
+    """Pearson's correlation coefficient; nan when either side is constant."""
+    x, y = _t(x), _t(y)
+    x, y = x - x.mean(), y - y.mean()
+    denominator = (x.pow(2).sum() * y.pow(2).sum()).sqrt()
+    return (x * y).sum().div(denominator).item() if denominator > 0 else float("nan")
+
+
+def ranks(x) -> torch.Tensor:
+    """1-based ranks, ties given the mean of the ranks they span (as scipy.stats.rankdata's 'average')."""
+    x = _t(x)
+    order = torch.argsort(x, stable=True)
+    ordinal = torch.empty_like(x)
+    ordinal[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    _, group, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, group, ordinal)
+    return (sums / counts)[group]
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation: Pearson's r of the ranks (ties averaged)."""
+    return pearson(ranks(x), ranks(y))
+
+
+def ridge(features, target, alpha: float) -> torch.Tensor:
+    """Ridge regression weights (intercept last, not penalised) for features (n, d): argmin |Xw + b - y|^2 +
+    alpha |w|^2, solved in float64 on centred data, in the primal (d x d) or dual (n x n) form, the smaller."""
+    x, y = _t(features), _t(target)
+    mx, my = x.mean(0), y.mean()
+    xc, yc = x - mx, y - my
+    if x.shape[1] <= x.shape[0]:
+        w = torch.linalg.solve(xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=torch.float64), xc.T @ yc)
+    else:
+        w = xc.T @ torch.linalg.solve(xc @ xc.T + alpha * torch.eye(x.shape[0], dtype=torch.float64), yc)
+    return torch.cat([w, (my - mx @ w).reshape(1)])
 
 
 def regression(pred, target) -> dict[str, float]:

@@ -118,6 +118,27 @@ def cached_run(tmp_path_factory, corpus):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """In-process model work on one thread, in every test: the suite's two workers and their runs already share the
+    cores, where a tiny model's ops on two threads wait on each other (measured: beam search 10x slower). Runs the
+    tests start get OMP_NUM_THREADS=1 (`_env`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def bare_copy(run_dir: Path, dest: Path) -> Path:
+    """A run directory with only its config and exported model: none of the stored tokenizer and statistics."""
+    dest.mkdir()
+    for name in ("config.toml", "model.safetensors"):
+        (dest / name).write_bytes((run_dir / name).read_bytes())
+    return dest
+
+
 def ds_variant(tmp: Path, base: str, **zero) -> str:
     """A shipped DeepSpeed config with some zero_optimization keys changed (e.g. to force real sharding)."""
     cfg = json.loads((DS / base).read_text())

@@ -220,6 +220,21 @@ def test_protein_flip_directory_takes_its_splits_from_the_headers():
     assert [r["sequence"] for r in rows["test"]] == [r["sequence"] for r in residue_rows()[4:]]
 
 
+def test_protein_fitness_csv_keeps_its_flip_splits_and_values():
+    path = SAMPLES / "protein" / "fitness.csv"
+    with path.open(newline="") as f:
+        written = list(csv.DictReader(f))
+    cfg = config("protein", path, 'protein.objective="regress"', "data.seq_len=64")
+    ProteinTask().check(cfg)
+    directory = ProteinTask().prepare(cfg)
+    rows = prepared_rows(directory)
+    split = {"test": "test"}
+    expected = {s: [(r["sequence"], float(r["target"])) for r in written
+                    if split.get(r["set"], "validation" if r["validation"] == "True" else "train") == s] for s in SPLITS}
+    assert {s: [(r["sequence"], r["value"]) for r in rows[s]] for s in SPLITS} == expected
+    assert [len(expected[s]) for s in SPLITS] == [6, 2, 2]
+
+
 def test_protein_mlm_reads_a_labelled_file():
     cfg = config("protein", SAMPLES / "protein" / "classify.csv", 'protein.objective="mlm"', "data.seq_len=64",
                  "protein.mask_variants=3")

@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from conftest import TINY_RUN, assert_losses_close, ds_variant, harness
 
@@ -25,8 +26,6 @@ def split_then_resume(out, data: str, *, ds: str, env: dict, sets: list[str]):
 
 
 def test_hf_seq2seq_translates_under_partitioned_zero3_resumes_exactly_and_exports(tiny_t5, tmp_path):
-    import torch
-
     toy, model_dir = tiny_t5
     env = {"HARNESS_CACHE": str(tmp_path / "cache")}
     sets = ['run.task="translation"', 'translation.target_lang="fr"', f"model.hf={json.dumps(str(model_dir))}",
@@ -59,8 +58,6 @@ def test_hf_seq2seq_translates_under_partitioned_zero3_resumes_exactly_and_expor
 
 
 def test_hf_esm_classifies_proteins_under_partitioned_zero3_resumes_exactly_and_exports(tiny_esm, tmp_path):
-    import torch
-
     env = {"HARNESS_CACHE": str(tmp_path / "cache")}
     sets = ['run.task="protein"', f"model.hf={json.dumps(str(tiny_esm))}", "data.seq_len=64"]
     ref = harness(tmp_path / "ref", "", env=env, sets=sets, base=TINY_RUN)
@@ -117,14 +114,30 @@ def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_i
         n_out = len(tok) if objective == "mlm" else 3
         loss = task.loss(model, batch) / task.count(batch)
         assert abs(loss.item() - math.log(n_out)) < 1.0  # about uniform at initialisation
+    # regress: the sequence-classification class with one output, on z-scored values
+    from harness.config import ConfigError
+
+    from test_protein import write_fitness
+
+    sets = ['run.task="protein"', 'protein.objective="regress"', "data.seq_len=64", "train.max_steps=1",
+            f"data.path={json.dumps(str(write_fitness(tmp_path / 'fitness.csv', n=40)))}",
+            f"model.hf={json.dumps(str(tiny_esm))}"]
+    cfg, task = resolve(None, sets).cfg, ProteinTask()
+    task.check(cfg)
+    model = task.build_model(cfg)
+    assert type(model).__name__ == "EsmForSequenceClassification" and model.config.num_labels == 1
+    data = task.build_data(cfg)
+    batch = task.collate([data.train[0], data.train[1]])
+    assert batch["values"].dtype == torch.float32 and task.count(batch) == 2
+    assert torch.isfinite(task.loss(model, batch))
+    with pytest.raises(ConfigError, match="protein.pooling = 'attention' is for the built-in encoder"):
+        task.check(resolve(None, [*sets, 'protein.pooling="attention"']).cfg)
 
 
 def test_hf_model_from_its_config_on_the_tasks_own_tokenizer(tiny_llama, tiny_t5, tiny_esm, corpus, tmp_path,
                                                              monkeypatch):
     """`model.hf_tokenizer = false`: a model from its config.json trains on the task's own ids (bytes, SentencePiece,
     residues), its vocabulary and special ids set to theirs; pretrained weights are refused."""
-    import torch
-
     from harness.config import ConfigError, resolve
     from harness.prepare import read_meta
     from harness.prepare import protein as pprep

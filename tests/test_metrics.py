@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from harness import metrics
 from harness.config import ConfigError, resolve, to_toml
@@ -40,6 +41,29 @@ def test_regression_and_direction_by_hand():
     assert metrics.regression([1.0, 2.0, 4.0], [0.0, 4.0, 4.0]) == pytest.approx({"mse": 5 / 3, "mae": 1.0})
     # last value 1; truth goes to 3 then 0.5; forecast goes to 2 (right way) then 1.5 (wrong way)
     assert metrics.directional_accuracy([[1.0]], [[[2.0], [1.5]]], [[[3.0], [0.5]]]) == 0.5
+
+
+def test_rank_correlations_by_hand():
+    # x ranks 4, 1, 2.5, 2.5, 5 (the tie shares ranks 2 and 3); y ranks 1, 2, 3, 4.5, 4.5; both centred on 3:
+    # sum of products 2.25, sums of squares 9.5 and 9.5 -> 2.25 / 9.5
+    assert metrics.ranks([3, 1, 2, 2, 5]).tolist() == [4, 1, 2.5, 2.5, 5]
+    assert metrics.spearman([3, 1, 2, 2, 5], [1, 2, 3, 4, 4]) == pytest.approx(2.25 / 9.5)
+    assert metrics.pearson([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)  # 1 / sqrt(2 * 2)
+    assert metrics.spearman([1, 2, 3], [1, 4, 100]) == pytest.approx(1.0)  # monotone, not linear
+    assert math.isnan(metrics.pearson([1, 1, 1], [1, 2, 3]))
+
+
+def test_ridge_by_hand_in_both_forms():
+    # one feature 0, 1, 2 and targets 1, 3, 2: centred x -1, 0, 1 and y -1, 1, 0 -> w = 1 / (2 + alpha),
+    # intercept 2 - w
+    w = metrics.ridge([[0.0], [1.0], [2.0]], [1.0, 3.0, 2.0], alpha=1.0)
+    assert w.tolist() == pytest.approx([1 / 3, 5 / 3])
+    # more features than rows: the dual form, which must equal the primal one
+    x = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, 1.0]])
+    y = torch.tensor([1.0, -1.0])
+    xc, yc = (x - x.mean(0)).double(), (y - y.mean()).double()
+    primal = torch.linalg.solve(xc.T @ xc + 0.5 * torch.eye(3, dtype=torch.float64), xc.T @ yc)
+    assert metrics.ridge(x, y, alpha=0.5)[:3].tolist() == pytest.approx(primal.tolist())
 
 
 def test_prepared_builds_once_and_keys_on_settings(tmp_path, monkeypatch):

@@ -52,6 +52,30 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
     assert "counted by FlopCounterMode" in (tmp_path / "bench" / "bench.md").read_text()
 
 
+def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(cached_run, tmp_path, one_thread):
+    """The example's reader (`read`): its test rows written to a file score what the test split scores; a task without
+    a reader gets one line from `evaluate --data`."""
+    from harness.config import ConfigError, resolve, to_toml
+    from harness.evaluation import evaluate_data, evaluate_run
+    from harness.tasks import task_class
+
+    run = cached_run("digits-ref", args=BY_FILE)
+    cfg = resolve(str(run.dir / "config.toml")).cfg
+    rows = sys.modules[task_class(cfg.run.task).__module__]._split(cfg.task.test_samples, cfg.task.length, seed=3)
+    data = tmp_path / "digits.txt"
+    data.write_text("".join("".join(map(str, r["digits"].tolist())) + "\n" for r in rows) + "12x\n")
+    split = evaluate_run(run.dir, "test")
+    got = evaluate_data(run.dir, data)["digits.txt"]
+    assert {k: got[k] for k in split} == pytest.approx(split, rel=1e-6)
+    assert got["rows_kept"] == 500 and got["skipped"] == "malformed 1"
+    lm = tmp_path / "lm"  # the built-in lm task has no reader: refused before its (absent) model is read
+    lm.mkdir()
+    (lm / "config.toml").write_text(to_toml(resolve(None, ['run.task="lm"']).cfg))
+    (lm / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="task 'lm' has no reader"):
+        evaluate_data(lm, data)
+
+
 @pytest.mark.parametrize("sets,message", [
     (["task.lenght=8"], "unknown config key `task.lenght`; did you mean `task.length`?"),
     (["task.length=\"8\""], "task.length must be int, got str '8'"),

@@ -18,7 +18,7 @@ from harness.prepare import prices as P
 from harness.prepare import read_meta
 from harness.tasks.prices import PricesTask, baselines, score, trivial_directions, verdict
 
-from conftest import ROOT, _env, harness
+from conftest import ROOT, _env, bare_copy, harness
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -215,10 +215,19 @@ def test_baselines_and_metrics_on_a_hand_made_series():
     assert m["drift_price_mae"] == pytest.approx(abs(price(6) - price(7)) / 2, rel=1e-9)
 
 
-def test_two_process_zero2_run_lowers_the_loss_and_evaluates(tmp_path, series_csv, cache):
-    run = harness(tmp_path / "run", series_csv, nproc=2, ds="zero2.json", env={"HARNESS_CACHE": str(cache)},
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    """A 2-process ZeRO-2 run on its own copy of the series (a test may change that copy) and the copy."""
+    root = tmp_path_factory.mktemp("trained")
+    data = write_series(root / "series.csv", n=600)
+    run = harness(root / "run", data, nproc=2, ds="zero2.json", env={"HARNESS_CACHE": str(cache)},
                   sets=['run.task="prices"', "prices.lookback=32", "prices.horizon=8", "prices.patch_len=8",
                         "prices.stride=4", "train.max_steps=10", "train.micro_batch_size=8", "schedule.warmup_steps=1"])
+    return run, data
+
+
+def test_two_process_zero2_run_lowers_the_loss_and_evaluates(trained, cache):
+    run = trained[0]
     losses = run.losses
     assert len(losses) == 10 and losses[10] < 0.7 * losses[1], losses
     final = run.evals[-1]
@@ -239,6 +248,48 @@ def test_two_process_zero2_run_lowers_the_loss_and_evaluates(tmp_path, series_cs
     assert test["verdict"].startswith("the model beats persistence") and "verdict: the model beats" in proc.stdout
     assert test["mse_difference_ci_low"] <= test["mse"] - test["persistence_mse"] <= test["mse_difference_ci_high"]
     assert 0 <= test["always_up_directional_accuracy"] <= 1 and "majority_directional_accuracy" in test
+
+
+def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, capsys, one_thread):
+    """`harness evaluate --data` on a csv of the test period scores what `--split test` scores; once the training
+    rows change, `--split` refuses (statistics re-fitted) and `--data` gives the same figures as before."""
+    import hashlib
+
+    from harness.cli import main
+    from harness.evaluation import evaluate_data, evaluate_run
+
+    run, data = trained
+    split = evaluate_run(run.dir, "test")
+    original = data.read_text()
+    header, *rows = original.splitlines()
+    held_out = tmp_path / "2020-01-21.csv"  # the test split's 120 rows (70/10/20 of 600), a file of its own
+    held_out.write_text("\n".join([header, *rows[480:]]) + "\n")
+    got = evaluate_data(run.dir, held_out)["2020-01-21.csv"]
+    assert {k: got[k] for k in split if k != "protocol"} == {k: v for k, v in split.items() if k != "protocol"}
+    assert got["rows_kept"] == 120 and got["rows_skipped"] == 0 and "inside the file" in got["protocol"]
+    assert got["data_sha256"] == hashlib.sha256(held_out.read_bytes()).hexdigest()
+    try:  # the training rows change after the run: statistics fitted now would differ
+        scaled = [",".join([r.split(",")[0], *(str(2 * float(v) + 1) for v in r.split(",")[1:])]) for r in rows[:420]]
+        data.write_text("\n".join([header, *scaled, *rows[420:]]) + "\n")
+        with pytest.raises(ConfigError, match="differs from what the run was trained with .* in meta.json norm"):
+            evaluate_run(run.dir, "test")
+        capsys.readouterr()
+        assert main(["evaluate", "--run-dir", str(run.dir), "--data", str(held_out), "--name", "again"]) == 0
+        assert re.search(r"\| metric +\| +again \|", capsys.readouterr().out)
+        again = json.loads((run.dir / "eval.json").read_text())["again"]
+        assert again == got
+    finally:
+        data.write_text(original)
+    other = tmp_path / "other.csv"
+    other.write_text(held_out.read_text().replace("c0", "x0", 1))
+    bare = bare_copy(run.dir, tmp_path / "bare")
+    for run_dir, path, message in ((run.dir, tmp_path / "missing.csv", "missing.csv: not found"),
+                                   (run.dir, tmp_path, "expected ETTh1.csv[.gz] or one csv in it"),
+                                   (run.dir, other, "no column(s) ['c0']"),
+                                   (bare, held_out, "holds no stored tokenizer and statistics")):
+        assert main(["evaluate", "--run-dir", str(run_dir), "--data", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_skill_bootstrap_and_verdict_by_hand():

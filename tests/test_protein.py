@@ -82,6 +82,74 @@ def test_malformed_rows_are_counted(tmp_path):
     assert totals(meta) == Counter(ok=2, malformed=2) and meta["classes"] == ["neg", "pos"]
 
 
+def write_fitness(path, n: int = 0, seed: int = 0):
+    """A FLIP-format fitness csv (sequence,target,set,validation). With n: n random sequences (every 10th a
+    validation row, every 5th a test row) whose fitness is 10 x their share of W plus noise, something a mean-pooled
+    encoder can learn. Without: six hand-written rows for the reader's rules."""
+    import random
+
+    if n:
+        rng = random.Random(seed)
+        rows = []
+        for i in range(n):
+            seq = "".join(rng.choice("ACDEFGHIKLMNPQRSTVWYWWW") for _ in range(rng.randint(12, 30)))
+            rows.append((seq, 10 * seq.count("W") / len(seq) + rng.gauss(0, 0.1),
+                         "test" if i % 5 == 0 else "train", "True" if i % 10 == 1 else "False"))
+    else:  # t2 twice (its values averaged), t3 without a number, t4 not a number, a validation and a test row
+        rows = [("ACDKL", 1.0, "train", "False"), ("MKVLA", 2.0, "train", "False"), ("MKVLA", 4.0, "train", "False"),
+                ("GGSSA", "", "train", "False"), ("PQRST", "high", "train", "False"), ("WWKLA", 0.5, "train", "True"),
+                ("YYKLA", 0.25, "test", "False")]
+    path.write_text("sequence,target,set,validation\n" + "".join(f"{q},{v},{st},{va}\n" for q, v, st, va in rows))
+    return path
+
+
+def test_fitness_csv_keeps_flip_splits_and_averages_repeats(tmp_path):
+    path = write_fitness(tmp_path / "fitness.csv")
+    directory = prep.prepare(config('protein.objective="regress"', path=str(path)))
+    meta = read_meta(directory)
+    assert meta["counts"]["train"] == {"ok": 2, "duplicate": 1, "malformed": 2} and meta["labels"] == "value"
+    assert [prep.load(directory, s)["sequence"] for s in SPLITS] == [["ACDKL", "MKVLA"], ["WWKLA"], ["YYKLA"]]
+    assert prep.load(directory, "train")["value"] == [1.0, 3.0]  # MKVLA: the mean of 2 and 4
+    assert meta["values"] == {"mean": 2.0, "std": 1.0}  # of the training values 1 and 3
+    samples = ProteinTask().samples(config('protein.objective="regress"', path=str(path)), "test")
+    assert samples[0]["value"].item() == pytest.approx((0.25 - 2.0) / 1.0)  # z-scored with train's statistics
+    with pytest.raises(ConfigError, match="look like measurements .* use protein.objective = 'regress'"):
+        prep.prepare(config('protein.label_field="target"', path=str(write_fitness(tmp_path / "f.csv", n=40))))
+    with pytest.raises(ConfigError, match="needs a number per sequence"):
+        ProteinTask().check(config('protein.objective="regress"'))
+
+
+def test_two_process_regression_learns_beside_its_ridge_baseline(tmp_path, one_thread):
+    path, out = write_fitness(tmp_path / "fitness.csv", n=800), tmp_path / "run"
+    run = harness(out, "", nproc=2, ds="zero2.json", sets=[
+        'run.task="protein"', f"data.path={json.dumps(str(path))}", 'protein.objective="regress"',
+        "data.seq_len=32", "train.micro_batch_size=16", "train.max_steps=30", "model.d_model=32",
+        "schedule.warmup_steps=3", "optimizer.lr=3e-3", "train.seed=0"])
+    losses = [run.losses[s] for s in sorted(run.losses)]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert {"spearman", "pearson", "mse", "mae"} <= run.evals[-1].keys() and run.evals[-1]["sequences"] == 80
+    test = evaluate_run(out, "test")  # one process: the model's figures beside the ridge baseline's
+    assert test["sequences"] == 160 and test["spearman"] > 0.7, test
+    assert {"ridge_spearman", "ridge_pearson", "ridge_mse", "ridge_alpha"} <= test.keys()
+    # `harness evaluate --data`, with the stored vocabulary and value statistics: the FLIP csv gives its test rows, a
+    # plain csv of those rows every row; both score what the split scores, and still do once the training data changed.
+    from harness.evaluation import evaluate_data
+
+    lines = path.read_text().splitlines()
+    held_out = tmp_path / "held_out.csv"
+    held_out.write_text("sequence,label\n" + "".join(",".join(x.split(",")[:2]) + "\n" for x in lines[1:]
+                                                     if ",test," in x) + "AC1D,0.5\n")  # the last: malformed
+    figures = ("spearman", "pearson", "mse", "mae", "sequences")
+    flip = evaluate_data(out, path)["fitness.csv"]
+    assert flip["rows_kept"] == 160 and flip["skipped"] == "not_test 640" and "ridge_mse" not in flip
+    write_fitness(path, n=800, seed=1)
+    with pytest.raises(ConfigError, match="differs from what the run was trained with"):
+        evaluate_run(out, "test")
+    plain = evaluate_data(out, held_out)["held_out.csv"]
+    assert plain["rows_kept"] == 160 and plain["skipped"] == "malformed 1"
+    assert {k: flip[k] for k in figures} == {k: plain[k] for k in figures} == {k: test[k] for k in figures}
+
+
 def write_flip(directory):
     """A FLIP-style splits.zip: t1 train (ends unresolved), t2 train, v1 validation, x1 test, x2 a test copy of
     t1 (leak), x3 a test chain whose states do not match its length (malformed)."""
@@ -115,6 +183,46 @@ def test_flip_archive_gives_three_splits_with_resolved_residues(tmp_path):
         ProteinTask().check(config(path=str(tmp_path / "flip")))  # classify on per-residue data
 
 
+def test_q3_scores_every_residue_of_chains_longer_than_seq_len(tmp_path):
+    # seq_len 4: t1 (9 residues) and t2 (5) are cut for training; the 6-residue test chain PQRSTY is kept whole and
+    # scored in windows of 4 (residues 0-3 and 2-5, owning 0-2 and 3-5)
+    cfg = config('protein.objective="residue"', "data.seq_len=4", "model.d_model=16", "model.n_heads=2",
+                 path=str(write_flip(tmp_path / "flip")))
+    directory = prep.prepare(cfg)
+    assert read_meta(directory)["counts"]["test"]["whole"] == 1 and read_meta(directory)["counts"]["train"] == {
+        "truncated": 2}
+    task = ProteinTask()
+    test = task.samples(cfg, "test")
+    assert len(test) == 2 and [len(test[i]["ids"]) for i in range(2)] == [5, 5]  # <cls> + 4 residues each
+    owned = [t for i in range(2) for t in test[i]["targets"].tolist() if t != IGNORE]
+    assert owned == prep.load(directory, "test")["states"][0] == [0, 0, 1, 1, 0, 0]  # each residue once, in order
+    from harness.world import single_world
+
+    torch.manual_seed(0)
+    model = task.build_model(cfg)  # positions for 4 residues and <cls> only
+    metrics = task.evaluate(model, cfg, "test", single_world(torch.device("cpu")))
+    assert metrics["residues"] == 6 and metrics["chains_in_windows"] == 1
+
+
+def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir, tmp_path):
+    """`harness evaluate --data`'s reader on a run's stored artefacts: a class the run does not know and a FLIP
+    directory's rows outside its test set are counted, not scored; residue ids are the stored vocabulary's."""
+    from harness.prepare import store
+
+    cfg = config("data.val_fraction=0.1", "data.seq_len=200")
+    stored = store(default_dir, tmp_path / "data", prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
+    tsv = tmp_path / "new.tsv"
+    tsv.write_text("sequence\tlabel\nACDKLW\t1\nMKVLAG\t0\nGGSSAW\t7\nAC1D\t1\n")
+    rows, counts, files = prep.read_scoring(cfg, stored, tsv)
+    assert counts == {"ok": 2, "unknown_class": 1, "malformed": 1} and files == [tsv]
+    assert rows["label"] == [1, 0] and rows["ids"][0] == prep.encode(prep.tokenizer(default_dir), ["ACDKLW"])[0]
+    flip = write_flip(tmp_path / "flip")
+    residue = config('protein.objective="residue"', "data.seq_len=64", path=str(flip))
+    stored = store(prep.prepare(residue), tmp_path / "flip_data", prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
+    rows, counts, _ = prep.read_scoring(residue, stored, flip)  # its test rows; no leak rule (x2 is a copy of t1)
+    assert counts == {"ok": 2, "malformed": 1, "not_test": 3} and rows["sequence"] == ["PQRSTY", "ACDEFGHIK"]
+
+
 def test_residue_vocabulary_round_trip(default_dir):
     tok = prep.tokenizer(default_dir)
     test = prep.load(default_dir, "test")
@@ -130,16 +238,20 @@ def test_model_shapes_for_every_head():
     assert Encoder(cfg, "mlm", 26)(ids, mask).shape == (3, 20, 26)
     assert Encoder(cfg, "classify", 2)(ids, mask).shape == (3, 2)
     assert Encoder(cfg, "residue", 3)(ids, mask).shape == (3, 20, 3)
+    assert Encoder(cfg, "regress", 1)(ids, mask).shape == (3, 1)
+    assert Encoder(cfg, "regress", 1, "attention")(ids, mask).shape == (3, 1)
     with torch.device("meta"):  # `harness plan` builds the model without memory
         model = ProteinTask().build_model(config("data.val_fraction=0.1", "data.seq_len=200", "model.d_model=32"))
     assert next(model.parameters()).is_meta and model.cls_head.out_features == 2
 
 
-@pytest.mark.parametrize("objective", ["classify", "residue"])
+@pytest.mark.parametrize("objective", ["classify", "residue", "regress"])
 def test_padding_never_changes_the_loss(objective, tmp_path):
-    path = "" if objective == "classify" else str(write_flip(tmp_path / "flip"))
+    path = {"classify": "", "residue": lambda: write_flip(tmp_path / "flip"),
+            "regress": lambda: write_fitness(tmp_path / "fitness.csv", n=40)}[objective]
     cfg = config(f"protein.objective={json.dumps(objective)}", "data.val_fraction=0.1", "data.seq_len=200",
-                 "model.d_model=32", "model.n_heads=2", path=path)
+                 "model.d_model=32", "model.n_heads=2", 'protein.pooling="attention"' if objective == "regress"
+                 else 'protein.pooling="mean"', path=str(path()) if path else "")
     task = ProteinTask()
     torch.manual_seed(0)
     model = task.build_model(cfg).double().eval()

@@ -64,7 +64,9 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
         assert r["schedule"].startswith("cut by the smoke run") and r["target_met"] in (False, None)
     bleu = recipes[0]["test"]
     assert bleu["sentences"] == 1000 and bleu["bleu_signature"].startswith("nrefs:1")  # the whole test2016 split
-    assert recipes[2]["test"]["persistence_mse"] == pytest.approx(1.294, abs=1e-3)  # the published 1.295
+    by_name = {r["name"]: r["test"] for r in recipes}
+    assert by_name["prices_etth1"]["persistence_mse"] == pytest.approx(1.294, abs=1e-3)  # the published 1.295
+    assert by_name["protein_gb1"]["sequences"] == 3644 and 0 < by_name["protein_gb1"]["ridge_spearman"] < 1
     md = (smoke / "suite.md").read_text()
     assert "smoke: toy sizes, not figures" in md and "nrefs:1\\|case" in md  # the signature's | escaped
     assert (smoke / "speed.png").read_bytes()[:4] == b"\x89PNG"
@@ -113,7 +115,7 @@ def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
     bad = [(["--parts", "speed,warp", "--data", str(tmp_path)], "unknown part(s) warp"),
            (["--parts", "quality"], "--data DIR is needed"),
            (["--data", str(tmp_path / "nowhere")], "not a directory"),
-           (["--data", str(tmp_path)], "no ett/, flip_ss/, multi30k/ in it"),
+           (["--data", str(tmp_path)], "no ett/, flip_gb1/low_vs_high.csv.gz, flip_ss/, multi30k/ in it"),
            (["--budget", "speed=soon", "--data", str(tmp_path)], "--budget speed=soon")]
     for args, message in bad:
         assert main(["bench", "--suite", "gpu", "--smoke", "--out", str(out), *args]) == 2, args

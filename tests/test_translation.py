@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_losses_close, ds_variant, harness
+from conftest import ROOT, _env, assert_losses_close, bare_copy, ds_variant, harness
 from harness.config import ConfigError, resolve
 from harness.decoding import beam_search, greedy
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -56,11 +56,11 @@ def toy_pair(rng: random.Random) -> tuple[str, str]:
     return " ".join(s1 + [verb] + s2) + ".", " ".join(t1 + [LEXICON[verb]] + t2) + "."
 
 
-def write_toy_dir(root):
+def write_toy_dir(root, test: int = 60):
     """A Multi30k-shaped directory of line-aligned, gzipped files."""
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    for name, n in (("train", 1200), ("val", 60), ("test_2016_toy", 60)):
+    for name, n in (("train", 1200), ("val", 60), ("test_2016_toy", test)):
         pairs = [toy_pair(rng) for _ in range(n)]
         for lang, side in (("en", 0), ("fr", 1)):
             with gzip.open(root / f"{name}.{lang}.gz", "wt") as f:
@@ -225,18 +225,83 @@ def test_beam_one_equals_greedy_and_lockstep():
 
 # --- end to end: 2 processes, ZeRO-2 -----------------------------------------------------------------------------
 
-def test_two_process_zero2_run(toy_dir, tmp_path):
-    run = harness(tmp_path / "run", str(toy_dir), nproc=2, ds="zero2.json",
-                  env={"HARNESS_CACHE": str(tmp_path / "cache")},
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """A 2-process ZeRO-2 run on its own copy of the toy pairs (a test may change that copy; 4 test pairs, as beam
+    search on CPU is slow), with its cache."""
+    root = tmp_path_factory.mktemp("toy_run")
+    data, cache = write_toy_dir(root / "toy", test=4), root / "cache"
+    run = harness(root / "run", str(data), nproc=2, ds="zero2.json", env={"HARNESS_CACHE": str(cache)},
                   sets=['run.task="translation"', 'translation.target_lang="fr"', "model.vocab_size=64",
                         "model.n_heads=4", "train.max_steps=12", "translation.eval_max_sentences=16",
                         "translation.beam_size=2"])
+    return run, data, cache
+
+
+def test_two_process_zero2_run(toy_run):
+    run = toy_run[0]
     losses = run.losses
     assert len(losses) == 12 and losses[12] < losses[1] * 0.8, losses
     assert all(0 < m["padding"] < 1 and m["tflops"] > 0 for m in run.metrics)  # sentences differ in length
     final = run.evals[-1]
     assert final["sentences"] == 16 and 0.0 <= final["bleu"] <= 100.0 and "bleu_signature" in final
     assert "copy_source_bleu" in final and final["nll"] > 0
+
+
+def test_evaluate_data_scores_new_pairs_with_the_run_s_own_tokenizer(toy_run, tmp_path, monkeypatch, capsys,
+                                                                      one_thread):
+    """`harness evaluate --data` on a directory that now holds two test pairs scores each with the run's stored
+    tokenizer: the run's own test pair as `--split test` does, the new one too; once the training data changes,
+    `--split` refuses (a re-fitted tokenizer) and `--data` gives the same figures as before."""
+    import hashlib
+
+    from harness.cli import main
+    from harness.evaluation import evaluate_data, evaluate_run
+
+    run, data, cache = toy_run
+    monkeypatch.setenv("HARNESS_CACHE", str(cache))
+    assert {"spm.model", "meta.json", "checksums.json"} <= {p.name for p in (run.dir / "data").iterdir()}
+    split = evaluate_run(run.dir, "test")
+    rng = random.Random(7)
+    pairs = [("", ""), *(toy_pair(rng) for _ in range(2))]  # the first is empty: skipped
+    for lang, side in (("en", 0), ("fr", 1)):
+        (data / f"test_2017_toy.{lang}").write_text("\n".join(p[side] for p in pairs) + "\n")
+    both = evaluate_data(run.dir, data)
+    assert set(both) == {"toy/test_2016_toy", "toy/test_2017_toy"}
+    assert {k: both["toy/test_2016_toy"][k] for k in split} == split
+    new = both["toy/test_2017_toy"]
+    assert new["sentences"] == new["rows_kept"] == 2 and new["rows_skipped"] == 1 and new["skipped"] == "empty 1"
+    names = ("test_2017_toy.en", "test_2017_toy.fr")
+    lines = "".join(f"{hashlib.sha256((data / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    assert new["data_sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert json.loads((run.dir / "eval.json").read_text())["toy/test_2017_toy"] == new
+    originals = {f: f.read_bytes() for f in data.glob("train.*")}
+    try:  # the training data changes after the run: a tokenizer fitted now would differ
+        for f in originals:
+            with gzip.open(f, "rt") as r:
+                text = r.read().upper()
+            with gzip.open(f, "wt") as w:
+                w.write(text)
+        with pytest.raises(ConfigError, match="differs from what the run was trained with .* in spm.model"):
+            evaluate_run(run.dir, "test")
+        capsys.readouterr()
+        assert main(["evaluate", "--run-dir", str(run.dir), "--data", str(data / "test_2017_toy.en"),
+                     "--name", "2017"]) == 0
+        assert "| metric" in capsys.readouterr().out
+        again = json.loads((run.dir / "eval.json").read_text())["2017"]
+        assert {k: again[k] for k in new if k not in ("data",)} == {k: v for k, v in new.items() if k != "data"}
+    finally:
+        for f, raw in originals.items():
+            f.write_bytes(raw)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": "y"}\n')
+    bare = bare_copy(run.dir, tmp_path / "bare")
+    for run_dir, path, message in ((run.dir, data / "nothing", "not found as translation pairs"),
+                                   (run.dir, bad, "needs columns 'en' and 'fr'"),
+                                   (bare, data, "holds no stored tokenizer and statistics")):
+        assert main(["evaluate", "--run-dir", str(run_dir), "--data", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_dir, tmp_path):
@@ -273,7 +338,7 @@ def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_d
         worst = max((other[k] - ref[k]).abs().max().item() for k in ref if not k.endswith("k_proj.bias"))
         assert worst <= 1e-5, worst
 
-def test_zero3_generation_matches_one_process(toy_dir, tmp_path):
+def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     """Beam search under ZeRO-3 on 2 ranks (parameters gathered collectively at every decoder call, ranks
     finishing at different steps) ends without deadlock and scores what the exported model scores in 1 process."""
     cache = tmp_path / "cache"

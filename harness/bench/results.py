@@ -85,6 +85,8 @@ RECIPE_ROWS = {  # recipe -> (figure, how its test figures read, the reference s
     "translation_multi30k": ("Multi30k test2016 sacreBLEU", lambda e: f"BLEU {e['value']:.2f}, chrF "
                              f"{e['test']['chrf']:.2f}, `{cell(e['test']['bleu_signature'])}`", "-"),
     "protein_flip_ss": ("FLIP secondary structure test Q3", lambda e: f"Q3 {e['value']:.3f}", "-"),
+    "protein_gb1": ("FLIP GB1 low_vs_high test Spearman", lambda e: f"Spearman {e['value']:.3f} (ridge on one-hot "
+                    f"residues {e['test']['ridge_spearman']:.3f})", "-"),
     "prices_etth1": ("ETTh1 test MSE / MAE, horizon 96",
                      lambda e: f"{e['value']:.4f} / {e['test']['mae']:.4f} (persistence "
                                f"{e['test']['persistence_mse']:.4f} / {e['test']['persistence_mae']:.4f})",

@@ -2,8 +2,12 @@
 
 Embedding -> pre-layer-norm blocks (non-causal self-attention; padded keys masked out) -> final norm -> one head:
 - "mlm":      masked-LM logits over the vocabulary, (B, T, vocab);
-- "classify": one label per sequence from the mean of its non-padding positions, (B, n_out);
-- "residue":  one label per position (e.g. 3 secondary-structure states), (B, T, n_out).
+- "classify": one label per sequence from its pooled non-padding positions, (B, n_out);
+- "residue":  one label per position (e.g. 3 secondary-structure states), (B, T, n_out);
+- "regress":  one value per sequence from the same pooling, (B, 1).
+Pooling (`pooling`) is the mean of the real positions, or "attention": a learned score per position (`pool_score`),
+softmax over the real positions, and the weighted sum, which lets the head look at the few positions that matter
+(e.g. the four mutated sites of a fitness landscape, where a mean drowns them in 260 identical ones).
 Each head has its own parameter name (`mlm_head`, `cls_head`, `residue_head`), so weights trained with one
 objective load into a model with another by name: the shared encoder is taken and the new head starts fresh.
 """
@@ -18,16 +22,19 @@ from . import flops
 from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
-HEADS = {"mlm": "mlm_head", "classify": "cls_head", "residue": "residue_head"}
+HEADS = {"mlm": "mlm_head", "classify": "cls_head", "residue": "residue_head", "regress": "reg_head"}
+POOLED = ("classify", "regress")  # heads over the mean of the real positions
 
 
 class Encoder(nn.Module):
     """Token ids (B, T) and a bool mask (B, T) (True = real token, False = padding) -> the head's output."""
 
-    def __init__(self, cfg: TransformerConfig, head: str, n_out: int):
+    def __init__(self, cfg: TransformerConfig, head: str, n_out: int, pooling: str = "mean"):
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"head {head!r} is not one of {', '.join(HEADS)}")
+        if pooling not in ("mean", "attention"):
+            raise ValueError(f"pooling {pooling!r} is not mean or attention")
         self.cfg, self.head = cfg, head
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
@@ -35,6 +42,8 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         setattr(self, HEADS[head], nn.Linear(cfg.d_model, n_out))
+        if pooling == "attention" and head in POOLED:
+            self.pool_score = nn.Linear(cfg.d_model, 1)
         self.apply(init_weights)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,7 +56,9 @@ class Encoder(nn.Module):
         """Analytic FLOPs of `forward(ids, mask)` over the real (unpadded) positions (see `flops.py`)."""
         c, lengths = self.cfg, mask.sum(1)
         n_out = getattr(self, HEADS[self.head]).out_features
-        head = flops.linear(len(ids) if self.head == "classify" else int(lengths.sum()), c.d_model, n_out)
+        head = flops.linear(len(ids) if self.head in POOLED else int(lengths.sum()), c.d_model, n_out)
+        if hasattr(self, "pool_score"):
+            head += flops.linear(int(lengths.sum()), c.d_model, 1)
         return flops.encoder_blocks(lengths, c.n_layers, c.d_model, c.d_ff) + head
 
     def pipeline_layers(self) -> list[nn.Module]:
@@ -55,7 +66,8 @@ class Encoder(nn.Module):
         head = HEADS[self.head]
         return [PipeLayer(_embed, tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop),
                 *[PipeLayer(lambda layer, inputs: _block(layer.block, inputs), block=b) for b in self.blocks],
-                PipeLayer(partial(_out, self.head), ln_f=self.ln_f, **{head: getattr(self, head)})]
+                PipeLayer(partial(_out, self.head), ln_f=self.ln_f, **{head: getattr(self, head)},
+                          **({"pool_score": self.pool_score} if hasattr(self, "pool_score") else {}))]
 
 
 # Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
@@ -63,10 +75,12 @@ def _out(kind: str, m, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     """Final norm and the head of `kind`."""
     x, mask = inputs
     x = m.ln_f(x)  # (B, T, C)
-    if kind == "classify":
+    if kind in POOLED:
         w = mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
-        pooled = (x * w).sum(1) / w.sum(1).clamp(min=1)  # (B, C): mean over real positions only
-        return m.cls_head(pooled)  # (B, n_out)
+        if hasattr(m, "pool_score"):  # softmax of a learned score over the real positions
+            w = m.pool_score(x).masked_fill(~mask.unsqueeze(-1), float("-inf")).softmax(1)
+        pooled = (x * w).sum(1) / w.sum(1).clamp(min=1e-9)  # (B, C): over real positions only
+        return getattr(m, HEADS[kind])(pooled)  # (B, n_out)
     return getattr(m, HEADS[kind])(x)  # (B, T, vocab) or (B, T, n_out)
 
 

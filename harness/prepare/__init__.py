@@ -5,6 +5,12 @@ A task's raw source (an embedded default inside an installed package, the user's
 `<cache>/prepared/<task>-<hash>/`: one `datasets` folder per split, the tokenizer, and `meta.json` (row counts
 by status, normalisation statistics, the settings that produced it). The hash covers those settings, so a
 changed setting or preparation version prepares anew and an unchanged one is reused.
+
+A run keeps its own copy of what scoring new data needs (`store`, when training starts): `RUN/data/` holds the
+tokenizer and `meta.json` (normalisation statistics, classes) of the prepared directory it trained on, and
+`checksums.json` (the sha256 of every file there, and what `differences` compares). `harness evaluate --data`
+reads new data with these, never re-fitted; `harness evaluate --split` refuses when the data prepared now from
+`data.path` has another tokenizer or other statistics than the stored ones (the training data changed since).
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from ..config import ConfigError
 from ..data import DataSummary
 
 META = "meta.json"
+STORED = "data"  # RUN/data/: the run's copy of its tokenizer and statistics
+CHECKSUMS = "checksums.json"
 
 
 def cache_dir() -> Path:
@@ -86,3 +94,77 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 def summary(meta: dict[str, Any]) -> DataSummary:
     return DataSummary({split: Counter(counts) for split, counts in meta["counts"].items()})
+
+
+# --- the run's stored artefacts (RUN/data/) ----------------------------------------------------------------------
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() and f.name != CHECKSUMS)
+
+
+def store(directory: Path, out: Path, names: tuple[str, ...], compare: tuple[str, ...],
+          keys: tuple[str, ...], extra: dict[str, Any] | None = None) -> Path:
+    """Copy `meta.json` (with `extra` added) and the files or folders `names` that exist in the prepared `directory`
+    into `out` (RUN/data/), with `checksums.json`: {"sha256": {file: digest}, "compare": the files of `compare` that
+    exist, "keys": `keys`}, the files and meta.json keys `differences` checks against a directory prepared later.
+    Written whole or not at all."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name in names:
+            src = directory / name
+            if src.is_dir():
+                shutil.copytree(src, tmp / name)
+            elif src.is_file():
+                shutil.copy2(src, tmp / name)
+        (tmp / META).write_text(json.dumps({**read_meta(directory), **(extra or {})}, indent=2, default=str))
+        sums = {name: sha256(tmp / name) for name in _files(tmp)}
+        (tmp / CHECKSUMS).write_text(json.dumps({"sha256": sums, "compare": [n for n in compare if n in sums],
+                                                 "keys": list(keys)}, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def stored(run_dir: Path) -> Path | None:
+    """RUN/data/ after checking every file against its recorded sha256; None for a run that has none."""
+    out = Path(run_dir) / STORED
+    if not (out / CHECKSUMS).is_file():
+        return None
+    sums = json.loads((out / CHECKSUMS).read_text())["sha256"]
+    for name, digest in sums.items():
+        if not (out / name).is_file() or sha256(out / name) != digest:
+            raise ConfigError(f"{out / name}: missing or changed since the run stored it (its sha256 is in "
+                              f"{out / CHECKSUMS}); the run's tokenizer and statistics cannot be trusted")
+    return out
+
+
+def differences(out: Path, directory: Path) -> list[str]:
+    """What differs between stored artefacts `out` and a prepared `directory`: compared files by sha256 and
+    meta.json keys by value (empty: the same tokenizer and statistics)."""
+    spec = json.loads((out / CHECKSUMS).read_text())
+    changed = [n for n in spec["compare"]
+               if not (directory / n).is_file() or sha256(directory / n) != spec["sha256"][n]]
+    mine, theirs = read_meta(out), read_meta(directory)
+    return changed + [f"{META} {k}" for k in spec["keys"] if mine.get(k) != theirs.get(k)]
+
+
+def store_run_data(task, cfg, run_dir: Path) -> str | None:
+    """Rank 0, when training starts: the task's artefacts into RUN/data/ (`task.store`); a resumed run keeps the
+    ones it started with and gets a note (returned) when the data prepared now differs from them."""
+    out = Path(run_dir) / STORED
+    if not (out / CHECKSUMS).is_file():
+        task.store(cfg, out)
+        return None
+    changed = differences(out, task.prepare(cfg)) if hasattr(task, "prepare") else []
+    return (f"note: the data prepared now differs from what the run started with in {', '.join(changed)}; {out} "
+            f"keeps the artefacts it started with") if changed else None

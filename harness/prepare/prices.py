@@ -25,6 +25,11 @@ Windows: a sample is `x` = `lookback` steps and `y` = the next `horizon` steps, 
 target start (stride 1). Targets always lie inside their split. With `prices.context = "split"` the input lies
 inside the split too, so no window touches two splits; with `"previous"` (the standard ETTh1 protocol)
 validation/test inputs may reach up to `lookback` steps back into the preceding split.
+
+New data for `harness evaluate --data` (`read_scoring`): a csv (or a directory holding one) in the run's layout, the
+run's channels (the embedded stocks' long Ticker,Date,... layout for a stocks run), cleaned by the rules above,
+z-scored with the run's stored training statistics (never re-fitted); every window of the file is scored, inputs
+and targets inside it.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ STOCKS = ("bokeh_sampledata", "_data/stocks.csv.gz")
 ETT_ROWS = (8640, 2880, 2880)  # the standard 12/4/4-month split of the hourly ETT sets
 DEFAULT_DATES = {"stocks": ("2010-12-31", "2011-12-31")}
 CSV_FRACTIONS = (0.7, 0.1)  # train, validation; the rest is test
+SCORING_KEYS = ("channels", "norm")  # meta.json values that scoring depends on (kept in RUN/data/)
 
 
 def source_kind(path: str) -> str:
@@ -119,16 +125,18 @@ def _load(kind: str, path: str):
     try:
         if kind == "hub":
             return datasets.load_dataset(path[4:], split="train")
-        f = package_file(*STOCKS) if kind == "stocks" else resolve_path(path)
+        f = resolve_path(path) if path else package_file(*STOCKS)  # a path given to a stocks run: scoring data
         return datasets.load_dataset("csv", data_files=str(f), split="train")
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         what = "the hub data set" if kind == "hub" else "csv data"
         raise ConfigError(f"{path or 'embedded stocks'}: cannot load {what}: {str(e).splitlines()[0]}") from None
 
 
-def read_table(cfg: RunConfig, kind: str) -> tuple[list, dict[str, list], int]:
-    """The source as (raw dates, {channel: raw values}, rows out of date order), one entry per wide row."""
-    df = _load(kind, cfg.data.path).to_pandas()
+def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list, dict[str, list], int]:
+    """The source (or `path`, in its layout) as (raw dates, {channel: raw values}, rows out of date order), one
+    entry per wide row."""
+    path = cfg.data.path if path is None else path
+    df = _load(kind, path).to_pandas()
     names = [c.strip() for c in cfg.prices.columns.split(",") if c.strip()]
     if kind == "stocks":
         return _from_long(df, [s.strip() for s in cfg.prices.symbols.split(",") if s.strip()], names or ["Adj Close"])
@@ -136,7 +144,7 @@ def read_table(cfg: RunConfig, kind: str) -> tuple[list, dict[str, list], int]:
     names = names or [c for c in df.columns if c != date_col]
     missing = [c for c in [date_col, *names] if c not in df.columns]
     if missing or not names:
-        raise ConfigError(f"{cfg.data.path}: no column(s) {missing or 'to forecast'} (prices.date_column, "
+        raise ConfigError(f"{path}: no column(s) {missing or 'to forecast'} (prices.date_column, "
                           f"prices.columns); columns are {list(df.columns)}")
     dates = list(df[date_col])
     return dates, {c: list(df[c]) for c in names}, _unsorted(_dates(dates))
@@ -347,3 +355,33 @@ def windows(cfg: RunConfig, directory: Path, split: str) -> Windows:
 
 def norm_of(directory: Path) -> dict:
     return read_meta(directory)["norm"]
+
+
+def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dict[str, int], Path, str]:
+    """New data for `harness evaluate --data`: (every window of the file, z-scored with the stored statistics; the
+    count of every row status; the file read; the protocol line)."""
+    from dataclasses import replace
+
+    meta, p = read_meta(stored), cfg.prices
+    f = resolve_path(str(path))
+    if not f.is_file():
+        raise ConfigError(f"{path}: not found")
+    if not f.name.lower().removesuffix(".gz").endswith(".csv"):
+        raise ConfigError(f"{path}: the prices task reads csv files (a date column and the run's channels)")
+    stocks = source_kind(cfg.data.path) == "stocks"
+    if not stocks:  # exactly the run's channels, in its order
+        cfg = replace(cfg, prices=replace(p, columns=",".join(meta["channels"])))
+    dates_raw, columns, _ = read_table(cfg, "stocks" if stocks else "csv", str(f))
+    if list(columns) != meta["channels"]:
+        raise ConfigError(f"{path}: its channels are {list(columns)}; the run forecasts {meta['channels']}")
+    norm = meta["norm"]
+    dates, values, status = clean(dates_raw, columns, log=norm["transform"] == "log")
+    z = torch.tensor((values - np.array(norm["mean"])) / np.array(norm["std"]), dtype=torch.float32)
+    starts = range(p.lookback, len(z) - p.horizon + 1)
+    if len(starts) == 0:
+        raise ConfigError(f"{path}: {len(z)} usable rows, too few for one window of lookback {p.lookback} + horizon "
+                          f"{p.horizon}")
+    protocol = (f"{f.name} {str(dates[0])[:10]}..{str(dates[-1])[:10]}, {len(meta['channels'])} channels, lookback "
+                f"{p.lookback}, horizon {p.horizon}, every window (stride 1) inside the file, z-scored with the run's "
+                f"train statistics{' of log prices' if norm['transform'] == 'log' else ''}")
+    return Windows(z, starts, p.lookback, p.horizon), dict(Counter(st for _, st in status)), f, protocol

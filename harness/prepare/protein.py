@@ -3,20 +3,26 @@
 Sources (`data.path`): the embedded default (modlamp's AMP vs UniProt), a FLIP directory such as
 `../shared/data/flip_ss`, a user's file, or `hub:NAME`; `protein_sources` reads them.
 
-Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
+Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole):
 - empty: no residues once whitespace is removed (sequences are upper-cased);
 - malformed: a letter outside the amino-acid alphabet (20 standard + B Z X U O), a missing label, a label that
-  is not a class (classify) or not one state per residue (residue; DSSP's 8 states are reduced to 3), or a row
-  that cannot be parsed;
+  is not a class (classify), not one state per residue (residue; DSSP's 8 states are reduced to 3) or not a
+  finite number (regress), or a row that cannot be parsed;
 - truncated: longer than `data.seq_len` residues: cut to its first seq_len (kept; per-residue labels are cut
-  with it, so the cut residues are neither trained on nor scored);
-- duplicate: the same sequence again in the same split (the first copy is kept);
+  with it, so the cut residues are not trained on);
+- whole: a validation or test chain with per-residue labels longer than `data.seq_len`: kept whole, and scored in
+  overlapping windows by the task, so every resolved residue of every chain counts, however long;
+- duplicate: the same sequence again in the same split (the first copy is kept; for regress it carries the mean
+  of every copy's value, as a repeated measurement);
 - conflict: the same sequence with different class labels (every copy dropped);
 - leak: a validation or test sequence that is also in an earlier split (dropped there).
 Without given splits, each DISTINCT sequence is drawn into train/validation/test (stratified by label, seeded
 with SPLIT_SEED, not train.seed: every run is scored on the same test set), so copies never cross splits.
 The residue-level SentencePiece vocabulary (one id per residue, plus <mask> and <cls>) is trained on the kept
-training sequences only.
+training sequences only; regression values are z-scored with the kept training values' mean and standard
+deviation (meta["values"]), which the task undoes when it reports.
+Class labels that look like measurements (every one a number and some not whole, or more than MAX_CLASSES
+distinct numbers) are refused for classify with a line pointing to regress.
 """
 from __future__ import annotations
 
@@ -28,10 +34,11 @@ from typing import Any
 
 from ..config import ConfigError, RunConfig
 from ..tokenizer import Tokenizer, train_tokenizer
-from . import load_split, package_file, prepared, save_split
-from .protein_sources import DEFAULT, SPLITS, Row, check_flip, file_format, read_source, source_kind
+from . import load_split, package_file, prepared, read_meta, save_split
+from .protein_sources import DEFAULT, SPLITS, Row, check_flip, file_format, read_scored, read_source, source_kind
 
-VERSION = 1
+VERSION = 2
+MAX_CLASSES = 100
 SPLIT_SEED = 0
 TOKENIZER = "spm.model"
 USER_SYMBOLS = ("<mask>", "<cls>")
@@ -40,15 +47,17 @@ ALPHABET = frozenset(AMINO_ACIDS + "BZXUO")  # IUPAC ambiguity codes, selenocyst
 STATES = "CHE"  # coil, helix, strand -> 0, 1, 2
 DSSP_TO_3 = {**{s: "H" for s in "HGI"}, **{s: "E" for s in "EB"}, **{s: "C" for s in "CTSL-_ "}}
 IGNORE = -100  # per-residue label of an unresolved residue (and of <cls> and padding, in the task)
-KEPT = ("ok", "truncated")
+KEPT = ("ok", "truncated", "whole")
+STORED = COMPARED = (TOKENIZER,)  # what a run keeps (RUN/data/) besides meta.json, and compares with `--split`
+SCORING_KEYS = ("labels", "classes", "values", "vocab_size")  # meta.json values that scoring depends on
 
 
 def label_kind(cfg: RunConfig) -> str:
-    """'class' (one label per sequence) or 'residue' (one state per residue)."""
+    """'class' (one label per sequence), 'residue' (one state per residue) or 'value' (one number per sequence)."""
     kind = source_kind(cfg.data.path)
     if kind == "flip" or (kind in ("file", "hub") and cfg.protein.objective == "residue"):
         return "residue"
-    return "class"
+    return "value" if kind in ("file", "hub") and cfg.protein.objective == "regress" else "class"
 
 
 def check(cfg: RunConfig) -> None:
@@ -68,8 +77,11 @@ def check(cfg: RunConfig) -> None:
     if obj == "residue" and kind == "default":
         raise ConfigError("protein.objective = 'residue' needs per-residue labels; the embedded default has one "
                           "label per sequence: set data.path (e.g. ../shared/data/flip_ss)")
-    if obj == "classify" and kind == "flip":
+    if obj in ("classify", "regress") and kind == "flip":
         raise ConfigError(f"{d.path} holds per-residue labels: use protein.objective = 'residue' (or 'mlm')")
+    if obj == "regress" and kind == "default":
+        raise ConfigError("protein.objective = 'regress' needs a number per sequence; the embedded default has "
+                          "classes: set data.path (e.g. ../shared/data/flip_gb1/sampled.csv.gz)")
     if not 0 <= d.val_fraction < 1 or not 0 <= cfg.protein.test_fraction < 1 \
             or d.val_fraction + cfg.protein.test_fraction >= 1:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} and protein.test_fraction = "
@@ -101,11 +113,13 @@ def _features():
     import datasets
 
     return datasets.Features({"sequence": datasets.Value("string"), "ids": datasets.Sequence(datasets.Value("int32")),
-                              "label": datasets.Value("int64"), "states": datasets.Sequence(datasets.Value("int64"))})
+                              "label": datasets.Value("int64"), "states": datasets.Sequence(datasets.Value("int64")),
+                              "value": datasets.Value("float64")})
 
 
 def load(directory: Path, split: str):
-    """A prepared split: columns sequence, ids (residue ids), label (class index or -1), states (per residue)."""
+    """A prepared split: columns sequence, ids (residue ids), label (class index or -1), states (per residue),
+    value (the regression target as read, nan without one)."""
     import datasets
 
     if split not in SPLITS:
@@ -134,8 +148,8 @@ def encode(tok: Tokenizer, sequences: list[str]) -> list[list[int]]:
 # ---- cleaning, splitting, counting ----------------------------------------------------------------------------
 
 def clean(row: Row, kind: str, seq_len: int) -> tuple[str, str, Any]:
-    """(status, sequence, label) by the rules in the module docstring; label is a class string, or a list of
-    state ids (IGNORE where unresolved) for kind 'residue'."""
+    """(status, sequence, label) by the rules in the module docstring; label is a class string, a list of state
+    ids (IGNORE where unresolved) for kind 'residue', or a float for kind 'value'."""
     seq, label, resolved, status = row
     if status:
         return status, "", None
@@ -155,7 +169,7 @@ def clean(row: Row, kind: str, seq_len: int) -> tuple[str, str, Any]:
         label = [STATES.index(DSSP_TO_3[s]) if (resolved is None or r == "1") else IGNORE
                  for s, r in zip(label.upper(), resolved or "1" * len(seq))]
     else:
-        label = _class(label)
+        label = _value(label) if kind == "value" else _class(label)
         if label is None:
             return "malformed", "", None
     if len(seq) > seq_len:
@@ -173,6 +187,44 @@ def _class(label) -> str | None:
         return str(int(number)) if number.is_integer() else text
     except ValueError:
         return text or None
+
+
+def fit(counts: dict[str, dict], kept: dict[str, list], seq_len: int) -> None:
+    """Per-residue chains longer than seq_len, once duplicates and leaks are known on whole chains: cut for
+    training ('truncated'), kept whole for evaluation ('whole'); counts move from 'ok' accordingly."""
+    for split, rows in kept.items():
+        c = counts[split]
+        for i, (seq, label) in enumerate(rows):
+            if len(seq) > seq_len:
+                status = "truncated" if split == "train" else "whole"
+                c["ok"], c[status] = c["ok"] - 1, c.get(status, 0) + 1
+                if split == "train":
+                    rows[i] = (seq[:seq_len], label[:seq_len])
+        counts[split] = {k: v for k, v in c.items() if v}
+
+
+def _value(label) -> float | None:
+    """A regression target as a finite float; None when missing or not a number."""
+    try:
+        number = float(str(label).strip()) if label is not None and not isinstance(label, bool) else math.nan
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _numeric(label: str) -> float | None:
+    try:
+        return float(label)
+    except ValueError:
+        return None
+
+
+def refuse_measurements(classes: list[str], source: str) -> None:
+    """Classify's labels must be classes: numbers that are not whole, or very many of them, are measurements."""
+    numbers = [_numeric(c) for c in classes]
+    if classes and None not in numbers and (any(not x.is_integer() for x in numbers) or len(classes) > MAX_CLASSES):
+        raise ConfigError(f"{source}: the labels look like measurements ({len(classes)} distinct numbers, e.g. "
+                          f"{', '.join(classes[:3])}), not classes: use protein.objective = 'regress'")
 
 
 def carve(rows: list[tuple[str, str, Any]], fractions: dict[str, float], seed: int = SPLIT_SEED) -> list[str]:
@@ -217,10 +269,12 @@ def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], di
     """(counts, kept (sequence, label) pairs) per split: duplicates, conflicts and leaks dropped and counted."""
     counts, kept, seen = {}, {}, set()
     for split in SPLITS:
-        rows, labels = splits.get(split, []), defaultdict(set)
+        rows, labels, values = splits.get(split, []), defaultdict(set), defaultdict(list)
         for status, seq, label in rows:
             if status in KEPT and kind == "class":
                 labels[seq].add(label)
+            if status in KEPT and kind == "value":
+                values[seq].append(label)
         c, mine, here = Counter(), [], set()
         for status, seq, label in rows:
             if status in KEPT:
@@ -232,7 +286,7 @@ def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], di
                     status = "duplicate"
                 else:
                     here.add(seq)
-                    mine.append((seq, label))
+                    mine.append((seq, sum(values[seq]) / len(values[seq]) if kind == "value" else label))
             c[status] += 1
         seen |= here
         counts[split], kept[split] = dict(c), mine
@@ -241,28 +295,59 @@ def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], di
 
 def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     """Read, clean, split and count the source; train the residue vocabulary on train; save every split."""
-    import datasets
-
     kind, seq_len = label_kind(cfg), cfg.data.seq_len
     raw, info = read_source(cfg)
-    cleaned = assign({split: [clean(r, kind, seq_len) for r in rows] for split, rows in raw.items()}, cfg)
+    whole = math.inf if kind == "residue" else seq_len  # per-residue chains: cut after leaks are found
+    cleaned = assign({split: [clean(r, kind, whole) for r in rows] for split, rows in raw.items()}, cfg)
     counts, kept = deduplicate(cleaned, kind)
+    if kind == "residue":
+        fit(counts, kept, seq_len)
     if not kept["train"]:
         raise ConfigError(f"{cfg.data.path or 'the default data'}: no training sequence survived cleaning: "
                           f"{counts['train']}")
-    classes = []
+    classes, values = [], {}
     if kind == "class":
         found = {label for rows in kept.values() for _, label in rows}
         classes = sorted(found, key=lambda x: (0, int(x), "") if x.lstrip("-").isdigit() else (1, 0, x))
+        refuse_measurements(classes, cfg.data.path or "the default data")
+    if kind == "value":
+        train = [v for _, v in kept["train"]]
+        mean = sum(train) / len(train)
+        values = {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in train) / len(train)) or 1.0}
     tok = train_tokenizer((s for s, _ in kept["train"]), tmp / TOKENIZER, vocab_size=64, model_type="char",
                           user_symbols=USER_SYMBOLS)
     for split in SPLITS:
-        seqs = [s for s, _ in kept[split]]
-        if not seqs:  # `datasets` cannot load back a saved empty split; `load` makes one
-            continue
-        save_split(tmp, split, datasets.Dataset.from_dict({
-            "sequence": seqs, "ids": encode(tok, seqs),
-            "label": [classes.index(lab) if kind == "class" else -1 for _, lab in kept[split]],
-            "states": [lab if kind == "residue" else [] for _, lab in kept[split]]}, features=_features()))
-    return {"counts": counts, "labels": kind, "classes": classes, "vocab_size": tok.vocab_size,
+        if kept[split]:  # `datasets` cannot load back a saved empty split; `load` makes one
+            save_split(tmp, split, rows_of(tok, kept[split], kind, classes))
+    return {"counts": counts, "labels": kind, "classes": classes, "values": values, "vocab_size": tok.vocab_size,
             "residues": {s: sum(len(q) for q, _ in kept[s]) for s in SPLITS}, **info}
+
+
+def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[str, int], list[Path]]:
+    """New data for `harness evaluate --data` (`protein_sources.read_scored`), as a prepared test split: cleaned by
+    the rules above as a test split is (duplicates dropped; no leak rule: the run keeps no training sequences), a
+    class the run does not know counted as `unknown_class`, rows of a FLIP file outside its test set as `not_test`;
+    residue ids from the run's stored vocabulary. Returns (rows, the count of every status, the files read)."""
+    meta, tok = read_meta(stored), tokenizer(stored)
+    kind, classes = meta["labels"], meta["classes"]
+    rows, others, files = read_scored(path, cfg)
+    whole = math.inf if kind == "residue" else cfg.data.seq_len
+    cleaned = [("unknown_class", "", None) if st in KEPT and kind == "class" and label not in classes
+               else (st, seq, label) for st, seq, label in (clean(r, kind, whole) for r in rows)]
+    counts, kept = deduplicate({"test": cleaned}, kind)
+    if kind == "residue":
+        fit(counts, kept, cfg.data.seq_len)
+    counts = {**counts["test"], **({"not_test": others} if others else {})}
+    return rows_of(tok, kept["test"], kind, classes), counts, files
+
+
+def rows_of(tok: Tokenizer, kept: list[tuple[str, Any]], kind: str, classes: list[str]):
+    """Kept (sequence, label) pairs as a prepared split (the columns `load` documents)."""
+    import datasets
+
+    seqs = [q for q, _ in kept]
+    return datasets.Dataset.from_dict({
+        "sequence": seqs, "ids": encode(tok, seqs),
+        "label": [classes.index(lab) if kind == "class" else -1 for _, lab in kept],
+        "states": [lab if kind == "residue" else [] for _, lab in kept],
+        "value": [lab if kind == "value" else math.nan for _, lab in kept]}, features=_features())

@@ -9,6 +9,9 @@ Sources (`data.path`):
   and `mask.fasta` (1 = resolved residue). Validation is `VALIDATION=True` within the training set.
 - a user's .csv/.tsv/.jsonl file (columns `protein.sequence_field`, `protein.label_field`; a csv may also use
   the count-line layout above) or .fasta file (`>name label=VALUE`); validation from `data.val_path` or held out.
+  A FLIP-format csv (`sequence,target,set,validation`, e.g. `../shared/data/flip_gb1/sampled.csv.gz`) keeps its
+  splits: `set` = train/test, and `validation` = True marks the train rows FLIP reserves for validation; its
+  label is `target` unless `protein.label_field` names a column it has.
 - `hub:NAME`: a Hugging Face data set with those two columns; its train/validation/test splits are used.
 Rows that cannot be parsed (a csv row with the wrong number of fields, a jsonl line that is not an object)
 come back with parse_status "malformed" and are counted by `protein.clean`; everything is read through
@@ -54,7 +57,9 @@ def read_source(cfg: RunConfig) -> tuple[dict[str, list[Row]], dict[str, Any]]:
         splits = _read_hub(d.path[4:], p.sequence_field, p.label_field)
     else:
         rows, info = _read_file(d.path, cfg)
-        splits = {"all": rows}
+        sets = info.pop("sets", None)
+        splits = {"all": rows} if sets is None else {s: [r for r, x in zip(rows, sets) if x == s] for s in SPLITS
+                                                     if s in sets}  # no validation rows: held out from train
     if d.val_path:
         splits["validation"] = _read_file(d.val_path, cfg)[0]
     return splits, info
@@ -116,10 +121,18 @@ def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ","
         return [(r[0], r[1], None, "") if len(r) == 2 else (None, None, None, "malformed") for r in body], info
     if seq_field not in head:
         raise ConfigError(f"{path}: no column {seq_field!r} (protein.sequence_field); the header is {head}")
+    flip = {"set", "target"} <= set(head)
+    if flip and label_field not in head:
+        label_field = "target"
     si, li = head.index(seq_field), head.index(label_field) if label_field in head else None
     ri = head.index("resolved") if "resolved" in head else None
     rows = [(r[si], r[li] if li is not None else None, r[ri] if ri is not None else None, "")
             if len(r) == len(head) else (None, None, None, "malformed") for r in body]
+    if flip:  # FLIP's layout: its own train/validation/test (a row that cannot be parsed counts under train)
+        seti, vi = head.index("set"), head.index("validation") if "validation" in head else None
+        info["sets"] = ["test" if len(r) == len(head) and r[seti].strip().lower() == "test" else
+                        "validation" if len(r) == len(head) and vi is not None and r[vi].strip() == "True" else
+                        "train" for r in body]
     return rows, info
 
 
@@ -193,3 +206,21 @@ def _read_hub(name: str, seq_field: str, label_field: str) -> dict[str, list[Row
     if "train" not in splits:
         raise ConfigError(f"hub:{name}: no train split; it has {list(dd)}")
     return splits
+
+
+def read_scored(path: Path, cfg: RunConfig) -> tuple[list[Row], int, list[Path]]:
+    """New data for `harness evaluate --data`: (the rows to score, the rows not scored, the files read). A FLIP
+    directory or a FLIP-format csv gives its test rows (the benchmark's test set), any other file every row."""
+    if path.is_dir():
+        check_flip(path)
+        splits = _read_flip(path)
+        files = [path / "splits.zip"] if (path / "splits.zip").is_file() else \
+            [path / n for n in FLIP_FILES if (path / n).is_file()]
+        return splits["test"], len(splits["train"]) + len(splits["validation"]), files
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found")
+    rows, info = _read_file(str(path), cfg)
+    sets = info.get("sets")
+    if sets is None:
+        return rows, 0, [path]
+    return [r for r, x in zip(rows, sets) if x == "test"], sum(x != "test" for x in sets), [path]

@@ -6,8 +6,10 @@ Sources (`data.path`):
   Whole books are held out: Mark (book 41) for validation, John (book 43) for test. Louis Segond marks
   KJV-style verse numbers inside some Psalms ("(9:1) ...") and editorial insertions in [brackets]; both are
   stripped.
-- a directory such as `../shared/data/multi30k`: `train.<lang>`, `val.<lang>` and `test.<lang>` (or a single
-  `test_*.<lang>`), optionally gzipped; line i of the source file translates line i of the target file.
+- a directory such as `../shared/data/multi30k`: `train.<lang>`, `val.<lang>` and `test.<lang>` (or
+  `test_*.<lang>`: with several, the test split is the first by name, e.g. test_2016_flickr, and every one is held
+  out of training; `harness evaluate --data DIR` scores each), optionally gzipped; line i of the source file
+  translates line i of the target file.
 - a user's .jsonl/.json/.csv/.tsv file with one column per language code (or a `translation` dict column);
   validation from `data.val_path` or a `data.val_fraction` held out; no test split.
 - `hub:NAME` or `hub:NAME:CONFIG`: a Hugging Face data set whose rows hold `translation: {lang: text}`.
@@ -23,6 +25,11 @@ Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
 The joint source/target SentencePiece model is trained on the kept training pairs only. With a Hugging Face model
 (`model.hf`) its own tokenizer reads the pairs instead (saved into the prepared directory); the decoder starts
 from the model's `decoder_start_token_id`.
+
+New data for `harness evaluate --data PATH` (`scoring_sources`): a file pair given by its prefix (`DIR/test_2017`
+for `test_2017.en` and `test_2017.de`, gzipped or not) or by one of its files; a directory, whose test pairs
+(`test.<lang>`, `test_*.<lang>`) are each read on their own, or its only pair; a .jsonl/.json/.csv/.tsv file as
+above. Its pairs are cleaned by the validation/test rules and tokenized by the run's stored tokenizer.
 """
 from __future__ import annotations
 
@@ -42,6 +49,9 @@ DEFAULT_VOCAB = 8000
 TOKENIZER = "spm.model"
 HF_TOKENIZER = "hf_tokenizer"  # a Hugging Face model's tokenizer, saved in the prepared directory
 SPLITS = ("train", "validation", "test")
+STORED = (TOKENIZER, HF_TOKENIZER)  # what a run keeps (RUN/data/); a Hugging Face tokenizer is its own hf/ export's
+COMPARED = (TOKENIZER,)
+SCORING_KEYS = ("vocab_size", "langs", "decoder_start")  # meta.json values that scoring depends on
 BIBLE_BOOKS = {"validation": 41, "test": 43}  # bibleRef: 41 = Mark / Marc, 43 = John / Jean
 BIBLE_VERSIONS = ("k", "l")  # King James 1611 (English), Louis Segond 1910 (French)
 DIR_SPLITS = {"train": ("train",), "validation": ("val", "valid", "validation", "dev"), "test": ("test",)}
@@ -163,20 +173,61 @@ def read_bible(src_lang: str) -> dict[str, Any]:
 
 
 def read_dir(path: Path, src_lang: str, tgt_lang: str) -> dict[str, Any]:
+    return {split: read_pair(*(_split_file(path, split, lang) for lang in (src_lang, tgt_lang))) for split in SPLITS}
+
+
+def read_pair(src_file: Path, tgt_file: Path):
+    """Two line-aligned files (gzipped or not) as pairs."""
     import datasets
 
-    out = {}
-    for split in SPLITS:
-        files = [_split_file(path, split, lang) for lang in (src_lang, tgt_lang)]
-        sides = [datasets.load_dataset("text", data_files=str(f), split="train")["text"] for f in files]
-        if len(sides[0]) != len(sides[1]):
-            raise ConfigError(f"{files[0]} has {len(sides[0])} lines but {files[1]} has {len(sides[1])}; "
-                              f"line i of one must translate line i of the other")
-        out[split] = datasets.Dataset.from_dict({
-            "key": [f"{files[0].name}:{i + 1}" for i in range(len(sides[0]))],
-            "src": [s.strip() for s in sides[0]], "tgt": [t.strip() for t in sides[1]],
-            "status": [_status(s, t) for s, t in zip(*sides)]})
-    return out
+    files = [src_file, tgt_file]
+    sides = [datasets.load_dataset("text", data_files=str(f), split="train")["text"] for f in files]
+    if len(sides[0]) != len(sides[1]):
+        raise ConfigError(f"{files[0]} has {len(sides[0])} lines but {files[1]} has {len(sides[1])}; "
+                          f"line i of one must translate line i of the other")
+    return datasets.Dataset.from_dict({
+        "key": [f"{files[0].name}:{i + 1}" for i in range(len(sides[0]))],
+        "src": [s.strip() for s in sides[0]], "tgt": [t.strip() for t in sides[1]],
+        "status": [_status(s, t) for s, t in zip(*sides)]})
+
+
+def scoring_sources(path: Path, src_lang: str, tgt_lang: str) -> list[tuple[str, Any, list[Path]]]:
+    """New data for `harness evaluate --data`: [(part, pairs as read, files)], one per data set PATH holds."""
+    langs = (src_lang, tgt_lang)
+    if path.is_file() and Path(str(path).lower().removesuffix(".gz")).suffix in (".json", ".jsonl", ".csv", ".tsv"):
+        return [("", read_file(str(path), src_lang, tgt_lang, split="data"), [path])]
+    if path.is_dir():
+        pairs = _pairs(path, langs)
+        tests = {stem: f for stem, f in pairs.items() if stem == "test" or stem.startswith("test_")}
+        chosen = tests or (pairs if len(pairs) == 1 else {})
+        if not chosen:
+            raise ConfigError(f"{path}: holds no test pair (test.{src_lang}/test.{tgt_lang} or test_*) and "
+                              f"{len(pairs)} other pairs ({', '.join(sorted(pairs)) or 'none'}); name one by its "
+                              f"prefix, e.g. {path / (sorted(pairs) or ['NAME'])[0]}")
+        return [(stem if len(chosen) > 1 else "", read_pair(*chosen[stem]), list(chosen[stem]))
+                for stem in sorted(chosen)]
+    prefix = path
+    for lang in langs:  # one file of the pair named: its prefix
+        for end in (f".{lang}", f".{lang}.gz"):
+            if path.name.endswith(end) and path.is_file():
+                prefix = path.with_name(path.name.removesuffix(end))
+    found = _pairs(prefix.parent, langs).get(prefix.name) if prefix.parent.is_dir() else None
+    if found is None:
+        raise ConfigError(f"{path}: not found as translation pairs: give a file pair by its prefix (PREFIX.{src_lang} "
+                          f"and PREFIX.{tgt_lang}, gzipped or not), a directory holding such pairs, or a "
+                          f".jsonl/.json/.csv/.tsv file")
+    return [("", read_pair(*found), list(found))]
+
+
+def _pairs(directory: Path, langs: tuple[str, str]) -> dict[str, tuple[Path, Path]]:
+    """{prefix: (source file, target file)} of the line-aligned pairs in a directory."""
+    sides: dict[str, dict[str, Path]] = {}
+    for f in sorted(directory.iterdir()):
+        for lang in langs:
+            for end in (f".{lang}", f".{lang}.gz"):
+                if f.is_file() and f.name.endswith(end):
+                    sides.setdefault(f.name.removesuffix(end), {})[lang] = f
+    return {stem: (s[langs[0]], s[langs[1]]) for stem, s in sides.items() if len(s) == 2}
 
 
 def read_file(path: str, src_lang: str, tgt_lang: str, split: str = "train"):
@@ -232,8 +283,8 @@ def _split_file(path: Path, split: str, lang: str) -> Path:
     names = [f"{stem}.{lang}" for stem in DIR_SPLITS[split]]
     found = [path / n for n in names if (path / n).is_file()] + [path / f"{n}.gz" for n in names
                                                                   if (path / f"{n}.gz").is_file()]
-    if not found and split == "test":
-        found = sorted(p for p in path.glob(f"test_*.{lang}*") if p.name.endswith((f".{lang}", f".{lang}.gz")))
+    if not found and split == "test":  # several test sets: the first by name (all are held out of training)
+        found = sorted(p for p in path.glob(f"test_*.{lang}*") if p.name.endswith((f".{lang}", f".{lang}.gz")))[:1]
     if len(found) != 1:
         what = "none" if not found else ", ".join(p.name for p in found)
         raise ConfigError(f"{path}: need exactly one {split} file for language {lang!r} "
@@ -264,6 +315,9 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
 
     # Leak rule: a training pair whose source sentence is in a held-out split is dropped (counted).
     held_out = {_norm(s) for split in ("validation", "test") if split in raw for s in raw[split]["src"]}
+    if kind == "dir":  # a directory's other test pairs are held out too
+        held_out |= {_norm(s) for stem, pair in _pairs(Path(d.path), (t.source_lang, t.target_lang)).items()
+                     if stem.startswith("test_") for s in read_pair(*pair)["src"]}
     limit = d.max_row_chars
 
     def train_rules(batch):
@@ -288,13 +342,18 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
 
     counts, lengths = {}, {}
     for split, ds in raw.items():
-        ds = ds.map(lambda b: _encode(b, tok, d.seq_len, split == "train"), batched=True, desc=f"tokenizing {split}")
-        counts[split] = dict(Counter(ds["status"]))
-        ds = ds.filter(lambda s: s in ("ok", "truncated"), input_columns="status").remove_columns("status")
+        ds, counts[split] = tokenize(ds, tok, d.seq_len, split == "train")
         lengths[split] = {"src_tokens": sum(map(len, ds["src_ids"])), "tgt_tokens": sum(map(len, ds["tgt_ids"]))}
         save_split(out, split, ds)
     return {"counts": counts, "vocab_size": tok.vocab_size, "tokens": lengths, "source": kind,
             "langs": [t.source_lang, t.target_lang], "splits": list(raw), "decoder_start": tok.bos_id}
+
+
+def tokenize(ds, tok: Tokenizer | hf.TextTokenizer, seq_len: int, is_train: bool) -> tuple[Any, dict[str, int]]:
+    """(the kept pairs with src_ids and tgt_ids, the count of every status) by the rules of the module docstring."""
+    ds = ds.map(lambda b: _encode(b, tok, seq_len, is_train), batched=True, desc="tokenizing")
+    counts = dict(Counter(ds["status"]))
+    return ds.filter(lambda s: s in ("ok", "truncated"), input_columns="status").remove_columns("status"), counts
 
 
 def _train_tokenizer(cfg: RunConfig, kept_train, out: Path) -> Tokenizer:

@@ -33,7 +33,8 @@ class Task(Protocol):
 
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
     Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
-    batches), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`.
+    batches), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`, `store` and
+    `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
     `items` names what `count` counts, for the progress bar's rate (default "items").
     The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
     harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
@@ -84,14 +85,37 @@ class TaskDefaults:
         return {"loss": mean_loss}
 
 
+@dataclass
+class ReadData:
+    """New data read by a task's `read` for `harness evaluate --data`, one data set of PATH."""
+    data: Any                     # handed back to the task's `evaluate(..., data=data)`
+    counts: dict[str, int]        # rows by status (the rules of the task's reader)
+    files: list[Path]             # the files read, for the report's sha256
+    part: str = ""                # which of PATH's data sets (a directory may hold several); "" for the only one
+    kept: tuple[str, ...] = ("ok", "truncated")  # the statuses of rows kept; rows of any other were skipped
+
+
 class CaseStudy(Task, Protocol):
     """A task with prepared data and its field's own evaluation (translation, protein, prices)."""
 
     def prepare(self, cfg: RunConfig) -> Path:
         """Clean, split and tokenize the source once (see `harness.prepare`); return the prepared directory."""
 
-    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
-        """The field's metrics on a split, computed over the whole split on every rank.
+    def store(self, cfg: RunConfig, out: Path) -> None:
+        """Write into `out` (RUN/data/, rank 0, when training starts) what reading new data needs: the tokenizer and
+        the statistics fitted on the training split (`harness.prepare.store` copies them with their sha256)."""
+
+    def read(self, cfg: RunConfig, path: Path, stored: Path | None) -> list[ReadData]:
+        """`harness evaluate --data PATH`: PATH read in the formats the task reads, cleaned by its rules, with the
+        run's stored artefacts in `stored` (RUN/data/, None where the task stores none; never re-fitted); one
+        ReadData per data set PATH holds (or a single one). Bad input: ConfigError. A task with a `prepared`
+        attribute has it set to `stored` while a run is loaded (`harness evaluate --data`, `translate`,
+        `load_model`), so that its `prepare(cfg)` and what builds on it (the model's vocabulary) read the run's copy."""
+
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
+                 data=None) -> dict[str, float | str]:
+        """The field's metrics on a split, computed over the whole split on every rank; `data` (what `read`
+        returned) replaces the split, which then only names it.
 
         `model` is the DeepSpeed engine at the end of training (every rank, maybe ZeRO-3 or tensor parallel;
         `in_training` is then true and a task may score a sample of the split), the consolidated plain model on

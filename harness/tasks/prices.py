@@ -9,10 +9,14 @@ windows, the model next to two baselines a forecaster must beat to be worth anyt
 each with MSE and MAE on the normalised scale and on the source's scale (prices), and directional accuracy
 (the forecast moves the same way from the last value as the truth) for the model and for drift (persistence
 never moves).
+`read` takes a new csv for `harness evaluate --data` (`prepare.prices.read_scoring`): z-scored with the run's stored
+training statistics, every window of the file scored by the same `evaluate`; the majority direction is the
+training split's, kept with the run (meta "train_up_share").
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,9 +25,19 @@ from .. import metrics as M
 from ..config import ConfigError, RunConfig
 from ..data import eval_batches
 from ..models.patch import PatchConfig, PatchTST
-from ..prepare import read_meta, summary
+from ..prepare import read_meta, store, summary
 from ..prepare import prices as P
-from . import TaskData
+from . import ReadData, TaskData
+
+
+@dataclass
+class Scored:
+    """What `evaluate` scores: windows, the statistics that undo their normalisation, the training split's share of
+    windows that end up (for the majority-direction baseline) and the protocol line."""
+    windows: P.Windows
+    norm: dict
+    up_share: float
+    protocol: str
 
 
 class PricesTask:
@@ -47,6 +61,21 @@ class PricesTask:
 
     def prepare(self, cfg: RunConfig) -> Path:
         return P.prepare(cfg)
+
+    def store(self, cfg: RunConfig, out: Path) -> None:
+        directory = self.prepare(cfg)
+        store(directory, out, (), (), P.SCORING_KEYS, {"train_up_share": up_share(P.windows(cfg, directory, "train"))})
+
+    def read(self, cfg: RunConfig, path: Path, stored: Path) -> list[ReadData]:
+        windows, counts, f, line = P.read_scoring(cfg, stored, path)
+        meta = read_meta(stored)
+        return [ReadData(Scored(windows, meta["norm"], meta["train_up_share"], line), counts, [f])]
+
+    def scored(self, cfg: RunConfig, split: str) -> Scored:
+        """A prepared split's windows, as `evaluate` scores them."""
+        directory = self.prepare(cfg)
+        return Scored(P.windows(cfg, directory, split), read_meta(directory)["norm"],
+                      up_share(P.windows(cfg, directory, "train")), protocol(cfg, directory, split))
 
     def build_model(self, cfg: RunConfig) -> PatchTST:
         m, p = cfg.model, cfg.prices
@@ -100,18 +129,21 @@ class PricesTask:
                 out[idx] = pred
         return out
 
-    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
-        directory = self.prepare(cfg)
-        data = P.windows(cfg, directory, split)
-        pred = self.forecast(model, data, cfg.train.micro_batch_size, world)
-        x = torch.stack([data[i]["x"] for i in range(len(data))])  # (n, L, C)
-        y = torch.stack([data[i]["y"] for i in range(len(data))])  # (n, H, C)
-        forecasts = {"model": pred, **baselines(x, data.horizon)}
-        train = P.windows(cfg, directory, "train")
-        up_share = float(torch.stack([train[i]["y"][-1] > train[i]["x"][-1] for i in range(len(train))]).double()
-                         .mean()) if len(train) else 0.5
-        return score(forecasts, x[:, -1], y, read_meta(directory)["norm"]) | verdict(pred, forecasts["persistence"], y) \
-            | trivial_directions(x[:, -1], y, up_share) | {"windows": len(data), "protocol": protocol(cfg, directory, split)}
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
+                 data: Scored | None = None) -> dict[str, float | str]:
+        scored = self.scored(cfg, split) if data is None else data
+        windows = scored.windows
+        pred = self.forecast(model, windows, cfg.train.micro_batch_size, world)
+        x = torch.stack([windows[i]["x"] for i in range(len(windows))])  # (n, L, C)
+        y = torch.stack([windows[i]["y"] for i in range(len(windows))])  # (n, H, C)
+        forecasts = {"model": pred, **baselines(x, windows.horizon)}
+        return score(forecasts, x[:, -1], y, scored.norm) | verdict(pred, forecasts["persistence"], y) \
+            | trivial_directions(x[:, -1], y, scored.up_share) | {"windows": len(windows), "protocol": scored.protocol}
+
+
+def up_share(train: P.Windows) -> float:
+    """The share of training windows whose last target is above their last input (ties count as down)."""
+    return float(torch.stack([train[i]["y"][-1] > train[i]["x"][-1] for i in range(len(train))]).double().mean())
 
 
 def baselines(x: torch.Tensor, horizon: int) -> dict[str, torch.Tensor]:

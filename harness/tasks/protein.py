@@ -12,6 +12,12 @@ with id 0 and carry a bool mask (True = real token) that the encoder uses to ign
 - classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences); evaluated by
   accuracy and, for two classes, AUROC of the second class's probability (label 1 = AMP on the default data).
 - residue: cross-entropy over resolved residues only (count = resolved residues); evaluated by Q3.
+- regress: squared error per sequence (count = sequences) of one value from the mean-pooled encoder output, on
+  targets z-scored with the training split's mean and standard deviation (prepared with the data); evaluated on
+  the data's own scale by Spearman's rho (the field's figure for fitness, e.g. FLIP GB1), Pearson's r, MSE and
+  MAE, beside a ridge regression on one-hot residues fitted on the same training split (`ridge_*`; its penalty
+  picked by validation MSE) to show what the Transformer adds. The baseline is computed by `harness evaluate`,
+  not during training.
 With a Hugging Face encoder (`model.hf`, e.g. the ESM-2 family) the objective picks its auto class (masked LM,
 sequence or token classification, `num_labels` set from the data); its tokenizer's ids replace the prepared ones
 residue by residue, the sample gains the tokenizer's end token (ESM's "<cls> ... <eos>", never a target), and the
@@ -20,6 +26,9 @@ directory as `model.hf` (`from_pretrained` keeps the encoder and starts a new he
 `protein.init_from = RUN_DIR` starts the built-in model from another protein run's exported weights (e.g. an mlm run): parameters
 are taken by name and shape (embedding rows matched by residue, position rows up to the shorter length); the
 others, e.g. a new head, keep their fresh initialisation; rank 0 prints which were loaded.
+`read` takes new sequences for `harness evaluate --data` (`prepare.protein.read_scoring`) as evaluation samples with
+the run's stored vocabulary, classes and value statistics; `evaluate(..., data=...)` scores them as it scores a split
+(without the ridge baseline, which is fitted on the training split).
 """
 from __future__ import annotations
 
@@ -33,21 +42,23 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError, RunConfig, resolve
 from ..data import eval_batches
-from ..metrics import accuracy, auroc, q3
+from ..metrics import accuracy, auroc, pearson, q3, regression, ridge, spearman
 from ..models import hf
 from ..models.encoder import Encoder
 from ..models.transformer import TransformerConfig
-from ..prepare import read_meta, summary
+from ..prepare import read_meta, store, summary
 from ..prepare import protein as prep
 from ..tokenizer import PAD
 from ..world import launched_rank
-from . import TaskData
+from . import ReadData, TaskData
 
 IGNORE = prep.IGNORE
 EVAL_MASK_SEED = 1_234_567  # validation/test masks do not depend on train.seed
 N_STATES = len(prep.STATES)
 HF_CLASSES = {"mlm": "AutoModelForMaskedLM", "classify": "AutoModelForSequenceClassification",
-              "residue": "AutoModelForTokenClassification"}
+              "residue": "AutoModelForTokenClassification", "regress": "AutoModelForSequenceClassification"}
+RIDGE_ALPHAS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
+RIDGE_MAX_SIZE = 8000  # the ridge baseline solves a min(rows, features)-square system; beyond this it is skipped
 
 
 @dataclass
@@ -87,25 +98,52 @@ def hf_tokenizer(cfg: RunConfig):
 
 
 class Samples(torch.utils.data.Dataset):
-    """One split's samples for an objective: {"ids": (n,), and "label" () or "targets" (n,)}, n = L + 1 (<cls>,
-    residues) or L + 2 (and the end token of a Hugging Face tokenizer that has one)."""
+    """One split's samples for an objective: {"ids": (n,), and "label" (), "value" () (z-scored by `scale`, the
+    training values' (mean, std)) or "targets" (n,)}, n = L + 1 (<cls>, residues) or L + 2 (and the end token of a
+    Hugging Face tokenizer that has one).
+
+    With `window` (evaluation splits of per-residue objectives), a chain longer than `window` residues gives several
+    samples: overlapping windows of `window` residues (see `windows`), each with its own <cls> and end token, whose
+    targets keep only the residues that window owns. Every residue is then scored exactly once, in the window
+    where it has the most context."""
 
     def __init__(self, rows, objective: str, vocab: Vocab, mask_prob: float = 0.15, seed: int = 0,
-                 variants: int = 1):
+                 variants: int = 1, scale: tuple[float, float] = (0.0, 1.0), window: int = 0):
         self.rows, self.objective, self.n = rows.with_format("torch"), objective, len(rows)
         self.mask_prob, self.seed, self.variants, self.vocab = mask_prob, seed, variants, vocab
+        self.scale = scale
         self.specials = 1 + (vocab.eos_id is not None)  # positions besides the residues
+        self.spans = None  # sample -> (row, first residue, owned residues from, to)
+        if window and objective in ("residue", "mlm"):
+            lengths = [len(ids) for ids in rows.with_format(None)["ids"]]
+            if max(lengths, default=0) > window:
+                self.spans = [(i, *span) for i, n in enumerate(lengths) for span in windows(n, window)]
+                self.window, self.windowed = window, sum(n > window for n in lengths)
 
     def __len__(self) -> int:
-        return self.n * self.variants
+        return len(self.spans) if self.spans else self.n * self.variants
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not self.spans:
+            return self.whole(index)
+        i, start, lo, hi = self.spans[index]
+        sample = self.whole(i)
+        end = len(sample["ids"]) - self.specials + 1  # where the end token (if any) sits
+        keep = torch.cat([torch.tensor([0]), torch.arange(1 + start, 1 + min(start + self.window, end - 1)),
+                          torch.arange(end, len(sample["ids"]))])
+        targets = torch.full_like(sample["targets"], IGNORE)
+        targets[1 + lo:1 + hi] = sample["targets"][1 + lo:1 + hi]  # only the residues this window owns
+        return {"ids": sample["ids"][keep], "targets": targets[keep]}
+
+    def whole(self, index: int) -> dict[str, torch.Tensor]:
         row, v = self.rows[index % self.n], self.vocab
         residues = row["ids"].long() if v.remap is None else v.remap[row["ids"].long()]
         end = [] if v.eos_id is None else [v.eos_id]
         ids = torch.tensor([v.cls_id, *residues.tolist(), *end])  # (n,)
         if self.objective == "classify":
             return {"ids": ids, "label": row["label"]}
+        if self.objective == "regress":
+            return {"ids": ids, "value": ((row["value"] - self.scale[0]) / self.scale[1]).float()}
         if self.objective == "residue":
             return {"ids": ids, "targets": torch.tensor([IGNORE, *row["states"].tolist(), *[IGNORE] * len(end)])}
         return {"ids": ids, **self.mask(ids, index, len(residues))}
@@ -124,6 +162,17 @@ class Samples(torch.utils.data.Dataset):
         return {"ids": masked, "targets": targets}
 
 
+def windows(length: int, window: int) -> list[tuple[int, int, int]]:
+    """(first residue, owned from, owned to) of windows of `window` residues over a chain of `length`: starts every
+    window // 2 residues, the last aligned to the chain's end; where two overlap, each owns the half nearer its own
+    centre, so the owned ranges tile the chain. A chain that fits is one window owning everything."""
+    if length <= window:
+        return [(0, 0, length)]
+    starts = [*range(0, length - window, max(1, window // 2)), length - window]
+    cuts = [0, *((b + a + window) // 2 for a, b in zip(starts, starts[1:])), length]
+    return [(s, lo, hi) for s, lo, hi in zip(starts, cuts, cuts[1:])]
+
+
 def _known(tok, piece: str) -> bool:
     try:
         tok.piece_id(piece)
@@ -134,11 +183,12 @@ def _known(tok, piece: str) -> bool:
 
 class ProteinTask:
     objective, pad, items = "classify", PAD, "seqs"  # bound by `_bind` (`metrics`, `collate`, the progress bar)
+    prepared: Path | None = None  # a run's stored artefacts (RUN/data/), read instead of preparing from data.path
 
     def _bind(self, cfg: RunConfig) -> Vocab:
         vocab = Vocab.of(cfg, prep.tokenizer(self.prepare(cfg)))
         self.objective, self.pad = cfg.protein.objective, vocab.pad_id
-        self.items = {"classify": "seqs", "mlm": "masked", "residue": "residues"}[self.objective]
+        self.items = {"classify": "seqs", "regress": "seqs", "mlm": "masked", "residue": "residues"}[self.objective]
         return vocab
 
     def check(self, cfg: RunConfig) -> None:
@@ -148,6 +198,9 @@ class ProteinTask:
             hf.check(cfg, HF_CLASSES[p.objective])
             if hf.own_tokenizer(cfg):
                 hf_tokenizer(cfg)
+            if p.pooling != "mean":
+                raise ConfigError(f"protein.pooling = {p.pooling!r} is for the built-in encoder; a Hugging Face "
+                                  f"model pools with its own head")
             if p.init_from:
                 raise ConfigError(f"protein.init_from = {p.init_from!r} starts the built-in model; with model.hf, "
                                   f"name the earlier run's exported hf/ directory as model.hf instead")
@@ -160,7 +213,16 @@ class ProteinTask:
                               f"config.toml and model.safetensors)")
 
     def prepare(self, cfg: RunConfig) -> Path:
-        return prep.prepare(cfg)
+        return self.prepared or prep.prepare(cfg)
+
+    def store(self, cfg: RunConfig, out: Path) -> None:
+        store(self.prepare(cfg), out, prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
+
+    def read(self, cfg: RunConfig, path: Path, stored: Path) -> list[ReadData]:
+        """New sequences (`prepare.protein.read_scoring`) as evaluation samples, with the stored vocabulary and
+        statistics (`prepare(cfg)` is the stored directory while a run is scored)."""
+        rows, counts, files = prep.read_scoring(cfg, stored, path)
+        return [ReadData(self.samples(cfg, "data", rows=rows), counts, files, kept=prep.KEPT)]
 
     def build_model(self, cfg: RunConfig) -> Encoder:
         directory = self.prepare(cfg)
@@ -172,14 +234,14 @@ class ProteinTask:
         if objective == "classify" and len(meta["classes"]) < 2:
             raise ConfigError(f"protein.objective = 'classify' needs two classes or more; the data has "
                               f"{meta['classes'] or 'no labels'}")
-        n_out = {"mlm": vocab, "classify": len(meta["classes"]), "residue": N_STATES}[objective]
+        n_out = {"mlm": vocab, "classify": len(meta["classes"]), "residue": N_STATES, "regress": 1}[objective]
         if m.hf:  # on the prepared residue ids: that vocabulary and its special ids
             ids = {} if hf.own_tokenizer(cfg) else dict(vocab_size=vocab, pad_token_id=PAD, mask_token_id=(
                 prep.tokenizer(directory).piece_id("<mask>")))
             return hf.build(cfg, HF_CLASSES[objective], **ids, **({} if objective == "mlm" else {"num_labels": n_out}))
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=cfg.data.seq_len + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
-                                          dropout=m.dropout), objective, n_out)
+                                          dropout=m.dropout), objective, n_out, cfg.protein.pooling)
         source = Path(cfg.protein.init_from)
         # `check` requires the source before training; a finished run rebuilt by `harness evaluate` after the
         # source was deleted skips it (its own exported weights replace these anyway).
@@ -190,12 +252,13 @@ class ProteinTask:
                       f"fresh {', '.join(fresh) or 'nothing'}", flush=True)
         return model
 
-    def samples(self, cfg: RunConfig, split: str, train: bool = False) -> Samples:
+    def samples(self, cfg: RunConfig, split: str, train: bool = False, rows=None) -> Samples:
         directory, vocab = self.prepare(cfg), self._bind(cfg)
         p = cfg.protein
         variants = p.mask_variants if train and p.objective == "mlm" else 1
-        return Samples(prep.load(directory, split), p.objective, vocab, p.mask_prob,
-                       cfg.train.seed if train else EVAL_MASK_SEED, variants)
+        return Samples(prep.load(directory, split) if rows is None else rows, p.objective, vocab, p.mask_prob,
+                       cfg.train.seed if train else EVAL_MASK_SEED, variants, scale(read_meta(directory)),
+                       window=0 if train else cfg.data.seq_len)
 
     def tokenizer(self, cfg: RunConfig):
         """A Hugging Face model's own tokenizer, for its export (the residue vocabulary stays with the data)."""
@@ -211,6 +274,8 @@ class ProteinTask:
         batch = {"ids": ids, "mask": ids != self.pad}  # (B, T) each
         if "label" in samples[0]:
             batch["labels"] = torch.stack([torch.as_tensor(s["label"]) for s in samples]).long()  # (B,)
+        elif "value" in samples[0]:
+            batch["values"] = torch.stack([s["value"] for s in samples])  # (B,) float32
         else:
             batch["targets"] = torch.nn.utils.rnn.pad_sequence([s["targets"] for s in samples], batch_first=True,
                                                                padding_value=IGNORE)  # (B, T)
@@ -222,12 +287,15 @@ class ProteinTask:
 
     def lengths(self, data: Samples) -> list[int]:
         """Each sample's length in positions (with <cls>), for length-bucketed batches."""
+        if data.spans:
+            return [min(data.window, hi_len) + data.specials for hi_len in (
+                len(data.rows[i]["ids"]) - start for i, start, _, _ in data.spans)]
         lengths = [len(ids) + data.specials for ids in data.rows.with_format(None)["ids"]]
         return lengths * data.variants
 
     def count(self, batch: dict[str, torch.Tensor]) -> int:
-        if "labels" in batch:
-            return batch["labels"].numel()
+        if "targets" not in batch:
+            return len(batch["ids"])  # one label or value per sequence
         return int((batch["targets"] != IGNORE).sum())
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +305,9 @@ class ProteinTask:
         return self.loss_from(model(*self.inputs(batch)), batch)
 
     def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = hf.logits(outputs).float()  # (B, classes) or (B, T, vocab or states)
+        logits = hf.logits(outputs).float()  # (B, classes), (B, 1) or (B, T, vocab or states)
+        if "values" in batch:
+            return F.mse_loss(logits.squeeze(-1), batch["values"], reduction="sum")
         if "labels" in batch:
             return F.cross_entropy(logits, batch["labels"], reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
@@ -250,9 +320,11 @@ class ProteinTask:
         return {"loss": mean_loss}
 
     @torch.no_grad()
-    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False) -> dict[str, float | str]:
-        """The field's metrics over the whole split, on every rank (see the Task protocol for the ZeRO-3 rules)."""
-        samples = self.samples(cfg, split)
+    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
+                 data: Samples | None = None) -> dict[str, float | str]:
+        """The field's metrics over the whole split (or `data`, from `read`), on every rank (see the Task protocol
+        for the ZeRO-3 rules). The ridge baseline needs the training split: none for `data`."""
+        samples = self.samples(cfg, split) if data is None else data
         if not len(samples):
             return {}
         batches, steps = eval_batches(len(samples), cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
@@ -268,11 +340,18 @@ class ProteinTask:
                 mine += _per_sample(logits, batch)
         model.train(was_training)
         outputs = [o for rank in world.gather(mine) for o in rank]  # sync point
-        return _field_metrics(cfg.protein.objective, outputs)
+        if cfg.protein.objective != "regress":
+            windowed = {"chains_in_windows": float(samples.windowed)} if samples.spans else {}
+            return {**_field_metrics(cfg.protein.objective, outputs), **windowed}
+        mean, std = samples.scale
+        metrics = regression_metrics([mean + std * p for p, _ in outputs], [mean + std * y for _, y in outputs])
+        return metrics if in_training or data is not None else {**metrics, **ridge_baseline(self.prepare(cfg), split)}
 
 
 def _per_sample(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[tuple]:
     """Per-sample results as plain Python, cheap to gather: (probabilities, label) or (predictions, targets, nll)."""
+    if "values" in batch:
+        return list(zip(logits.squeeze(-1).tolist(), batch["values"].tolist()))
     if "labels" in batch:
         probs = logits.softmax(-1).cpu()
         return [(p.tolist(), int(y)) for p, y in zip(probs, batch["labels"].cpu())]
@@ -301,6 +380,51 @@ def _field_metrics(objective: str, outputs: list[tuple]) -> dict[str, float]:
     mean_nll = sum(x for _, _, x in outputs) / n
     return {"masked_accuracy": accuracy(pred, target), "perplexity": math.exp(min(mean_nll, 50.0)),
             "masked_residues": float(n)}
+
+
+def scale(meta: dict) -> tuple[float, float]:
+    """The training values' (mean, std) that regression targets are z-scored with; (0, 1) for other labels."""
+    values = meta.get("values") or {}
+    return values.get("mean", 0.0), values.get("std", 1.0)
+
+
+def regression_metrics(pred: list[float], target: list[float]) -> dict[str, float]:
+    return {"spearman": spearman(pred, target), "pearson": pearson(pred, target), **regression(pred, target),
+            "sequences": float(len(target))}
+
+
+def one_hot(rows, length: int, vocab_size: int) -> torch.Tensor:
+    """(n, length * vocab_size) indicators of each position's residue id; positions past a sequence's end stay 0."""
+    ids = torch.full((len(rows), length), -1)
+    for i, r in enumerate(rows["ids"]):
+        r = r[:length]
+        ids[i, :len(r)] = torch.as_tensor(r)
+    out = torch.zeros(len(rows), length, vocab_size)
+    out.scatter_(2, ids.clamp(min=0).unsqueeze(-1), (ids >= 0).float().unsqueeze(-1))
+    return out.flatten(1)
+
+
+def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
+    """Ridge regression on one-hot residues (the features that vary in training), fitted on the training split,
+    its penalty picked from RIDGE_ALPHAS by validation MSE (train's own when there is none), scored on `split`."""
+    train, val, test = (prep.load(directory, s) for s in ("train", "validation", split))
+    length, vocab = max(len(r) for r in train["ids"]), read_meta(directory)["vocab_size"]
+    x = one_hot(train, length, vocab)
+    keep = x.std(0) > 0  # a column constant in training carries nothing the intercept does not
+    x = x[:, keep]
+    if min(x.shape) > RIDGE_MAX_SIZE:
+        return {"ridge_baseline": f"skipped: {x.shape[0]} rows x {x.shape[1]} features is too large to solve"}
+    y = torch.tensor(train["value"])
+    vx, vy = (one_hot(val, length, vocab)[:, keep], torch.tensor(val["value"])) if len(val) else (x, y)
+
+    def predict(w, features):
+        return features.double() @ w[:-1] + w[-1]
+
+    fits = {a: ridge(x, y, a) for a in RIDGE_ALPHAS}
+    alpha = min(fits, key=lambda a: (predict(fits[a], vx) - vy).pow(2).mean().item())
+    pred = predict(fits[alpha], one_hot(test, length, vocab)[:, keep])
+    return {f"ridge_{k}": v for k, v in regression_metrics(pred.tolist(), test["value"]).items()
+            if k != "sequences"} | {"ridge_alpha": alpha}
 
 
 def init_from(model: Encoder, cfg: RunConfig, run_dir: Path) -> tuple[list[str], list[str]]:

@@ -7,7 +7,9 @@ gets 1 - eps and every vocabulary entry eps / V, i.e. (1 - eps) * nll + eps * me
 
 `evaluate` decodes a split with beam search (translation.beam_size, GNMT length penalty) and scores the
 detokenized output with sacreBLEU's BLEU and chrF (signatures included), next to the BLEU of copying the source
-sentence as the translation (the floor any model must clear), and the teacher-forced NLL / perplexity.
+sentence as the translation (the floor any model must clear), and the teacher-forced NLL / perplexity. `read` takes
+new pairs for `harness evaluate --data` (formats: `prepare.translation.scoring_sources`) and tokenizes them with the
+run's stored tokenizer; `evaluate(..., data=...)` scores them as it scores a split.
 
 With a Hugging Face sequence-to-sequence model (`model.hf`, AutoModelForSeq2SeqLM: T5, Marian, BART...) the model
 is called as `model(input_ids, attention_mask, decoder_input_ids)`, its own tokenizer prepares the pairs and its
@@ -28,16 +30,17 @@ from ..decoding import generate, hf_generate
 from ..metrics import bleu_chrf
 from ..models import hf
 from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
-from ..prepare import read_meta, summary
+from ..prepare import read_meta, store, summary
 from ..prepare import translation as prep
 from ..tokenizer import BOS, EOS, PAD
 from ..world import all_reduce
-from . import TaskData
+from . import ReadData, TaskData
 
 
 class TranslationTask:
     HF_CLASS = "AutoModelForSeq2SeqLM"
     items = "tokens"  # target tokens
+    prepared: Path | None = None  # a run's stored artefacts (RUN/data/), read instead of preparing from data.path
 
     def __init__(self):
         # The batch methods take no config (task protocol): the run's smoothing, padding id and model kind are
@@ -67,7 +70,20 @@ class TranslationTask:
         prep.check(cfg)
 
     def prepare(self, cfg: RunConfig) -> Path:
-        return prep.prepare(cfg)
+        return self.prepared or prep.prepare(cfg)
+
+    def store(self, cfg: RunConfig, out: Path) -> None:
+        store(self.prepare(cfg), out, prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
+
+    def read(self, cfg: RunConfig, path: Path, stored: Path) -> list[ReadData]:
+        """New pairs, tokenized by the stored tokenizer: the data `evaluate` takes is (pairs, tokenizer)."""
+        self._bind(cfg)
+        t, tok = cfg.translation, prep.tokenizer(stored)
+        out = []
+        for part, raw, files in prep.scoring_sources(path, t.source_lang, t.target_lang):
+            rows, counts = prep.tokenize(raw, tok, cfg.data.seq_len, is_train=False)
+            out.append(ReadData((rows, tok), counts, files, part))
+        return out
 
     def build_model(self, cfg: RunConfig) -> Seq2Seq:
         self._bind(cfg)
@@ -136,19 +152,23 @@ class TranslationTask:
 
     @torch.no_grad()
     def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
-                 max_sentences: int | None = None) -> dict:
-        """BLEU/chrF of beam-search output on `split`, copy-source BLEU, NLL; the same on every rank.
+                 max_sentences: int | None = None, data=None) -> dict:
+        """BLEU/chrF of beam-search output on `split` (or on `data`: `read`'s pairs and tokenizer), copy-source
+        BLEU, NLL; the same on every rank.
 
         At the end of training (`in_training`) only translation.eval_max_sentences sentences, evenly spread over
         the split, are decoded; `harness evaluate` decodes them all.
         """
         self._bind(cfg)
-        directory = self.prepare(cfg)
-        rows, tok = prep.load(directory, split), prep.tokenizer(directory)
+        if data is None:
+            directory = self.prepare(cfg)
+            rows, tok = prep.load(directory, split), prep.tokenizer(directory)
+            if not len(rows):
+                raise ConfigError(f"{directory}: the {split!r} split has no sentence pairs to evaluate")
+        else:
+            rows, tok = data  # `harness evaluate --data` refuses data that kept no pair
         if max_sentences is None:
             max_sentences = cfg.translation.eval_max_sentences if in_training else 0
-        if not len(rows):
-            raise ConfigError(f"{directory}: the {split!r} split has no sentence pairs to evaluate")
         n = len(rows) if not max_sentences else min(max_sentences, len(rows))
         chosen = [i * len(rows) // n for i in range(n)]
         # Sorted by source length, so a batch's sentences pad and finish alike; ranks take strided shares.
