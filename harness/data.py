@@ -22,7 +22,8 @@ from torch.utils.data import Sampler
 from .config import ConfigError, DataSection
 
 SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
-KEPT = ("ok", "truncated", "whole")  # whole: a protein evaluation chain longer than data.seq_len, scored in windows
+# Row statuses kept; "whole": a protein evaluation chain longer than data.seq_len, scored in windows (prepare.protein)
+KEPT = ("ok", "truncated", "whole")
 
 
 @dataclass

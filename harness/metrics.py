@@ -79,17 +79,22 @@ def spearman(x, y) -> float:
     return pearson(ranks(x), ranks(y))
 
 
-def ridge(features, target, alpha: float) -> torch.Tensor:
-    """Ridge regression weights (intercept last, not penalised) for features (n, d): argmin |Xw + b - y|^2 +
-    alpha |w|^2, solved in float64 on centred data, in the primal (d x d) or dual (n x n) form, the smaller."""
+def ridge(features, target, alphas: Sequence[float]) -> list[torch.Tensor]:
+    """Ridge regression weights (intercept last, not penalised) for features (n, d), one vector per penalty alpha:
+    argmin |Xw + b - y|^2 + alpha |w|^2, solved in float64 on centred data, in the primal (d x d) or dual (n x n)
+    form, the smaller; the Gram matrix is formed once for every alpha."""
     x, y = _t(features), _t(target)
     mx, my = x.mean(0), y.mean()
     xc, yc = x - mx, y - my
-    if x.shape[1] <= x.shape[0]:
-        w = torch.linalg.solve(xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=torch.float64), xc.T @ yc)
-    else:
-        w = xc.T @ torch.linalg.solve(xc @ xc.T + alpha * torch.eye(x.shape[0], dtype=torch.float64), yc)
-    return torch.cat([w, (my - mx @ w).reshape(1)])
+    primal = x.shape[1] <= x.shape[0]
+    gram = xc.T @ xc if primal else xc @ xc.T
+    eye = torch.eye(len(gram), dtype=torch.float64)
+    out = []
+    for alpha in alphas:
+        w = torch.linalg.solve(gram + alpha * eye, xc.T @ yc) if primal else \
+            xc.T @ torch.linalg.solve(gram + alpha * eye, yc)
+        out.append(torch.cat([w, (my - mx @ w).reshape(1)]))
+    return out
 
 
 def regression(pred, target) -> dict[str, float]:

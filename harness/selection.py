@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .checkpoint import step_name
 from .config import ConfigError, TrainSection
 
 BEST_FILE = "best.json"
@@ -87,7 +88,7 @@ class Selection:
 
     def record(self, run_dir: Path) -> None:
         """RUN/best.json (rank 0): what was selected, where, and why the run stopped early if it did."""
-        record = {**self.state(), "checkpoint": f"checkpoints/step_{self.step:08d}" if self.value is not None else None,
+        record = {**self.state(), "checkpoint": f"checkpoints/{step_name(self.step)}" if self.value is not None else None,
                   "stopped_early": self.why_stopped() if self.stopped_at else None}
         path = run_dir / BEST_FILE
         tmp = path.with_name(f".{path.name}.tmp")

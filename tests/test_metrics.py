@@ -56,14 +56,14 @@ def test_rank_correlations_by_hand():
 def test_ridge_by_hand_in_both_forms():
     # one feature 0, 1, 2 and targets 1, 3, 2: centred x -1, 0, 1 and y -1, 1, 0 -> w = 1 / (2 + alpha),
     # intercept 2 - w
-    w = metrics.ridge([[0.0], [1.0], [2.0]], [1.0, 3.0, 2.0], alpha=1.0)
+    w, = metrics.ridge([[0.0], [1.0], [2.0]], [1.0, 3.0, 2.0], alphas=[1.0])
     assert w.tolist() == pytest.approx([1 / 3, 5 / 3])
     # more features than rows: the dual form, which must equal the primal one
     x = torch.tensor([[1.0, 0.0, 2.0], [0.0, 1.0, 1.0]])
     y = torch.tensor([1.0, -1.0])
     xc, yc = (x - x.mean(0)).double(), (y - y.mean()).double()
     primal = torch.linalg.solve(xc.T @ xc + 0.5 * torch.eye(3, dtype=torch.float64), xc.T @ yc)
-    assert metrics.ridge(x, y, alpha=0.5)[:3].tolist() == pytest.approx(primal.tolist())
+    assert metrics.ridge(x, y, alphas=[0.5])[0][:3].tolist() == pytest.approx(primal.tolist())
 
 
 def test_prepared_builds_once_and_keys_on_settings(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
+from ..data import KEPT
 from ..tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
 from .protein_sources import DEFAULT, SPLITS, Row, check_flip, file_format, read_scored, read_source, source_kind
@@ -47,7 +48,6 @@ ALPHABET = frozenset(AMINO_ACIDS + "BZXUO")  # IUPAC ambiguity codes, selenocyst
 STATES = "CHE"  # coil, helix, strand -> 0, 1, 2
 DSSP_TO_3 = {**{s: "H" for s in "HGI"}, **{s: "E" for s in "EB"}, **{s: "C" for s in "CTSL-_ "}}
 IGNORE = -100  # per-residue label of an unresolved residue (and of <cls> and padding, in the task)
-KEPT = ("ok", "truncated", "whole")
 STORED = COMPARED = (TOKENIZER,)  # what a run keeps (RUN/data/) besides meta.json, and compares with `--split`
 SCORING_KEYS = ("labels", "classes", "values", "vocab_size")  # meta.json values that scoring depends on
 

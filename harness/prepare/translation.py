@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
+from ..data import keep
 from ..models import hf
 from ..tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
@@ -353,7 +354,7 @@ def tokenize(ds, tok: Tokenizer | hf.TextTokenizer, seq_len: int, is_train: bool
     """(the kept pairs with src_ids and tgt_ids, the count of every status) by the rules of the module docstring."""
     ds = ds.map(lambda b: _encode(b, tok, seq_len, is_train), batched=True, desc="tokenizing")
     counts = dict(Counter(ds["status"]))
-    return ds.filter(lambda s: s in ("ok", "truncated"), input_columns="status").remove_columns("status"), counts
+    return keep(ds), counts
 
 
 def _train_tokenizer(cfg: RunConfig, kept_train, out: Path) -> Tokenizer:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, RunConfig, is_plugin_name
-from ..data import DataSummary
+from ..data import KEPT, DataSummary
 
 
 @dataclass
@@ -92,7 +92,7 @@ class ReadData:
     counts: dict[str, int]        # rows by status (the rules of the task's reader)
     files: list[Path]             # the files read, for the report's sha256
     part: str = ""                # which of PATH's data sets (a directory may hold several); "" for the only one
-    kept: tuple[str, ...] = ("ok", "truncated")  # the statuses of rows kept; rows of any other were skipped
+    kept: tuple[str, ...] = KEPT  # the statuses of rows kept; rows of any other were skipped
 
 
 class CaseStudy(Task, Protocol):

@@ -142,7 +142,10 @@ class PricesTask:
 
 
 def up_share(train: P.Windows) -> float:
-    """The share of training windows whose last target is above their last input (ties count as down)."""
+    """The share of training windows whose last target is above their last input (ties count as down); 0.5 for
+    none."""
+    if not len(train):
+        return 0.5
     return float(torch.stack([train[i]["y"][-1] > train[i]["x"][-1] for i in range(len(train))]).double().mean())
 
 

@@ -12,7 +12,7 @@ with id 0 and carry a bool mask (True = real token) that the encoder uses to ign
 - classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences); evaluated by
   accuracy and, for two classes, AUROC of the second class's probability (label 1 = AMP on the default data).
 - residue: cross-entropy over resolved residues only (count = resolved residues); evaluated by Q3.
-- regress: squared error per sequence (count = sequences) of one value from the mean-pooled encoder output, on
+- regress: squared error per sequence (count = sequences) of one value from the pooled encoder output, on
   targets z-scored with the training split's mean and standard deviation (prepared with the data); evaluated on
   the data's own scale by Spearman's rho (the field's figure for fitness, e.g. FLIP GB1), Pearson's r, MSE and
   MAE, beside a ridge regression on one-hot residues fitted on the same training split (`ridge_*`; its penalty
@@ -222,7 +222,7 @@ class ProteinTask:
         """New sequences (`prepare.protein.read_scoring`) as evaluation samples, with the stored vocabulary and
         statistics (`prepare(cfg)` is the stored directory while a run is scored)."""
         rows, counts, files = prep.read_scoring(cfg, stored, path)
-        return [ReadData(self.samples(cfg, "data", rows=rows), counts, files, kept=prep.KEPT)]
+        return [ReadData(self.samples(cfg, "data", rows=rows), counts, files)]
 
     def build_model(self, cfg: RunConfig) -> Encoder:
         directory = self.prepare(cfg)
@@ -287,9 +287,6 @@ class ProteinTask:
 
     def lengths(self, data: Samples) -> list[int]:
         """Each sample's length in positions (with <cls>), for length-bucketed batches."""
-        if data.spans:
-            return [min(data.window, hi_len) + data.specials for hi_len in (
-                len(data.rows[i]["ids"]) - start for i, start, _, _ in data.spans)]
         lengths = [len(ids) + data.specials for ids in data.rows.with_format(None)["ids"]]
         return lengths * data.variants
 
@@ -420,7 +417,7 @@ def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
     def predict(w, features):
         return features.double() @ w[:-1] + w[-1]
 
-    fits = {a: ridge(x, y, a) for a in RIDGE_ALPHAS}
+    fits = dict(zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS)))
     alpha = min(fits, key=lambda a: (predict(fits[a], vx) - vy).pow(2).mean().item())
     pred = predict(fits[alpha], one_hot(test, length, vocab)[:, keep])
     return {f"ridge_{k}": v for k, v in regression_metrics(pred.tolist(), test["value"]).items()
