@@ -71,9 +71,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, help="steps run before timing starts (default 5; --smoke: 2)")
     b.add_argument("--out", help="the report's directory (default bench; --suite gpu: results/gpu/DATE-DEVICE)")
     b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
-    b.add_argument("--overhead", action="store_true", help="also time the harness against a plain PyTorch loop "
-                   "on the same model and batches (1 process)")
-    b.add_argument("--rounds", type=int, default=2, help="alternations of harness and plain loop for --overhead")
+    b.add_argument("--overhead", action="store_true", help="instead of the sweep's table: time each configuration's "
+                   "harness against a hand-written DeepSpeed loop (same engine and config) and a plain PyTorch loop, "
+                   "on the same model and batches; writes OUT/overhead.json and overhead.md")
+    b.add_argument("--rounds", type=int, default=2, help="alternations of the three programs for --overhead")
     b.add_argument("--largest", choices=["n_layers", "d_model"], help="also find, per configuration, the largest "
                    "model (by this size) that trains within the memory budget")
     b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "

@@ -22,7 +22,7 @@ from .prepare import store_run_data
 from .selection import Selection
 from .startup import Plan, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
-from .world import World, all_gather_objects, all_reduce, peak_memory_bytes
+from .world import World, all_gather_objects, all_gather_rows, all_reduce, all_reduce_start, peak_memory_bytes
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -131,18 +131,22 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     while step < stop and not (selection and selection.stopped_at):
         lr = schedule.get_last_lr()[0]
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
+        mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
         fetch_start = time.perf_counter()
-        cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
+        with mark("data"):
+            cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
         loader_wait = time.perf_counter() - fetch_start
-        work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
-        result = train_step(engine, plan, [to_device(b, world.device) for b in cpu_batches], world, work)
+        with mark("count work"):
+            work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
+        with mark("to device"):
+            batches = [to_device(b, world.device) for b in cpu_batches]
+        result = train_step(engine, plan, batches, world, work, mark)
         step += 1
-        if traced:
-            progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
         samples_seen += ds.global_batch_size
         window_work += result.work
         window_steps += 1
-        progress.update(1)
+        with mark("progress bar"):
+            progress.update(1)
         nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
         if nonfinite >= t.max_nonfinite_steps:
             # The weights that produced the first non-finite loss were saved, if at all, one step before it.
@@ -156,24 +160,26 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             progress.write(f"step {step}: fp16 overflow, step skipped (loss scale now "
                            f"{float(engine.optimizer.loss_scale):g})")
         if step % t.log_every == 0 or step == stop:
-            peak = torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
-            all_reduce(peak, torch.distributed.ReduceOp.MAX)  # sync point, on logging steps only
-            seconds = time.perf_counter() - window_start
-            items, step_flops, real, padded = window_work.tolist()
-            record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                      "samples_seen": samples_seen, "tokens_per_s": items / seconds,
-                      "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
-                      "padding": 1 - real / padded if padded else 0.0,
-                      "peak_mem_bytes": int(peak.item()), "epoch": step / steps_per_epoch,
-                      "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
-                      "build_peak_device_bytes": [p["device"] for p in build_peaks]}
-            if ds.precision == "fp16":
-                record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
-            tracker.log(record)
-            items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
-            progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
-                                  f"{items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-            window_start, window_work, window_steps = time.perf_counter(), torch.zeros_like(window_work), 0
+            with mark("logging"):
+                now = time.perf_counter()  # the window runs from one log point to the next: this logging's own cost
+                seconds = now - window_start  # lands in the next window, so every second of the loop is in one
+                items, step_flops, real, padded = window_work.tolist()
+                record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                          "samples_seen": samples_seen, "tokens_per_s": items / seconds,
+                          "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
+                          "padding": 1 - real / padded if padded else 0.0,
+                          "peak_mem_bytes": result.peak_mem, "epoch": step / steps_per_epoch,
+                          "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
+                          "build_peak_device_bytes": [p["device"] for p in build_peaks]}
+                if ds.precision == "fp16":
+                    record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
+                tracker.log(record)
+                items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
+                progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
+                                      f"{items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
+                window_start, window_work, window_steps = now, torch.zeros_like(window_work), 0
+        if traced:  # before any evaluation or checkpoint: the step as every step runs it
+            progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
         improved = False
         if t.eval_every and step % t.eval_every == 0 and step < max_steps:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step,
@@ -239,50 +245,84 @@ class StepResult:
     work: torch.Tensor        # global: items, model FLOPs, real and padded positions (see `step_work`)
     grad_norm: float | None   # global gradient norm before clipping
     skipped: bool             # fp16 overflow: DeepSpeed skipped the update
+    peak_mem: int             # the most memory any rank has held so far (bytes; see world.peak_memory_bytes)
 
 
 def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """This rank's share of a step, from its host-side batches: [items (the loss normaliser), model training FLOPs
     (`models/flops.py`: analytic, or counted), real positions, padded positions]."""
-    work = torch.zeros(4, dtype=torch.float64)
+    items = model_flops = real = padded = 0
     for b in batches:
-        real, padded = task.padding(b) if hasattr(task, "padding") else (1, 1)
-        items = task.count(b)
-        work += torch.tensor([items, TRAIN_FACTOR * flops(task.inputs(b), items), real, padded], dtype=torch.float64)
-    return work
+        n = task.count(b)
+        r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
+        items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
+    return torch.tensor([items, TRAIN_FACTOR * model_flops, real, padded], dtype=torch.float64)
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
-               work: torch.Tensor) -> StepResult:
-    """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed."""
+               work: torch.Tensor, mark=profiling.unmarked) -> StepResult:
+    """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
+    the parts of the step for a traced one (`profiling.StepProfile.section`). Two collectives of its own: the
+    work (started here, awaited only before the first backward, so the first forward hides it) and, at the end,
+    every rank's loss and peak memory (the step's one sync point)."""
     task, accum = plan.task, len(micro_batches)
-    # Collective: the step's global loss normaliser (and the logged work), one all-reduce kept on the device (no
-    # host sync). Ranks that read the same batch (tensor-parallel peers, pipeline stages) each add it, hence the
-    # division.
-    work = all_reduce(work.to(world.device)) / world.replicas
-    n_items = work[0]
-    # DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their product
-    # over the global count makes the gradient that of sum(loss) / n_items.
-    scale = (world.dp_size * accum / n_items).float()
+    with mark("work all-reduce"):
+        # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each add it: hence the division
+        # by world.replicas below.
+        work = work.to(world.device)
+        pending = all_reduce_start(work)
+
+    def loss_scale() -> torch.Tensor:
+        """DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
+        product over the global count makes the gradient that of sum(loss) / n_items."""
+        with mark("work all-reduce"):
+            if pending is not None:
+                pending.wait()
+            if world.replicas > 1:
+                work.div_(world.replicas)
+            return (world.dp_size * accum / work[0]).float()
+
     skipped_before = engine.skipped_steps
     grad_norm = None
     if world.pp_size > 1:
-        step_loss = pipeline_step(engine, task, micro_batches, scale).item()  # sync point
+        scale = loss_scale()
+        with mark("engine"):
+            step_loss = pipeline_step(engine, task, micro_batches, scale).double().reshape(1)  # already global
+        with mark("loss to host"):
+            peak = all_reduce(_peak(world), torch.distributed.ReduceOp.MAX)
+            step_loss, peak = torch.cat([step_loss, peak]).tolist()  # sync point
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
         for i, batch in enumerate(micro_batches):
-            loss = task.loss(engine, batch)
-            engine.backward(loss * scale)
+            with mark("engine"):
+                loss = task.loss(engine, batch)
+            scale = loss_scale() if i == 0 else scale
+            with mark("engine"):
+                engine.backward(loss * scale)
             if plan.ds.loop_norms and i == accum - 1:  # gradients are all-reduced in the boundary backward
-                grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
-                    engine.module.parameters(), plan.ds.loop_clips or float("inf")).item()
-            engine.step()  # steps the optimizer and schedule only at the accumulation boundary
+                with mark("grad norm"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
+                        engine.module.parameters(), plan.ds.loop_clips or float("inf")).item()
+            with mark("engine"):
+                engine.step()  # steps the optimizer and schedule only at the accumulation boundary
             loss_sum += loss.detach().double()
-        step_loss = (all_reduce(loss_sum) / world.replicas / n_items).item()  # sync point
-    if grad_norm is None:
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = None if grad_norm is None else float(grad_norm)
-    return StepResult(step_loss, work.cpu(), grad_norm, engine.skipped_steps > skipped_before)
+        with mark("loss to host"):
+            if world.world_size == 1:  # nothing to gather: the fewest tensor operations
+                step_loss, peak = (loss_sum / work[0]).item(), peak_memory_bytes(world.device)  # sync point
+            else:
+                ranks = all_gather_rows(torch.cat([loss_sum.reshape(1), _peak(world)]))  # (world, 2)
+                step_loss, peak = torch.stack([ranks[:, 0].sum() / world.replicas / work[0],
+                                               ranks[:, 1].max()]).tolist()  # sync point
+    with mark("grad norm"):
+        if grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
+    return StepResult(step_loss, work.cpu(), grad_norm, engine.skipped_steps > skipped_before, int(peak))
+
+
+def _peak(world: World) -> torch.Tensor:
+    """This rank's peak memory so far, (1,) float64 on its device (exact to 2**53 bytes)."""
+    return torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None) -> dict:

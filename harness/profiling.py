@@ -6,6 +6,9 @@ rank 0 and writes RUN/profile.json.
 - `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
   the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
 - `top`: the 10 operators (CPU) or kernels (GPU) with the most self time, in seconds and share of the step.
+- `sections`: the host time of each part of the loop the loop marks (`section`), in its order: the engine's
+  forward, backward and step, and around it what the harness adds (fetching batches, counting the work, device
+  copies, the collectives, the grad norm, logging, the progress bar); `unmarked_s`, the rest of the step.
 
 `allocation_peak` measures what a block (building the model) took at its peak: the host's resident set, and on a
 GPU the tensors there.
@@ -21,10 +24,16 @@ from pathlib import Path
 import torch
 
 PROFILE_FILE = "profile.json"
+SECTION = "harness."  # the prefix of the loop's marked ranges in the trace
+
+
+def unmarked(name: str) -> contextlib.AbstractContextManager:
+    """`StepProfile.section` on the steps not traced: nothing."""
+    return contextlib.nullcontext()
 
 
 class StepProfile:
-    """Started before a step's batches are fetched; `finish` after its loss reached the host."""
+    """Started before a step's batches are fetched; `finish` after its loss reached the host and it was logged."""
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile
@@ -33,6 +42,10 @@ class StepProfile:
         self.prof = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.cuda else [])])
         self.prof.start()
         self.start = time.perf_counter()
+
+    def section(self, name: str) -> contextlib.AbstractContextManager:
+        """A named range of the step: its host time lands in the summary's `sections`."""
+        return torch.profiler.record_function(f"{SECTION}{name}")
 
     def finish(self, loader_wait_s: float, step: int, top: int = 10) -> dict:
         if self.cuda:
@@ -49,8 +62,12 @@ class StepProfile:
 
     def _times(self, wall: float, loader_wait_s: float, top: int) -> dict:
         self_s: dict[str, float] = defaultdict(float)
+        sections: dict[str, float] = defaultdict(float)
         busy = 0.0
         for e in self.prof.events():
+            if e.name.startswith(SECTION):  # a marked range: its whole host time, children included
+                sections[e.name[len(SECTION):]] += e.cpu_time_total / 1e6
+                continue
             if self.cuda:  # kernels: their device time; CPU-side ops are what launched them
                 if e.device_type != torch.autograd.DeviceType.CUDA:
                     continue
@@ -60,7 +77,8 @@ class StepProfile:
                 t = e.self_cpu_time_total / 1e6
             self_s[e.name] += t
         ranked = sorted(self_s.items(), key=lambda kv: kv[1], reverse=True)[:top]
-        out = {"top": [{"name": name[:120], "self_s": t, "share": t / wall} for name, t in ranked]}
+        out = {"top": [{"name": name[:120], "self_s": t, "share": t / wall} for name, t in ranked],
+               "sections": dict(sections), "unmarked_s": max(0.0, wall - sum(sections.values()))}
         if self.cuda:
             out.update(device_busy_s=busy, host_overhead_s=max(0.0, wall - loader_wait_s - busy))
         return out

@@ -27,11 +27,6 @@ def wandb_has_key() -> bool:
         return False
 
 
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def truncate_jsonl(path: Path, after_step: int) -> None:
     """Drop records past `after_step` (written by a run that crashed before its next checkpoint)."""
     if path.exists():
@@ -42,6 +37,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 class Tracker:
     def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool):
         self.enabled, self.run_dir, self.backend = enabled, run_dir, None
+        self.files: dict[str, Any] = {}  # open for the run, line-buffered: each record is on disk when logged
         if not enabled or cfg.logging.backend == "none":
             return
         from accelerate import tracking
@@ -60,13 +56,18 @@ class Tracker:
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
             return
-        _append_jsonl(self.run_dir / file, record)
+        if file not in self.files:
+            self.files[file] = (self.run_dir / file).open("a", buffering=1)
+        self.files[file].write(json.dumps(record) + "\n")
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
             values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
             self.backend.log(values, step=record["step"])
 
     def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
         if self.backend is not None:
             self.backend.finish()
             self.backend = None

@@ -172,6 +172,21 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     return t
 
 
+def all_reduce_start(t: torch.Tensor):
+    """Start an in-place sum all-reduce of `t` and return at once; `.wait()` on the result (None in a world of
+    one) before reading `t`. Work done in between overlaps the collective."""
+    return torch.distributed.all_reduce(t, async_op=True) if _grouped() else None
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-d `t`, stacked in rank order: (world, len(t)); a sync point."""
+    if not _grouped():
+        return t.unsqueeze(0)
+    out = torch.empty(torch.distributed.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
+    torch.distributed.all_gather_into_tensor(out, t)
+    return out.view(-1, t.numel())
+
+
 def all_gather_objects(obj) -> list:
     """Every rank's `obj` (picklable), in rank order, on every rank; a sync point."""
     if not _grouped():

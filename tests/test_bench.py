@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, _env
-from harness.bench import report
+from harness.bench import overhead, report
 from harness.bench.run import largest_fitting
 from harness.models.flops import TRAIN_FACTOR
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -25,7 +25,6 @@ def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
     args = ["--ds", "zero2", "--nproc", "1,2", "--steps", "4", "--warmup", "2", "--out", str(tmp_path / "b")]
-    # (--overhead is run by the GPU suite's smoke test, tests/test_suite.py)
     for s in sets:
         args += ["--set", s]
     proc = bench(*args)
@@ -169,3 +168,41 @@ def test_largest_fitting_with_a_resolution_grows_gently_and_stops_close():
     assert calls[:2] == [16, 20] and len(calls) <= 4
     calls.clear()
     assert 21 * 0.75 <= largest_fitting(fits, 40, 512, resolution=0.25) <= 21 and calls[0] == 40  # start too big
+
+
+def test_overhead_study_compares_with_a_reference_that_trains_alike(tmp_path, corpus):
+    """`harness bench --overhead` on 2 processes, ZeRO-2: the hand-written DeepSpeed loop reads the harness's
+    batches and reaches its losses (what makes the timing comparison fair), and the harness's profiled step
+    says where its own time went."""
+    sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
+    args = ["--overhead", "--ds", "zero2", "--nproc", "2", "--rounds", "1", "--steps", "3", "--warmup", "1",
+            "--out", str(tmp_path / "o")]
+    for s in sets:
+        args += ["--set", s]
+    proc = bench(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "o" / "overhead.json").read_text())
+    (e,) = result["configs"]
+    assert e["status"] == "ok" and e["name"] == "zero2 x2" and e["zero_stage"] == 2, e
+    assert e["loss_max_diff"] < 1e-6  # fp32, the same engine and batches: the same losses
+    assert all(e["step_s"][p]["n"] == 3 for p in overhead.PROGRAMS)
+    assert {"data", "count work", "work all-reduce", "engine", "loss to host", "logging"} <= set(
+        e["profile"]["sections"])
+    assert {"data", "engine", "loss to host"} <= set(e["reference_profile"]["sections"])  # profiled alike
+    outside = [p["wall_s"] - p["sections"]["engine"] for p in (e["profile"], e["reference_profile"])]
+    assert e["profile"]["own_s"] == pytest.approx(outside[0] - outside[1])  # one round: its own difference
+    assert "| zero2 x2 |" in (tmp_path / "o" / "overhead.md").read_text()
+
+
+def test_overhead_figures_are_the_rounds_ratios_of_medians():
+    times = {"harness": [[1.1, 1.3, 1.2], [1.0, 1.4], [2.0, 2.2, 2.4]], "reference": [[1.0, 1.0, 1.1], [1.0, 1.2], [2.0]],
+             "plain": [[0.5, 0.6, 0.4], [0.5, 0.5], [1.0]]}
+    f = overhead.figures(times)
+    # round medians: harness 1.2, 1.2, 2.2; reference 1.0, 1.1, 2.0; plain 0.5, 0.5, 1.0
+    assert f["per_round"][2] == pytest.approx({"harness": 2.2, "reference": 2.0, "plain": 1.0})
+    assert f["harness_overhead"] == pytest.approx({"median": 0.1, "min": 1.2 / 1.1 - 1, "max": 0.2})
+    assert f["deepspeed_overhead"] == pytest.approx({"median": 1.0, "min": 1.0, "max": 1.1 / 0.5 - 1})
+    assert f["step_s"]["harness"]["median"] == pytest.approx(1.35) and f["step_s"]["harness"]["n"] == 8  # pooled
+    row = overhead.markdown({"rounds": 3, "steps": 3, "warmup": 1, "configs": [
+        {"name": "zero1 x2", "status": "ok", "loss_max_diff": 0.0, **f}]}).splitlines()[-1]
+    assert "+10.0% [+9.1%, +20.0%]" in row and "+100.0% [+100.0%, +120.0%]" in row

@@ -1,14 +1,18 @@
-"""The reference for the harness's overhead: a plain PyTorch loop training the same model on the same batches.
+"""The reference for DeepSpeed's own cost: a plain PyTorch loop training the same model on the same batches.
 
 `python -m harness.bench.plain --run RUN.toml [--set ...] --steps N` builds the task's model and data, takes
-the harness's batches (the same sampler, one process), and trains with torch AdamW, the same learning-rate
-schedule, gradient clipping and loss normalisation, under torch.autocast for bf16/fp16; no DeepSpeed, no
-logging beyond one number per step. It prints one JSON line: {"step_s": [seconds of each step]}.
+the harness's batches (the same sampler), and trains with torch AdamW, the same learning-rate schedule,
+gradient clipping and loss normalisation (each rank's mean), under torch.autocast for bf16/fp16; no DeepSpeed,
+no logging beyond one number per step. Under `accelerate launch` (or torchrun) it is DistributedDataParallel
+over the launched processes, gradients all-reduced at the accumulation boundary only (`no_sync` before). Rank 0
+prints one JSON line: {"step_s": [seconds of each step, fetch to fetch], "loss": [each step's loss, rank 0's]}.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import torch
@@ -30,12 +34,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = resolve(args.run, args.set).cfg
     task = get_task(cfg.run.task)
     task.check(cfg)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ranks, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+    if ranks > 1:  # the launcher's rendezvous variables
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(cfg.train.seed)
     model = task.build_model(cfg).to(device)
     data = task.build_data(cfg)
     t = cfg.train
-    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum_steps, 0, 1, t.seed, 0, args.steps)
+    sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum_steps, rank, ranks, t.seed, 0, args.steps)
     loader = iter(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate,
                                               pin_memory=device.type == "cuda"))
     o = cfg.optimizer
@@ -43,20 +50,24 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                                   lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=device.type == "cuda" or None)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.steps, cfg.schedule))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.max_steps or args.steps,
+                                                                                cfg.schedule))
+    wrapped = model if ranks == 1 else torch.nn.parallel.DistributedDataParallel(model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler(enabled=args.precision == "fp16")
-    times = []
+    times, losses = [], []
+    last = time.perf_counter()
     for _ in range(args.steps):
-        start = time.perf_counter()
         batches = [next(loader) for _ in range(t.grad_accum_steps)]
         count = sum(task.count(b) for b in batches)
         total = 0.0
-        for b in batches:
+        for i, b in enumerate(batches):
             b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = task.loss(model, b)
-            scaler.scale(loss / count).backward()
+            boundary = i == len(batches) - 1
+            with contextlib.nullcontext() if boundary or ranks == 1 else wrapped.no_sync():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = task.loss(wrapped, b)
+                scaler.scale(loss / count).backward()  # DDP averages over ranks: the mean of the ranks' means
             total += loss.detach()
         scaler.unscale_(optimizer)
         if t.grad_clip:
@@ -65,9 +76,15 @@ def main(argv: list[str] | None = None) -> None:
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
-        float(total)  # sync point: the loss of the step, as the harness reads it
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"step_s": times}))
+        losses.append(float(total) / count)  # sync point: the loss of the step, as the harness reads it
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    if rank == 0:
+        print(json.dumps({"step_s": times, "loss": losses}), flush=True)
+    if ranks > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`harness bench`: resolve a sweep, measure it, derive utilisation and scaling, write the report.
 
 Optional studies in the same run (so their variants share the machine's state):
-- `--overhead`: the harness (1 process, ZeRO-0) against a plain PyTorch loop (`plain.py`) on the same model
-  and batches, alternating `--rounds` times; overhead = median step time of the harness / of the plain loop - 1.
+- `--overhead`: instead of the sweep's table, each configuration's harness against the hand-written DeepSpeed
+  loop and a plain PyTorch loop (`overhead.py`).
 - `--largest n_layers|d_model`: for each configuration, the largest model it trains, found by doubling that
   size and then bisecting, each try a 2-step run that must exit cleanly within `--memory-budget-gb` of device
   memory per rank (on a GPU, the card's memory by default; on a CPU, required: there, offloaded states share
@@ -10,10 +10,7 @@ Optional studies in the same run (so their variants share the machine's state):
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +21,8 @@ from ..config import ConfigError
 from ..ds_config import model_state_bytes
 from ..planning import count_params
 from ..startup import check_build_locks
-from . import device, report
-from .sweep import ROOT, Config, ds_path, grid, measure, model_parallel_size, plan_for, summary
+from . import device, overhead, report
+from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
 
 
 def run_bench(args) -> dict:
@@ -40,6 +37,8 @@ def run_bench(args) -> dict:
         raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
     configs = fitting
     plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any launch
+    if args.overhead:
+        return run_overhead(args, configs, sets)
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
     check_build_locks()
@@ -55,8 +54,6 @@ def run_bench(args) -> dict:
         entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
         result["configs"].append({**entry, "params": count_params(plans[c]), "peak_flops_measured": peak})
     report.derive(result["configs"], result["device"])
-    if args.overhead:
-        result["overhead"] = overhead(args, sets, out)
     if args.largest:
         result["largest"] = [largest(c, args, sets, out) for c in configs]
     for path in report.write(result, out):
@@ -65,28 +62,21 @@ def run_bench(args) -> dict:
     return result
 
 
-def overhead(args, sets: list[str], out: Path) -> dict:
-    """Harness vs plain loop on 1 process, alternated `args.rounds` times; medians of all timed steps."""
-    config = Config(ds_path("zero0"), 1, "no")
-    plan = plan_for(config, args.run, sets)
-    harness_steps, plain_steps = [], []
-    for _ in range(args.rounds):
-        entry = measure(config, plan, args.run, sets, out / "overhead", args.warmup, args.steps, args.timeout)
-        if entry["status"] != "ok":
-            raise RuntimeError(f"the harness run for the overhead study failed: {entry['error']}")
-        harness_steps += entry["step_s_values"]
-        cmd = [sys.executable, "-m", "harness.bench.plain", "--steps", str(args.warmup + args.steps),
-               "--precision", plan.ds.precision, *(["--run", args.run] if args.run else [])]
-        for s in sets:
-            cmd += ["--set", s]
-        env = {**os.environ, **({} if torch.cuda.is_available() else {"OMP_NUM_THREADS": str(device.cpu_threads(1))})}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the plain loop failed: {proc.stderr.strip().splitlines()[-1:]}")
-        plain_steps += json.loads(proc.stdout.strip().splitlines()[-1])["step_s"][args.warmup:]
-    h, p = summary(harness_steps), summary(plain_steps)
-    return {"precision": plan.ds.precision, "rounds": args.rounds, "harness_step_s": h["median"],
-            "plain_step_s": p["median"], "harness": h, "plain": p, "overhead": h["median"] / p["median"] - 1}
+def run_overhead(args, configs: list[Config], sets: list[str]) -> dict:
+    """`--overhead`: the study of `overhead.py` over the sweep's configurations instead of the sweep's table."""
+    if args.largest:
+        raise ConfigError("--overhead and --largest are separate studies: run one at a time")
+    overhead.check(configs)
+    check_build_locks()
+    out = Path(args.out)
+    precisions = sorted({plan_for(c, args.run, sets).ds.precision for c in configs})
+    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": sets,
+              "device": device.describe(precisions, device.cpu_threads(max(c.nproc for c in configs))),
+              **overhead.study(configs, args.run, sets, out, args.rounds, args.warmup, args.steps, args.timeout)}
+    for path in overhead.write(result, out):
+        print(f"wrote {path}")
+    print(overhead.markdown(result))
+    return result
 
 
 def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:

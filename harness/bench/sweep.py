@@ -81,18 +81,39 @@ def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
                      config.nproc, config.mixed_precision)
 
 
-def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int) -> list[str]:
-    """`accelerate launch` for several processes; one process is started directly (a world of one, as
-    `harness train` without a launcher), which saves accelerate's few seconds of start-up per launch."""
-    gpu = torch.cuda.is_available()
-    launch = ROOT / "launch" / ("multi_gpu.yaml" if gpu else "cpu_2proc.yaml")
-    launcher = ["-m", "accelerate.commands.launch", "--config_file", str(launch), "--num_processes",
-                str(config.nproc), "--mixed_precision", config.mixed_precision] if config.nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
+def launcher(config: Config) -> list[str]:
+    """What goes between `python` and `-m module`: `accelerate launch` for several processes; one process is
+    started directly (a world of one, as `harness train` without a launcher), which saves accelerate's few
+    seconds of start-up per launch."""
+    launch = ROOT / "launch" / ("multi_gpu.yaml" if torch.cuda.is_available() else "cpu_2proc.yaml")
+    return ["-m", "accelerate.commands.launch", "--config_file", str(launch), "--num_processes",
+            str(config.nproc), "--mixed_precision", config.mixed_precision] if config.nproc > 1 else []
+
+
+def env_for(config: Config, threads: int | None = None) -> dict[str, str]:
+    """The launch's environment: accelerate's precision, and on a CPU `threads` per process (default: its share
+    of the cores)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision}
+    if not torch.cuda.is_available():  # the processes share the cores
+        env["OMP_NUM_THREADS"] = str(threads or cpu_threads(config.nproc))
+    return env
+
+
+def schedule_length(warmup: int, steps: int) -> int:
+    """The training length a timed run is told (its learning-rate schedule's): past the timed steps and the profiled
+    one after them, so the run stops by --stop-at (no final evaluation or export), whether profiled or not."""
+    return warmup + steps + 2
+
+
+def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int,
+            max_steps: int) -> list[str]:
+    """`harness train` for `stop_at` steps with a metrics record every step, launched as `launcher` says."""
+    cmd = [sys.executable, *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
            str(stop_at)]
     cmd += ["--run", run_file] if run_file else []
     timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
-              "train.save_every=0", 'logging.backend="none"', "logging.plots=false", f"train.max_steps={stop_at + 1}", "train.epochs=0.0"]
+              "train.save_every=0", 'logging.backend="none"', "logging.plots=false", f"train.max_steps={max_steps}",
+              "train.epochs=0.0"]
     for s in [*sets, *config.sets, *timing]:
         cmd += ["--set", s]
     return cmd
@@ -129,15 +150,14 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
              "precision": plan.ds.precision, "zero_stage": plan.ds.zero_stage, "layout": plan.ds.layout.describe(),
              "global_batch": plan.ds.global_batch_size, "micro_batch": plan.run.cfg.train.micro_batch_size,
              "grad_accum": plan.ds.grad_accum_steps, "seq_len": plan.run.cfg.data.seq_len}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision}
-    if not torch.cuda.is_available():  # the processes share the cores
-        env["OMP_NUM_THREADS"] = str(threads or cpu_threads(config.nproc))
+    env = env_for(config, threads)
     stop_at, extra = warmup + steps, []
     if profile:
         stop_at += 1
         extra = [f"train.profile_step={stop_at}"]
     try:
-        proc = subprocess.run(command(config, run_file, [*sets, *extra], run_dir, stop_at), cwd=ROOT, env=env,
+        proc = subprocess.run(command(config, run_file, [*sets, *extra], run_dir, stop_at,
+                                      schedule_length(warmup, steps)), cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
         log.write_text(proc.stdout + proc.stderr)
         rc, text = proc.returncode, proc.stdout + proc.stderr
@@ -153,6 +173,7 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
         return {**entry, "status": "failed", "error": f"no step after the {warmup} warm-up steps was recorded"}
     step_s = summary([r["step_s"] for r in timed])
     return {**entry, "status": "ok", "step_s": step_s, "step_s_values": [r["step_s"] for r in timed],
+            "loss_values": [r["loss"] for r in timed],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "samples_per_s": entry["global_batch"] / step_s["median"],
             "flops_per_step": statistics.median(r["tflops"] * 1e12 * r["step_s"] for r in timed),

@@ -43,6 +43,12 @@ def encoder_blocks(lengths: torch.Tensor, layers: int, d: int, f: int) -> float:
     return float(layers * (self_attention(t, d) + feed_forward(t, d, f)).sum())
 
 
+def uniform_blocks(batch: int, length: int, layers: int, d: int, f: int) -> float:
+    """`encoder_blocks` for `batch` sequences all of `length` positions (causal or not), in Python numbers: no
+    tensor work for the host to do on every step."""
+    return float(batch * layers * (self_attention(length, d) + feed_forward(length, d, f)))
+
+
 def decoder_blocks(t_lengths: torch.Tensor, s_lengths: torch.Tensor, layers: int, d: int, f: int) -> float:
     """Blocks with causal self-attention, cross-attention over the source, feed-forward; lengths (B,)."""
     t, s = t_lengths.double(), s_lengths.double()

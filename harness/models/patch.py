@@ -103,7 +103,7 @@ class PatchTST(nn.Module):
         c, series = self.cfg, x.shape[0] * x.shape[2]
         tokens = series * c.n_patches
         return flops.linear(tokens, c.patch_len, c.d_model) + \
-            flops.encoder_blocks(torch.full((series,), c.n_patches), c.n_layers, c.d_model, c.d_ff) + \
+            flops.uniform_blocks(series, c.n_patches, c.n_layers, c.d_model, c.d_ff) + \
             flops.linear(series, c.n_patches * c.d_model, c.horizon)
 
     def pipeline_layers(self) -> list[nn.Module]:

@@ -117,8 +117,7 @@ class TransformerLM(nn.Module):
     def forward_flops(self, ids: torch.Tensor) -> float:
         """Analytic FLOPs of `forward(ids)` (see `flops.py`)."""
         c, (B, T) = self.cfg, ids.shape
-        return flops.encoder_blocks(torch.full((B,), T), c.n_layers, c.d_model, c.d_ff) + \
-            flops.linear(B * T, c.d_model, c.vocab_size)
+        return flops.uniform_blocks(B, T, c.n_layers, c.d_model, c.d_ff) + flops.linear(B * T, c.d_model, c.vocab_size)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The same forward as pipeline layers (`pipeline.py`): ids -> x (B, T, C) -> ... -> logits."""

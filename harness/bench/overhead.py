@@ -1,0 +1,179 @@
+"""`harness bench --overhead`: what the harness costs per step, and what DeepSpeed costs, measured apart.
+
+For each configuration of the sweep (`--ds` x `--nproc` x `--mixed-precision`), alternating `--rounds` times
+on the same processes, model and batches:
+- `harness`: `harness train`, as `harness bench` times it (a metrics record every step);
+- `reference`: the hand-written DeepSpeed loop (`reference.py`): the same engine and config, nothing else;
+- `plain`: a plain PyTorch loop (`plain.py`), DistributedDataParallel on several processes.
+
+Each program's step time is the time from one step's end to the next's (so nothing between steps escapes it),
+in each round: harness overhead = median harness step / median reference step - 1, DeepSpeed overhead = median
+reference step / median plain step - 1, each reported as the median over the rounds, with the smallest and
+largest round as the spread (a round's three runs are neighbours in time; rounds apart are not).
+
+Each harness and reference run traces one extra step with torch.profiler (`profiling.py`, the same section
+names): the report gives where the time of those steps went, section by section (medians over the rounds),
+and the harness's own time: per round, its host time outside the engine's calls (forward, backward, step) less
+the reference's, the median over the rounds. A busy machine blurs that difference far less than it blurs a
+ratio of step times taken minutes apart. The reference must train to the harness's losses for the comparison to
+be fair: `loss_max_diff` says how far apart they were.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+from .sweep import ROOT, Config, env_for, launcher, measure, plan_for, schedule_length, summary
+
+PROGRAMS = ("harness", "reference", "plain")
+
+
+def study(configs: list[Config], run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int,
+          steps: int, timeout: float) -> dict:
+    entries = []
+    for i, c in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] overhead {c.name}", flush=True)
+        entries.append(one(c, run_file, sets, out, rounds, warmup, steps, timeout))
+    return {"rounds": rounds, "warmup": warmup, "steps": steps, "configs": entries}
+
+
+def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int, steps: int,
+        timeout: float) -> dict:
+    plan = plan_for(config, run_file, sets)
+    entry = {"name": config.name, "nproc": config.nproc, "zero_stage": plan.ds.zero_stage,
+             "precision": plan.ds.precision, "layout": plan.ds.layout.describe()}
+    if plan.ds.layout.pp_size > 1:
+        return {**entry, "status": "skipped", "error": "a pipeline has no hand-written loop to compare with"}
+    times = {p: [] for p in PROGRAMS}  # per program, per round: the timed steps' seconds
+    losses, profiles = {}, {"harness": [], "reference": []}
+    # What the harness's timed run is told about its length, so the others follow the same schedule.
+    length = [f"train.max_steps={schedule_length(warmup, steps)}", "train.epochs=0.0"]
+    for r in range(rounds):  # harness, reference, plain; then the other way round: a drift in the machine's
+        order = PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]  # speed over the study weighs on all three alike
+        for program in order:
+            if program == "harness":
+                h = measure(config, plan, run_file, sets, out / "overhead", warmup, steps, timeout, profile=True)
+                if h["status"] != "ok":
+                    return {**entry, "status": h["status"], "error": f"harness: {h['error']}"}
+                result = {"step_s": h["step_s_values"], "loss": h["loss_values"]}
+                profiles["harness"] += [h["profile"]] if h.get("profile") else []
+            else:
+                result = script(program, config, plan.ds.precision, run_file, [*sets, *config.sets, *length],
+                                warmup + steps, timeout)
+                if "error" in result:
+                    return {**entry, "status": "failed", "error": f"{program}: {result['error']}"}
+                profiles[program] = profiles.get(program, []) + ([result["profile"]] if "profile" in result else [])
+                result = {k: result[k][warmup:] for k in ("step_s", "loss")}  # as the harness's record leaves them
+            times[program].append(result["step_s"])
+            losses.setdefault(program, result["loss"])
+    return {**entry, "status": "ok", **figures(times), "loss_max_diff": max(
+        abs(a - b) for a, b in zip(losses["harness"], losses["reference"])), **breakdown(profiles)}
+
+
+def breakdown(profiles: dict[str, list[dict]]) -> dict:
+    """The profiled steps (one per round and program) as medians: each section's host time for the harness and the
+    reference, and `own_s`, per round the harness's time outside the engine's calls less the reference's."""
+    if not profiles["harness"] or len(profiles["harness"]) != len(profiles["reference"]) or \
+            not all(p.get("sections") for p in profiles["harness"] + profiles["reference"]):
+        return {"profile": None}
+
+    def outside(p: dict) -> float:
+        return p["wall_s"] - p["sections"].get("engine", 0.0)
+
+    def medians(ps: list[dict]) -> dict:
+        names = list(dict.fromkeys(k for p in ps for k in p["sections"]))
+        return {"steps": len(ps), "wall_s": statistics.median(p["wall_s"] for p in ps),
+                "sections": {k: statistics.median(p["sections"].get(k, 0.0) for p in ps) for k in names},
+                "unmarked_s": statistics.median(p["unmarked_s"] for p in ps)}
+
+    own = [outside(h) - outside(r) for h, r in zip(profiles["harness"], profiles["reference"])]
+    walls = [h["wall_s"] for h in profiles["harness"]]
+    return {"profile": {**medians(profiles["harness"]), "own_s": statistics.median(own),
+                        "own_share": statistics.median(o / w for o, w in zip(own, walls))},
+            "reference_profile": medians(profiles["reference"])}
+
+
+def figures(times: dict[str, list[list[float]]]) -> dict:
+    """The study's arithmetic, from each program's step seconds per round."""
+    pooled = {p: summary([s for r in times[p] for s in r]) for p in PROGRAMS}
+    per_round = [{p: statistics.median(times[p][r]) for p in PROGRAMS} for r in range(len(times["harness"]))]
+
+    def ratio(a: str, b: str) -> dict:  # round by round: the programs of one round ran side by side
+        each = [m[a] / m[b] - 1 for m in per_round]
+        return {"median": statistics.median(each), "min": min(each), "max": max(each)}
+
+    return {"step_s": pooled, "per_round": per_round, "harness_overhead": ratio("harness", "reference"),
+            "deepspeed_overhead": ratio("reference", "plain")}
+
+
+def script(program: str, config: Config, precision: str, run_file: str | None, sets: list[str], steps: int,
+           timeout: float) -> dict:
+    """Run reference.py or plain.py as `harness bench` launches the harness; its JSON line, or an error."""
+    cmd = [sys.executable, *launcher(config), "-m", f"harness.bench.{program}", "--steps", str(steps)]
+    cmd += {"reference": ["--ds", config.ds, "--profile"], "plain": ["--precision", precision]}[program]
+    cmd += ["--run", run_file] if run_file else []
+    for s in sets:
+        cmd += ["--set", s]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env_for(config), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"step_s"')]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
+        return {"error": f"exit {proc.returncode}: {tail[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def check(configs: list[Config]) -> None:
+    if any(c.sets for c in configs):
+        raise ConfigError("--overhead compares programs, not run-config values: leave out --vary")
+
+
+def markdown(result: dict) -> str:
+    lines = ["## Overhead: the harness vs a hand-written DeepSpeed loop vs plain PyTorch", "",
+             f"{result['rounds']} round(s) alternating the three programs; {result['steps']} timed steps after "
+             f"{result['warmup']} warm-up steps each. Step time median (p10-p90) over all rounds; overhead: each "
+             f"round's ratio of medians - 1, median over the rounds [smallest, largest].", "",
+             "| configuration | harness step s | reference step s | plain step s | harness vs reference | "
+             "DeepSpeed (reference vs plain) | losses harness vs reference |", "|---|---|---|---|---|---|---|"]
+    for e in result["configs"]:
+        if e["status"] != "ok":
+            lines.append(f"| {e['name']} | **{e['status']}**: {e['error'][:100]} | | | | | |")
+            continue
+        s = e["step_s"]
+        cells = [f"{s[p]['median']:.4f} ({s[p]['p10']:.4f}-{s[p]['p90']:.4f})" for p in PROGRAMS]
+        lines.append(f"| {e['name']} | " + " | ".join(cells) + f" | {_ratio(e['harness_overhead'])} | "
+                     f"{_ratio(e['deepspeed_overhead'])} | max diff {e['loss_max_diff']:.1e} |")
+    for e in result["configs"]:
+        p, r = e.get("profile") or {}, e.get("reference_profile") or {}
+        if p.get("sections"):
+            lines += ["", f"{e['name']}, where a step's time went (host time, median of {p['steps']} profiled step(s) "
+                          f"of each program; harness / reference): " + ", ".join(
+                              f"{k} {v * 1e3:.2f} / {_ms(r.get('sections', {}).get(k))}"
+                              for k, v in p["sections"].items()) +
+                      f", the rest {p['unmarked_s'] * 1e3:.2f} / {_ms(r.get('unmarked_s'))}; the step "
+                      f"{p['wall_s'] * 1e3:.1f} / {_ms(r.get('wall_s'))} ms. The harness's own time (outside the "
+                      f"engine's calls, less the reference's): {p['own_s'] * 1e3:.2f} ms a step, "
+                      f"{p['own_share']:+.1%} of it."]
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _ratio(r: dict) -> str:
+    return f"{r['median']:+.1%} [{r['min']:+.1%}, {r['max']:+.1%}]"
+
+
+def write(result: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "overhead.json", out / "overhead.md"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    paths[1].write_text(markdown(result) + "\n")
+    return paths
