@@ -24,6 +24,7 @@ from .world import World, barrier
 
 LATEST = "latest"
 BEST = "best"
+BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop): never resumed from
 
 
 def step_name(step: int) -> str:
@@ -52,7 +53,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return path.name.startswith("step_") and not path.name.endswith(".partial")
+    return path.name.startswith("step_") and not path.name.endswith((".partial", BAD))
 
 
 def latest(root: Path) -> Path | None:
@@ -68,13 +69,43 @@ def complete(root: Path) -> list[Path]:
 
 
 def rewind_latest(root: Path, max_step: int) -> Path | None:
-    """Point `latest` at the newest checkpoint at or before `max_step` (rank 0), e.g. past weights gone bad."""
-    good = [p for p in complete(root) if int(p.name.removeprefix("step_")) <= max_step]
+    """Point `latest` at the newest checkpoint at or before `max_step` (rank 0), e.g. past weights gone bad; the
+    checkpoints after it are renamed `step_N.bad`, so no resume ever takes them (`resume_target` names them)."""
+    good = [p for p in complete(root) if step_of(p) <= max_step]
+    for bad in [p for p in complete(root) if step_of(p) > max_step]:
+        os.replace(bad, bad.with_name(bad.name + BAD))
     if good:
         _write_atomic(root / LATEST, good[-1].name + "\n")
     elif (root / LATEST).exists():
         (root / LATEST).unlink()
     return good[-1] if good else None
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_").split(".")[0])
+
+
+def resume_target(root: Path) -> Path | None:
+    """What `--resume auto` continues from in a run's `checkpoints/`: the one `latest` names; with `latest` missing
+    or naming a checkpoint that is gone, the newest complete one. None for a run that saved nothing yet. Raises
+    ConfigError rather than start over a run whose checkpoints exist but none can be resumed."""
+    found = latest(root)
+    if found is not None:
+        return found
+    marker, ready = root / LATEST, complete(root)
+    named = marker.read_text().strip() if marker.is_file() else None
+    if ready:
+        why = f"`latest` names {named}, which is gone" if named else "`latest` is missing"
+        print(f"note: {root}: {why}; resuming from the newest complete checkpoint, {ready[-1].name}", flush=True)
+        return ready[-1]
+    bad = sorted(root.glob(f"step_*{BAD}"))
+    if named or bad:
+        found_there = ", ".join(p.name for p in bad) or "no complete checkpoint"
+        raise ConfigError(f"--resume auto: {root} holds nothing to resume from (`latest` names "
+                          f"{named or 'nothing'}; found: {found_there}"
+                          f"{' (saved with weights gone bad, at a non-finite stop)' if bad else ''}); "
+                          f"--overwrite starts the run again")
+    return None
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,

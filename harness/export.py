@@ -36,10 +36,22 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
     path = run_dir / MODEL_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(_unshared(state), str(tmp), metadata={"format": "pt"})
+    readable(tmp)
     os.replace(tmp, path)
     if hf.is_hf(engine.module):
         hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
+        for f in (run_dir / HF_DIR).rglob("*"):
+            readable(f)
     return path
+
+
+def readable(path: Path) -> None:
+    """The permissions the user's umask gives any new file: safetensors writes its files 0600, which colleagues on
+    a shared file system cannot read (every other file of a run is created as the umask says)."""
+    if path.is_file():
+        mask = os.umask(0)
+        os.umask(mask)
+        path.chmod(0o666 & ~mask)
 
 
 def _unshared(state: dict) -> dict:

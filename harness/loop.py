@@ -17,6 +17,7 @@ from .config import ConfigError, TrainingStopped  # raised here, caught by the C
 from .data import StepSampler, eval_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
+from .optim import follow_config_lr
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .prepare import store_run_data
 from .selection import Selection
@@ -88,6 +89,11 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         state = checkpoint.load(engine, resume_from, world)
         start_step, samples_seen = state["step"], state["samples_seen"]
         say(f"resumed from {resume_from} at step {start_step}")
+        saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
+        if saved_lr is not None:  # e.g. lowered after a non-finite stop
+            say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "
+                f"{start_step + 1}; "
+                f"lr there {schedule.get_last_lr()[0]:.3g}")
     ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(t, state.get("selection"))  # train.select_best; None when off
     if selection and selection.value is not None:
@@ -153,9 +159,11 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             first_bad = step - nonfinite + 1
             good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
             tracker.close()
+            kept = f"{good} (--resume auto takes it)" if good else \
+                "none (later ones are set aside as step_*.bad; --overwrite starts again)"
             raise TrainingStopped(f"the loss was non-finite for {nonfinite} consecutive steps (steps {first_bad}-"
-                                  f"{step}); stopping. Last good checkpoint: {good or 'none'} (--resume auto takes "
-                                  f"it). Lower optimizer.lr, check the data, or use bf16 instead of fp16")
+                                  f"{step}); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
+                                  f"data, or use bf16 instead of fp16")
         if result.skipped and world.is_main:
             progress.write(f"step {step}: fp16 overflow, step skipped (loss scale now "
                            f"{float(engine.optimizer.loss_scale):g})")

@@ -80,3 +80,19 @@ def deepspeed_arch_list():
     finally:
         if plain != old:
             os.environ["TORCH_CUDA_ARCH_LIST"] = old
+
+
+def follow_config_lr(schedule, lr: float) -> float | None:
+    """After a resume: the learning rate of the run config, not the checkpoint's. DeepSpeed restores the schedule's
+    state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved).
+    Sets the base lr and the lr of the resumed step itself; returns the saved base lr if it differed, else None."""
+    saved = schedule.base_lrs[0]
+    if all(b == lr for b in schedule.base_lrs):
+        return None
+    schedule.base_lrs = [lr] * len(schedule.base_lrs)
+    factor = schedule.lr_lambdas[0](schedule.last_epoch)
+    for group in schedule.optimizer.param_groups:
+        group["lr"] = lr * factor
+    schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
+    return saved
+

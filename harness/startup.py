@@ -160,7 +160,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
                               f"checkpoints/ folder, or a step_* checkpoint)")
         return found
     if resume == "auto":
-        return checkpoint.latest(run_dir / "checkpoints")
+        return checkpoint.resume_target(run_dir / "checkpoints")
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from conftest import assert_losses_close, ds_variant, harness, val_loss_of_export
+from harness import checkpoint
+from harness.config import ConfigError
 
 STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", "model.dropout=0.1"]
 
@@ -78,6 +80,9 @@ def test_run_directory_is_readable(cached_run):
     m = run.metrics[0]
     assert {"step", "loss", "lr", "grad_norm", "samples_seen", "tokens_per_s", "step_s", "peak_mem_bytes"} <= m.keys()
     assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["step_s"] > 0 and m["peak_mem_bytes"] > 0
+    # the model is as readable as every other file (safetensors alone writes 0600)
+    mode = lambda name: (run.dir / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.toml")
     # the saved config is a run file that reproduces the run
     from harness.config import resolve
 
@@ -98,6 +103,8 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
     # the checkpoint at first_bad - 1 holds the weights that gave the first non-finite loss: not good
     latest = (run.dir / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{first_bad - 2:08d}"
+    assert (run.dir / "checkpoints" / f"step_{first_bad - 1:08d}.bad").is_dir()  # kept, never resumed from
+    assert checkpoint.resume_target(run.dir / "checkpoints").name == latest
     assert not (run.dir / "model.safetensors").exists()
     shutil.rmtree(run.dir)
 
@@ -166,3 +173,48 @@ def test_select_mode_auto_minimises_errors_and_maximises_scores():
     assert [direction(m, "auto") for m in lower] == ["min"] * 5
     assert [direction(m, "auto") for m in ("accuracy", "bleu", "q3", "spearman", "auroc")] == ["max"] * 5
     assert direction("loss", "max") == "max"
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint_or_refuses_never_restarts(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    assert checkpoint.resume_target(root) is None  # a run that saved nothing yet starts from step 0
+    for step in (4, 8):
+        (root / checkpoint.step_name(step)).mkdir(parents=True)
+    (root / "step_00000012.partial").mkdir()  # a write a crash cut short
+    assert checkpoint.resume_target(root).name == "step_00000008"  # `latest` missing
+    assert "`latest` is missing" in capsys.readouterr().out
+    (root / "latest").write_text("step_00000012\n")  # dangling: the checkpoint it names is gone
+    assert checkpoint.resume_target(root).name == "step_00000008"
+    assert "names step_00000012, which is gone" in capsys.readouterr().out
+    (root / "latest").write_text("step_00000004\n")
+    assert checkpoint.resume_target(root).name == "step_00000004"  # `latest` wins when it is there
+    # a non-finite stop rewinds past weights gone bad: the newer checkpoints are set aside, not resumed from
+    assert checkpoint.rewind_latest(root, 5).name == "step_00000004"
+    assert (root / "step_00000008.bad").is_dir() and checkpoint.resume_target(root).name == "step_00000004"
+    assert checkpoint.rewind_latest(root, 2) is None and not (root / "latest").exists()
+    with pytest.raises(ConfigError, match=r"step_00000004.bad, step_00000008.bad .*weights gone bad.*--overwrite"):
+        checkpoint.resume_target(root)
+    for bad in root.glob("*.bad"):
+        bad.rmdir()
+    (root / "latest").write_text("step_00000020\n")
+    with pytest.raises(ConfigError, match="names step_00000020; found: no complete checkpoint"):
+        checkpoint.resume_target(root)
+
+
+def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tmp_path, corpus):
+    """The README's advice after a non-finite stop: lower optimizer.lr and resume. Resumed with lr 0 (and so no
+    update, weight decay included), a ZeRO-2 run exports the weights it had at its checkpoint, which equal a 2-step
+    run's; without the change taking effect, steps 3-4 would train on the checkpoint's lr."""
+    from safetensors.torch import load_file
+
+    flat = ["schedule.kind=\"constant\"", "schedule.warmup_steps=0", "train.eval_every=0"]
+    two = harness(tmp_path / "two", corpus, ds="zero2.json", sets=[*flat, "train.max_steps=2"])
+    part = harness(tmp_path / "four", corpus, ds="zero2.json", sets=[*flat, "train.max_steps=4"],
+                   args=["--stop-at", "2"])
+    assert [m["lr"] for m in part.metrics] == [3e-3, 3e-3]
+    resumed = harness(tmp_path / "four", corpus, ds="zero2.json", sets=[*flat, "train.max_steps=4", "optimizer.lr=0.0"],
+                      args=["--resume", "auto"])
+    assert "optimizer.lr 0 (the checkpoint's run had 0.003) from step 3" in resumed.proc.stdout
+    assert [m["lr"] for m in resumed.metrics] == [3e-3, 3e-3, 0.0, 0.0]
+    before, after = load_file(str(two.dir / "model.safetensors")), load_file(str(resumed.dir / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
