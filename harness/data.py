@@ -109,6 +109,17 @@ def keep(ds):
     return ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
 
 
+def train_batches(dataset, sampler: Sampler, collate, num_workers: int, seed: int, device: torch.device) -> Iterator:
+    """The training loader's batches, as `sampler` lays them out: `num_workers` processes with 4 batches prefetched
+    each, pinned memory on a GPU. The loader has its own generator: drawing its worker seed from the global RNG
+    would shift dropout after a resume."""
+    from torch.utils.data import DataLoader
+
+    return iter(DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                           pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
+                           persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed)))
+
+
 class StepSampler(Sampler[list[int]]):
     """This rank's micro-batches of sample indices, from `start_step` to `max_steps`.
 

@@ -10,11 +10,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 from . import checkpoint, profiling
 from .config import ConfigError, TrainingStopped  # raised here, caught by the CLI
-from .data import StepSampler, eval_batches
+from .data import StepSampler, eval_batches, train_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .optim import follow_config_lr
@@ -92,8 +91,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
         if saved_lr is not None:  # e.g. lowered after a non-finite stop
             say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "
-                f"{start_step + 1}; "
-                f"lr there {schedule.get_last_lr()[0]:.3g}")
+                f"{start_step + 1}; lr there {schedule.get_last_lr()[0]:.3g}")
     ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(t, state.get("selection"))  # train.select_best; None when off
     if selection and selection.value is not None:
@@ -124,11 +122,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
-    # The loader's own generator: drawing its worker seed from the global RNG would shift dropout after a resume.
-    workers = cfg.data.num_workers
-    loader = iter(DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate, num_workers=workers,
-                             pin_memory=world.device.type == "cuda", prefetch_factor=4 if workers else None,
-                             persistent_workers=workers > 0, generator=torch.Generator().manual_seed(t.seed)))
+    loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, t.seed, world.device)
     progress = _progress(world, start_step, max_steps)
     window_work, window_steps, last_metrics = torch.zeros(4, dtype=torch.float64), 0, {}
     window_start = time.perf_counter()

@@ -69,6 +69,10 @@ def test_bench_checks_every_configuration_before_launching(tmp_path):
     assert "skipped tp2_zero1 x1" in proc.stdout
     proc = bench("--ds", "zero0", "--largest", "n_layers", "--out", str(tmp_path / "b"))  # this machine: a CPU
     assert proc.returncode == 2 and "--largest on a CPU needs --memory-budget-gb" in proc.stderr
+    proc = bench("--overhead", "--vary", "model.d_model=32,64", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--overhead compares programs, not run-config values" in proc.stderr
+    proc = bench("--overhead", "--largest", "n_layers", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--overhead and --largest are separate studies" in proc.stderr
     assert not (tmp_path / "b").exists()  # nothing launched, nothing written
 
 

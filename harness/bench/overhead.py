@@ -27,23 +27,25 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..startup import Plan
 from .sweep import ROOT, Config, env_for, launcher, measure, plan_for, schedule_length, summary
 
 PROGRAMS = ("harness", "reference", "plain")
 
 
-def study(configs: list[Config], run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int,
+def study(plans: dict[Config, Plan], run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int,
           steps: int, timeout: float) -> dict:
+    """`one` for each configuration, with the plan it was checked by before any launch."""
     entries = []
-    for i, c in enumerate(configs):
-        print(f"[{i + 1}/{len(configs)}] overhead {c.name}", flush=True)
-        entries.append(one(c, run_file, sets, out, rounds, warmup, steps, timeout))
+    for i, (c, plan) in enumerate(plans.items()):
+        print(f"[{i + 1}/{len(plans)}] overhead {c.name}", flush=True)
+        entries.append(one(c, run_file, sets, out, rounds, warmup, steps, timeout, plan))
     return {"rounds": rounds, "warmup": warmup, "steps": steps, "configs": entries}
 
 
 def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int, steps: int,
-        timeout: float) -> dict:
-    plan = plan_for(config, run_file, sets)
+        timeout: float, plan: Plan | None = None) -> dict:
+    plan = plan or plan_for(config, run_file, sets)
     entry = {"name": config.name, "nproc": config.nproc, "zero_stage": plan.ds.zero_stage,
              "precision": plan.ds.precision, "layout": plan.ds.layout.describe()}
     if plan.ds.layout.pp_size > 1:
@@ -66,7 +68,8 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
                                 warmup + steps, timeout)
                 if "error" in result:
                     return {**entry, "status": "failed", "error": f"{program}: {result['error']}"}
-                profiles[program] = profiles.get(program, []) + ([result["profile"]] if "profile" in result else [])
+                if "profile" in result:  # the reference's (plain.py traces nothing)
+                    profiles[program].append(result["profile"])
                 result = {k: result[k][warmup:] for k in ("step_s", "loss")}  # as the harness's record leaves them
             times[program].append(result["step_s"])
             losses.setdefault(program, result["loss"])

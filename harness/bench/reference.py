@@ -33,11 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     import torch
-    from torch.utils.data import DataLoader
 
     from .. import profiling
     from ..config import ConfigError
-    from ..data import StepSampler
+    from ..data import StepSampler, train_batches
     from ..parallel import build_engine
     from ..startup import make_plan
     from ..world import (accelerate_mixed_precision, all_gather_objects, barrier, close_world, init_world,
@@ -53,10 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     sampler = StepSampler(len(data.train), cfg.train.micro_batch_size, accum, world.dp_rank, world.dp_size,
                           cfg.train.seed, 0, args.steps + args.profile, bucket=cfg.data.bucket,
                           lengths=task.lengths(data.train) if cfg.data.bucket else None)
-    workers = cfg.data.num_workers
-    loader = iter(DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate, num_workers=workers,
-                             pin_memory=world.device.type == "cuda", prefetch_factor=4 if workers else None,
-                             persistent_workers=workers > 0, generator=torch.Generator().manual_seed(cfg.train.seed)))
+    loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, cfg.train.seed, world.device)
     times, losses, profile = [], [], None
     last = time.perf_counter()
     for step in range(args.steps + args.profile):

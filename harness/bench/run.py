@@ -38,7 +38,7 @@ def run_bench(args) -> dict:
     configs = fitting
     plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any launch
     if args.overhead:
-        return run_overhead(args, configs, sets)
+        return run_overhead(args, plans, sets)
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
     check_build_locks()
@@ -62,17 +62,17 @@ def run_bench(args) -> dict:
     return result
 
 
-def run_overhead(args, configs: list[Config], sets: list[str]) -> dict:
+def run_overhead(args, plans: dict, sets: list[str]) -> dict:
     """`--overhead`: the study of `overhead.py` over the sweep's configurations instead of the sweep's table."""
     if args.largest:
         raise ConfigError("--overhead and --largest are separate studies: run one at a time")
-    overhead.check(configs)
+    overhead.check(list(plans))
     check_build_locks()
     out = Path(args.out)
-    precisions = sorted({plan_for(c, args.run, sets).ds.precision for c in configs})
+    precisions = sorted({p.ds.precision for p in plans.values()})
     result = {"schema": report.SCHEMA, "run_file": args.run, "sets": sets,
-              "device": device.describe(precisions, device.cpu_threads(max(c.nproc for c in configs))),
-              **overhead.study(configs, args.run, sets, out, args.rounds, args.warmup, args.steps, args.timeout)}
+              "device": device.describe(precisions, device.cpu_threads(max(c.nproc for c in plans))),
+              **overhead.study(plans, args.run, sets, out, args.rounds, args.warmup, args.steps, args.timeout)}
     for path in overhead.write(result, out):
         print(f"wrote {path}")
     print(overhead.markdown(result))
