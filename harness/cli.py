@@ -1,12 +1,12 @@
-"""The `harness` command: train, plan, keys, prepare, evaluate, translate, export, plot, bench, results. Input errors print one line and exit 2
-before any training."""
+"""The `harness` command: train, launch, plan, keys, prepare, evaluate, translate, export, plot, bench, results.
+Input errors print one line and exit 2 before any training; a non-finite stop exits 3, a stop for a signal 75."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from .config import ConfigError, TrainingStopped
+from .config import ConfigError, Preempted, TrainingStopped
 from .world import launched_rank, quiet_deepspeed
 
 
@@ -28,6 +28,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
                    "the job's time ran out; continue later with --resume auto")
+    la = sub.add_parser("launch", help="check a training run, then start it with accelerate launch; exits with the "
+                        "harness's codes",
+                        description="harness launch [ACCELERATE LAUNCH OPTIONS] train [TRAIN OPTIONS]: checks "
+                        "everything train checks before any process starts (bad input: one line, exit 2), then runs "
+                        "accelerate launch with those options; exits 0, 2, 3 (non-finite stop) or 75 "
+                        "(stopped by SIGTERM, SIGINT or SIGUSR1 with a checkpoint: --resume auto continues)")
+    la.add_argument("argv", nargs=argparse.REMAINDER, metavar="... train ...")
     p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing")
     _common(p)
     p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
@@ -131,8 +138,17 @@ def _prepare(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
+        from .launcher import main as launch
+
+        try:
+            return launch(argv[1:])
+        except ConfigError as e:
+            print(f"harness: error: {e}", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by the suite with its results
+    args.argv = argv  # recorded by the suite with its results
     quiet_deepspeed()
     is_main = launched_rank() == 0
     try:
@@ -210,10 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop_at is not None and args.stop_at <= 0:
             raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
         train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at)
-    except (ConfigError, TrainingStopped) as e:
+    except (ConfigError, TrainingStopped, Preempted) as e:
+        from .launcher import report
+        from .preemption import EXIT_PREEMPTED
+
+        code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else EXIT_PREEMPTED
         if is_main:
-            print(f"harness: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+            print(f"harness: {'' if code == EXIT_PREEMPTED else 'error: '}{e}", file=sys.stderr)
+        return report(code, str(e))
     return 0
 
 

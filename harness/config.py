@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,10 @@ class ConfigError(Exception):
 
 class TrainingStopped(Exception):
     """The run cannot go on (e.g. the loss stayed non-finite); its last good checkpoint is kept. Exit code 3."""
+
+
+class Preempted(Exception):
+    """A scheduler's signal stopped the run after a step, with a checkpoint of it (`preemption.py`). Exit code 75."""
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -99,7 +104,8 @@ class TrainSection:
     early_stopping_patience: int = _f(0, "stop after this many evaluations in a row without improvement of "
                                       "select_best (needs select_best and eval_every); 0 = off")
     seed: int = _f(0, "seed for model init, data order and dropout")
-    max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss")
+    max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or an update "
+                                  "skipped for a non-finite gradient (in fp16: once the loss scale is at its minimum)")
     activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
                                         "pass instead of storing them: less memory, about a third more compute "
                                         "(pipelines use pipeline.activation_checkpoint_interval instead)")
@@ -262,6 +268,8 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
         expected = get_args(expected)[0]
     if type(value) is not expected:
         raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r} ({origin})")
+    if expected is float and not math.isfinite(value):  # TOML has nan and inf literals
+        raise ConfigError(f"{key} must be a finite number, got {value!r} ({origin})")
     choices = all_keys(sections)[key].metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r} ({origin})")
@@ -354,20 +362,27 @@ def _sections(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, type]:
     return SECTIONS if section is None else {**SECTIONS, PLUGIN_SECTION: section}
 
 
+POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
+            "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
+            "data.max_row_chars", "optimizer.eps")
+NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
+                "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
+                "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay", "data.num_workers", "data.bucket",
+                "train.profile_step", "train.early_stopping_patience", "train.seed")
+BELOW_ONE = ("model.dropout", "data.val_fraction", "optimizer.beta1", "optimizer.beta2", "optimizer.momentum")  # [0, 1)
+UP_TO_ONE = ("schedule.min_lr_ratio",)  # [0, 1]
+
+
 def _check(r: Resolved) -> None:
     c = r.cfg
-    positive = ["train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
-                "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
-                "data.max_row_chars"]
-    non_negative = ["train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
-                    "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
-                    "model.dropout", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
-                    "data.num_workers", "data.bucket", "train.profile_step", "train.early_stopping_patience"]
-    for key in positive + non_negative:
+    for key in (*POSITIVE, *NON_NEGATIVE, *BELOW_ONE, *UP_TO_ONE):
         section, name = key.split(".")
         v = getattr(getattr(c, section), name)
-        if v < 0 or (key in positive and v == 0):
-            raise ConfigError(f"{r.describe(key)} must be {'> 0' if key in positive else '>= 0'}")
+        if key in POSITIVE and v <= 0:
+            raise ConfigError(f"{r.describe(key)} must be > 0")
+        if v < 0 or (key in BELOW_ONE and v >= 1) or (key in UP_TO_ONE and v > 1):
+            bound = "must be >= 0" if key in NON_NEGATIVE else f"must be in [0, 1{')' if key in BELOW_ONE else ']'}"
+            raise ConfigError(f"{r.describe(key)} {bound}")
     if c.model.d_model % c.model.n_heads:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
                           f"{r.describe('model.n_heads')}")
@@ -378,8 +393,6 @@ def _check(r: Resolved) -> None:
         if given:
             raise ConfigError(f"{'; '.join(given)} belongs to the built-in model, not {r.describe('model.hf')}: "
                               f"change the Hugging Face model's config.json instead")
-    if not 0.0 <= c.data.val_fraction < 1.0:
-        raise ConfigError(f"{r.describe('data.val_fraction')} must be in [0, 1)")
     only = {"adamw": ("optimizer.beta1", "optimizer.beta2", "optimizer.eps"),
             "sgd": ("optimizer.momentum", "optimizer.nesterov")}
     for name, keys in only.items():
@@ -387,8 +400,6 @@ def _check(r: Resolved) -> None:
         if given and c.optimizer.name != name:
             raise ConfigError(f"{'; '.join(given)} apply to optimizer.name = {name!r}, but "
                               f"{r.describe('optimizer.name')}")
-    if not 0.0 <= c.optimizer.momentum < 1.0:
-        raise ConfigError(f"{r.describe('optimizer.momentum')} must be in [0, 1)")
     if not c.train.select_best:
         given = _chosen(r, ["train.select_mode", "train.early_stopping_patience"])
         if given:

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,7 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")
+    _check_types(ds, label)
     _validate_zero(zero, label)
     stage = zero.setdefault("stage", 0)
     source.setdefault("zero_optimization.stage", "DeepSpeed default")
@@ -348,12 +350,52 @@ def _fill(ds, source, ds_key, value, origin, run_key, label):
                           f"set it to \"auto\" or make them agree")
 
 
+# The types the harness and DeepSpeed must read alike. DeepSpeed's pydantic models coerce strings ("2" -> 2, "false"
+# -> False) where plain Python reads them otherwise (bool("false") is True): a value typed otherwise is refused.
+TYPES = {"train_batch_size": ("int", "auto"), "train_micro_batch_size_per_gpu": ("int", "auto"),
+         "gradient_accumulation_steps": ("int", "auto"), "gradient_clipping": ("number", "auto"),
+         "steps_per_print": ("int",), "wall_clock_breakdown": ("bool",), "fp16.enabled": ("bool", "auto"),
+         "bf16.enabled": ("bool", "auto"), "bfloat16.enabled": ("bool", "auto"), "fp16.auto_cast": ("bool",),
+         "fp16.loss_scale": ("number",), "fp16.initial_scale_power": ("int",), "fp16.loss_scale_window": ("int",),
+         "fp16.hysteresis": ("int",), "fp16.min_loss_scale": ("number",), "pipeline.stages": ("int",),
+         "pipeline.micro_batches": ("int", "auto"), "pipeline.activation_checkpoint_interval": ("int",),
+         "tensor_parallel.autotp_size": ("int",)}
+
+
+WORDS = {"int": "an integer", "number": "a number", "bool": "true or false", "auto": "\"auto\""}
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "number" if math.isfinite(value) else "non-finite number"
+    return "auto" if value == "auto" else f"{type(value).__name__}"
+
+
+def _check_types(ds: dict, label: str) -> None:
+    """Every value in TYPES is of a type it allows (an int is a number too), finite and not negative."""
+    flat = flatten({k: v for k, v in ds.items() if k != "zero_optimization"})
+    for key, allowed in TYPES.items():
+        if key not in flat:
+            continue
+        value, kind = flat[key], _kind(flat[key])
+        if kind not in allowed and not (kind == "int" and "number" in allowed):
+            want = " or ".join(WORDS[a] for a in allowed)
+            why = " (DeepSpeed and Python read a string differently: bool(\"false\") is true)" if kind == "str" else ""
+            raise ConfigError(f"{key} = {json.dumps(value)} ({label}) must be {want}{why}")
+        if kind in ("int", "number") and value < 0:
+            raise ConfigError(f"{key} = {value} ({label}) must be >= 0")
+
+
 def _validate_zero(zero: dict, label: str) -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 
     try:
-        DeepSpeedZeroConfig(**zero)
+        checked = DeepSpeedZeroConfig(**zero)
     except ValidationError as e:
         err = e.errors()[0]
         key = "zero_optimization." + ".".join(str(x) for x in err["loc"])
@@ -363,6 +405,11 @@ def _validate_zero(zero: dict, label: str) -> None:
             close = difflib.get_close_matches(str(err["loc"][-1]), names, n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else ""
         raise ConfigError(f"{key} ({label}): {err['msg']}{hint}") from None
+    for key, value in zero.items():  # DeepSpeed read a string as a number or a switch: the harness would not
+        if isinstance(value, str) and value != "auto" and not isinstance(getattr(checked, key, value), str):
+            kind = _kind(getattr(checked, key))
+            raise ConfigError(f"zero_optimization.{key} = {json.dumps(value)} ({label}) must be "
+                              f"{WORDS.get(kind, kind)}, not a string")
 
 
 def _offload_device(section: Any) -> str | None:

@@ -4,6 +4,7 @@ everything else (data, loss normalisation, logging, checkpoints, resume, export)
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -12,11 +13,12 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, profiling
-from .config import ConfigError, TrainingStopped  # raised here, caught by the CLI
+from .config import ConfigError, Preempted, TrainingStopped  # raised here, caught by the CLI
 from .data import StepSampler, eval_batches, train_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .optim import follow_config_lr
+from .preemption import Watch
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .prepare import store_run_data
 from .selection import Selection
@@ -54,9 +56,20 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
+    """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
+    checkpoint: raises Preempted."""
+    with Watch(world.rank) as watch:
+        held = prepare_run_dir(plan, world, resume_from, overwrite)
+        try:
+            return _train(plan, world, resume_from, stop_at, watch)
+        finally:
+            if held:
+                held.release()
+
+
+def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None, watch: Watch) -> dict:
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
     t = cfg.train
-    prepare_run_dir(plan, world, resume_from, overwrite)
     say = print if world.is_main else (lambda *a, **k: None)
 
     import datasets
@@ -84,6 +97,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     n_params = sum(p.numel() for p in meta_model.parameters())
     flops = ForwardFlops(meta_model)
     start_step, samples_seen, nonfinite, state = 0, 0, 0, {}
+    min_loss_scale = float(ds.config.get("fp16", {}).get("min_loss_scale", 1))
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from, world)
         start_step, samples_seen = state["step"], state["samples_seen"]
@@ -140,28 +154,23 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
             work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
         with mark("to device"):
             batches = [to_device(b, world.device) for b in cpu_batches]
-        result = train_step(engine, plan, batches, world, work, mark)
+        result = train_step(engine, plan, batches, world, work, mark, watch.signal or 0)
         step += 1
         samples_seen += ds.global_batch_size
         window_work += result.work
         window_steps += 1
         with mark("progress bar"):
             progress.update(1)
-        nonfinite = 0 if math.isfinite(result.loss) else nonfinite + 1
-        if nonfinite >= t.max_nonfinite_steps:
-            # The weights that produced the first non-finite loss were saved, if at all, one step before it.
-            first_bad = step - nonfinite + 1
-            good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
-            tracker.close()
-            kept = f"{good} (--resume auto takes it)" if good else \
-                "none (later ones are set aside as step_*.bad; --overwrite starts again)"
-            raise TrainingStopped(f"the loss was non-finite for {nonfinite} consecutive steps (steps {first_bad}-"
-                                  f"{step}); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
-                                  f"data, or use bf16 instead of fp16")
+        # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
+        # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
+        scale = float(engine.optimizer.loss_scale) if ds.precision == "fp16" else None
+        bad_skip = result.skipped and (scale is None or scale <= min_loss_scale)
+        nonfinite = nonfinite + 1 if bad_skip or not math.isfinite(result.loss) else 0
+        give_up = nonfinite >= t.max_nonfinite_steps
         if result.skipped and world.is_main:
-            progress.write(f"step {step}: fp16 overflow, step skipped (loss scale now "
-                           f"{float(engine.optimizer.loss_scale):g})")
-        if step % t.log_every == 0 or step == stop:
+            why = f"fp16 overflow (loss scale now {scale:g})" if scale is not None else "gradient not finite"
+            progress.write(f"step {step}: {why}, update skipped ({engine.skipped_steps} so far)")
+        if step % t.log_every == 0 or step == stop or give_up or result.signal:
             with mark("logging"):
                 now = time.perf_counter()  # the window runs from one log point to the next: this logging's own cost
                 seconds = now - window_start  # lands in the next window, so every second of the loop is in one
@@ -173,8 +182,9 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                           "peak_mem_bytes": result.peak_mem, "epoch": step / steps_per_epoch,
                           "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
                           "build_peak_device_bytes": [p["device"] for p in build_peaks]}
-                if ds.precision == "fp16":
-                    record.update(loss_scale=float(engine.optimizer.loss_scale), skipped_steps=engine.skipped_steps)
+                record["skipped_steps"] = engine.skipped_steps  # updates skipped for a non-finite gradient, so far
+                if scale is not None:
+                    record["loss_scale"] = scale
                 tracker.log(record)
                 items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
                 progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
@@ -182,14 +192,25 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                 window_start, window_work, window_steps = now, torch.zeros_like(window_work), 0
         if traced:  # before any evaluation or checkpoint: the step as every step runs it
             progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
+        if give_up:
+            # The weights that produced the first non-finite loss were saved, if at all, one step before it.
+            first_bad = step - nonfinite + 1
+            good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
+            tracker.close()
+            kept = f"{good} (--resume auto takes it)" if good else \
+                "none (later ones are set aside as step_*.bad; --overwrite starts again)"
+            raise TrainingStopped(f"the loss or gradient was non-finite for {nonfinite} consecutive steps (steps "
+                                  f"{first_bad}-{step}; {engine.skipped_steps} updates skipped in all); stopping. Last "
+                                  f"good checkpoint: {kept}. Lower optimizer.lr, check the data, or use bf16 instead "
+                                  f"of fp16")
         improved = False
-        if t.eval_every and step % t.eval_every == 0 and step < max_steps:
+        if t.eval_every and step % t.eval_every == 0 and step < max_steps and not result.signal:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step,
                                          want=selection and selection.metric)
             if selection:  # the same verdict on every rank: the metrics are all-reduced
                 improved = _select(selection, last_metrics, step, plan, world, tracker, math.isfinite(result.loss))
         stopping = bool(selection and selection.stopped_at)
-        if (t.save_every and step % t.save_every == 0) or step == stop or improved or stopping:
+        if (t.save_every and step % t.save_every == 0) or step == stop or improved or stopping or result.signal:
             if math.isfinite(result.loss):
                 extra = {"selection": selection.state()} if selection else {}
                 best = selection.step if selection and selection.value is not None else None
@@ -197,6 +218,12 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                                 t.keep_checkpoints, best=best)
             elif world.is_main:
                 progress.write(f"step {step}: loss is not finite, checkpoint skipped")
+        if result.signal:
+            progress.close()
+            tracker.close()
+            saved = checkpoint.latest(ckpts)
+            raise Preempted(f"stopped by {signal.Signals(result.signal).name} after step {step} of {max_steps}; "
+                            f"latest checkpoint: {saved.name if saved else 'none'}; continue with --resume auto")
     progress.close()
     if step == max_steps:
         last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
@@ -248,6 +275,7 @@ class StepResult:
     grad_norm: float | None   # global gradient norm before clipping
     skipped: bool             # fp16 overflow: DeepSpeed skipped the update
     peak_mem: int             # the most memory any rank has held so far (bytes; see world.peak_memory_bytes)
+    signal: int = 0           # a stop signal some rank got (the highest number), else 0: see preemption.py
 
 
 def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -262,11 +290,11 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
-               work: torch.Tensor, mark=profiling.unmarked) -> StepResult:
+               work: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
     the parts of the step for a traced one (`profiling.StepProfile.section`). Two collectives of its own: the
     work (started here, awaited only before the first backward, so the first forward hides it) and, at the end,
-    every rank's loss and peak memory (the step's one sync point)."""
+    every rank's loss, peak memory and `stop_signal` (one it got, or 0): the step's one sync point."""
     task, accum = plan.task, len(micro_batches)
     with mark("work all-reduce"):
         # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each add it: hence the division
@@ -291,8 +319,8 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         with mark("engine"):
             step_loss = pipeline_step(engine, task, micro_batches, scale).double().reshape(1)  # already global
         with mark("loss to host"):
-            peak = all_reduce(_peak(world), torch.distributed.ReduceOp.MAX)
-            step_loss, peak = torch.cat([step_loss, peak]).tolist()  # sync point
+            peak = all_reduce(_peak(world, stop_signal), torch.distributed.ReduceOp.MAX)
+            step_loss, peak, stop_signal = torch.cat([step_loss, peak]).tolist()  # sync point
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
         for i, batch in enumerate(micro_batches):
@@ -312,19 +340,20 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
             if world.world_size == 1:  # nothing to gather: the fewest tensor operations
                 step_loss, peak = (loss_sum / work[0]).item(), peak_memory_bytes(world.device)  # sync point
             else:
-                ranks = all_gather_rows(torch.cat([loss_sum.reshape(1), _peak(world)]))  # (world, 2)
-                step_loss, peak = torch.stack([ranks[:, 0].sum() / world.replicas / work[0],
-                                               ranks[:, 1].max()]).tolist()  # sync point
+                ranks = all_gather_rows(torch.cat([loss_sum.reshape(1), _peak(world, stop_signal)]))  # (world, 3)
+                step_loss, peak, stop_signal = torch.cat([(ranks[:, 0].sum() / world.replicas / work[0]).reshape(1),
+                                                     ranks[:, 1:].amax(0)]).tolist()  # sync point
     with mark("grad norm"):
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-    return StepResult(step_loss, work.cpu(), grad_norm, engine.skipped_steps > skipped_before, int(peak))
+    skipped = engine.skipped_steps > skipped_before
+    return StepResult(step_loss, work.cpu(), grad_norm, skipped, int(peak), int(stop_signal))
 
 
-def _peak(world: World) -> torch.Tensor:
-    """This rank's peak memory so far, (1,) float64 on its device (exact to 2**53 bytes)."""
-    return torch.tensor([peak_memory_bytes(world.device)], dtype=torch.float64, device=world.device)
+def _peak(world: World, stop_signal: int) -> torch.Tensor:
+    """This rank's peak memory so far and its stop signal, (2,) float64 on its device (exact to 2**53 bytes)."""
+    return torch.tensor([peak_memory_bytes(world.device), stop_signal], dtype=torch.float64, device=world.device)
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None) -> dict:

@@ -148,9 +148,13 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     check_build_locks()
     check_device(plan.ds)
-    from . import checkpoint
+    from . import checkpoint, lock
+    from .world import launched_rank
 
     run_dir = plan.run_dir
+    note = lock.check(run_dir)  # a live run in this directory: refused, whatever the flags say
+    if note and launched_rank() == 0:
+        print(note, flush=True)
     if resume and resume != "auto":
         path = Path(resume)
         found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
@@ -168,14 +172,26 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     return None
 
 
-def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrite: bool) -> None:
-    """Rank 0 writes the resolved configs; an --overwrite clears the old run first."""
-    from .world import barrier
+def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrite: bool):
+    """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and writes the resolved
+    configs; an --overwrite clears the old run first. Collective: a lock taken meanwhile by another run is refused
+    on every rank."""
+    from .lock import Lock
+    from .world import all_gather_objects
 
+    held, error = None, None
     if world.is_main:
         if overwrite and resume_from is None and plan.run_dir.exists():
             shutil.rmtree(plan.run_dir)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            held = Lock(plan.run_dir)
+        except ConfigError as e:
+            error = str(e)
+    error = all_gather_objects(error)[0]
+    if error:
+        raise ConfigError(error)
+    if world.is_main:
         saved = plan.run_dir / "config.toml"
         if resume_from is not None and saved.exists():
             old = flatten(read_toml(saved))
@@ -185,4 +201,4 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
                 print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
         saved.write_text(to_toml(plan.run.cfg))
         (plan.run_dir / "ds_config.json").write_text(json.dumps(plan.ds.config, indent=2) + "\n")
-    barrier()
+    return held

@@ -26,7 +26,8 @@ TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose 
 
 # The slowest files start first, so neither worker is left with a long file at the end (pyproject's
 # --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
-LONGEST_FIRST = ("test_suite.py", "test_hf_tasks.py", "test_parallel.py", "test_checkpoint.py", "test_hf.py")
+LONGEST_FIRST = ("test_suite.py", "test_hf_tasks.py", "test_parallel.py", "test_resilience.py", "test_checkpoint.py",
+                 "test_hf.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -78,10 +79,11 @@ def _env(extra: dict | None = None) -> dict:
     return {k: v for k, v in env.items() if v is not None}  # None removes a variable
 
 
-def harness(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, sets: list[str] = (),
-            args: list[str] = (), env: dict | None = None, launch: list[str] | None = None,
-            check: bool = True, timeout: int = 300, base: list[str] = TINY) -> Run:
-    """Train into `out`; nproc > 1 goes through `accelerate launch --config_file launch/cpu_2proc.yaml`."""
+def command(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, sets: list[str] = (),
+            args: list[str] = (), launch: list[str] | None = None, front: bool = False,
+            base: list[str] = TINY) -> list[str]:
+    """The command line `harness` runs: nproc > 1 goes through `accelerate launch --config_file
+    launch/cpu_2proc.yaml`, or with `front` through `harness launch` and the same options."""
     cmd = ["-m", "harness", "train", "--set", f"data.path={json.dumps(str(corpus))}",
            "--set", f"run.output_dir={json.dumps(str(out))}"]
     for s in [*base, *sets]:
@@ -89,13 +91,20 @@ def harness(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, s
     if ds:
         cmd += ["--ds", str(DS / ds) if not Path(ds).is_absolute() else ds]
     cmd += list(args)
+    accelerate = ["--config_file", str(LAUNCH / "cpu_2proc.yaml"), "--num_processes", str(nproc)]
     if launch is not None:
-        cmd = launch + cmd
-    elif nproc > 1:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "cpu_2proc.yaml"),
-               "--num_processes", str(nproc)] + cmd
-    else:
-        cmd = [sys.executable] + cmd
+        return launch + cmd
+    if front:
+        return [sys.executable, "-m", "harness", "launch", *accelerate, *cmd[2:]]
+    if nproc > 1:
+        return [sys.executable, "-m", "accelerate.commands.launch", *accelerate] + cmd
+    return [sys.executable] + cmd
+
+
+def harness(out: Path, corpus: Path, *, env: dict | None = None, check: bool = True, timeout: int = 300,
+            **kwargs) -> Run:
+    """Train into `out` (see `command` for the arguments) and wait for the end."""
+    cmd = command(out, corpus, **kwargs)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         log = out.parent / "failed.log"  # the whole output: the cause is often far above the launcher's summary

@@ -12,6 +12,7 @@ transformers' own DeepSpeed integration does (`from_pretrained` then reads the w
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -108,10 +109,11 @@ def logits(outputs) -> torch.Tensor:
 
 
 def is_hf(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    """Whether `model` is a transformers model; never imports transformers (2 s) to find that it is not."""
+    if "transformers" not in sys.modules:  # nothing built it
         return False
+    from transformers import PreTrainedModel
+
     return isinstance(model, PreTrainedModel)
 
 

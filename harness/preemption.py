@@ -1,0 +1,45 @@
+"""Stopping for the scheduler: SIGTERM (SLURM and Kubernetes send it before the kill), SIGINT (Ctrl-C) and SIGUSR1
+(SLURM's `--signal` warning before the time limit) end a run with a checkpoint instead of a traceback.
+
+A handler only records the signal. The loop carries "a signal came" in the collective every step already ends
+with (`loop.train_step`), so every rank learns of it at the same step, however many got the signal, at no extra
+sync: they finish that step, save a checkpoint, and the command exits with `EXIT_PREEMPTED`. A second signal
+changes nothing (a launcher passes on what the terminal already sent); SIGKILL still ends a run at once.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL, "try again later": resume with --resume auto
+
+
+class Watch:
+    """`with Watch() as watch:` records the first of SIGNALS this process gets in `watch.signal` (its name in
+    `watch.name`); the handlers it replaced come back on exit. Outside the main thread (where Python cannot take
+    signals) it records nothing."""
+
+    def __init__(self, rank: int = 0):
+        self.rank, self.signal, self._before = rank, None, {}
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signal is None else signal.Signals(self.signal).name
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signum
+            print(f"harness: rank {self.rank} got {signal.Signals(signum).name}: finishing this step, then saving a "
+                  f"checkpoint and exiting ({EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> Watch:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+        self._before = {}

@@ -1,0 +1,146 @@
+"""Bad input of every kind ends `harness train` with exit 2 and one line naming the key (or the file and line)
+before any process group starts: the table below runs each case in this process, with init_world replaced by a
+trap that fails the test if a case gets that far."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import world
+from harness.cli import main
+
+S = "--set"
+TWO_STEPS = [S, "train.max_steps=2"]
+
+# (id, extra arguments, run-file text or None, DeepSpeed JSON text or None, what the error line must contain)
+CASES = [
+    # the run config: numbers out of range or not numbers
+    ("lr-nan", [S, "optimizer.lr=nan"], None, None, "optimizer.lr must be a finite number"),
+    ("lr-inf", [S, "optimizer.lr=inf"], None, None, "optimizer.lr must be a finite number"),
+    ("lr-negative", [S, "optimizer.lr=-1"], None, None, "optimizer.lr = -1.0"),
+    ("beta1-one", [S, "optimizer.beta1=1.0"], None, None, "optimizer.beta1 = 1.0"),
+    ("beta2-negative", [S, "optimizer.beta2=-0.1"], None, None, "optimizer.beta2 = -0.1"),
+    ("eps-zero", [S, "optimizer.eps=0.0"], None, None, "optimizer.eps = 0.0"),
+    ("eps-negative", [S, "optimizer.eps=-1e-8"], None, None, "optimizer.eps = -1e-08"),
+    ("weight-decay-negative", [S, "optimizer.weight_decay=-0.1"], None, None, "optimizer.weight_decay"),
+    ("momentum-one", [S, "optimizer.name=\"sgd\"", S, "optimizer.momentum=1.0"], None, None, "optimizer.momentum"),
+    ("optimizer-unknown", [S, "optimizer.name=\"lion\""], None, None, "optimizer.name must be one of"),
+    ("min-lr-ratio-negative", [S, "schedule.min_lr_ratio=-0.5"], None, None, "schedule.min_lr_ratio = -0.5"),
+    ("min-lr-ratio-above-one", [S, "schedule.min_lr_ratio=1.5"], None, None, "schedule.min_lr_ratio = 1.5"),
+    ("schedule-kind", [S, "schedule.kind=\"step\""], None, None, "schedule.kind must be one of"),
+    ("warmup-negative", [S, "schedule.warmup_steps=-1"], None, None, "schedule.warmup_steps"),
+    ("dropout-above-one", [S, "model.dropout=1.5"], None, None, "model.dropout = 1.5"),
+    ("dropout-nan", [S, "model.dropout=nan"], None, None, "model.dropout must be a finite number"),
+    ("d-model-zero", [S, "model.d_model=0"], None, None, "model.d_model"),
+    ("heads-do-not-divide", [S, "model.n_heads=3"], None, None, "model.n_heads must divide model.d_model"),
+    ("layers-negative", [S, "model.n_layers=-2"], None, None, "model.n_layers"),
+    ("d-ff-negative", [S, "model.d_ff=-1"], None, None, "model.d_ff"),
+    ("vocab-negative", [S, "model.vocab_size=-1"], None, None, "model.vocab_size"),
+    ("hf-tokenizer-without-hf", [S, "model.hf_tokenizer=false"], None, None, "model.hf_tokenizer"),
+    ("seq-len-zero", [S, "data.seq_len=0"], None, None, "data.seq_len"),
+    ("val-fraction-one", [S, "data.val_fraction=1.0"], None, None, "data.val_fraction"),
+    ("max-row-chars-zero", [S, "data.max_row_chars=0"], None, None, "data.max_row_chars"),
+    ("workers-negative", [S, "data.num_workers=-1"], None, None, "data.num_workers"),
+    ("data-format", [S, "data.format=\"xml\""], None, None, "data.format must be one of"),
+    ("bucket-fixed-length-task", [S, "data.bucket=4"], None, None, "data.bucket"),
+    ("micro-batch-zero", [S, "train.micro_batch_size=0"], None, None, "train.micro_batch_size"),
+    ("accumulation-zero", [S, "train.grad_accum_steps=0"], None, None, "train.grad_accum_steps"),
+    ("max-steps-negative", [S, "train.max_steps=-5"], None, None, "train.max_steps"),
+    ("epochs-negative", [S, "train.epochs=-1.0"], None, None, "train.epochs"),
+    ("steps-and-epochs", [S, "train.epochs=1.0"], None, None, "set one of train.max_steps and train.epochs"),
+    ("no-length", [S, "train.max_steps=0"], None, None, "train.max_steps or train.epochs"),
+    ("clip-nan", [S, "train.grad_clip=nan"], None, None, "train.grad_clip must be a finite number"),
+    ("clip-negative", [S, "train.grad_clip=-1.0"], None, None, "train.grad_clip"),
+    ("log-every-zero", [S, "train.log_every=0"], None, None, "train.log_every"),
+    ("keep-zero", [S, "train.keep_checkpoints=0"], None, None, "train.keep_checkpoints"),
+    ("seed-negative", [S, "train.seed=-1"], None, None, "train.seed"),
+    ("nonfinite-steps-zero", [S, "train.max_nonfinite_steps=0"], None, None, "train.max_nonfinite_steps"),
+    ("global-batch-indivisible", [S, "train.global_batch_size=7"], None, None, "train.global_batch_size"),
+    ("select-mode-alone", [S, "train.select_mode=\"max\""], None, None, "train.select_mode"),
+    ("patience-without-evaluations", [S, "train.select_best=\"loss\"", S, "train.early_stopping_patience=2"], None,
+     None, "train.early_stopping_patience"),
+    ("select-unknown-metric", [S, "train.select_best=\"accuracy\""], None, None, "train.select_best"),
+    ("profile-step-negative", [S, "train.profile_step=-1"], None, None, "train.profile_step"),
+    ("int-given-float", [S, "train.micro_batch_size=2.5"], None, None, "train.micro_batch_size must be int"),
+    ("int-given-string", [S, "train.log_every=\"ten\""], None, None, "train.log_every must be int"),
+    ("int-given-bool", [S, "model.d_model=true"], None, None, "model.d_model must be int"),
+    ("unknown-key", [S, "train.max_step=3"], None, None, "did you mean `train.max_steps`"),
+    ("unknown-section", [S, "optimzer.lr=1e-3"], None, None, "optimzer.lr"),
+    ("other-task-section", [S, "translation.beam_size=2"], None, None, "[translation] keys belong to run.task"),
+    ("unknown-task", [S, "run.task=\"nosuch\""], None, None, "nosuch"),
+    ("override-syntax", [S, "train.max_steps"], None, None, "--set expects section.key=value"),
+    # the run file
+    ("run-file-syntax", [], "[train]\nmax_steps = 3\nlr = = 2\n", None, "line 3"),
+    ("run-file-nan", [], "[train]\nmax_steps = 3\ngrad_clip = nan\n", None, "train.grad_clip must be a finite number"),
+    ("run-file-section-not-table", [], "train = 5\n", None, "[train] must be a table"),
+    ("run-file-missing", ["--run", "/nonexistent/run.toml"], None, None, "/nonexistent/run.toml"),
+    # the DeepSpeed config: types as DeepSpeed reads them, ranges, contradictions
+    ("ds-stage-string", [], None, {"zero_optimization": {"stage": "2"}}, "zero_optimization.stage = \"2\""),
+    ("ds-stage-out-of-range", [], None, {"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+    ("ds-zero-key-typo", [], None, {"zero_optimization": {"stag": 2}}, "did you mean `stage`"),
+    ("ds-switch-string", [], None, {"zero_optimization": {"stage": 2, "overlap_comm": "true"}},
+     "zero_optimization.overlap_comm = \"true\""),
+    ("ds-bf16-enabled-string", [], None, {"bf16": {"enabled": "false"}}, "bf16.enabled = \"false\""),
+    ("ds-fp16-not-object", [], None, {"fp16": True}, "fp16"),
+    ("ds-both-precisions", [], None, {"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both true"),
+    ("ds-loss-scale-negative", [], None, {"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale = -1"),
+    ("ds-scale-power-float", [], None, {"fp16": {"enabled": True, "initial_scale_power": 1.5}},
+     "fp16.initial_scale_power"),
+    ("ds-clipping-string", [], None, {"gradient_clipping": "1.0"}, "gradient_clipping = \"1.0\""),
+    ("ds-clipping-nan", [], None, "{\"gradient_clipping\": NaN}", "gradient_clipping = NaN"),
+    ("ds-micro-batch-bool", [], None, {"train_micro_batch_size_per_gpu": True}, "train_micro_batch_size_per_gpu"),
+    ("ds-micro-batch-contradicts", [], None, {"train_micro_batch_size_per_gpu": 3},
+     "contradicts train.micro_batch_size"),
+    ("ds-unknown-key", [], None, {"zero_optimisation": {"stage": 1}}, "did you mean `zero_optimization`"),
+    ("ds-scheduler", [], None, {"scheduler": {"type": "WarmupLR"}}, "`scheduler`"),
+    ("ds-offload-param-stage-1", [], None, {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}},
+     "offload_param"),
+    ("ds-offload-stage-0", [], None, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "offload_optimizer"),
+    ("ds-optimizer-contradicts", [], None, {"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+    ("ds-pipeline-stages-string", [], None, {"pipeline": {"stages": "2"}}, "pipeline.stages = \"2\""),
+    ("ds-autotp-float", [], None, {"tensor_parallel": {"autotp_size": 1.5}}, "tensor_parallel.autotp_size"),
+    ("ds-syntax", [], None, "{\n  \"zero_optimization\": {stage: 2}\n}", "line 2"),
+    ("ds-missing", ["--ds", "/nonexistent/ds.json"], None, None, "/nonexistent/ds.json"),
+    ("ds-not-object", [], None, "[1, 2]", "must hold a JSON object"),
+    # the command line and the run directory
+    ("stop-at-zero", ["--stop-at", "0"], None, None, "--stop-at"),
+    ("resume-nothing-there", ["--resume", "/nonexistent/run"], None, None, "--resume /nonexistent/run"),
+    ("data-missing", [S, "data.path=\"/nonexistent/corpus.txt\""], None, None, "/nonexistent/corpus.txt"),
+]
+
+
+@pytest.fixture
+def no_process_group(monkeypatch):
+    def trap(*args, **kwargs):
+        raise AssertionError("a process group was started: the input was not checked before launch")
+
+    monkeypatch.setattr(world, "init_world", trap)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, corpus, no_process_group, capsys):
+    name, extra, run_text, ds_text, expected = case
+    args = ["train", S, f"data.path={json.dumps(str(corpus))}", S, f"run.output_dir={json.dumps(str(tmp_path / 'r'))}"]
+    if not any(a.startswith(("train.max_steps", "train.epochs")) for a in extra) and run_text is None:
+        args += TWO_STEPS
+    if run_text is not None:
+        (tmp_path / "run.toml").write_text(run_text)
+        args += ["--run", str(tmp_path / "run.toml")]
+    if ds_text is not None:
+        (tmp_path / "ds.json").write_text(ds_text if isinstance(ds_text, str) else json.dumps(ds_text))
+        args += ["--ds", str(tmp_path / "ds.json")]
+    if name == "steps-and-epochs":
+        args += TWO_STEPS
+    assert main(args + extra) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("harness: error: ") and expected in lines[-1], lines[-3:]
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_the_table_is_wide_and_its_trap_is_real(tmp_path, corpus, no_process_group):
+    assert len(CASES) >= 60
+    with pytest.raises(AssertionError, match="process group was started"):  # good input gets that far
+        main(["train", S, f"data.path={json.dumps(str(corpus))}", S,
+              f"run.output_dir={json.dumps(str(tmp_path / 'r'))}", *TWO_STEPS])
