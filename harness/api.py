@@ -64,7 +64,7 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     resume_from = preflight(p, resume, overwrite)
     if stop_at is not None and stop_at <= 0:
         raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
-    world = init_world(p.ds.layout)
+    world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
     try:
         result = run_training(p, world, resume_from, overwrite, stop_at)
         barrier()  # every rank is done before any tears down its connections

@@ -6,10 +6,14 @@ Layout of `RUN/checkpoints/`:
     best                with `train.select_best`: the name of the best one (kept whatever the rotation says)
 A checkpoint is written as `step_N.partial`, renamed when every rank has finished, and only then named in
 `latest`: a crash mid-write leaves a `.partial` directory that is never resumed from and is removed later.
+Each holds `layout.json` (data, tensor and pipeline sizes, ZeRO stage, offload). Resuming onto another data-parallel
+size or ZeRO stage (1-3) converts it once, beside it, to DeepSpeed's universal format (`step_N.universal`, made by
+`ds_to_universal`), which DeepSpeed then loads into any partitioning; see `reshape`.
 The run directory must be on a file system that every node sees (as DeepSpeed's own checkpoints assume).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -25,6 +29,9 @@ from .world import World, barrier
 LATEST = "latest"
 BEST = "best"
 BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop): never resumed from
+UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
+LAYOUT = "layout.json"
+LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "zero_stage", "offload_optimizer", "offload_params")
 
 
 def step_name(step: int) -> str:
@@ -53,7 +60,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return path.name.startswith("step_") and not path.name.endswith((".partial", BAD))
+    return path.name.startswith("step_") and not path.name.endswith((".partial", BAD, UNIVERSAL))
 
 
 def latest(root: Path) -> Path | None:
@@ -108,10 +115,113 @@ def resume_target(root: Path) -> Path | None:
     return None
 
 
+def layout_of(ds) -> dict[str, Any]:
+    """What a checkpoint's partitioning depends on, from a `ds_config.DSResolved` (written as layout.json)."""
+    return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
+            "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer, "offload_params": ds.offload_params}
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    offload = [k.removeprefix("offload_") for k in ("offload_optimizer", "offload_params") if layout.get(k)]
+    return (f"data {layout['dp_size']} x tensor {layout['tp_size']} x pipeline {layout['pp_size']}, ZeRO-"
+            f"{layout['zero_stage']}{' offload ' + '+'.join(offload) if offload else ''}")
+
+
+def reshape(path: Path, ds) -> bool:
+    """Before launch: whether resuming checkpoint `path` under `ds` needs the universal conversion (another data-
+    parallel size or ZeRO stage). Raises ConfigError, naming both layouts, for a change it cannot make: another
+    tensor- or pipeline-parallel size, or between ZeRO-0 and a ZeRO stage. A checkpoint without layout.json
+    (saved before it existed) is loaded as it is."""
+    try:
+        saved = json.loads((path / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return False
+    new = layout_of(ds)
+    if saved == new:
+        return False
+    convert = saved["zero_stage"] != 0 and \
+        (saved["dp_size"], saved["zero_stage"]) != (new["dp_size"], new["zero_stage"])
+    if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
+            0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"] or \
+            convert and 3 in (saved["zero_stage"], new["zero_stage"]):
+        raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
+                          f"harness resumes a checkpoint on another data-parallel size or ZeRO stage between 1 and "
+                          f"2 (and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or "
+                          f"pipeline-parallel size, between ZeRO-0 and ZeRO, or into or out of ZeRO-3 on another "
+                          f"size or stage (DeepSpeed's universal checkpoint does not restore ZeRO-3's optimizer "
+                          f"exactly). Resume with the saved layout")
+    return convert
+
+
+def to_universal(path: Path, world: World) -> Path:
+    """Collective: `path` converted to DeepSpeed's universal checkpoint (rank 0, once: kept as step_N.universal
+    beside it, and reused by a later resume), for an engine built with checkpoint.load_universal."""
+    out = path.with_name(path.name + UNIVERSAL)
+    if world.is_main and not out.is_dir():
+        import argparse
+        import contextlib
+        import io
+
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        work = out.with_name(out.name + ".partial")
+        shutil.rmtree(work, ignore_errors=True)
+        args = argparse.Namespace(input_folder=str(path), output_folder=str(work), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, no_strict=False,
+                                  inject_missing_state=True)  # the state Megatron adds; DeepSpeed's default
+        print(f"converting {path.name} to DeepSpeed's universal checkpoint for this layout: {out}", flush=True)
+        with contextlib.redirect_stdout(io.StringIO()):  # its progress bars and steps
+            ds_to_universal(args)
+        (path.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
+        for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
+            shutil.copy(path / name, work / name)
+        _both_stages(work / "zero" / "optimizer_state.pt")
+        # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
+        # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
+        for states in list(work.glob("*mp_rank_*_model_states.pt")):
+            mp = states.name.split("mp_rank_")[1]
+            for twin in (f"mp_rank_{mp}", f"zero_pp_rank_0_mp_rank_{mp}"):
+                if not (work / twin).exists():
+                    os.link(states, work / twin)
+        os.replace(work, out)
+    barrier()
+    return out
+
+
+def _both_stages(path: Path) -> None:
+    """ds_to_universal writes the optimizer's global state as the source's stage has it; ZeRO-3's loader wants the
+    step and param groups under optimizer_state_dict (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3),
+    ZeRO-1/2's at the top: give it both, so a checkpoint of either stage loads into the other."""
+    sd = torch.load(path, weights_only=False)
+    inner = sd.get("optimizer_state_dict")
+    if inner is None:
+        steps = list(path.parent.glob("*/step.pt"))
+        step = torch.load(steps[0], weights_only=False) if steps else 0
+        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
+    else:
+        sd.setdefault("param_groups", inner["param_groups"])
+    if not sd.get("ds_version"):  # ZeRO-1/2's loader asserts it; ZeRO-3's state has none
+        import deepspeed
+
+        sd["ds_version"] = deepspeed.__version__
+    torch.save(sd, path)
+
+
+def _restore_param_groups(engine, path: Path) -> None:
+    """After a universal load: every param group's own hyperparameters (weight decay: 0 for biases and norms) as
+    saved. ZeRO-3's universal loader gives every group the first one's (stage3.py, "the hyperparameters of each
+    parameter should be the same"), which would decay the biases and norms."""
+    saved = torch.load(path / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
+    groups = engine.optimizer.optimizer.param_groups
+    if len(saved) == len(groups):
+        for group, old in zip(groups, saved):
+            group.update({k: v for k, v in old.items() if k != "params"})
+
+
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
-         best: int | None = None) -> Path:
+         best: int | None = None, layout: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it. `best`: the step of the best checkpoint (`train.select_best`), named in
-    `best` and kept beside the last `keep`."""
+    `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json."""
     name = step_name(step)
     partial = root / f"{name}.partial"
     if world.is_main:
@@ -121,6 +231,8 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
     engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
     partial.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
+    if world.is_main and layout is not None:
+        (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
     barrier()  # every rank's shards are on disk
     final = root / name
     if world.is_main:
@@ -133,6 +245,7 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         for old in complete(root)[:-keep]:
             if best is None or old.name != step_name(best):
                 shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old.with_name(old.name + UNIVERSAL), ignore_errors=True)
     barrier()
     return final
 
@@ -158,10 +271,16 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
 
 
 def load(engine, path: Path, world: World) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state."""
+    """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state. A
+    step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has."""
+    # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
+    # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
+    engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
     _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
     if client_state is None:
         raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
+    if path.name.endswith(UNIVERSAL):
+        _restore_param_groups(engine, path)
     rng = path / f"rng_rank{world.rank:05d}.pt"
     if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
         set_rng_state(torch.load(rng, weights_only=False))

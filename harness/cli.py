@@ -7,6 +7,7 @@ import json
 import sys
 
 from .config import ConfigError, Preempted, TrainingStopped
+from .heartbeat import EXIT_HUNG, RankHung
 from .world import launched_rank, quiet_deepspeed
 
 
@@ -32,8 +33,9 @@ def parser() -> argparse.ArgumentParser:
                         "harness's codes",
                         description="harness launch [ACCELERATE LAUNCH OPTIONS] train [TRAIN OPTIONS]: checks "
                         "everything train checks before any process starts (bad input: one line, exit 2), then runs "
-                        "accelerate launch with those options; exits 0, 2, 3 (non-finite stop) or 75 "
-                        "(stopped by SIGTERM, SIGINT or SIGUSR1 with a checkpoint: --resume auto continues)")
+                        "accelerate launch with those options; exits 0, 2, 3 (non-finite stop), 4 (a rank stopped "
+                        "answering) or 75 (stopped by SIGTERM, SIGINT or SIGUSR1 with a checkpoint: --resume auto "
+                        "continues)")
     la.add_argument("argv", nargs=argparse.REMAINDER, metavar="... train ...")
     p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing")
     _common(p)
@@ -226,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop_at is not None and args.stop_at <= 0:
             raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
         train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at)
-    except (ConfigError, TrainingStopped, Preempted) as e:
+    except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report
         from .preemption import EXIT_PREEMPTED
 
-        code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else EXIT_PREEMPTED
+        code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else \
+            EXIT_HUNG if isinstance(e, RankHung) else EXIT_PREEMPTED
         if is_main:
             print(f"harness: {'' if code == EXIT_PREEMPTED else 'error: '}{e}", file=sys.stderr)
         return report(code, str(e))

@@ -111,6 +111,9 @@ class TrainSection:
                                         "(pipelines use pipeline.activation_checkpoint_interval instead)")
     compile: bool = _f(False, "compile the model with torch.compile (DeepSpeed's engine.compile); the first "
                        "steps are slow while it compiles")
+    collective_timeout_s: float = _f(1800.0, "seconds a rank waits in a collective (a step's all-reduce, a "
+                                     "checkpoint's barrier) before the job ends naming the ranks that stopped "
+                                     "answering; must cover the longest checkpoint save and evaluation")
     profile_step: int = _f(0, "trace this optimizer step (counted from 1) with torch.profiler on rank 0 and write "
                            "RUN/profile.json: wall time, data-loader wait, device busy time, host overhead and the "
                            "top kernels; 0 = off")
@@ -364,7 +367,7 @@ def _sections(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, type]:
 
 POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
             "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
-            "data.max_row_chars", "optimizer.eps")
+            "data.max_row_chars", "optimizer.eps", "train.collective_timeout_s")
 NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
                 "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
                 "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay", "data.num_workers", "data.bucket",

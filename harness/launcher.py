@@ -1,5 +1,6 @@
 """`harness launch`: check a training run before any process starts, then `accelerate launch` it, and exit with the
-harness's own codes (0 done, 2 bad input, 3 non-finite stop, 75 stopped by a signal with a checkpoint).
+harness's own codes (0 done, 2 bad input, 3 non-finite stop, 4 a rank stopped answering, 75 stopped by a signal
+with a checkpoint).
 
     harness launch --config_file launch/cpu_2proc.yaml train --run RUN.toml --ds configs/ds/zero2.json
 
@@ -21,12 +22,14 @@ script cannot tell bad input from a crash from a preemption.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .config import ConfigError
@@ -132,7 +135,7 @@ def main(argv: list[str]) -> int:
 
     before = {s: signal.signal(s, forward) for s in SIGNALS}
     try:
-        code = proc.wait()  # resumed after each forwarded signal (PEP 475)
+        code = _wait(proc, Path(status))
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
@@ -141,6 +144,27 @@ def main(argv: list[str]) -> int:
     finally:
         os.unlink(status)
     return reported.get("code", code)
+
+
+def _wait(proc: subprocess.Popen, status: Path, grace_s: float = 5.0) -> int:
+    """The launcher's exit code. Once a rank reports a hung rank (heartbeat.py), the ranks still there get
+    `grace_s` to end, then SIGKILL: a stopped process cannot take torchrun's SIGTERM, and torchrun would wait 30 s
+    before its own SIGKILL."""
+    from .heartbeat import EXIT_HUNG
+
+    hung_at = None
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if hung_at is None and f'"code": {EXIT_HUNG},' in status.read_text():
+            hung_at = time.monotonic()
+        if hung_at is not None and time.monotonic() - hung_at > grace_s:
+            for pid in [p for p in descendants(proc.pid) if _is_rank(p)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            hung_at = float("inf")  # once
 
 
 def _is_rank(pid: int) -> bool:
@@ -158,6 +182,7 @@ def report(code: int, message: str) -> int:
     status = os.environ.get(STATUS_ENV)
     if not status:
         return code
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        Path(status).write_text(json.dumps({"code": code, "message": message}))
+    path = Path(status)
+    if os.environ.get("LOCAL_RANK", "0") == "0" or not path.read_text():  # local rank 0, or the first to end
+        path.write_text(json.dumps({"code": code, "message": message}))
     return 0 if code in COLLECTIVE_STOPS else code

@@ -18,6 +18,7 @@ from .data import StepSampler, eval_batches, train_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .optim import follow_config_lr
+from .heartbeat import Heartbeat, diagnose, is_timeout
 from .preemption import Watch
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
 from .prepare import store_run_data
@@ -58,16 +59,28 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
     """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
     checkpoint: raises Preempted."""
+    timeout_s = plan.run.cfg.train.collective_timeout_s
     with Watch(world.rank) as watch:
         held = prepare_run_dir(plan, world, resume_from, overwrite)
+        beat = Heartbeat(plan.run_dir, world.rank, min(30.0, timeout_s / 4))  # names a hung rank (heartbeat.py)
         try:
-            return _train(plan, world, resume_from, stop_at, watch)
+            return _train(plan, world, resume_from, stop_at, watch, beat)
+        except RuntimeError as e:
+            if world.world_size > 1 and is_timeout(e):
+                from tqdm.auto import tqdm
+
+                for bar in list(tqdm._instances):  # the progress bar's line ends before the error's
+                    bar.close()
+                raise diagnose(plan.run_dir, world.world_size, world.rank, timeout_s, beat.every_s) from None
+            raise
         finally:
+            beat.stop()
             if held:
                 held.release()
 
 
-def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None, watch: Watch) -> dict:
+def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None, watch: Watch,
+           beat: Heartbeat) -> dict:
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
     t = cfg.train
     say = print if world.is_main else (lambda *a, **k: None)
@@ -99,7 +112,9 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     start_step, samples_seen, nonfinite, state = 0, 0, 0, {}
     min_loss_scale = float(ds.config.get("fp16", {}).get("min_loss_scale", 1))
     if resume_from is not None:
-        state = checkpoint.load(engine, resume_from, world)
+        # another data-parallel size or ZeRO stage: converted once to DeepSpeed's universal checkpoint
+        source = checkpoint.to_universal(resume_from, world) if checkpoint.reshape(resume_from, ds) else resume_from
+        state = checkpoint.load(engine, source, world)
         start_step, samples_seen = state["step"], state["samples_seen"]
         say(f"resumed from {resume_from} at step {start_step}")
         saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
@@ -156,6 +171,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
             batches = [to_device(b, world.device) for b in cpu_batches]
         result = train_step(engine, plan, batches, world, work, mark, watch.signal or 0)
         step += 1
+        beat.step = step
         samples_seen += ds.global_batch_size
         window_work += result.work
         window_steps += 1
@@ -215,7 +231,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                 extra = {"selection": selection.state()} if selection else {}
                 best = selection.step if selection and selection.value is not None else None
                 checkpoint.save(engine, ckpts, step, {"step": step, "samples_seen": samples_seen, **extra}, world,
-                                t.keep_checkpoints, best=best)
+                                t.keep_checkpoints, best=best, layout=checkpoint.layout_of(ds))
             elif world.is_main:
                 progress.write(f"step {step}: loss is not finite, checkpoint skipped")
         if result.signal:

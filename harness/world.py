@@ -10,6 +10,7 @@ instead, and check its view against torch.distributed before any data is touched
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import warnings
@@ -76,8 +77,9 @@ _OWN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 _set_env: list[str] = []  # what init_world put in the environment itself (no launcher), for close_world
 
 
-def init_world(layout=None) -> World:
-    """The process group and this rank's place in `layout` (a `ds_config.Layout`; None = data parallel only)."""
+def init_world(layout=None, timeout_s: float | None = None) -> World:
+    """The process group and this rank's place in `layout` (a `ds_config.Layout`; None = data parallel only). A
+    collective that waits longer than `timeout_s` raises (None: torch's default, 30 min)."""
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -93,7 +95,9 @@ def init_world(layout=None) -> World:
     # cpu=True routes accelerate to its MULTI_CPU (gloo) set-up, which counts processes correctly.
     with warnings.catch_warnings():  # accelerate warns that it chose OMP_NUM_THREADS for us
         warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
-        state = PartialState(cpu=not torch.cuda.is_available())
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        state = PartialState(cpu=not torch.cuda.is_available(), **timeout)
+    _default_group_timeout(timeout.get("timeout"))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
@@ -110,6 +114,18 @@ def init_world(layout=None) -> World:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
     return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
                  dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, **layout.coords(rank))
+
+
+def _default_group_timeout(timeout: datetime.timedelta | None) -> None:
+    """The timeout of every group made later: DeepSpeed makes its own (data parallel, ZeRO's reductions...) with
+    torch.distributed.new_group and no timeout, which falls back to torch's module-wide default (30 min) and not the
+    world group's. None: torch's own defaults."""
+    import torch.distributed.constants as constants
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout or constants.default_pg_timeout
+    if isinstance(constants.default_pg_nccl_timeout, datetime.timedelta):  # None where NCCL is not compiled in
+        c10d.default_pg_nccl_timeout = timeout or constants.default_pg_nccl_timeout
 
 
 def close_world() -> None:

@@ -1,11 +1,14 @@
-"""Faults injected for real into 2-process CPU runs: signals to a rank, to the launcher and to `harness launch`; the
-exit codes `harness launch` gives. Runs are long (3000 steps) and stopped by the signal, so "mid-run" needs no
-sleep in the harness; an uninterrupted run stopped with --stop-at at the same step is the reference."""
+"""Faults injected for real into 2-process CPU runs: signals to a rank and to `harness launch`, a second run into a
+live run directory, a stopped (SIGSTOP) rank, resuming onto another size or ZeRO stage, and the exit codes
+`harness launch` gives. Runs are long (3000 steps) and stopped by the fault, so "mid-run" needs no sleep in the
+harness; an uninterrupted run stopped with --stop-at at the same step is the reference."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -43,28 +46,38 @@ def latest(run: Run) -> int:
 def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_the_uninterrupted_ones(tmp_path,
                                                                                                      corpus):
     out = tmp_path / "run"
-    # 1. SIGTERM to one rank under `harness launch`: both stop after the same step, save it, exit 75
-    first, seconds = signal_mid_run(start(out, corpus, front=True), Run(out, None), signal.SIGTERM, "rank1")
+    # 1. SIGTERM to one rank under `harness launch`: both stop after the same step, save it, exit 75. While it runs,
+    # the run directory is its own: a second run into it is refused before launch, naming the holder.
+    live = start(out, corpus, front=True)
+    seen = time.time() + 120
+    while not Run(out, None).metrics:
+        assert live.poll() is None and time.time() < seen, live.communicate()
+        time.sleep(0.05)
+    holder = [p for p in descendants(live.pid) if _is_rank(p)][0]
+    for args in (["--resume", "auto"], ["--overwrite"]):
+        second = harness(out, corpus, sets=LONG, args=args, check=False)
+        assert second.proc.returncode == 2, second.proc.stderr[-2000:]
+        assert f"is in use by another run (pid {holder} on " in second.proc.stderr.splitlines()[-1]
+    first, seconds = signal_mid_run(live, Run(out, None), signal.SIGTERM, "rank1")
     assert first.proc.returncode == EXIT_PREEMPTED, first.proc.stderr[-3000:]
     assert seconds < 30, seconds
     k1 = latest(first)
     assert f"stopped by SIGTERM after step {k1} of 3000" in first.proc.stderr
     assert "ChildFailedError" not in first.proc.stderr and "Traceback" not in first.proc.stderr
     assert [m["step"] for m in first.metrics] == list(range(1, k1 + 1))
-    # 2. SIGTERM to a bare accelerate launch: torchrun passes it on; the ranks save before its 30 s are up (it then
-    # exits 1 with its own report: why the README says harness launch)
-    second, seconds = signal_mid_run(start(out, corpus, args=["--resume", "auto"]), first, signal.SIGTERM, "top")
-    assert second.proc.returncode != 0 and seconds < 30, (seconds, second.proc.stderr[-3000:])
+    assert not (out / ".lock").exists()
+    # 2. Ctrl-C (SIGINT) to `harness launch` reaches the ranks through it
+    second, seconds = signal_mid_run(start(out, corpus, front=True, args=["--resume", "auto"]), first, signal.SIGINT,
+                                     "top")
+    assert second.proc.returncode == EXIT_PREEMPTED and seconds < 30, (seconds, second.proc.stderr[-3000:])
     k2 = latest(second)
-    assert k2 > k1 and f"stopped by SIGTERM after step {k2}" in second.proc.stderr
-    # 3. Ctrl-C (SIGINT) to `harness launch` reaches the ranks through it
-    third, _ = signal_mid_run(start(out, corpus, front=True, args=["--resume", "auto"]), second, signal.SIGINT, "top")
-    assert third.proc.returncode == EXIT_PREEMPTED, third.proc.stderr[-3000:]
-    k3 = latest(third)
-    assert k3 > k2 and f"stopped by SIGINT after step {k3}" in third.proc.stderr
-    end = k3 + 2
+    assert k2 > k1 and f"stopped by SIGINT after step {k2}" in second.proc.stderr
+    # 3. a lock left by a run that is gone (SIGKILLed: its pid no longer exists) is taken over with a note
+    (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid, "since": "earlier"}))
+    end = k2 + 2
     resumed = harness(out, corpus, nproc=2, ds="zero2.json", sets=LONG, front=True,
                       args=["--resume", "auto", "--stop-at", str(end)])
+    assert f"taking over the lock of a run that is gone (pid {live.pid} on " in resumed.proc.stdout
     whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=LONG, args=["--stop-at", str(end)])
     assert [m["step"] for m in resumed.metrics] == list(range(1, end + 1))
     assert_losses_close(resumed.losses, whole.losses, 1e-6)
@@ -89,24 +102,42 @@ def test_harness_launch_exits_2_before_any_rank_starts_and_3_when_updates_keep_b
     assert not (nan.dir / "model.safetensors").exists()
 
 
-def test_a_live_run_directory_is_refused_naming_its_holder_and_a_dead_ones_lock_taken_over(tmp_path, corpus):
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_naming_it(tmp_path, corpus):
     out = tmp_path / "run"
-    live = subprocess.Popen(command(out, corpus, sets=LONG), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", front=True,
+                                    sets=[*LONG, "train.collective_timeout_s=8.0"]), cwd=ROOT,
+                            env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not Run(out, None).metrics:
-            assert live.poll() is None and time.time() < deadline, live.communicate()
-            time.sleep(0.05)
-        for args in (["--resume", "auto"], ["--overwrite"], []):
-            second = harness(out, corpus, sets=LONG, args=args, check=False)
-            assert second.proc.returncode == 2, second.proc.stderr[-2000:]
-            assert f"is in use by another run (pid {live.pid} on " in second.proc.stderr.splitlines()[-1]
-        assert live.poll() is None  # untouched
-    finally:
-        live.kill()  # SIGKILL: no chance to remove its lock
-        live.wait()
-    assert (out / ".lock").exists()
-    taken = harness(out, corpus, sets=LONG, args=["--resume", "auto", "--stop-at", "2"])
-    assert f"taking over the lock of a run that is gone (pid {live.pid} on " in taken.proc.stdout
-    assert not (out / ".lock").exists()
+    run, seconds = signal_mid_run(proc, Run(out, None), signal.SIGSTOP, "rank1")
+    assert run.proc.returncode == 4, run.proc.stderr[-3000:]
+    assert seconds < 8 + 3 + 20, seconds  # the timeout, torchrun's shutdown, a start-up's worth of slack
+    line = next(x for x in run.proc.stderr.splitlines() if x.startswith("harness: error: rank 0: a collective"))
+    assert "train.collective_timeout_s = 8 s" in line and "stopped answering: rank 1 (pid " in line, line
+
+
+def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrupted_losses(tmp_path, corpus):
+    # the global batch stays 8 (4 x 2 x 1 on one process, 4 x 1 x 2 on two), so the data order is the same
+    sets = ["train.max_steps=8", "train.global_batch_size=8", "train.save_every=1"]
+    whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=sets)
+    out = tmp_path / "run"
+    harness(out, corpus, nproc=2, ds="zero2.json", sets=sets, args=["--stop-at", "3"])
+    # 2 -> 1 process and ZeRO-2 -> ZeRO-1: converted once to DeepSpeed's universal checkpoint
+    one = harness(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto", "--stop-at", "5"])
+    assert "converting step_00000003 to DeepSpeed's universal checkpoint" in one.proc.stdout
+    assert not (out / "checkpoints" / "step_00000003.universal").exists()  # rotated out with its checkpoint
+    # 1 -> 2 processes and ZeRO-1 -> ZeRO-2 with the optimizer offloaded
+    two = harness(out, corpus, nproc=2, ds="zero2_offload.json", sets=sets, args=["--resume", "auto"])
+    assert "converting step_00000005" in two.proc.stdout
+    assert [m["step"] for m in two.metrics] == list(range(1, 9))
+    assert_losses_close(two.losses, whole.losses, 1e-5)
+    # ZeRO-0 resumes on any data-parallel size as it is: every rank holds the whole optimizer
+    zero = tmp_path / "zero0"
+    harness(zero, corpus, nproc=2, ds="zero0.json", sets=sets, args=["--stop-at", "3"])
+    resumed = harness(zero, corpus, ds="zero0.json", sets=sets, args=["--resume", "auto"])
+    assert_losses_close(resumed.losses, whole.losses, 1e-5)
+    # a change it cannot make is refused before launch, naming both layouts
+    refused = harness(out, corpus, ds="zero3.json", sets=sets, args=["--resume", "auto"], check=False)
+    assert refused.proc.returncode == 2
+    line = refused.proc.stderr.strip().splitlines()[-1]
+    assert "was saved as data 2 x tensor 1 x pipeline 1, ZeRO-2 offload optimizer" in line, line
+    assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-3" in line, line

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -377,11 +378,19 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
              "ds": f"configs/ds/{r.ds}.json", "compare": list(r.compare)}
     probe = PROBE_STEPS // 10 if smoke else PROBE_STEPS
     launched = time.monotonic()
-    proc = _train(run_file, ds_path(r.ds), sets, ["--overwrite", "--stop-at", str(probe)], budget)
+    # A smoke run trains the probe's steps to the end (an export to score) in one launch instead of two
+    smoke_sets = ["train.epochs=0.0", f"train.max_steps={probe}"] if smoke else []
+    proc = _train(run_file, ds_path(r.ds), [*sets, *smoke_sets],
+                  ["--overwrite"] if smoke else ["--overwrite", "--stop-at", str(probe)], budget)
     if proc.returncode != 0:
         return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr)}
     planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch\)", proc.stdout + proc.stderr)
     recipe_steps = int(planned.group(2)) if planned else None
+    if smoke and planned:  # the recipe's own length, from its run file and the steps per epoch just printed
+        from ..config import resolve
+
+        t = resolve(run_file, sets).cfg.train
+        recipe_steps = t.max_steps or math.ceil(t.epochs * int(planned.group(3)))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_s = records[-1]["step_s"]  # the last window: past the first steps' start-up
     start_up = max(0.0, time.monotonic() - launched - probe * step_s)  # the second launch pays it again
@@ -390,11 +399,12 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     if recipe_steps:
         steps = min(steps, recipe_steps)
     if smoke:
-        steps = min(steps, 2 * probe)
-    proc = _train(run_file, ds_path(r.ds), [*sets, "train.epochs=0.0", f"train.max_steps={steps}"],
-                  ["--resume", "auto"], budget)
-    if proc.returncode != 0:
-        return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr), "steps": steps}
+        steps = probe
+    else:
+        proc = _train(run_file, ds_path(r.ds), [*sets, "train.epochs=0.0", f"train.max_steps={steps}"],
+                      ["--resume", "auto"], budget)
+        if proc.returncode != 0:
+            return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr), "steps": steps}
     from ..evaluation import evaluate_run
 
     metrics = evaluate_run(run_dir, "test")

@@ -1,0 +1,85 @@
+"""Hung ranks: a collective that waits longer than `train.collective_timeout_s` ends the job, naming the rank.
+
+A rank that stops answering (SIGSTOP, stuck in I/O, a GPU hang) leaves the others waiting in their next
+collective. The process group is created with that timeout, so they fail after it instead of never. To say which
+rank it was, every rank keeps `RUN/.ranks/rank_N.json` (its host, pid, the last step it finished and when) up to
+date from a background thread; the ranks that timed out read those files and name the ones behind: a stopped
+process's thread stops too (its file goes stale), a rank stuck in I/O still beats but stays at an older step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+EXIT_HUNG = 4
+DIR = ".ranks"
+
+
+class RankHung(Exception):
+    """A collective timed out: a rank stopped answering. Exit code 4."""
+
+
+class Heartbeat:
+    """`RUN/.ranks/rank_N.json`, rewritten every `every_s` seconds with `step` (set by the loop) until `stop()`."""
+
+    def __init__(self, run_dir: Path, rank: int, every_s: float):
+        self.path = Path(run_dir) / DIR / f"rank_{rank:05d}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.step, self.every_s = rank, 0, every_s
+        self._stop = threading.Event()
+        self._write()
+        self._thread = threading.Thread(target=self._run, name="harness-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                                   "step": self.step, "time": time.time()}))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self._write()
+            except OSError:  # the run directory went away: nothing to report to
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def is_timeout(error: BaseException) -> bool:
+    """A collective that gave up waiting (gloo: "Timed out waiting ...ms"; NCCL's watchdog: "Watchdog caught
+    collective operation timeout")."""
+    text = str(error).lower()
+    return "timed out" in text or ("timeout" in text and "collective" in text)
+
+
+def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float) -> RankHung:
+    """The error to raise on rank `me` after a collective timed out: the ranks whose heartbeat went stale or who are
+    behind the others, from their files."""
+    now, beats = time.time(), {}
+    for rank in range(world_size):
+        try:
+            beats[rank] = json.loads((Path(run_dir) / DIR / f"rank_{rank:05d}.json").read_text())
+        except (OSError, ValueError):
+            beats[rank] = None
+    silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * every_s]
+    steps = {r: b["step"] for r, b in beats.items() if b is not None}
+    behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]
+    suspects = sorted(set(silent) | set(behind)) or [r for r in range(world_size) if r != me]
+
+    def say(r: int) -> str:
+        b = beats[r]
+        if b is None:
+            return f"rank {r} (never reported)"
+        return (f"rank {r} (pid {b['pid']} on {b['host']}: last finished step {b['step']}, last heard of "
+                f"{now - b['time']:.0f} s ago)")
+
+    return RankHung(f"rank {me}: a collective got no answer within train.collective_timeout_s = {timeout_s:g} s; "
+                    f"stopped answering: {', '.join(say(r) for r in suspects)}. Ending the job; --resume auto "
+                    f"continues from the last checkpoint")
