@@ -10,6 +10,10 @@ Batches are a pure function of (seed, step), so a resumed run sees exactly the d
 """
 from __future__ import annotations
 
+import csv
+import gzip
+import io
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,7 +25,8 @@ from torch.utils.data import Sampler
 
 from .config import ConfigError, DataSection
 
-SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
+PEEK = 1 << 16  # bytes read before launch to judge a data file: empty, only whitespace, only a header
 # Row statuses kept; "whole": a protein evaluation chain longer than data.seq_len, scored in windows (prepare.protein)
 KEPT = ("ok", "truncated", "whole")
 
@@ -62,11 +67,38 @@ def check_paths(d: DataSection) -> None:
             if not p.is_file():
                 raise ConfigError(f"{path}: {key} not found")
             try:
-                with p.open("rb") as f:
-                    f.read(1)
+                head, whole = _peek(path)
             except OSError as e:
                 raise ConfigError(f"{path}: {key} is not readable: {e}") from None
-            data_format(path, d.format)
+            kind = data_format(path, d.format)
+            _check_not_empty(path, head, whole, kind)
+            if kind == "csv":
+                header, *rows = [line for line in head.splitlines() if line.strip()]
+                columns = next(csv.reader([header], delimiter=_delimiter(path)))
+                if d.text_field not in columns:
+                    raise ConfigError(f"{path}: no column {d.text_field!r} (data.text_field) in its header; columns "
+                                      f"are {columns}")
+                if whole and not rows:
+                    raise ConfigError(f"{path}: only a header ({', '.join(columns)}), no rows")
+
+
+def _peek(path: str) -> tuple[str, bool]:
+    """The first PEEK bytes of a file as text (gzip too; undecodable bytes as U+FFFD), and whether that is all."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        head = f.read(PEEK + 1)
+    return head[:PEEK].decode("utf-8", errors="replace"), len(head) <= PEEK
+
+
+def _check_not_empty(path: str, head: str, whole: bool, kind: str) -> None:
+    if not head:
+        raise ConfigError(f"{path}: the file is empty (0 bytes of {kind} data)")
+    if whole and not head.strip():
+        raise ConfigError(f"{path}: the file holds only whitespace ({len(head)} characters), no {kind} rows")
+
+
+def _delimiter(path: str) -> str:
+    return "\t" if Path(path.lower().removesuffix(".gz")).suffix == ".tsv" else ","
 
 
 def load_rows(path: str, d: DataSection, split: str = "train"):
@@ -77,9 +109,10 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
     try:
         if kind == "hub":
             ds = datasets.load_dataset(path[4:], split=split)
-        else:  # undecodable bytes become U+FFFD and the row is skipped below, instead of a crash
-            extra = {"encoding_errors": "replace"} if kind == "text" else {}
-            ds = datasets.load_dataset(kind, data_files=path, split="train", **extra)
+        elif kind == "text":  # undecodable bytes become U+FFFD and the row is skipped below, instead of a crash
+            ds = datasets.load_dataset(kind, data_files=path, split="train", encoding_errors="replace")
+        else:  # json lines and csv read here, line by line: a bad line is one skipped row, not a refused file
+            ds = datasets.Dataset.from_dict({d.text_field: read_records(path, kind, d.text_field)})
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         raise ConfigError(f"{path}: cannot load as {kind} data: {str(e).splitlines()[0]}") from None
     column = "text" if kind == "text" else d.text_field
@@ -103,6 +136,46 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
         return {"text": texts, "status": status}
 
     return ds.map(clean, batched=True, remove_columns=ds.column_names, desc="cleaning rows")
+
+
+MALFORMED = None  # a record that does not parse, or lacks the field: counted "malformed" by load_rows
+
+
+def read_records(path: str, kind: str, field_name: str) -> list:
+    """The `field_name` value of every record of a json (an array, or JSON lines) or csv/tsv file, in order. A
+    record that does not parse, or lacks the field, gives MALFORMED; undecodable bytes stay as U+FFFD; both are
+    skipped and counted by `load_rows`. A file where no record has the field is refused, naming the fields found."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    if kind == "json":
+        if text.lstrip().startswith("["):  # one JSON array of records
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: malformed JSON array at line {e.lineno}, column {e.colno}: {e.msg}") \
+                    from None
+        else:  # JSON lines
+            records = []
+            for line in text.splitlines():
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        records.append(MALFORMED)
+        values = [r.get(field_name) if isinstance(r, dict) else MALFORMED for r in records]
+        values = [v if isinstance(v, str) else MALFORMED for v in values]  # a number or a list: malformed too
+        if all(v is MALFORMED for v in values):
+            keys = sorted({k for r in records if isinstance(r, dict) for k in r})
+            raise ConfigError(f"{path}: none of its {len(values)} records has a text {field_name!r} field "
+                              f"(data.text_field){'; fields found: ' + ', '.join(keys) if keys else ''}")
+        return values
+    reader = csv.reader(io.StringIO(text), delimiter=_delimiter(path))
+    header = next(reader, [])
+    if field_name not in header:  # checked before launch too (check_paths), for load_rows called on its own
+        raise ConfigError(f"{path}: no column {field_name!r} (data.text_field) in its header; columns are {header}")
+    at = header.index(field_name)
+    return [row[at] if len(row) == len(header) else MALFORMED for row in reader if row]
 
 
 def keep(ds):

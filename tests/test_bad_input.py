@@ -108,7 +108,15 @@ CASES = [
     ("stop-at-zero", ["--stop-at", "0"], None, None, "--stop-at"),
     ("resume-nothing-there", ["--resume", "/nonexistent/run"], None, None, "--resume /nonexistent/run"),
     ("data-missing", [S, "data.path=\"/nonexistent/corpus.txt\""], None, None, "/nonexistent/corpus.txt"),
+    # data files that hold nothing to train on (the file named, with what it holds)
+    ("data-empty", [S, "data.path=@empty.txt"], None, None, "empty.txt: the file is empty"),
+    ("data-whitespace", [S, "data.path=@blank.jsonl"], None, None, "blank.jsonl: the file holds only whitespace"),
+    ("data-header-only", [S, "data.path=@header.csv"], None, None, "header.csv: only a header (text, label)"),
+    ("data-no-column", [S, "data.path=@columns.csv"], None, None, "columns.csv: no column 'text'"),
+    ("data-unknown-suffix", [S, "data.path=@rows.xml"], None, None, "rows.xml: cannot tell the format"),
 ]
+FILES = {"empty.txt": b"", "blank.jsonl": b" \n\n", "header.csv": b"text,label\n", "columns.csv": b"body,label\nx,1\n",
+         "rows.xml": b"<rows/>\n"}
 
 
 @pytest.fixture
@@ -133,6 +141,11 @@ def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, co
         args += ["--ds", str(tmp_path / "ds.json")]
     if name == "steps-and-epochs":
         args += TWO_STEPS
+    for i, arg in enumerate(extra):  # data.path=@NAME: a file of FILES written for the case
+        if arg.startswith("data.path=@"):
+            file_name = arg.split("@")[1]
+            (tmp_path / file_name).write_bytes(FILES[file_name])
+            extra = [*extra[:i], f"data.path={json.dumps(str(tmp_path / file_name))}", *extra[i + 1:]]
     assert main(args + extra) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines and lines[-1].startswith("harness: error: ") and expected in lines[-1], lines[-3:]

@@ -51,3 +51,39 @@ def test_json_data_with_a_separate_validation_file_and_loader_workers(tmp_path, 
         f"data.val_path={json.dumps(str(tmp_path / 'val.jsonl'))}"])
     assert "train: 1200 rows kept of 1200" in run.proc.stdout and "validation: 300 rows kept of 300" in run.proc.stdout
     assert run.evals[-1]["step"] == 2
+
+
+def test_bad_lines_in_json_lines_and_csv_are_skipped_and_counted_not_the_whole_file(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b'{"text": "good one"}\n{"text": "bad \xff\xfe bytes"}\n{not json at all\n{"other": 1}\n'
+                      b'{"text": 5}\n\n{"text": "good two"}\n')
+    rows = load_rows(str(jsonl), DataSection())
+    assert rows["status"] == ["ok", "undecodable", "malformed", "malformed", "malformed", "ok"]
+    assert keep(rows)["text"] == ["good one", "good two"]
+    table = tmp_path / "rows.tsv"  # tab-separated, by its suffix
+    table.write_bytes(b"text\tlabel\nhello\t1\n\xff bad\t2\ntoo\tmany\tfields\nfine\t3\n")
+    assert load_rows(str(table), DataSection())["status"] == ["ok", "undecodable", "malformed", "ok"]
+    array = tmp_path / "rows.json"
+    array.write_text('[{"text": "a"}, {"text": "b"},\n {"text": ]')
+    with pytest.raises(ConfigError, match="malformed JSON array at line 2"):
+        load_rows(str(array), DataSection())
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_text('{"body": "x"}\n{"title": "y"}\n')
+    with pytest.raises(ConfigError, match="none of its 2 records has a text 'text' field.*fields found: body, title"):
+        load_rows(str(nothing), DataSection())
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.txt", b"", "the file is empty (0 bytes of text data)"),
+    ("blank.jsonl", b"  \n\n\t\n", "holds only whitespace (6 characters), no json rows"),
+    ("header.csv", b"text,label\n", "only a header (text, label), no rows"),
+    ("columns.csv", b"body,label\nx,1\n", "no column 'text' (data.text_field) in its header; columns are"),
+])
+def test_an_unusable_data_file_is_named_before_launch(tmp_path, name, content, message):
+    from harness.data import check_paths
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        check_paths(DataSection(path=str(path)))
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
