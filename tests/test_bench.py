@@ -39,10 +39,13 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     for e in (one, two):
         assert e["status"] == "ok", e
         assert e["step_s"]["n"] == 4 and 0 < e["step_s"]["min"] <= e["step_s"]["median"] <= e["step_s"]["max"]
-        assert e["tokens_per_s"] > 0 and 0 < e["mfu_measured"] < 1 and e["mfu_table"] is None  # no CPU datasheet
+        # an MFU above 1 (the peak measured while the other test worker was busy) is set aside as invalid
+        mfu = e["mfu_measured"] if e["mfu_measured"] is not None else e["invalid"]["mfu_measured"]["value"]
+        assert e["tokens_per_s"] > 0 and e["mfu_table"] is None  # no CPU datasheet
+        assert 0 < mfu < 1 or (e["mfu_measured"] is None and mfu > 1)
         assert e["peak_mem_bytes"] > 0 and e["padding"] == 0.0 and e["params"] == 42_880
         assert e["peak_flops_measured"] > 1e8  # measured beside the configuration, its MFU's denominator
-        assert e["mfu_measured"] == pytest.approx(e["model_flops_per_s"] / (e["peak_flops_measured"] * e["nproc"]))
+        assert mfu == pytest.approx(e["model_flops_per_s"] / (e["peak_flops_measured"] * e["nproc"]))
     # every step trains the same shapes: its FLOPs are the analytic count of its global batch
     model = TransformerLM(TransformerConfig(vocab_size=256, max_seq_len=32, d_model=32, n_layers=2, n_heads=2,
                                             d_ff=128))
@@ -52,7 +55,11 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     assert (one["global_batch"], two["global_batch"]) == (4, 8)  # micro 4 per rank: weak scaling
     assert one["speedup"] == 1.0 and two["baseline"] == "zero2 x1"
     assert two["speedup"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
-    assert two["scaling_efficiency"] == pytest.approx(two["speedup"] / 2)
+    # a speedup above 2 on 2 processes is the shared machine's noise (the 1-process run slowed by the other test
+    # worker): the report then sets the efficiency aside as invalid, with its value (as test_impossible_utilisation_...)
+    efficiency = two["scaling_efficiency"] if two["scaling_efficiency"] is not None else \
+        two["invalid"]["scaling_efficiency"]["value"]
+    assert efficiency == pytest.approx(two["speedup"] / 2)
     table = (tmp_path / "b" / "bench.md").read_text()
     assert "| zero2 x1 |" in table and "| zero2 x2 |" in table
     assert (tmp_path / "b" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
