@@ -144,6 +144,15 @@ def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> Non
                           f"on it forever. Remove it (rm {' '.join(map(str, stale))}) and start again")
 
 
+def check_writable(run_dir: Path, described: str) -> None:
+    """The run directory, or the nearest folder above it that exists, is a directory this process can write in."""
+    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{described}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{described}: cannot write in {existing}")
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     check_build_locks()
@@ -152,6 +161,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     from .world import launched_rank
 
     run_dir = plan.run_dir
+    check_writable(run_dir, plan.run.describe("run.output_dir"))
     note = lock.check(run_dir)  # a live run in this directory: refused, whatever the flags say
     if note and launched_rank() == 0:
         print(note, flush=True)

@@ -114,6 +114,7 @@ CASES = [
     ("data-header-only", [S, "data.path=@header.csv"], None, None, "header.csv: only a header (text, label)"),
     ("data-no-column", [S, "data.path=@columns.csv"], None, None, "columns.csv: no column 'text'"),
     ("data-unknown-suffix", [S, "data.path=@rows.xml"], None, None, "rows.xml: cannot tell the format"),
+    ("output-dir-under-a-file", [S, "run.output_dir=@rows.xml"], None, None, "rows.xml is a file, not a directory"),
 ]
 FILES = {"empty.txt": b"", "blank.jsonl": b" \n\n", "header.csv": b"text,label\n", "columns.csv": b"body,label\nx,1\n",
          "rows.xml": b"<rows/>\n"}
@@ -141,11 +142,12 @@ def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, co
         args += ["--ds", str(tmp_path / "ds.json")]
     if name == "steps-and-epochs":
         args += TWO_STEPS
-    for i, arg in enumerate(extra):  # data.path=@NAME: a file of FILES written for the case
-        if arg.startswith("data.path=@"):
-            file_name = arg.split("@")[1]
+    for i, arg in enumerate(extra):  # data.path=@NAME: a file of FILES written for the case (a run directory under it)
+        if "=@" in arg:
+            key, file_name = arg.split("=@")
             (tmp_path / file_name).write_bytes(FILES[file_name])
-            extra = [*extra[:i], f"data.path={json.dumps(str(tmp_path / file_name))}", *extra[i + 1:]]
+            path = tmp_path / file_name / ("run" if key == "run.output_dir" else "")
+            extra = [*extra[:i], f"{key}={json.dumps(str(path))}", *extra[i + 1:]]
     assert main(args + extra) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines and lines[-1].startswith("harness: error: ") and expected in lines[-1], lines[-3:]
