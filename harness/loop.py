@@ -179,8 +179,9 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
             progress.update(1)
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
         # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
-        scale = float(engine.optimizer.loss_scale) if ds.precision == "fp16" else None
-        bad_skip = result.skipped and (scale is None or scale <= min_loss_scale)
+        fp16 = ds.precision == "fp16"
+        scale = float(engine.optimizer.loss_scale) if fp16 and result.skipped else None  # read only when needed
+        bad_skip = result.skipped and (not fp16 or scale <= min_loss_scale)
         nonfinite = nonfinite + 1 if bad_skip or not math.isfinite(result.loss) else 0
         give_up = nonfinite >= t.max_nonfinite_steps
         if result.skipped and world.is_main:
@@ -199,8 +200,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                           "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
                           "build_peak_device_bytes": [p["device"] for p in build_peaks]}
                 record["skipped_steps"] = engine.skipped_steps  # updates skipped for a non-finite gradient, so far
-                if scale is not None:
-                    record["loss_scale"] = scale
+                if fp16:
+                    record["loss_scale"] = float(engine.optimizer.loss_scale)
                 tracker.log(record)
                 items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
                 progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",

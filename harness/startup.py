@@ -172,12 +172,11 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
         if found is None:
             raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its "
                               f"checkpoints/ folder, or a step_* checkpoint)")
-        checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
-        return found
-    if resume == "auto":
+    elif resume == "auto":
         found = checkpoint.resume_target(run_dir / "checkpoints")
+    if resume:
         if found is not None:
-            checkpoint.reshape(found, plan.ds)
+            checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
         return found
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
