@@ -141,10 +141,9 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
 MALFORMED = None  # a record that does not parse, or lacks the field: counted "malformed" by load_rows
 
 
-def read_records(path: str, kind: str, field_name: str) -> list:
-    """The `field_name` value of every record of a json (an array, or JSON lines) or csv/tsv file, in order. A
-    record that does not parse, or lacks the field, gives MALFORMED; undecodable bytes stay as U+FFFD; both are
-    skipped and counted by `load_rows`. A file where no record has the field is refused, naming the fields found."""
+def parse_records(path: str, kind: str) -> list:
+    """Every record of a json (an array, or JSON lines) or csv/tsv file, in order: a dict, or MALFORMED for a line
+    that does not parse (a csv row whose length differs from the header's). Undecodable bytes stay as U+FFFD."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         text = f.read().decode("utf-8", errors="replace")
@@ -163,19 +162,30 @@ def read_records(path: str, kind: str, field_name: str) -> list:
                         records.append(json.loads(line))
                     except json.JSONDecodeError:
                         records.append(MALFORMED)
-        values = [r.get(field_name) if isinstance(r, dict) else MALFORMED for r in records]
-        values = [v if isinstance(v, str) else MALFORMED for v in values]  # a number or a list: malformed too
-        if all(v is MALFORMED for v in values):
-            keys = sorted({k for r in records if isinstance(r, dict) for k in r})
-            raise ConfigError(f"{path}: none of its {len(values)} records has a text {field_name!r} field "
-                              f"(data.text_field){'; fields found: ' + ', '.join(keys) if keys else ''}")
-        return values
-    reader = csv.reader(io.StringIO(text), delimiter=_delimiter(path))
+        return [r if isinstance(r, dict) else MALFORMED for r in records]
+    tsv = _delimiter(path) == "\t"  # tsv: no quoting, a quote is text
+    reader = csv.reader(io.StringIO(text), delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else
+                        csv.QUOTE_MINIMAL)
     header = next(reader, [])
-    if field_name not in header:  # checked before launch too (check_paths), for load_rows called on its own
-        raise ConfigError(f"{path}: no column {field_name!r} (data.text_field) in its header; columns are {header}")
-    at = header.index(field_name)
-    return [row[at] if len(row) == len(header) else MALFORMED for row in reader if row]
+    return [dict(zip(header, row)) if len(row) == len(header) else MALFORMED for row in reader if row]
+
+
+def read_records(path: str, kind: str, field_name: str) -> list:
+    """The `field_name` value of every record of `parse_records`, in order. A record that does not parse, or lacks
+    the field, gives MALFORMED; undecodable bytes stay as U+FFFD; both are skipped and counted by `load_rows`. A
+    file where no record has the field is refused, naming the fields found."""
+    records = parse_records(path, kind)
+    values = [r.get(field_name) if r is not MALFORMED else MALFORMED for r in records]
+    values = [v if isinstance(v, str) else MALFORMED for v in values]  # a number or a list: malformed too
+    if records and all(v is MALFORMED for v in values):
+        if kind == "csv":  # checked before launch too (check_paths), for load_rows called on its own
+            columns = next((list(r) for r in records if r is not MALFORMED), [])
+            raise ConfigError(f"{path}: no column {field_name!r} (data.text_field) in its header; columns are "
+                              f"{columns}")
+        keys = sorted({k for r in records if r is not MALFORMED for k in r})
+        raise ConfigError(f"{path}: none of its {len(values)} records has a text {field_name!r} field "
+                          f"(data.text_field){'; fields found: ' + ', '.join(keys) if keys else ''}")
+    return values
 
 
 def keep(ds):

@@ -80,6 +80,10 @@ def test_malformed_rows_are_counted(tmp_path):
                      '{"sequence": "GGKL", "label": "neg"}\n')
     meta = read_meta(prep.prepare(config(path=str(jsonl))))
     assert totals(meta) == Counter(ok=2, malformed=2) and meta["classes"] == ["neg", "pos"]
+    fasta = tmp_path / "mine.fasta"  # undecodable bytes in a sequence or a label: that record is malformed
+    fasta.write_bytes(b">a label=pos\nACDK\n>b label=neg\nGG\xffKL\n>c label=n\xe9g\nMKVL\n>d label=neg\nWWYY\n")
+    meta = read_meta(prep.prepare(config(path=str(fasta))))
+    assert totals(meta) == Counter(ok=2, malformed=2) and meta["classes"] == ["neg", "pos"]
 
 
 def write_fitness(path, n: int = 0, seed: int = 0):

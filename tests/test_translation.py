@@ -114,14 +114,17 @@ def test_user_file_rules_are_counted(tmp_path):
              {"en": "x" * 300, "fr": "trop long"},          # too_long: over data.max_row_chars
              {"en": "the dog barks.", "fr": "le chien aboie."}]  # leak: also in validation
     train, val = tmp_path / "train.jsonl", tmp_path / "val.tsv"
-    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    val.write_text('en\tfr\nthe dog barks.\tle chien aboie.\n"quoted" words.\t« mots » cités.\n')
+    train.write_bytes(("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+                      + b'{"en": "cut off\n'                          # malformed: the line does not parse
+                      + b'{"en": "bad \xff bytes", "fr": "octets"}\n')  # undecodable
+    val.write_bytes('en\tfr\nthe dog barks.\tle chien aboie.\n"quoted" words.\t« mots » cités.\n'.encode()
+                    + b"one\ttwo\tthree\n")                            # malformed: too many fields
     cfg = cfg_for(str(train), f"data.val_path={json.dumps(str(val))}", "data.max_row_chars=200",
                   "model.vocab_size=60")
     directory = prep.prepare(cfg)
     counts = read_meta(directory)["counts"]
-    assert counts["train"] == {"ok": 40, "empty": 1, "malformed": 2, "too_long": 1, "leak": 1}
-    assert counts["validation"] == {"ok": 2} and "test" not in counts
+    assert counts["train"] == {"ok": 40, "empty": 1, "malformed": 3, "too_long": 1, "leak": 1, "undecodable": 1}
+    assert counts["validation"] == {"ok": 2, "malformed": 1} and "test" not in counts
     assert prep.load(directory, "validation")["src"][1] == '"quoted" words.'  # tsv: quotes are text
     with pytest.raises(ConfigError, match="no 'test' split"):
         prep.load(directory, "test")

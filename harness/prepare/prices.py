@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import data
 from ..config import ConfigError, RunConfig
 from . import load_split, package_file, prepared, read_meta, save_split
 
@@ -121,12 +122,17 @@ def prepare(cfg: RunConfig) -> Path:
 
 def _load(kind: str, path: str):
     import datasets
+    import pandas as pd
 
     try:
         if kind == "hub":
-            return datasets.load_dataset(path[4:], split="train")
-        f = resolve_path(path) if path else package_file(*STOCKS)  # a path given to a stocks run: scoring data
-        return datasets.load_dataset("csv", data_files=str(f), split="train")
+            return datasets.load_dataset(path[4:], split="train").to_pandas()
+        if not path:
+            return datasets.load_dataset("csv", data_files=str(package_file(*STOCKS)), split="train").to_pandas()
+        # a user's file is read line by line: undecodable bytes become U+FFFD (not a number: malformed) and a line
+        # with the wrong number of fields is an undated row (malformed), instead of a refused file
+        records = data.parse_records(str(resolve_path(path)), "csv")
+        return pd.DataFrame.from_records([{} if r is data.MALFORMED else r for r in records])
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         what = "the hub data set" if kind == "hub" else "csv data"
         raise ConfigError(f"{path or 'embedded stocks'}: cannot load {what}: {str(e).splitlines()[0]}") from None
@@ -136,7 +142,7 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
     """The source (or `path`, in its layout) as (raw dates, {channel: raw values}, rows out of date order), one
     entry per wide row."""
     path = cfg.data.path if path is None else path
-    df = _load(kind, path).to_pandas()
+    df = _load(kind, path)
     names = [c.strip() for c in cfg.prices.columns.split(",") if c.strip()]
     if kind == "stocks":
         return _from_long(df, [s.strip() for s in cfg.prices.symbols.split(",") if s.strip()], names or ["Adj Close"])

@@ -7,7 +7,7 @@ Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole)
 - empty: no residues once whitespace is removed (sequences are upper-cased);
 - malformed: a letter outside the amino-acid alphabet (20 standard + B Z X U O), a missing label, a label that
   is not a class (classify), not one state per residue (residue; DSSP's 8 states are reduced to 3) or not a
-  finite number (regress), or a row that cannot be parsed;
+  finite number (regress), or a row that cannot be parsed or holds bytes that are not UTF-8;
 - truncated: longer than `data.seq_len` residues: cut to its first seq_len (kept; per-residue labels are cut
   with it, so the cut residues are not trained on);
 - whole: a validation or test chain with per-residue labels longer than `data.seq_len`: kept whole, and scored in
@@ -182,6 +182,8 @@ def _class(label) -> str | None:
     if label is None or isinstance(label, bool) or (isinstance(label, float) and math.isnan(label)):
         return None
     text = str(label).strip()
+    if "\ufffd" in text:  # undecodable bytes
+        return None
     try:
         number = float(text)
         return str(int(number)) if number.is_integer() else text

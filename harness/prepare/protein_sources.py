@@ -66,11 +66,13 @@ def read_source(cfg: RunConfig) -> tuple[dict[str, list[Row]], dict[str, Any]]:
 
 
 def _lines(path: Path) -> list[str]:
-    """A text file's lines, through `datasets` (gzip handled there)."""
+    """A text file's lines, through `datasets` (gzip handled there). Undecodable bytes become U+FFFD: outside the
+    residue alphabet, or not a number, so their row is skipped and counted as malformed."""
     import datasets
 
     try:
-        return datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=False)["text"]
+        return datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=False,
+                                     encoding_errors="replace")["text"]
     except (ValueError, OSError, UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as e:
         raise ConfigError(f"{path}: cannot read as text: {str(e).splitlines()[0]}") from None
 

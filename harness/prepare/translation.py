@@ -15,7 +15,9 @@ Sources (`data.path`):
 - `hub:NAME` or `hub:NAME:CONFIG`: a Hugging Face data set whose rows hold `translation: {lang: text}`.
 
 Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated):
-- malformed: a side missing or not a string (user files), or a verse present in only one Bible;
+- malformed: a side missing or not a string, or a line that does not parse (user files), or a verse present in
+  only one Bible;
+- undecodable: bytes that are not UTF-8 on either side (user files, line-aligned files);
 - empty: a side empty or whitespace-only after markup is stripped;
 - leak (train only): the source sentence also occurs in the validation or test split;
 - too_long (train only): more than `data.max_row_chars` characters, or more than `data.seq_len` tokens on
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig
+from .. import data
 from ..data import keep
 from ..models import hf
 from ..tokenizer import Tokenizer, train_tokenizer
@@ -182,7 +185,8 @@ def read_pair(src_file: Path, tgt_file: Path):
     import datasets
 
     files = [src_file, tgt_file]
-    sides = [datasets.load_dataset("text", data_files=str(f), split="train")["text"] for f in files]
+    sides = [datasets.load_dataset("text", data_files=str(f), split="train", encoding_errors="replace")["text"]
+             for f in files]  # undecodable bytes become U+FFFD: that pair is skipped and counted, not a crash
     if len(sides[0]) != len(sides[1]):
         raise ConfigError(f"{files[0]} has {len(sides[0])} lines but {files[1]} has {len(sides[1])}; "
                           f"line i of one must translate line i of the other")
@@ -232,42 +236,47 @@ def _pairs(directory: Path, langs: tuple[str, str]) -> dict[str, tuple[Path, Pat
 
 
 def read_file(path: str, src_lang: str, tgt_lang: str, split: str = "train"):
-    """A user's jsonl/csv/tsv file, or `hub:NAME[:CONFIG]`, as one split of pairs."""
+    """A user's jsonl/csv/tsv file, or `hub:NAME[:CONFIG]`, as one split of pairs. A file is read line by line: a
+    line that does not parse is one malformed pair, not a refused file."""
     import datasets
 
     try:
         if path.startswith("hub:"):
             name, _, config = path[4:].partition(":")
             ds = datasets.load_dataset(name, config or None, split=split)
+            records, columns = None, ds.column_names
         else:
-            fmt = _file_format(path)
-            extra = {"sep": "\t", "quoting": 3} if fmt == "tsv" else {}  # tsv: no quoting (3 = csv.QUOTE_NONE)
-            ds = datasets.load_dataset("json" if fmt == "json" else "csv", data_files=path, split="train", **extra)
+            records = data.parse_records(path, "json" if _file_format(path) == "json" else "csv")
+            columns = sorted({k for r in records if r is not data.MALFORMED for k in r})
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         raise ConfigError(f"{path}: cannot load as translation pairs: {str(e).splitlines()[0]}") from None
-    nested = "translation" in ds.column_names
-    if not nested and not {src_lang, tgt_lang} <= set(ds.column_names):
+    nested = "translation" in columns
+    if not nested and not {src_lang, tgt_lang} <= set(columns):
         raise ConfigError(f"{path}: needs columns {src_lang!r} and {tgt_lang!r} (translation.source_lang/"
-                          f"target_lang) or a `translation` column; columns are {ds.column_names}")
+                          f"target_lang) or a `translation` column; columns are {columns}")
 
-    def clean(batch, idx):
-        pairs = batch["translation"] if nested else [{src_lang: s, tgt_lang: t}
-                                                      for s, t in zip(batch[src_lang], batch[tgt_lang])]
+    def pairs(rows, first: int) -> dict[str, list]:
         src, tgt = [], []
-        for p in pairs:
+        for r in rows:
+            p = r.get("translation") if nested and r is not data.MALFORMED else r
             p = p if isinstance(p, dict) else {}
             src.append(p.get(src_lang)), tgt.append(p.get(tgt_lang))
-        status = [_status(s, t) for s, t in zip(src, tgt)]
-        return {"key": [f"{split}:{i + 1}" for i in idx], "status": status,
+        return {"key": [f"{split}:{first + i + 1}" for i in range(len(src))],
+                "status": [_status(s, t) for s, t in zip(src, tgt)],
                 "src": [s.strip() if isinstance(s, str) else "" for s in src],
                 "tgt": [t.strip() if isinstance(t, str) else "" for t in tgt]}
 
-    return ds.map(clean, batched=True, with_indices=True, remove_columns=ds.column_names, desc="reading pairs")
+    if records is not None:
+        return datasets.Dataset.from_dict(pairs(records, 0))
+    return ds.map(lambda batch, idx: pairs([dict(zip(batch, v)) for v in zip(*batch.values())], idx[0]),
+                  batched=True, with_indices=True, remove_columns=ds.column_names, desc="reading pairs")
 
 
 def _status(src, tgt) -> str:
     if not isinstance(src, str) or not isinstance(tgt, str):
         return "malformed"
+    if "\ufffd" in src or "\ufffd" in tgt:
+        return "undecodable"
     return "ok" if src.strip() and tgt.strip() else "empty"
 
 
