@@ -3,6 +3,7 @@ pipeline parallelism. A pipeline runs each step (and each evaluation batch) thro
 everything else (data, loss normalisation, logging, checkpoints, resume, export) is the same code."""
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -20,7 +21,7 @@ from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .optim import follow_config_lr
 from .heartbeat import Heartbeat, diagnose, is_timeout
 from .preemption import Watch
-from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step
+from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step, release
 from .prepare import store_run_data
 from .selection import Selection
 from .startup import Plan, prepare_run_dir
@@ -60,11 +61,11 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
     checkpoint: raises Preempted."""
     timeout_s = plan.run.cfg.train.collective_timeout_s
-    with Watch(world.rank) as watch:
+    with Watch(world.rank) as watch, contextlib.ExitStack() as teardown:
         held = prepare_run_dir(plan, world, resume_from, overwrite)
         beat = Heartbeat(plan.run_dir, world.rank, min(30.0, timeout_s / 4))  # names a hung rank (heartbeat.py)
         try:
-            return _train(plan, world, resume_from, stop_at, watch, beat)
+            return _train(plan, world, resume_from, stop_at, watch, beat, teardown)
         except RuntimeError as e:
             if world.world_size > 1 and is_timeout(e):
                 from tqdm.auto import tqdm
@@ -80,7 +81,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
 
 
 def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None, watch: Watch,
-           beat: Heartbeat) -> dict:
+           beat: Heartbeat, teardown: contextlib.ExitStack) -> dict:
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
     t = cfg.train
     say = print if world.is_main else (lambda *a, **k: None)
@@ -102,6 +103,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
     engine, schedule = build_engine(plan, world, max_steps)
+    teardown.callback(release, engine)  # however the run ends (parallel.release)
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers): what
     # partitioned loading saves, against the whole model's size.
     build_peaks = all_gather_objects(engine.harness_build_peak)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import torch
 from torch import nn
@@ -68,6 +69,18 @@ def build_engine(plan, world: World, total_steps: int):
     if plan.run.cfg.train.compile:
         engine.compile()  # torch.compile of the wrapped module, after DeepSpeed has installed its hooks
     return engine, schedule
+
+
+def release(engine) -> None:
+    """Let go of what `build_engine` made. DeepSpeed's gradient hooks hold the model, its optimizer and through them
+    every process group in reference cycles that pass through C++, which the collector cannot see; engine.destroy
+    removes the hooks, so `world.close_world` can free the groups (and join their threads) while the interpreter is
+    still whole. Never raises: it runs on the way out of a failed run too, where the first error is the one to see."""
+    try:
+        engine.destroy()
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"DeepSpeed's engine.destroy failed ({type(e).__name__}: {e}); its process groups live until "
+                      f"the process ends")
 
 
 def one_sync_overflow_check(optimizer) -> None:

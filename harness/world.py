@@ -11,6 +11,7 @@ instead, and check its view against torch.distributed before any data is touched
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import warnings
@@ -85,6 +86,13 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         _set_env[:] = _OWN_ENV
     quiet_deepspeed()
+    # Before the group exists: DeepSpeed's TorchBackend.barrier and torch.distributed.nn's collectives take
+    # `group=WORLD` as a default argument, so importing them after the group is made keeps that group alive past
+    # destroy_process_group. Its gloo worker threads then outlive Python's finalization, and the one that frees the
+    # last collective's work needs the GIL from a dying interpreter: "terminate called without an active exception",
+    # SIGABRT, on a finished run (tests/test_sharding.py).
+    import deepspeed.comm.torch  # noqa: F401
+    import torch.distributed.nn  # noqa: F401
     from accelerate import PartialState
 
     # DeepSpeed 0.19 calls collectives torch has renamed; the warning is theirs to fix, not the user's.
@@ -148,6 +156,9 @@ def close_world() -> None:
                 name in ("mesh_device", "mpu"):
             setattr(ds_groups, name, None)
     PartialState._reset_state()
+    # DeepSpeed's engine holds its groups in reference cycles: collect them now, while the interpreter can still
+    # join their threads, not in its finalization (the abort above)
+    gc.collect()
     for name in _set_env:
         os.environ.pop(name, None)
     _set_env.clear()

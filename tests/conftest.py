@@ -128,6 +128,19 @@ def cached_run(tmp_path_factory, corpus):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def busy_cores():
+    """HARNESS_TEST_BUSY=N: N busy loops beside each pytest worker for the whole session, a loaded cluster node's
+    conditions for the distributed tests (e.g. `HARNESS_TEST_BUSY=1 python -m pytest tests/test_sharding.py`; a race
+    at process-group teardown showed only under load: world.py)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(int(os.environ.get("HARNESS_TEST_BUSY", "0")))]
+    yield
+    for p in loops:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """In-process model work on one thread, in every test: the suite's two workers and their runs already share the
     cores, where a tiny model's ops on two threads wait on each other (measured: beam search 10x slower). Runs the

@@ -1,13 +1,35 @@
-"""Launched by test_sharding.py under `accelerate launch --use_deepspeed` (the CPU trap's exact set-up):
-prints what each rank sees, as JSON, from rank 0."""
+"""Launched by test_sharding.py under `accelerate launch --use_deepspeed` (the CPU trap's exact set-up): prints
+what each rank sees, as JSON, from rank 0, and from every rank the gloo threads it still runs once the world is
+closed (there must be none: world.py). With RUN DS [SET...]: every rank trains as `harness train` does instead, then
+prints the same."""
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from harness.data import StepSampler
-from harness.world import init_world
+from harness.world import close_world, init_world
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo threads (their names, from /proc): a process group's workers while it lives."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(n for n in names if "gloo" in n)
+
+
+if len(sys.argv) > 1:  # RUN DS [SET...]: `harness train`'s path (api.train): its engine and DeepSpeed's own groups
+    from harness import api
+
+    api.train(sys.argv[1], sys.argv[3:], ds=sys.argv[2])
+    print(json.dumps({"rank": int(os.environ["RANK"]), "left_after_close": gloo_threads()}), flush=True)
+    sys.exit()
 
 world = init_world()
 from accelerate import PartialState  # noqa: E402  (after init, as the harness does)
@@ -20,10 +42,7 @@ torch.distributed.all_gather(gathered, mine)
 if world.is_main:
     print(json.dumps({"accelerate_num_processes": PartialState().num_processes, "world_size": world.world_size,
                       "indices": [g.tolist() for g in gathered],
-                      "global": [sampler.step_indices(s).flatten().tolist() for s in range(4)]}))
-torch.distributed.destroy_process_group()
-# Leave without running C++ static destructors: under load this bare DeepSpeed set-up has aborted at exit on one
-# rank ("terminate called without an active exception", SIGABRT) after printing everything. What the test reads is
-# written and flushed by then; the harness's own processes have not shown it.
-sys.stdout.flush()
-os._exit(0)
+                      "global": [sampler.step_indices(s).flatten().tolist() for s in range(4)]}), flush=True)
+running = gloo_threads()
+close_world()
+print(json.dumps({"rank": world.rank, "gloo_threads": running, "left_after_close": gloo_threads()}), flush=True)

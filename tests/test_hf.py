@@ -7,7 +7,6 @@ run."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 

@@ -8,23 +8,41 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, _env
+from conftest import DS, ROOT, TINY, _env
 from harness.config import ConfigError
 from harness.data import StepSampler, eval_batches
 
 
-def test_ranks_disjoint_and_complete_under_accelerate_deepspeed_on_cpu():
+def probe(*args: str) -> list[dict]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
            "--use_deepspeed", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           str(ROOT / "tests" / "shard_probe.py")]
+           str(ROOT / "tests" / "shard_probe.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_ranks_disjoint_and_complete_under_accelerate_deepspeed_on_cpu():
+    lines = probe()
+    out = next(x for x in lines if "indices" in x)
     assert out["world_size"] == 2 and out["accelerate_num_processes"] == 2
     rank0, rank1 = (set(x) for x in out["indices"])
     assert len(out["indices"][0]) == len(out["indices"][1]) == 4 * 3 * 2  # steps x accum x micro
     assert not rank0 & rank1
     assert rank0 | rank1 == {i for step in out["global"] for i in step}
+    closed = {x["rank"]: x for x in lines if "left_after_close" in x}
+    assert sorted(closed) == [0, 1] and all("pt_gloo_runloop" in x["gloo_threads"] for x in closed.values())
+    assert all(x["left_after_close"] == [] for x in closed.values()), closed
+
+
+def test_a_finished_run_leaves_no_process_group_behind(corpus, tmp_path):
+    """A group that outlives close_world (DeepSpeed's default arguments, its engine's hook cycles) keeps its gloo
+    threads to the interpreter's end, where one aborted a finished run under load (world.py): none are left."""
+    lines = probe(str(ROOT / "configs" / "runs" / "lm_demo.toml"), str(DS / "zero2.json"), *TINY,
+                  "train.max_steps=2", f"data.path={json.dumps(str(corpus))}",
+                  f"run.output_dir={json.dumps(str(tmp_path / 'run'))}")
+    left = {x["rank"]: x["left_after_close"] for x in lines}
+    assert left == {0: [], 1: []}
 
 
 def test_sampler_covers_each_epoch_once_and_resumes_mid_run():

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"step_s": times, "loss": losses}), flush=True)
     if ranks > 1:
         torch.distributed.barrier()
+        del wrapped  # DistributedDataParallel holds the group: it would outlive destroy_process_group (world.py)
         torch.distributed.destroy_process_group()
 
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from .. import profiling
     from ..config import ConfigError
     from ..data import StepSampler, train_batches
-    from ..parallel import build_engine
+    from ..parallel import build_engine, release
     from ..startup import make_plan
     from ..world import (accelerate_mixed_precision, all_gather_objects, barrier, close_world, init_world,
                          launched_world_size)
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"step_s": times, "loss": [sum(v) / len(v) for v in zip(*per_rank)],
                           **({"profile": profile} if profile else {})}), flush=True)
     barrier()
+    release(engine)
     close_world()
 
 
