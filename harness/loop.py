@@ -24,7 +24,7 @@ from .preemption import Watch
 from .parallel import build_engine, full_state_dict, pipeline_loss_sum, pipeline_step, release
 from .prepare import store_run_data
 from .selection import Selection
-from .startup import Plan, prepare_run_dir
+from .startup import Plan, check_free_space, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
 from .world import World, all_gather_objects, all_gather_rows, all_reduce, all_reduce_start, peak_memory_bytes
 
@@ -102,15 +102,19 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
 
-    engine, schedule = build_engine(plan, world, max_steps)
+    with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
+        meta_model = task.build_model(cfg)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    if world.world_size > 1:  # checked before launch where the launch is one process or `harness launch`
+        problem = all_gather_objects(check_free_space(plan, n_params) if world.is_main else None)[0]
+        if problem:
+            raise ConfigError(problem)
+    flops = ForwardFlops(meta_model)
+    engine, schedule = build_engine(plan, world, max_steps)  # seeds the weights itself: the meta model draws none
     teardown.callback(release, engine)  # however the run ends (parallel.release)
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers): what
     # partitioned loading saves, against the whole model's size.
     build_peaks = all_gather_objects(engine.harness_build_peak)
-    with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
-        meta_model = task.build_model(cfg)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    flops = ForwardFlops(meta_model)
     start_step, samples_seen, nonfinite, state = 0, 0, 0, {}
     min_loss_scale = float(ds.config.get("fp16", {}).get("min_loss_scale", 1))
     if resume_from is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -158,6 +159,20 @@ def bare_copy(run_dir: Path, dest: Path) -> Path:
     dest.mkdir()
     for name in ("config.toml", "model.safetensors"):
         (dest / name).write_bytes((run_dir / name).read_bytes())
+    return dest
+
+
+def rewind(run_dir: Path, dest: Path, step: int) -> Path:
+    """A copy of a finished run directory as if the run had stopped after its checkpoint at `step`: the later
+    checkpoints removed and `latest` naming that one (the uninterrupted run's own mid-run checkpoint as a resume
+    point, instead of a second run stopped there)."""
+    shutil.copytree(run_dir, dest)
+    ckpts = dest / "checkpoints"
+    for path in ckpts.glob("step_*"):
+        if int(path.name.removeprefix("step_").split(".")[0]) > step:
+            shutil.rmtree(path)
+    (ckpts / "latest").write_text(f"step_{step:08d}")
+    assert (ckpts / f"step_{step:08d}").is_dir(), sorted(p.name for p in ckpts.iterdir())
     return dest
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import DS, assert_losses_close, harness, val_loss_of_export
+from conftest import DS, assert_losses_close, harness, rewind, val_loss_of_export
 from harness.planning import bubble_fraction
 from test_plan import plan, write
 
@@ -56,12 +56,13 @@ def test_model_parallel_times_data_parallel_on_four_processes(config, sets, layo
 
 @pytest.mark.parametrize("config,sets", [("tp2_zero1.json", []), ("pp2_zero1.json", PIPE)])
 def test_resume_continues_with_the_uninterrupted_losses(config, sets, tmp_path, corpus):
-    # dropout on: every rank's RNG (each stage's, each tensor-parallel peer's) must come back too
-    sets = sets + ["train.max_steps=8", "train.save_every=2", "model.dropout=0.1"]
+    # dropout on: every rank's RNG (each stage's, each tensor-parallel peer's) must come back too. The resume point
+    # is the uninterrupted run's own checkpoint at step 4 (test_checkpoint.py stops runs with --stop-at)
+    sets = sets + ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=4", "model.dropout=0.1"]
     full = harness(tmp_path / "full", corpus, nproc=2, ds=config, sets=sets)
-    harness(tmp_path / "part", corpus, nproc=2, ds=config, sets=sets, args=["--stop-at", "5"])
-    resumed = harness(tmp_path / "part", corpus, nproc=2, ds=config, sets=sets, args=["--resume", "auto"])
-    assert "resumed from" in resumed.proc.stdout and "step_00000005" in resumed.proc.stdout
+    part = rewind(full.dir, tmp_path / "part", 4)
+    resumed = harness(part, corpus, nproc=2, ds=config, sets=sets, args=["--resume", "auto"])
+    assert "resumed from" in resumed.proc.stdout and "step_00000004" in resumed.proc.stdout
     assert_losses_close(resumed.losses, full.losses, 1e-6)
     assert resumed.evals[-1]["loss"] == pytest.approx(full.evals[-1]["loss"], rel=1e-6)
 

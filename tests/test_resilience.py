@@ -1,7 +1,8 @@
 """Faults injected for real into 2-process CPU runs: signals to a rank and to `harness launch`, a second run into a
 live run directory, a stopped (SIGSTOP) rank, resuming onto another size or ZeRO stage, and the exit codes
 `harness launch` gives. Runs are long (3000 steps) and stopped by the fault, so "mid-run" needs no sleep in the
-harness; an uninterrupted run stopped with --stop-at at the same step is the reference."""
+harness; an uninterrupted run stopped with --stop-at at the same step is the reference (and with its own checkpoint,
+the first leg of the elastic test)."""
 from __future__ import annotations
 
 import json
@@ -12,11 +13,11 @@ import socket
 import subprocess
 import time
 
-from conftest import ROOT, Run, _env, assert_losses_close, command, harness
+from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
 from harness.launcher import _is_rank, descendants
 from harness.preemption import EXIT_PREEMPTED
 
-LONG = ["train.max_steps=3000"]
+LONG = ["train.max_steps=3000", "train.global_batch_size=8"]  # 4 x 1 x 2 on two processes, 4 x 2 x 1 on one
 
 
 def start(out, corpus, **kwargs) -> subprocess.Popen:
@@ -74,7 +75,7 @@ def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_th
     assert k2 > k1 and f"stopped by SIGINT after step {k2}" in second.proc.stderr
     # 3. a lock left by a run that is gone (SIGKILLed: its pid no longer exists) is taken over with a note
     (out / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid, "since": "earlier"}))
-    end = k2 + 2
+    end = k2 + 2  # where the signals land depends on the machine's speed: its own uninterrupted reference
     resumed = harness(out, corpus, nproc=2, ds="zero2.json", sets=LONG, front=True,
                       args=["--resume", "auto", "--stop-at", str(end)])
     assert f"taking over the lock of a run that is gone (pid {live.pid} on " in resumed.proc.stdout
@@ -90,6 +91,11 @@ def test_harness_launch_exits_2_before_any_rank_starts_and_3_when_updates_keep_b
     assert bad.proc.stderr.strip().splitlines()[-1] == "harness: error: optimizer.lr = -1.0 (command line) must be >= 0"
     assert "accelerate launch" not in bad.proc.stdout and not (tmp_path / "bad").exists()
     assert time.time() - started < 30
+    # started without the front end, the ranks check the disk before they build a model of 1.6e12 parameters
+    disk = harness(tmp_path / "disk", corpus, nproc=2, sets=["model.d_model=262144"], check=False)
+    assert disk.proc.returncode != 0, disk.proc.stderr[-2000:]
+    lines = [x for x in disk.proc.stderr.splitlines() if x.startswith("harness: error: run.output_dir")]
+    assert lines and "GiB free on its file system; this run needs about" in lines[0], disk.proc.stderr[-2000:]
     nan = harness(tmp_path / "nan", corpus, nproc=2, front=True, ds="zero2.json", check=False,
                   sets=["train.max_steps=40", "optimizer.lr=1e6", "train.grad_clip=0.0", "schedule.warmup_steps=1000",
                         "schedule.kind=\"constant\"", "train.max_nonfinite_steps=2"])
@@ -116,24 +122,24 @@ def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_naming_it(tmp
 
 
 def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrupted_losses(tmp_path, corpus):
-    # the global batch stays 8 (4 x 2 x 1 on one process, 4 x 1 x 2 on two), so the data order is the same
-    sets = ["train.max_steps=8", "train.global_batch_size=8", "train.save_every=1"]
-    whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=sets)
-    out = tmp_path / "run"
-    harness(out, corpus, nproc=2, ds="zero2.json", sets=sets, args=["--stop-at", "3"])
+    # the global batch stays 8, so the data order is the same; the first leg is the reference's own checkpoint
+    whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json",
+                    sets=[*LONG, "train.save_every=3", "train.keep_checkpoints=3"], args=["--stop-at", "8"])
+    out = rewind(whole.dir, tmp_path / "run", 3)
+    sets = [*LONG, "train.keep_checkpoints=1"]
     # 2 -> 1 process and ZeRO-2 -> ZeRO-1: converted once to DeepSpeed's universal checkpoint
     one = harness(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto", "--stop-at", "5"])
     assert "converting step_00000003 to DeepSpeed's universal checkpoint" in one.proc.stdout
     assert not (out / "checkpoints" / "step_00000003.universal").exists()  # rotated out with its checkpoint
     # 1 -> 2 processes and ZeRO-1 -> ZeRO-2 with the optimizer offloaded
-    two = harness(out, corpus, nproc=2, ds="zero2_offload.json", sets=sets, args=["--resume", "auto"])
+    two = harness(out, corpus, nproc=2, ds="zero2_offload.json", sets=sets, args=["--resume", "auto", "--stop-at", "8"])
     assert "converting step_00000005" in two.proc.stdout
     assert [m["step"] for m in two.metrics] == list(range(1, 9))
     assert_losses_close(two.losses, whole.losses, 1e-5)
     # ZeRO-0 resumes on any data-parallel size as it is: every rank holds the whole optimizer
     zero = tmp_path / "zero0"
     harness(zero, corpus, nproc=2, ds="zero0.json", sets=sets, args=["--stop-at", "3"])
-    resumed = harness(zero, corpus, ds="zero0.json", sets=sets, args=["--resume", "auto"])
+    resumed = harness(zero, corpus, ds="zero0.json", sets=sets, args=["--resume", "auto", "--stop-at", "8"])
     assert_losses_close(resumed.losses, whole.losses, 1e-5)
     # a change it cannot make is refused before launch, naming both layouts
     refused = harness(out, corpus, ds="zero3.json", sets=sets, args=["--resume", "auto"], check=False)
