@@ -142,14 +142,11 @@ def reshape(path: Path, ds) -> bool:
     convert = saved["zero_stage"] != 0 and \
         (saved["dp_size"], saved["zero_stage"]) != (new["dp_size"], new["zero_stage"])
     if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
-            0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"] or \
-            convert and 3 in (saved["zero_stage"], new["zero_stage"]):
+            0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"]:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
-                          f"harness resumes a checkpoint on another data-parallel size or ZeRO stage between 1 and "
-                          f"2 (and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or "
-                          f"pipeline-parallel size, between ZeRO-0 and ZeRO, or into or out of ZeRO-3 on another "
-                          f"size or stage (DeepSpeed's universal checkpoint does not restore ZeRO-3's optimizer "
-                          f"exactly). Resume with the saved layout")
+                          f"harness resumes a checkpoint on another data-parallel size or ZeRO stage 1-3 (and any "
+                          f"offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
+                          f"parallel size, or between ZeRO-0 and ZeRO. Resume with the saved layout")
     return convert
 
 
@@ -176,6 +173,8 @@ def to_universal(path: Path, world: World) -> Path:
         for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
             shutil.copy(path / name, work / name)
         _both_stages(work / "zero" / "optimizer_state.pt")
+        if any(path.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # a ZeRO-3 checkpoint
+            _shaped(work / "zero", path)
         # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
         # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
         for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -207,15 +206,41 @@ def _both_stages(path: Path) -> None:
     torch.save(sd, path)
 
 
-def _restore_param_groups(engine, path: Path) -> None:
-    """After a universal load: every param group's own hyperparameters (weight decay: 0 for biases and norms) as
-    saved. ZeRO-3's universal loader gives every group the first one's (stage3.py, "the hyperparameters of each
-    parameter should be the same"), which would decay the biases and norms."""
+def _shaped(zero: Path, source: Path) -> None:
+    """ds_to_universal writes a ZeRO-3 checkpoint's state of each parameter as flat tensors and no step; ZeRO-1/2's
+    loader (universal_checkpoint.load_hp_checkpoint_state) reads {"param": a tensor of the parameter's shape} and
+    a step.pt, and fails on the flat ones ("too many indices for tensor of dimension 1"). Give it those (ZeRO-3's
+    loader reads either form), the shapes from the source's model states."""
+    shapes: dict[str, Any] = {}
+    for states in source.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
+        for group in torch.load(states, weights_only=False)["param_shapes"]:
+            shapes.update(group)
+    step = torch.load(zero / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"]["state"][0]["step"]
+    for name, shape in shapes.items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            file = zero / name / f"{key}.pt"
+            flat = torch.load(file, weights_only=False)
+            if torch.is_tensor(flat):
+                torch.save({"param": flat.view(shape), "cat_dim": 0}, file)
+        if not (zero / name / "step.pt").exists():
+            torch.save(torch.as_tensor(step).clone(), zero / name / "step.pt")
+
+
+def _after_universal_load(engine, path: Path) -> None:
+    """Undo two things DeepSpeed's universal loaders leave wrong (both in stage3.py's
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3): every param group gets the first one's hyperparameters
+    ("the hyperparameters of each parameter should be the same", which would decay the biases and norms), and every
+    sub-group's AdamW state gets the same `step` tensor, which the optimizer then increments in place once per
+    sub-group each step: the bias correction runs ahead, and the losses drift (3e-5 one step after a resume, 3e-3
+    four steps later, on the test's model). Each param group's own values as saved; each state its own step."""
     saved = torch.load(path / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
-    groups = engine.optimizer.optimizer.param_groups
-    if len(saved) == len(groups):
-        for group, old in zip(groups, saved):
+    inner = engine.optimizer.optimizer
+    if len(saved) == len(inner.param_groups):
+        for group, old in zip(inner.param_groups, saved):
             group.update({k: v for k, v in old.items() if k != "params"})
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
@@ -280,7 +305,7 @@ def load(engine, path: Path, world: World) -> dict[str, Any]:
     if client_state is None:
         raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
     if path.name.endswith(UNIVERSAL):
-        _restore_param_groups(engine, path)
+        _after_universal_load(engine, path)
     rng = path / f"rng_rank{world.rank:05d}.pt"
     if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
         set_rng_state(torch.load(rng, weights_only=False))
