@@ -13,6 +13,12 @@ from harness.data import StepSampler
 from harness.world import close_world, init_world
 
 
+def say(record: dict) -> None:
+    """One JSON line in one write: the ranks share stdout, and two prints can interleave within a line."""
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 def gloo_threads() -> list[str]:
     """This process's gloo threads (their names, from /proc): a process group's workers while it lives."""
     names = []
@@ -28,7 +34,7 @@ if len(sys.argv) > 1:  # RUN DS [SET...]: `harness train`'s path (api.train): it
     from harness import api
 
     api.train(sys.argv[1], sys.argv[3:], ds=sys.argv[2])
-    print(json.dumps({"rank": int(os.environ["RANK"]), "left_after_close": gloo_threads()}), flush=True)
+    say({"rank": int(os.environ["RANK"]), "left_after_close": gloo_threads()})
     sys.exit()
 
 world = init_world()
@@ -40,9 +46,9 @@ mine = torch.tensor([i for batch in sampler for i in batch])
 gathered = [torch.zeros_like(mine) for _ in range(world.world_size)]
 torch.distributed.all_gather(gathered, mine)
 if world.is_main:
-    print(json.dumps({"accelerate_num_processes": PartialState().num_processes, "world_size": world.world_size,
-                      "indices": [g.tolist() for g in gathered],
-                      "global": [sampler.step_indices(s).flatten().tolist() for s in range(4)]}), flush=True)
+    say({"accelerate_num_processes": PartialState().num_processes, "world_size": world.world_size,
+         "indices": [g.tolist() for g in gathered],
+         "global": [sampler.step_indices(s).flatten().tolist() for s in range(4)]})
 running = gloo_threads()
 close_world()
-print(json.dumps({"rank": world.rank, "gloo_threads": running, "left_after_close": gloo_threads()}), flush=True)
+say({"rank": world.rank, "gloo_threads": running, "left_after_close": gloo_threads()})
