@@ -141,12 +141,13 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
 MALFORMED = None  # a record that does not parse, or lacks the field: counted "malformed" by load_rows
 
 
-def parse_records(path: str, kind: str) -> list:
+def parse_records(path: str, kind: str, tsv_quotes: bool = True) -> list:
     """Every record of a json (an array, or JSON lines) or csv/tsv file, in order: a dict, or MALFORMED for a line
-    that does not parse (a csv row whose length differs from the header's). Undecodable bytes stay as U+FFFD."""
+    that does not parse (a csv row whose length differs from the header's). Undecodable bytes stay as U+FFFD; a
+    byte-order mark is dropped. `tsv_quotes=False`: a quote in a tsv is text (sentence pairs), not csv quoting."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
+        text = f.read().decode("utf-8-sig", errors="replace")
     if kind == "json":
         if text.lstrip().startswith("["):  # one JSON array of records
             try:
@@ -154,20 +155,24 @@ def parse_records(path: str, kind: str) -> list:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: malformed JSON array at line {e.lineno}, column {e.colno}: {e.msg}") \
                     from None
-        else:  # JSON lines
+        else:  # JSON lines: split on newlines only (a raw U+2028 inside a string is text, not a line break)
             records = []
-            for line in text.splitlines():
+            for line in text.split("\n"):
                 if line.strip():
                     try:
                         records.append(json.loads(line))
                     except json.JSONDecodeError:
                         records.append(MALFORMED)
         return [r if isinstance(r, dict) else MALFORMED for r in records]
-    tsv = _delimiter(path) == "\t"  # tsv: no quoting, a quote is text
-    reader = csv.reader(io.StringIO(text), delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else
-                        csv.QUOTE_MINIMAL)
-    header = next(reader, [])
-    return [dict(zip(header, row)) if len(row) == len(header) else MALFORMED for row in reader if row]
+    tsv = _delimiter(path) == "\t"
+    csv.field_size_limit(2**31 - 1)  # a long document in one field is a row, not an error
+    reader = csv.reader(io.StringIO(text), delimiter="\t" if tsv else ",",
+                        quoting=csv.QUOTE_NONE if tsv and not tsv_quotes else csv.QUOTE_MINIMAL)
+    try:
+        header = next(reader, [])
+        return [dict(zip(header, row)) if len(row) == len(header) else MALFORMED for row in reader if row]
+    except csv.Error as e:
+        raise ConfigError(f"{path}: cannot read as {'tsv' if tsv else 'csv'} at line {reader.line_num}: {e}") from None
 
 
 def read_records(path: str, kind: str, field_name: str) -> list:

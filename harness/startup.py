@@ -169,14 +169,16 @@ def checkpoint_bytes_per_param(plan: Plan) -> tuple[int, str]:
 
 def check_free_space(plan: Plan, n_params: int) -> str | None:
     """Why the file system of the run directory cannot hold this run's checkpoints and export, or None: the checkpoints
-    it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less those
-    already there, and the fp32 model.safetensors."""
+    it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less the
+    complete ones already there that it will keep (not set-aside `.bad` ones or `.universal` conversions), at least
+    the next one, and the fp32 model.safetensors."""
     t = plan.run.cfg.train
     per, parts = checkpoint_bytes_per_param(plan)
     count = t.keep_checkpoints + 1 + bool(t.select_best)
-    held = sum(p.stat().st_size for p in (plan.run_dir / "checkpoints").rglob("*") if p.is_file()) \
-        if (plan.run_dir / "checkpoints").is_dir() else 0
-    need = n_params * (per * count + 4) - held
+    ckpts = plan.run_dir / "checkpoints"
+    kept = sorted(ckpts.glob("step_*[0-9]"))[-(count - 1):] if ckpts.is_dir() else []  # rotated out, these free
+    held = sum(p.stat().st_size for d in kept for p in d.rglob("*") if p.is_file())
+    need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
     existing = next(p for p in (plan.run_dir, *plan.run_dir.absolute().parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free >= need:

@@ -87,3 +87,18 @@ def test_an_unusable_data_file_is_named_before_launch(tmp_path, name, content, m
     with pytest.raises(ConfigError) as e:
         check_paths(DataSection(path=str(path)))
     assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+
+
+def test_records_keep_a_bom_out_of_the_header_line_separators_in_strings_and_long_fields_whole(tmp_path):
+    from harness.data import parse_records
+
+    table = tmp_path / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte-order mark
+    table.write_bytes("\ufefftext,label\n".encode() + b"x" * 200_000 + b",1\n")
+    assert parse_records(str(table), "csv") == [{"text": "x" * 200_000, "label": "1"}]
+    lines = tmp_path / "rows.jsonl"  # json.dumps(ensure_ascii=False) writes U+2028 raw inside a string
+    lines.write_text(json.dumps({"text": "one\u2028two"}, ensure_ascii=False) + "\n" + json.dumps({"text": "b"}) + "\n")
+    assert parse_records(str(lines), "json") == [{"text": "one\u2028two"}, {"text": "b"}]
+    quoted = tmp_path / "pairs.tsv"  # csv quoting in a tsv, as pandas writes it; or quotes as text (sentence pairs)
+    quoted.write_text('text\tlabel\n"He said ""hi"""\t1\n')
+    assert parse_records(str(quoted), "csv") == [{"text": 'He said "hi"', "label": "1"}]
+    assert parse_records(str(quoted), "csv", tsv_quotes=False) == [{"text": '"He said ""hi"""', "label": "1"}]

@@ -132,6 +132,8 @@ def _load(kind: str, path: str):
         # a user's file is read line by line: undecodable bytes become U+FFFD (not a number: malformed) and a line
         # with the wrong number of fields is an undated row (malformed), instead of a refused file
         records = data.parse_records(str(resolve_path(path)), "csv")
+        if all(r is data.MALFORMED for r in records):
+            raise ConfigError(f"{path}: no row with as many fields as its header ({len(records)} lines after it)")
         return pd.DataFrame.from_records([{} if r is data.MALFORMED else r for r in records])
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         what = "the hub data set" if kind == "hub" else "csv data"

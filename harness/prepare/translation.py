@@ -246,7 +246,7 @@ def read_file(path: str, src_lang: str, tgt_lang: str, split: str = "train"):
             ds = datasets.load_dataset(name, config or None, split=split)
             records, columns = None, ds.column_names
         else:
-            records = data.parse_records(path, "json" if _file_format(path) == "json" else "csv")
+            records = data.parse_records(path, "json" if _file_format(path) == "json" else "csv", tsv_quotes=False)
             columns = sorted({k for r in records if r is not data.MALFORMED for k in r})
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         raise ConfigError(f"{path}: cannot load as translation pairs: {str(e).splitlines()[0]}") from None
