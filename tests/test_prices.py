@@ -132,7 +132,8 @@ def test_malformed_rows_are_counted(tmp_path):
              "2020-01-30 01:00:00,,2.0,3.0",               # missing value
              "2019-12-31 23:00:00,10.0,10.0,10.0",         # before the first row: unsorted, kept
              "2020-01-30 02:00:00,1.0,2.0",                # a field short: malformed (undated, unused)
-             "2020-01-30 03:00:00,1.0,2.0,\ufffd"]          # undecodable byte (written as 0xff): malformed
+             "2020-01-30 03:00:00,1.0,2.0,\ufffd",          # undecodable byte (written as 0xff): malformed
+             "2020-01-30 04:00:00,1.0,NA,3.0"]             # missing too (pandas' NA strings)
     path = write_series(tmp_path / "dirty.csv", n=500, extra_rows=extra)
     path.write_bytes(path.read_bytes().replace("\ufffd".encode(), b"\xff"))
     directory = P.prepare(cfg_for(str(path)))
@@ -141,7 +142,7 @@ def test_malformed_rows_are_counted(tmp_path):
     for counts in meta["counts"].values():
         for status, k in counts.items():
             total[status] = total.get(status, 0) + k
-    assert total == {"ok": 501, "duplicate": 1, "malformed": 4, "missing": 1}
+    assert total == {"ok": 501, "duplicate": 1, "malformed": 4, "missing": 2}
     assert meta["counts"]["unused"] == {"malformed": 2}  # the undated rows belong to no split
     assert meta["cleaning"]["unsorted"] == 2  # the repeated date and the 2019 row come after later dates
     assert sum(s["rows"] for s in meta["splits"].values()) == 501

@@ -198,8 +198,13 @@ def _unsorted(dates: list) -> int:
     return n
 
 
+# pandas' default NA strings: a csv is read as text (data.parse_records), and these stay "missing" as they were
+NA_STRINGS = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+              "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+
+
 def _number(v, log: bool) -> tuple[float | None, str]:
-    if v is None or _isnan(v) or (isinstance(v, str) and not v.strip()):
+    if v is None or _isnan(v) or (isinstance(v, str) and v.strip() in NA_STRINGS):
         return None, "missing"
     try:
         x = float(v)
