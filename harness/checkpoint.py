@@ -228,11 +228,12 @@ def _shaped(zero: Path, source: Path) -> None:
 
 def _after_universal_load(engine, path: Path) -> None:
     """Undo two things DeepSpeed's universal loader for ZeRO-3 (deepspeedai/DeepSpeed#5475) leaves wrong, both in
-    stage3.py's load_hp_checkpoint_state_from_checkpoint_dir_stage3: every param group gets the first one's hyperparameters
-    ("the hyperparameters of each parameter should be the same", which would decay the biases and norms), and every
-    sub-group's AdamW state gets the same `step` tensor, which the optimizer then increments in place once per
-    sub-group each step: the bias correction runs ahead, and the losses drift (3e-5 one step after a resume, 3e-3
-    four steps later, on the test's model). Each param group's own values as saved; each state its own step."""
+    stage3.py's load_hp_checkpoint_state_from_checkpoint_dir_stage3: every param group gets the first one's
+    hyperparameters ("the hyperparameters of each parameter should be the same", which would decay the biases and
+    norms), and every sub-group's AdamW state gets the same `step` tensor, which the optimizer then increments in
+    place once per sub-group each step: the bias correction runs ahead, and the losses drift (3e-5 one step after a
+    resume, 3e-3 four steps later, on the test's model). Each param group's own values as saved; each state its own
+    step."""
     saved = torch.load(path / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
     inner = engine.optimizer.optimizer
     if len(saved) == len(inner.param_groups):
