@@ -23,6 +23,22 @@ class RankHung(Exception):
     """A collective timed out: a rank stopped answering. Exit code 4."""
 
 
+def every(seconds: float, write, name: str) -> threading.Event:
+    """Call `write()` every `seconds` from a daemon thread until the returned event is set, or until `write` raises
+    OSError (the run directory went away: nothing to write to). The lock (`lock.py`) and the heartbeat both beat so."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(seconds):
+            try:
+                write()
+            except OSError:
+                return
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return stop
+
+
 class Heartbeat:
     """`RUN/.ranks/rank_N.json`, rewritten every `every_s` seconds with `step` (set by the loop) until `stop()`."""
 
@@ -30,23 +46,14 @@ class Heartbeat:
         self.path = Path(run_dir) / DIR / f"rank_{rank:05d}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.step, self.every_s = rank, 0, every_s
-        self._stop = threading.Event()
         self._write()
-        self._thread = threading.Thread(target=self._run, name="harness-heartbeat", daemon=True)
-        self._thread.start()
+        self._stop = every(every_s, self._write, "harness-heartbeat")
 
     def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                                    "step": self.step, "time": time.time()}))
         os.replace(tmp, self.path)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self._write()
-            except OSError:  # the run directory went away: nothing to report to
-                return
 
     def stop(self) -> None:
         self._stop.set()

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
 from .config import ConfigError
+from .heartbeat import every
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
@@ -75,16 +75,7 @@ class Lock:
             os.replace(tmp, self.path)
         else:
             tmp.unlink()
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="harness-lock", daemon=True)
-        self._beat.start()
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                os.utime(self.path)
-            except OSError:  # the directory went away (e.g. removed by hand): nothing to hold
-                return
+        self._stop = every(HEARTBEAT_S, lambda: os.utime(self.path), "harness-lock")
 
     def release(self) -> None:
         self._stop.set()

@@ -144,9 +144,14 @@ def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> Non
                           f"on it forever. Remove it (rm {' '.join(map(str, stale))}) and start again")
 
 
+def _nearest_existing(run_dir: Path) -> Path:
+    """The run directory, or the nearest folder above it that exists (where it will be made)."""
+    return next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+
+
 def check_writable(run_dir: Path, described: str) -> None:
     """The run directory, or the nearest folder above it that exists, is a directory this process can write in."""
-    existing = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    existing = _nearest_existing(run_dir)
     if not existing.is_dir():
         raise ConfigError(f"{described}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -179,8 +184,7 @@ def check_free_space(plan: Plan, n_params: int) -> str | None:
     kept = sorted(ckpts.glob("step_*[0-9]"))[-(count - 1):] if ckpts.is_dir() else []  # rotated out, these free
     held = sum(p.stat().st_size for d in kept for p in d.rglob("*") if p.is_file())
     need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
-    existing = next(p for p in (plan.run_dir, *plan.run_dir.absolute().parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
     if free >= need:
         return None
     gib = 2 ** 30
