@@ -58,6 +58,7 @@ CASES = [
     ("nonfinite-steps-zero", [S, "train.max_nonfinite_steps=0"], None, None, "train.max_nonfinite_steps"),
     ("global-batch-indivisible", [S, "train.global_batch_size=7"], None, None, "train.global_batch_size"),
     ("select-mode-alone", [S, "train.select_mode=\"max\""], None, None, "train.select_mode"),
+    ("collective-timeout-zero", [S, "train.collective_timeout_s=0.0"], None, None, "train.collective_timeout_s"),
     ("disk-too-small", [S, "model.d_model=262144"], None, None,  # 1.6e12 parameters: 61,000 GiB of checkpoints
      "GiB free on its file system; this run needs about"),
     ("patience-without-evaluations", [S, "train.select_best=\"loss\"", S, "train.early_stopping_patience=2"], None,
