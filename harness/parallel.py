@@ -15,7 +15,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import io
+import sys
 import warnings
 
 import torch
@@ -24,6 +27,39 @@ from torch import nn
 from .models.pipeline import SharedUse
 from .profiling import allocation_peak
 from .world import World, all_gather_objects, barrier
+
+
+MUON = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def import_muon_lazily() -> None:
+    """DeepSpeed's ZeRO code imports its Muon optimizer module on every run (the ZeRO optimizer check at start-up, the
+    gradient partitioning of ZeRO-1/2 each step: deepspeed/runtime/zero/utils.py, stage_1_and_2.py), and that module
+    applies `torch.compile` to three functions at import, which imports torch._inductor: about 2 s of CPU on every
+    rank, for an optimizer the harness never builds. Imported first here with `torch.compile` deferred to each
+    function's first call, Muon still works and a run that does not use it does not pay for it."""
+    if MUON in sys.modules:
+        return
+    real = torch.compile
+
+    def deferred(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) with options
+            return lambda fn: deferred(fn, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+        return call
+
+    torch.compile = deferred
+    try:
+        importlib.import_module(MUON)
+    finally:
+        torch.compile = real
 
 
 def build_engine(plan, world: World, total_steps: int):
@@ -52,6 +88,7 @@ def build_engine(plan, world: World, total_steps: int):
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
     optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps)
+    import_muon_lazily()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)
     _check_groups(engine, world)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,11 +105,63 @@ def command(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, s
     return [sys.executable] + cmd
 
 
+class Zygote:
+    """One per test worker: tests/zygote.py, forking a warm child for each single-process command."""
+    RUNTIME_ENV = {"HARNESS_CACHE", "HARNESS_CPU_FP16"}  # read by the harness when it runs, not when it imports
+
+    proc: subprocess.Popen | None = None
+
+    @classmethod
+    def run(cls, argv: list[str], env: dict | None, timeout: float) -> subprocess.CompletedProcess:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=_env(),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            cls.proc.stdin.write(json.dumps({"argv": argv, "stdout": str(out), "stderr": str(err),
+                                             "env": env or {}}) + "\n")
+            cls.proc.stdin.flush()
+            line = cls.proc.stdout.readline()
+            assert line, f"tests/zygote.py ended ({cls.proc.wait()}); its error is above"
+            pid = json.loads(line)["pid"]
+            if not select.select([cls.proc.stdout], [], [], timeout)[0]:
+                os.kill(pid, signal.SIGKILL)
+                cls.proc.stdout.readline()
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+            rc = json.loads(cls.proc.stdout.readline())["rc"]
+            return subprocess.CompletedProcess([sys.executable, "-m", "harness", *argv], rc, out.read_text(),
+                                               err.read_text())
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.proc is not None:
+            cls.proc.stdin.close()
+            cls.proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote():
+    yield
+    Zygote.close()
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m harness ARGS` in one process, from the cwd ROOT, output captured: forked from the worker's warm
+    zygote where `env` only sets what the harness reads at run time, else started afresh."""
+    if set(env or {}) <= Zygote.RUNTIME_ENV:
+        return Zygote.run(list(args), env, timeout)
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, env=_env(env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def harness(out: Path, corpus: Path, *, env: dict | None = None, check: bool = True, timeout: int = 300,
             **kwargs) -> Run:
     """Train into `out` (see `command` for the arguments) and wait for the end."""
     cmd = command(out, corpus, **kwargs)
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+    if cmd[:3] == [sys.executable, "-m", "harness"] and cmd[3] == "train":
+        proc = cli(*cmd[3:], env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         log = out.parent / "failed.log"  # the whole output: the cause is often far above the launcher's summary
         log.write_text(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

@@ -4,12 +4,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, _env
+from conftest import TINY, cli
 from harness.bench import overhead, report
 from harness.bench.run import largest_fitting
 from harness.models.flops import TRAIN_FACTOR
@@ -18,8 +17,7 @@ from harness.models.transformer import TransformerConfig, TransformerLM
 
 
 def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", "bench", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return cli("bench", *args, timeout=timeout)
 
 
 def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):

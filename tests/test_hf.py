@@ -7,12 +7,10 @@ run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, TINY_RUN, _env, assert_losses_close, ds_variant, harness
+from conftest import TINY_RUN, assert_losses_close, cli, ds_variant, harness
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,8 +56,7 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     with torch.no_grad():
         assert torch.allclose(ours(ids).logits, theirs(ids).logits, atol=1e-6)
     out = tmp_path / "again"
-    proc = subprocess.run([sys.executable, "-m", "harness", "export", "--run-dir", str(run.dir), "--hf", str(out)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = cli("export", "--run-dir", str(run.dir), "--hf", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import DS, ROOT, _env
+from conftest import DS, ROOT, _env, cli
 from harness.config import ConfigError, ScheduleSection, all_keys, resolve
 from harness.ds_config import model_state_bytes, resolve_ds
 from harness.optim import lr_factor
@@ -170,10 +170,8 @@ def test_missing_or_malformed_files_are_one_line_errors(files, message, tmp_path
 
 
 def test_train_rejects_missing_data_before_any_process_starts(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "harness", "train", "--set", "train.max_steps=3", "--set",
-                          f"data.path=\"{tmp_path / 'missing.txt'}\"", "--set",
-                          f"run.output_dir=\"{tmp_path / 'run'}\""],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    out = cli("train", "--set", "train.max_steps=3", "--set", f"data.path=\"{tmp_path / 'missing.txt'}\"", "--set",
+              f"run.output_dir=\"{tmp_path / 'run'}\"", timeout=120)
     assert out.returncode == 2 and "data.path not found" in out.stderr
     assert not (tmp_path / "run").exists()
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, assert_losses_close, ds_variant, harness
+from conftest import ROOT, _env, assert_losses_close, cli, ds_variant, harness
 
 BY_FILE = ["--run", "examples/digits.toml"]  # run.task = "examples/digits_task.py:DigitsTask"
 BY_MODULE = ["--run", "examples/digits.toml", "--set", 'run.task="examples.digits_task:DigitsTask"']
@@ -39,13 +39,11 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
     assert "resumed from" in resumed.proc.stdout
     assert_losses_close(resumed.losses, whole.losses, FP32_TOL)
     assert 'task = "examples.digits_task:DigitsTask"' in (out / "config.toml").read_text()
-    ev = subprocess.run([sys.executable, "-m", "harness", "evaluate", "--run-dir", str(out), "--split", "test"],
-                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    ev = cli("evaluate", "--run-dir", str(out), "--split", "test", timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert set(json.loads((out / "eval.json").read_text())["test"]) == {"mse", "pearson"}
-    bench = subprocess.run([sys.executable, "-m", "harness", "bench", *BY_MODULE, "--set", "train.micro_batch_size=8",
-                            "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "bench")],
-                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    bench = cli("bench", *BY_MODULE, "--set", "train.micro_batch_size=8", "--steps", "2", "--warmup", "1", "--out",
+                str(tmp_path / "bench"))
     assert bench.returncode == 0, bench.stderr[-2000:]
     entry = json.loads((tmp_path / "bench" / "bench.json").read_text())["configs"][0]
     assert entry["status"] == "ok" and entry["flops_method"] == "counted"

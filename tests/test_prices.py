@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from harness.prepare import prices as P
 from harness.prepare import read_meta
 from harness.tasks.prices import PricesTask, baselines, score, trivial_directions, verdict
 
-from conftest import ROOT, _env, bare_copy, harness
+from conftest import bare_copy, cli, harness
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -241,9 +239,8 @@ def test_two_process_zero2_run_lowers_the_loss_and_evaluates(trained, cache):
         assert math.isfinite(final[key]), key
     assert final["mse"] == pytest.approx(final["loss"], rel=1e-4)  # the same windows, the same squared errors
     # the exported model evaluates on the test split in one process
-    proc = subprocess.run([sys.executable, "-m", "harness", "evaluate", "--run-dir", str(run.dir), "--split", "test"],
-                          cwd=ROOT, env=_env({"HARNESS_CACHE": str(cache)}), capture_output=True, text=True,
-                          timeout=120)
+    proc = cli("evaluate", "--run-dir", str(run.dir), "--split", "test", env={"HARNESS_CACHE": str(cache)},
+               timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     test = json.loads((run.dir / "eval.json").read_text())["test"]
     assert test["windows"] == 120 - 8 + 1 - 32 and test["mse"] < test["persistence_mse"]

@@ -3,9 +3,12 @@
 references micro batch 4, so each step sees the same 4 samples."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from conftest import assert_losses_close, ds_variant
+from conftest import ROOT, _env, assert_losses_close, ds_variant
 
 FP32_TOL = 1e-5   # reductions in a different order: rounding only
 BF16_TOL = 2e-2   # bf16 keeps 8 bits of mantissa; different reduction order changes the rounding
@@ -97,3 +100,16 @@ def test_sgd_with_momentum_matches_single_process(cached_run):
     assert ref.losses[6] < ref.losses[1]
     adamw = cached_run("ref-fp32", ds="zero0.json")
     assert ref.losses[1] == adamw.losses[1] and ref.losses[3] != adamw.losses[3]  # same start, another optimizer
+
+
+def test_deepspeeds_muon_module_is_imported_with_its_compilation_deferred():
+    """DeepSpeed's ZeRO code imports its Muon optimizer module on every run, and that module compiles three functions
+    at import (torch._inductor: ~2 s a rank). `import_muon_lazily` defers each compilation to its first call."""
+    script = ("import sys; from harness.world import quiet_deepspeed; quiet_deepspeed(); import deepspeed; "
+              "from harness.parallel import import_muon_lazily; import_muon_lazily(); "
+              "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
+              "from deepspeed.runtime.zero.muon import original_muon as m; "
+              "print('torch._inductor' in sys.modules, m.zeropower_via_newtonschulz5.__wrapped__.__name__)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "zeropower_via_newtonschulz5"], out.stderr[-2000:]

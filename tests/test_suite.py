@@ -6,11 +6,10 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, _env
+from conftest import ROOT, cli
 from harness.bench import results
 from harness.bench.suite import PARTS, RECIPES
 from harness.cli import main
@@ -19,8 +18,7 @@ DATA = ROOT.parent / "shared" / "data"
 
 
 def harness(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return cli(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

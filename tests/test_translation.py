@@ -6,13 +6,11 @@ import json
 import math
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_losses_close, bare_copy, ds_variant, harness
+from conftest import assert_losses_close, bare_copy, cli, ds_variant, harness
 from harness.config import ConfigError, resolve
 from harness.decoding import beam_search, greedy
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -361,8 +359,7 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     assert final["sentences"] == alone["sentences"] == 12
     assert final["bleu"] == pytest.approx(alone["bleu"], abs=1e-6) and final["chrf"] == pytest.approx(alone["chrf"])
     assert final["nll"] == pytest.approx(alone["nll"], rel=1e-4)
-    proc = subprocess.run([sys.executable, "-m", "harness", "translate", "--run-dir", str(run.dir),
-                           "the big cat sees a dog.", "a child likes the red bread."], cwd=ROOT,
-                          env=_env({"HARNESS_CACHE": str(cache)}), capture_output=True, text=True, timeout=120)
+    proc = cli("translate", "--run-dir", str(run.dir), "the big cat sees a dog.", "a child likes the red bread.",
+               env={"HARNESS_CACHE": str(cache)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.strip().splitlines()) == 2
