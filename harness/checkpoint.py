@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .world import World, barrier
+from .config import ConfigError, TrainingStopped
+from .world import World, all_gather_objects, barrier
 
 LATEST = "latest"
 BEST = "best"
@@ -254,12 +254,24 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         for stale in root.glob("*.partial"):  # left by a crash
             shutil.rmtree(stale, ignore_errors=True)
     barrier()
-    engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
-    partial.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
-    if world.is_main and layout is not None:
-        (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
-    barrier()  # every rank's shards are on disk
+    failed = None
+    try:
+        engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+        partial.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
+        if world.is_main and layout is not None:
+            (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
+    except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
+        failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    failures = [f for f in all_gather_objects(failed) if f]  # every rank's shards are on disk, or none goes on
+    if failures:
+        if world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = latest(root)
+        raise TrainingStopped(f"checkpoint {name} could not be written ({failures[0]}); "
+                              f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free under {root}. The partial write "
+                              f"was removed; {'`latest` still names ' + kept.name if kept else 'no checkpoint is kept'}"
+                              f": make room (or lower train.keep_checkpoints) and continue with --resume auto")
     final = root / name
     if world.is_main:
         if final.exists():

@@ -159,6 +159,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
     loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, t.seed, world.device)
     progress = _progress(world, start_step, max_steps)
+    teardown.callback(progress.close)  # before the one line an exception ends the run with
     window_work, window_steps, last_metrics = torch.zeros(4, dtype=torch.float64), 0, {}
     window_start = time.perf_counter()
     stop = min(max_steps, stop_at) if stop_at else max_steps

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import shutil
+import subprocess
 
 import pytest
 import torch
 
-from conftest import assert_losses_close, ds_variant, harness, val_loss_of_export
+from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, val_loss_of_export
 from harness import checkpoint
 from harness.config import ConfigError
 
@@ -87,6 +89,32 @@ def test_run_directory_is_readable(cached_run):
     from harness.config import resolve
 
     assert resolve(str(run.dir / "config.toml")).cfg.train.max_steps == 6
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_on_the_last_complete_one(tmp_path, corpus):
+    """The disk fills during a save: stood in for by a file-size limit on the process (RLIMIT_FSIZE; the write fails
+    midway as on a full disk, without root or a small file system). One line and exit 3, the partial write removed,
+    `latest` unchanged; --resume auto continues from it once there is room."""
+    sets = ["model.d_model=128", "train.save_every=2"]  # ~0.46M parameters: the optimizer's file is ~5.5 MB
+    out = tmp_path / "run"
+    harness(out, corpus, ds="zero1.json", sets=sets, args=["--stop-at", "2"])
+    limit = 4 * 2**20  # what else the run writes (the model's 1.8 MB file, metrics) fits under it
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run(command(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto"]), cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    assert full.returncode == 3, full.stderr[-3000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith("harness: error: checkpoint step_00000004 could not be written (a write failed on rank 0: "), line
+    assert "`latest` still names step_00000002: make room" in line and "GiB free under" in line, line
+    assert "Traceback" not in full.stderr
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002" and not list(ckpts.glob("*.partial"))
+    resumed = harness(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto"])
+    assert "step_00000002" in resumed.proc.stdout and max(resumed.losses) == 6, resumed.proc.stdout[-2000:]
+    assert (out / "model.safetensors").exists()
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
