@@ -28,10 +28,11 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "data.seq_len
 TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose sizes come from its own config
 
 
-# The slowest files start first, so neither worker is left with a long file at the end (pyproject's
-# --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
-LONGEST_FIRST = ("test_suite.py", "test_hf_tasks.py", "test_parallel.py", "test_resilience.py", "test_checkpoint.py",
-                 "test_hf.py")
+# The slowest files start first (by their time in a full suite), so neither worker is left with a long file at the
+# end (pyproject's --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
+LONGEST_FIRST = ("test_resilience.py", "test_suite.py", "test_parallel.py", "test_strategies.py", "test_checkpoint.py",
+                 "test_hf_tasks.py", "test_bench.py", "test_translation.py", "test_hf.py", "test_plugins.py",
+                 "test_protein.py", "test_multinode.py")
 
 
 def pytest_collection_modifyitems(items):
