@@ -1,7 +1,6 @@
 """`harness plan`: everything resolved, nothing trained. Prints each value with where it came from."""
 from __future__ import annotations
 
-import contextlib
 import json
 
 import torch
@@ -15,26 +14,10 @@ from .startup import Plan
 MAX_RANKS_SHOWN = 16
 
 
-@contextlib.contextmanager
-def _no_init():
-    """torch.nn.init's functions as no-ops: on meta tensors they only cost time (torch runs them through its reference
-    implementations, whose first call imports torch._dynamo: about 2 s in `harness plan` or the `harness launch`
-    front end, processes that train nothing)."""
-    saved = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init)
-             if name.endswith("_") and not name.startswith("_") and callable(getattr(torch.nn.init, name))}
-    for name in saved:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
-
 def meta_model(plan: Plan) -> torch.nn.Module:
     if hasattr(plan.task, "prepare"):  # the model's vocabulary may come from the prepared data: prepare it for real
         plan.task.prepare(plan.run.cfg)
-    with torch.device("meta"), _no_init():  # shapes only: no memory, no init time
+    with torch.device("meta"):  # shapes only: no memory, no init time
         return plan.task.build_model(plan.run.cfg)
 
 
