@@ -1,4 +1,5 @@
-"""Helpers that run the harness for real: `python -m harness` for one process, `accelerate launch` for several.
+"""Helpers that run the harness for real: `python -m harness` for one process (forked from a warm process,
+`tests/zygote.py`), `accelerate launch` for several.
 
 Runs are tiny (a 2-layer, 32-wide model on generated text) so the whole suite fits in minutes on 2 cores.
 Runs that several tests compare against are cached for the session by their arguments.
@@ -159,7 +160,7 @@ def harness(out: Path, corpus: Path, *, env: dict | None = None, check: bool = T
             **kwargs) -> Run:
     """Train into `out` (see `command` for the arguments) and wait for the end."""
     cmd = command(out, corpus, **kwargs)
-    if cmd[:3] == [sys.executable, "-m", "harness"] and cmd[3] == "train":
+    if cmd[:4] == [sys.executable, "-m", "harness", "train"]:  # one process
         proc = cli(*cmd[3:], env=env, timeout=timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)

@@ -107,7 +107,8 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_on_the_last_complete_on
                           env=_env(), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
     assert full.returncode == 3, full.stderr[-3000:]
     line = full.stderr.strip().splitlines()[-1]
-    assert line.startswith("harness: error: checkpoint step_00000004 could not be written (a write failed on rank 0: "), line
+    assert line.startswith("harness: error: checkpoint step_00000004 could not be written (a write failed on rank "
+                           "0: "), line
     assert "`latest` still names step_00000002: make room" in line and "GiB free under" in line, line
     assert "Traceback" not in full.stderr
     ckpts = out / "checkpoints"

@@ -16,9 +16,9 @@ import sys
 sys.path[0] = os.getcwd()  # the repository, first on the path as under `python -m harness` started there
 ANSWERS = os.fdopen(os.dup(1), "w")  # the protocol's channel: what the imports below print goes to stderr instead
 os.dup2(2, 1)
-from harness.world import quiet_deepspeed
+from harness.world import quiet_deepspeed  # noqa: E402
 
-quiet_deepspeed()  # noqa: E402  before DeepSpeed picks its accelerator, as `harness` does
+quiet_deepspeed()  # before DeepSpeed picks its accelerator, as `harness` does
 import accelerate  # noqa: E402,F401
 import datasets  # noqa: E402,F401
 import deepspeed  # noqa: E402,F401
