@@ -167,6 +167,9 @@ class ProteinSection:
     pooling: str = _f("mean", "classify and regress with the built-in encoder: one vector per sequence from the mean "
                       "of its positions, or a learned attention over them (for landscapes where a few positions "
                       "matter, e.g. FLIP GB1)", ("mean", "attention"))
+    sites: str = _f("all", "classify and regress with the built-in encoder: the model reads every residue, or only "
+                    "the positions where the training sequences differ (a mutational library of one length, e.g. "
+                    "FLIP GB1's four sites; the ridge baseline uses the same)", ("all", "varying"))
     mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
     init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
     mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "

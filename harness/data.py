@@ -27,8 +27,9 @@ from .config import ConfigError, DataSection
 
 SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
 PEEK = 1 << 16  # bytes read before launch to judge a data file: empty, only whitespace, only a header
-# Row statuses kept; "whole": a protein evaluation chain longer than data.seq_len, scored in windows (prepare.protein)
-KEPT = ("ok", "truncated", "whole")
+# Row statuses kept; "whole": a protein evaluation chain longer than data.seq_len, scored in windows; "off_site": a
+# protein differing from the training sequences outside the sites the model reads (prepare.protein)
+KEPT = ("ok", "truncated", "whole", "off_site")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class DataSummary:
         for split, c in self.counts.items():
             dropped = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in c.items() if s not in KEPT and n)
             whole = f", {c['whole']} longer than data.seq_len kept whole (scored in windows)" if c["whole"] else ""
+            whole += f", {c['off_site']} differing outside protein.sites (unseen)" if c["off_site"] else ""
             parts.append(f"{split}: {sum(c[s] for s in KEPT)} rows kept of {sum(c.values())}"
                          f" ({dropped or 'none skipped'}; {c['truncated']} truncated{whole})")
         return "data " + "; ".join(parts)

@@ -154,6 +154,50 @@ def test_two_process_regression_learns_beside_its_ridge_baseline(tmp_path, one_t
     assert {k: flip[k] for k in figures} == {k: plain[k] for k in figures} == {k: test[k] for k in figures}
 
 
+def test_a_mutational_library_is_read_at_the_sites_where_its_training_sequences_differ(tmp_path):
+    """protein.sites = "varying": the model's samples hold the residues at the columns where the training sequences
+    differ (0-based 2 and 6 here), nothing is cut at data.seq_len, a sequence of another length is dropped and one
+    that differs elsewhere is kept and counted; new data for `evaluate --data` is read at the stored sites."""
+    from harness.prepare import store
+
+    ref = "MKVLAGWDE"
+    rows = [(ref[:2] + a + ref[3:6] + b + ref[7:], float(i), "train", "False")
+            for i, (a, b) in enumerate(["VW", "AW", "VF", "AF", "CY"])]
+    rows += [("MKAL" + "AGWDE", 9.0, "train", "True"),  # validation: site 2 is A
+             ("MKCLAGFDE", 1.5, "test", "False"),       # ok
+             ("AKVLAGWDE", 2.5, "test", "False"),       # differs at column 0, outside the sites: off_site
+             ("MKVLAGWD", 3.5, "test", "False")]        # one residue short: other_length
+    path = tmp_path / "library.csv"
+    path.write_text("sequence,target,set,validation\n" + "".join(f"{q},{v},{st},{va}\n" for q, v, st, va in rows))
+    cfg = config('protein.objective="regress"', 'protein.sites="varying"', "data.seq_len=4", "model.d_model=16",
+                 "model.n_heads=2", path=str(path))
+    task = ProteinTask()
+    task.check(cfg)
+    directory = prep.prepare(cfg)
+    meta = read_meta(directory)
+    assert meta["sites"] == {"length": 9, "columns": [2, 6], "reference": rows[0][0]}
+    assert meta["counts"]["train"] == {"ok": 5} and meta["counts"]["test"] == {"ok": 1, "off_site": 1,
+                                                                               "other_length": 1}
+    tok = prep.tokenizer(directory)
+    assert prep.load(directory, "train")["ids"] == prep.encode(tok, ["VW", "AW", "VF", "AF", "CY"])
+    assert prep.load(directory, "test")["sequence"] == ["MKCLAGFDE", "AKVLAGWDE"]  # kept whole, read at the sites
+    assert [len(task.samples(cfg, "test")[i]["ids"]) for i in range(2)] == [3, 3]  # <cls> and two sites
+    assert task.build_model(cfg).pos_emb.num_embeddings == 3
+    assert "1 differing outside protein.sites" in task.build_data(cfg).summary.line()
+    stored = store(directory, tmp_path / "data", prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
+    new = tmp_path / "new.csv"
+    new.write_text("sequence,label\nMKALAGYDE,1\nMKVLAGWDEK,2\n")
+    scored, counts, _ = prep.read_scoring(config('protein.objective="regress"', path=str(path)), stored, new)
+    assert counts == {"ok": 1, "other_length": 1} and scored["ids"] == prep.encode(tok, ["AY"])
+    for sets, message in ((['protein.objective="mlm"'], "is for classify and regress"),
+                          (['protein.objective="regress"', 'protein.init_from="elsewhere"'], "is for classify and")):
+        with pytest.raises(ConfigError, match=message):
+            task.check(config('protein.sites="varying"', *sets, path=str(path)))
+    path.write_text(path.read_text() + "MKVLAGWDEE,4.0,train,False\n")
+    with pytest.raises(ConfigError, match="needs training sequences of one length .* 2 lengths, 9 to 10 residues"):
+        prep.prepare(cfg)
+
+
 def write_flip(directory):
     """A FLIP-style splits.zip: t1 train (ends unresolved), t2 train, v1 validation, x1 test, x2 a test copy of
     t1 (leak), x3 a test chain whose states do not match its length (malformed)."""

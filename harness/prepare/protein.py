@@ -16,6 +16,13 @@ Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole)
   of every copy's value, as a repeated measurement);
 - conflict: the same sequence with different class labels (every copy dropped);
 - leak: a validation or test sequence that is also in an earlier split (dropped there).
+With `protein.sites = "varying"` (a mutational library: every training sequence has one length) the model reads only
+the positions where the kept training sequences differ (meta["sites"]: the length, those 0-based columns and the
+first training sequence as the reference); nothing is truncated (data.seq_len does not apply), and a validation,
+test or scored sequence is
+- other_length: of another length than the training sequences (dropped: its sites cannot be found);
+- off_site: different from the reference at a position outside the sites (kept; the model cannot see that
+  difference, and the summary says how many).
 Without given splits, each DISTINCT sequence is drawn into train/validation/test (stratified by label, seeded
 with SPLIT_SEED, not train.seed: every run is scored on the same test set), so copies never cross splits.
 The residue-level SentencePiece vocabulary (one id per residue, plus <mask> and <cls>) is trained on the kept
@@ -49,7 +56,7 @@ STATES = "CHE"  # coil, helix, strand -> 0, 1, 2
 DSSP_TO_3 = {**{s: "H" for s in "HGI"}, **{s: "E" for s in "EB"}, **{s: "C" for s in "CTSL-_ "}}
 IGNORE = -100  # per-residue label of an unresolved residue (and of <cls> and padding, in the task)
 STORED = COMPARED = (TOKENIZER,)  # what a run keeps (RUN/data/) besides meta.json, and compares with `--split`
-SCORING_KEYS = ("labels", "classes", "values", "vocab_size")  # meta.json values that scoring depends on
+SCORING_KEYS = ("labels", "classes", "values", "vocab_size", "sites")  # meta.json values that scoring depends on
 
 
 def label_kind(cfg: RunConfig) -> str:
@@ -102,7 +109,7 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
     return {"version": VERSION, "source": identity(d.path) or str(package_file(*DEFAULT)),
             "val_path": identity(d.val_path), "labels": label_kind(cfg), "seq_len": d.seq_len,
             "val_fraction": d.val_fraction, "test_fraction": p.test_fraction,
-            "fields": [p.sequence_field, p.label_field]}
+            "fields": [p.sequence_field, p.label_field], "sites": p.sites}
 
 
 def prepare(cfg: RunConfig) -> Path:
@@ -297,9 +304,9 @@ def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], di
 
 def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     """Read, clean, split and count the source; train the residue vocabulary on train; save every split."""
-    kind, seq_len = label_kind(cfg), cfg.data.seq_len
+    kind, seq_len, by_site = label_kind(cfg), cfg.data.seq_len, cfg.protein.sites == "varying"
     raw, info = read_source(cfg)
-    whole = math.inf if kind == "residue" else seq_len  # per-residue chains: cut after leaks are found
+    whole = math.inf if kind == "residue" or by_site else seq_len  # per-residue chains: cut after leaks are found
     cleaned = assign({split: [clean(r, kind, whole) for r in rows] for split, rows in raw.items()}, cfg)
     counts, kept = deduplicate(cleaned, kind)
     if kind == "residue":
@@ -307,6 +314,9 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     if not kept["train"]:
         raise ConfigError(f"{cfg.data.path or 'the default data'}: no training sequence survived cleaning: "
                           f"{counts['train']}")
+    sites = varying_sites(kept["train"], cfg.data.path) if by_site else None
+    for split in ("validation", "test") if by_site else ():
+        kept[split] = on_sites(kept[split], counts[split], sites)
     classes, values = [], {}
     if kind == "class":
         found = {label for rows in kept.values() for _, label in rows}
@@ -320,8 +330,9 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
                           user_symbols=USER_SYMBOLS)
     for split in SPLITS:
         if kept[split]:  # `datasets` cannot load back a saved empty split; `load` makes one
-            save_split(tmp, split, rows_of(tok, kept[split], kind, classes))
+            save_split(tmp, split, rows_of(tok, kept[split], kind, classes, sites))
     return {"counts": counts, "labels": kind, "classes": classes, "values": values, "vocab_size": tok.vocab_size,
+            "sites": sites,
             "residues": {s: sum(len(q) for q, _ in kept[s]) for s in SPLITS}, **info}
 
 
@@ -331,25 +342,56 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[st
     class the run does not know counted as `unknown_class`, rows of a FLIP file outside its test set as `not_test`;
     residue ids from the run's stored vocabulary. Returns (rows, the count of every status, the files read)."""
     meta, tok = read_meta(stored), tokenizer(stored)
-    kind, classes = meta["labels"], meta["classes"]
+    kind, classes, sites = meta["labels"], meta["classes"], meta.get("sites")
     rows, others, files = read_scored(path, cfg)
-    whole = math.inf if kind == "residue" else cfg.data.seq_len
+    whole = math.inf if kind == "residue" or sites else cfg.data.seq_len
     cleaned = [("unknown_class", "", None) if st in KEPT and kind == "class" and label not in classes
                else (st, seq, label) for st, seq, label in (clean(r, kind, whole) for r in rows)]
     counts, kept = deduplicate({"test": cleaned}, kind)
     if kind == "residue":
         fit(counts, kept, cfg.data.seq_len)
+    if sites:
+        kept["test"] = on_sites(kept["test"], counts["test"], sites)
     counts = {**counts["test"], **({"not_test": others} if others else {})}
-    return rows_of(tok, kept["test"], kind, classes), counts, files
+    return rows_of(tok, kept["test"], kind, classes, sites), counts, files
 
 
-def rows_of(tok: Tokenizer, kept: list[tuple[str, Any]], kind: str, classes: list[str]):
-    """Kept (sequence, label) pairs as a prepared split (the columns `load` documents)."""
+def varying_sites(train: list[tuple[str, Any]], source: str) -> dict[str, Any]:
+    """meta["sites"] of the kept training (sequence, label) pairs: {"length", "columns" (0-based), "reference"}."""
+    lengths = sorted({len(q) for q, _ in train})
+    if len(lengths) > 1:
+        raise ConfigError(f"{source or 'the default data'}: protein.sites = 'varying' needs training sequences of "
+                          f"one length (a mutational library); they have {len(lengths)} lengths, {lengths[0]} to "
+                          f"{lengths[-1]} residues: use protein.sites = 'all'")
+    columns = [j for j in range(lengths[0]) if len({q[j] for q, _ in train}) > 1]
+    if not columns:
+        raise ConfigError(f"{source}: every training sequence is the same, so protein.sites = 'varying' leaves no "
+                          f"position to read: use protein.sites = 'all'")
+    return {"length": lengths[0], "columns": columns, "reference": train[0][0]}
+
+
+def on_sites(rows: list[tuple[str, Any]], counts: dict[str, int], sites: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The rows a model reading `sites` can score: other_length ones dropped, off_site ones counted (every row
+    given was counted "ok": nothing is truncated with sites); `counts` is updated in place."""
+    reference, columns = sites["reference"], set(sites["columns"])
+    out = [(q, label) for q, label in rows if len(q) == sites["length"]]
+    off = sum(any(a != b for j, (a, b) in enumerate(zip(q, reference)) if j not in columns) for q, _ in out)
+    for status, n in (("other_length", len(rows) - len(out)), ("off_site", off)):
+        if n:
+            counts["ok"], counts[status] = counts["ok"] - n, counts.get(status, 0) + n
+    return out
+
+
+def rows_of(tok: Tokenizer, kept: list[tuple[str, Any]], kind: str, classes: list[str],
+            sites: dict[str, Any] | None = None):
+    """Kept (sequence, label) pairs as a prepared split (the columns `load` documents); with `sites`, the ids are
+    those of the residues at its columns only (the sequence stays whole)."""
     import datasets
 
     seqs = [q for q, _ in kept]
+    residues = seqs if sites is None else ["".join(q[j] for j in sites["columns"]) for q in seqs]
     return datasets.Dataset.from_dict({
-        "sequence": seqs, "ids": encode(tok, seqs),
+        "sequence": seqs, "ids": encode(tok, residues),
         "label": [classes.index(lab) if kind == "class" else -1 for _, lab in kept],
         "states": [lab if kind == "residue" else [] for _, lab in kept],
         "value": [lab if kind == "value" else math.nan for _, lab in kept]}, features=_features())

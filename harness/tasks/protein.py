@@ -18,6 +18,8 @@ with id 0 and carry a bool mask (True = real token) that the encoder uses to ign
   MAE, beside a ridge regression on one-hot residues fitted on the same training split (`ridge_*`; its penalty
   picked by validation MSE) to show what the Transformer adds. The baseline is computed by `harness evaluate`,
   not during training.
+With `protein.sites = "varying"` (classify, regress) a sample is <cls> and the residues at the sites where the training
+sequences differ (`prepare.protein`: e.g. FLIP GB1's four), and the model's positions are those sites.
 With a Hugging Face encoder (`model.hf`, e.g. the ESM-2 family) the objective picks its auto class (masked LM,
 sequence or token classification, `num_labels` set from the data); its tokenizer's ids replace the prepared ones
 residue by residue, the sample gains the tokenizer's end token (ESM's "<cls> ... <eos>", never a target), and the
@@ -204,6 +206,9 @@ class ProteinTask:
             if p.init_from:
                 raise ConfigError(f"protein.init_from = {p.init_from!r} starts the built-in model; with model.hf, "
                                   f"name the earlier run's exported hf/ directory as model.hf instead")
+        if p.sites != "all" and (cfg.model.hf or p.init_from or p.objective not in ("classify", "regress")):
+            raise ConfigError(f"protein.sites = {p.sites!r} is for classify and regress with a built-in encoder "
+                              f"trained from scratch (a pre-trained model needs whole sequences); use 'all'")
         if not 0 < p.mask_prob < 1:
             raise ConfigError(f"protein.mask_prob = {p.mask_prob}: must be between 0 and 1")
         if p.mask_variants < 1:
@@ -239,7 +244,8 @@ class ProteinTask:
             ids = {} if hf.own_tokenizer(cfg) else dict(vocab_size=vocab, pad_token_id=PAD, mask_token_id=(
                 prep.tokenizer(directory).piece_id("<mask>")))
             return hf.build(cfg, HF_CLASSES[objective], **ids, **({} if objective == "mlm" else {"num_labels": n_out}))
-        model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=cfg.data.seq_len + 1, d_model=m.d_model,
+        positions = len(meta["sites"]["columns"]) if meta.get("sites") else cfg.data.seq_len
+        model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=positions + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
                                           dropout=m.dropout), objective, n_out, cfg.protein.pooling)
         source = Path(cfg.protein.init_from)
@@ -266,6 +272,12 @@ class ProteinTask:
 
     def build_data(self, cfg: RunConfig) -> TaskData:
         directory = self.prepare(cfg)
+        sites = read_meta(directory).get("sites")
+        if sites and launched_rank() == 0:
+            columns = [str(j + 1) for j in sites["columns"]]
+            shown = ", ".join(columns[:12] + (["..."] if len(columns) > 12 else []))
+            print(f"protein.sites = 'varying': the model reads {len(columns)} of {sites['length']} positions "
+                  f"({shown}; 1-based), where the training sequences differ", flush=True)
         return TaskData(self.samples(cfg, "train", train=True), self.samples(cfg, "validation"),
                         summary(read_meta(directory)))
 
