@@ -332,12 +332,14 @@ def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_d
     from safetensors.torch import load_file
 
     # A key bias shifts every attention score of a query equally, so its true gradient is 0: what reaches it is
-    # rounding noise, which Adam blows up to lr-sized steps of random sign. Every other weight must agree.
+    # rounding noise, which Adam blows up to lr-sized steps of random sign. Every other weight must agree: to 1e-4,
+    # since a gradient near 0 can meet the same noise (one of 61,472 weights differed by 2.2e-5 on an AVX-512 CPU);
+    # weighting micro-batches by their own token counts instead moves 56,278 of them, by up to 1.3e-2.
     ref = load_file(str(one.dir / "model.safetensors"))
     for run in (accum, ranks):
         other = load_file(str(run.dir / "model.safetensors"))
         worst = max((other[k] - ref[k]).abs().max().item() for k in ref if not k.endswith("k_proj.bias"))
-        assert worst <= 1e-5, worst
+        assert worst <= 1e-4, worst
 
 def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     """Beam search under ZeRO-3 on 2 ranks (parameters gathered collectively at every decoder call, ranks
