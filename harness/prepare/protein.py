@@ -365,7 +365,7 @@ def varying_sites(train: list[tuple[str, Any]], source: str) -> dict[str, Any]:
                           f"{lengths[-1]} residues: use protein.sites = 'all'")
     columns = [j for j in range(lengths[0]) if len({q[j] for q, _ in train}) > 1]
     if not columns:
-        raise ConfigError(f"{source}: every training sequence is the same, so protein.sites = 'varying' leaves no "
+        raise ConfigError(f"{source or 'the default data'}: every training sequence is the same, so protein.sites = 'varying' leaves no "
                           f"position to read: use protein.sites = 'all'")
     return {"length": lengths[0], "columns": columns, "reference": train[0][0]}
 
