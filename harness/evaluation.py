@@ -102,9 +102,11 @@ def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None
         if not kept:
             raise ConfigError(f"{path}: no row to score survived cleaning ({_counts(part.counts)})")
         metrics = task.evaluate(model, cfg, key, world, data=part.data)
+        noted = {status: n for status, n in part.counts.items() if status in part.kept and status != "ok" and n}
         results[key] = {"data": ", ".join(map(str, part.files)), "data_sha256": checksum(part.files), **metrics,
                         "rows_kept": kept, "rows_skipped": sum(skipped.values()),
-                        **({"skipped": _counts(skipped)} if skipped else {})}
+                        **({"skipped": _counts(skipped)} if skipped else {}),
+                        **({"kept_as": _counts(noted)} if noted else {})}  # e.g. truncated, off_site
     _record(run_dir, results)
     return results
 

@@ -92,7 +92,13 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
         if hasattr(task, "prepared"):
             task.prepared = stored(Path(run_dir))
     model = task.build_model(cfg)
-    model.load_state_dict(load_file(str(Path(run_dir) / MODEL_FILE)))
+    state, mine = load_file(str(Path(run_dir) / MODEL_FILE)), model.state_dict()
+    if state.keys() != mine.keys():
+        only_run, only_model = sorted(state.keys() - mine.keys()), sorted(mine.keys() - state.keys())
+        raise ConfigError(f"{run_dir}: its weights do not fit the model this version of the harness builds from its "
+                          f"config (only in the run: {', '.join(only_run[:4]) or 'none'}; only in the model: "
+                          f"{', '.join(only_model[:4]) or 'none'}): it was trained by another version; train it again")
+    model.load_state_dict(state)
     return model.eval(), cfg
 
 

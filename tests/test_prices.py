@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -284,10 +285,19 @@ def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, cap
     other = tmp_path / "other.csv"
     other.write_text(held_out.read_text().replace("c0", "x0", 1))
     bare = bare_copy(run.dir, tmp_path / "bare")
+    older = tmp_path / "older"  # trained when the flatten head had a LayerNorm: its weights hold head.ln.*
+    shutil.copytree(run.dir, older)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(older / "model.safetensors"))
+    save_file({**weights, "head.ln.weight": torch.ones(4), "head.ln.bias": torch.zeros(4)},
+              str(older / "model.safetensors"))
     for run_dir, path, message in ((run.dir, tmp_path / "missing.csv", "missing.csv: not found"),
                                    (run.dir, tmp_path, "expected ETTh1.csv[.gz] or one csv in it"),
                                    (run.dir, other, "no column(s) ['c0']"),
-                                   (bare, held_out, "holds no stored tokenizer and statistics")):
+                                   (bare, held_out, "holds no stored tokenizer and statistics"),
+                                   (older, held_out, "only in the run: head.ln.bias, head.ln.weight; only in the "
+                                                     "model: none): it was trained by another version")):
         assert main(["evaluate", "--run-dir", str(run_dir), "--data", str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

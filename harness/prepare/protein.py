@@ -3,7 +3,7 @@
 Sources (`data.path`): the embedded default (modlamp's AMP vs UniProt), a FLIP directory such as
 `../shared/data/flip_ss`, a user's file, or `hub:NAME`; `protein_sources` reads them.
 
-Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole):
+Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole, off_site):
 - empty: no residues once whitespace is removed (sequences are upper-cased);
 - malformed: a letter outside the amino-acid alphabet (20 standard + B Z X U O), a missing label, a label that
   is not a class (classify), not one state per residue (residue; DSSP's 8 states are reduced to 3) or not a
@@ -22,7 +22,8 @@ first training sequence as the reference); nothing is truncated (data.seq_len do
 test or scored sequence is
 - other_length: of another length than the training sequences (dropped: its sites cannot be found);
 - off_site: different from the reference at a position outside the sites (kept; the model cannot see that
-  difference, and the summary says how many).
+  difference, so such a row can give the model the same input as a training row or as another off_site row; the
+  summary and `evaluate --data` say how many).
 Without given splits, each DISTINCT sequence is drawn into train/validation/test (stratified by label, seeded
 with SPLIT_SEED, not train.seed: every run is scored on the same test set), so copies never cross splits.
 The residue-level SentencePiece vocabulary (one id per residue, plus <mask> and <cls>) is trained on the kept
@@ -107,7 +108,8 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
         return f"{f}:" + ",".join(f"{x.name}/{x.stat().st_size}/{x.stat().st_mtime_ns}" for x in files)
 
     return {"version": VERSION, "source": identity(d.path) or str(package_file(*DEFAULT)),
-            "val_path": identity(d.val_path), "labels": label_kind(cfg), "seq_len": d.seq_len,
+            "val_path": identity(d.val_path), "labels": label_kind(cfg),
+            "seq_len": None if p.sites == "varying" else d.seq_len,  # with sites nothing is cut
             "val_fraction": d.val_fraction, "test_fraction": p.test_fraction,
             "fields": [p.sequence_field, p.label_field], "sites": p.sites}
 
@@ -365,8 +367,8 @@ def varying_sites(train: list[tuple[str, Any]], source: str) -> dict[str, Any]:
                           f"{lengths[-1]} residues: use protein.sites = 'all'")
     columns = [j for j in range(lengths[0]) if len({q[j] for q, _ in train}) > 1]
     if not columns:
-        raise ConfigError(f"{source or 'the default data'}: every training sequence is the same, so protein.sites = 'varying' leaves no "
-                          f"position to read: use protein.sites = 'all'")
+        raise ConfigError(f"{source or 'the default data'}: every training sequence is the same, so protein.sites = "
+                          f"'varying' leaves no position to read: use protein.sites = 'all'")
     return {"length": lengths[0], "columns": columns, "reference": train[0][0]}
 
 
@@ -378,7 +380,10 @@ def on_sites(rows: list[tuple[str, Any]], counts: dict[str, int], sites: dict[st
     off = sum(any(a != b for j, (a, b) in enumerate(zip(q, reference)) if j not in columns) for q, _ in out)
     for status, n in (("other_length", len(rows) - len(out)), ("off_site", off)):
         if n:
+            assert counts.get("ok", 0) >= n, counts
             counts["ok"], counts[status] = counts["ok"] - n, counts.get(status, 0) + n
+    for status in [s for s, n in counts.items() if not n]:
+        del counts[status]
     return out
 
 

@@ -34,6 +34,7 @@ the run's stored vocabulary, classes and value statistics; `evaluate(..., data=.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,10 @@ class ProteinTask:
         if p.init_from and not all((Path(p.init_from) / f).is_file() for f in ("config.toml", "model.safetensors")):
             raise ConfigError(f"protein.init_from = {p.init_from!r}: not a finished run directory (it needs "
                               f"config.toml and model.safetensors)")
+        source_meta = Path(p.init_from) / "data" / "meta.json"
+        if p.init_from and source_meta.is_file() and json.loads(source_meta.read_text()).get("sites"):
+            raise ConfigError(f"protein.init_from = {p.init_from!r}: that run read only the sites where its training "
+                              f"sequences differ (protein.sites), so its positions are not residue positions")
 
     def prepare(self, cfg: RunConfig) -> Path:
         return self.prepared or prep.prepare(cfg)
