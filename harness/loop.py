@@ -106,7 +106,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
     if world.world_size > 1:  # checked before launch where the launch is one process or `harness launch`
-        problem = all_gather_objects(check_free_space(plan, n_params) if world.is_main else None)[0]
+        problem = all_gather_objects(check_free_space(plan, n_params, resume_from) if world.is_main else None)[0]
         if problem:
             raise ConfigError(problem)
     flops = ForwardFlops(meta_model)

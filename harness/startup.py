@@ -172,11 +172,18 @@ def checkpoint_bytes_per_param(plan: Plan) -> tuple[int, str]:
     return weights + master + state, " + ".join(parts)
 
 
-def check_free_space(plan: Plan, n_params: int) -> str | None:
+CONVERSION_FACTOR = 1.5  # a universal conversion's peak on disk over its source checkpoint (1.47x measured, ZeRO-2)
+
+
+def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None) -> str | None:
     """Why the file system of the run directory cannot hold this run's checkpoints and export, or None: the checkpoints
     it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less the
     complete ones already there that it will keep (not set-aside `.bad` ones or `.universal` conversions), at least
-    the next one, and the fp32 model.safetensors."""
+    the next one, and the fp32 model.safetensors; and, for a resume onto another layout whose checkpoint is not
+    converted yet, the universal conversion (`checkpoint.to_universal`: CONVERSION_FACTOR x that checkpoint while it
+    is written, 1.05x once done, kept beside it)."""
+    from . import checkpoint
+
     t = plan.run.cfg.train
     per, parts = checkpoint_bytes_per_param(plan)
     count = t.keep_checkpoints + 1 + bool(t.select_best)
@@ -184,14 +191,20 @@ def check_free_space(plan: Plan, n_params: int) -> str | None:
     kept = sorted(ckpts.glob("step_*[0-9]"))[-(count - 1):] if ckpts.is_dir() else []  # rotated out, these free
     held = sum(p.stat().st_size for d in kept for p in d.rglob("*") if p.is_file())
     need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
+    convert = 0
+    if resume_from is not None and checkpoint.reshape(resume_from, plan.ds) and \
+            not resume_from.with_name(resume_from.name + checkpoint.UNIVERSAL).is_dir():
+        convert = CONVERSION_FACTOR * sum(p.stat().st_size for p in resume_from.rglob("*") if p.is_file())
     free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
-    if free >= need:
+    if free >= need + convert:
         return None
     gib = 2 ** 30
     return (f"{plan.run.describe('run.output_dir')}: {free / gib:,.1f} GiB free on its file system; this run needs "
-            f"about {need / gib:,.1f} GiB: {count} checkpoints (train.keep_checkpoints = {t.keep_checkpoints}, one "
-            f"more while the next is written{', the best' if t.select_best else ''}) of {n_params:,} parameters x "
-            f"{per} bytes ({parts}), and the exported model{', less the checkpoints already there' if held else ''}."
+            f"about {(need + convert) / gib:,.1f} GiB: {count} checkpoints (train.keep_checkpoints = "
+            f"{t.keep_checkpoints}, one more while the next is written{', the best' if t.select_best else ''}) of "
+            f"{n_params:,} parameters x {per} bytes ({parts}), and the exported model"
+            f"{', less the checkpoints already there' if held else ''}"
+            f"{f', and {convert / gib:,.1f} GiB to convert {resume_from.name} for the new layout' if convert else ''}."
             f" Free space, lower train.keep_checkpoints or choose another run.output_dir")
 
 
@@ -227,7 +240,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from .planning import count_params  # prepares the data where the model's size depends on it
 
-        problem = check_free_space(plan, count_params(plan))  # the loop checks a world of ranks started otherwise
+        problem = check_free_space(plan, count_params(plan), found)  # the loop checks ranks started otherwise
         if problem:
             raise ConfigError(problem)
     return found
