@@ -45,10 +45,10 @@ class DataSummary:
         parts = []
         for split, c in self.counts.items():
             dropped = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in c.items() if s not in KEPT and n)
-            whole = f", {c['whole']} longer than data.seq_len kept whole (scored in windows)" if c["whole"] else ""
-            whole += f", {c['off_site']} differing outside protein.sites (unseen)" if c["off_site"] else ""
+            notes = f", {c['whole']} longer than data.seq_len kept whole (scored in windows)" if c["whole"] else ""
+            notes += f", {c['off_site']} differing outside protein.sites (unseen)" if c["off_site"] else ""
             parts.append(f"{split}: {sum(c[s] for s in KEPT)} rows kept of {sum(c.values())}"
-                         f" ({dropped or 'none skipped'}; {c['truncated']} truncated{whole})")
+                         f" ({dropped or 'none skipped'}; {c['truncated']} truncated{notes})")
         return "data " + "; ".join(parts)
 
 

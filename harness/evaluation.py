@@ -98,11 +98,10 @@ def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None
     results = {}
     for part in parts:
         key = f"{base}/{part.part}" if part.part else base
-        kept, skipped = _rows(part)
+        kept, skipped, noted = _rows(part)
         if not kept:
             raise ConfigError(f"{path}: no row to score survived cleaning ({_counts(part.counts)})")
         metrics = task.evaluate(model, cfg, key, world, data=part.data)
-        noted = {status: n for status, n in part.counts.items() if status in part.kept and status != "ok" and n}
         results[key] = {"data": ", ".join(map(str, part.files)), "data_sha256": checksum(part.files), **metrics,
                         "rows_kept": kept, "rows_skipped": sum(skipped.values()),
                         **({"skipped": _counts(skipped)} if skipped else {}),
@@ -111,9 +110,11 @@ def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None
     return results
 
 
-def _rows(part: ReadData) -> tuple[int, dict[str, int]]:
+def _rows(part: ReadData) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(rows kept, the skipped rows by status, the kept rows by status other than ok)."""
     kept = sum(n for status, n in part.counts.items() if status in part.kept)
-    return kept, {status: n for status, n in part.counts.items() if status not in part.kept and n}
+    return kept, {status: n for status, n in part.counts.items() if status not in part.kept and n}, \
+        {status: n for status, n in part.counts.items() if status in part.kept and status != "ok" and n}
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -194,10 +194,10 @@ def test_a_mutational_library_is_read_at_the_sites_where_its_training_sequences_
         with pytest.raises(ConfigError, match=message):
             task.check(config('protein.sites="varying"', *sets, path=str(path)))
     source = tmp_path / "gb1_run"  # a finished run that read the sites: its positions are not residue positions
-    (source / "data").mkdir(parents=True)
-    for name in ("config.toml", "model.safetensors"):
-        (source / name).write_text("")
-    (source / "data" / "meta.json").write_text(json.dumps({"sites": meta["sites"]}))
+    source.mkdir()
+    (source / "config.toml").write_text('[run]\ntask = "protein"\n[protein]\nobjective = "regress"\n'
+                                        'sites = "varying"\n')
+    (source / "model.safetensors").write_text("")
     with pytest.raises(ConfigError, match="that run read only the sites"):
         task.check(config('protein.objective="regress"', f"protein.init_from={json.dumps(str(source))}",
                           path=str(path)))

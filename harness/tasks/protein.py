@@ -34,7 +34,6 @@ the run's stored vocabulary, classes and value statistics; `evaluate(..., data=.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,8 +216,7 @@ class ProteinTask:
         if p.init_from and not all((Path(p.init_from) / f).is_file() for f in ("config.toml", "model.safetensors")):
             raise ConfigError(f"protein.init_from = {p.init_from!r}: not a finished run directory (it needs "
                               f"config.toml and model.safetensors)")
-        source_meta = Path(p.init_from) / "data" / "meta.json"
-        if p.init_from and source_meta.is_file() and json.loads(source_meta.read_text()).get("sites"):
+        if p.init_from and resolve(str(Path(p.init_from) / "config.toml")).cfg.protein.sites != "all":
             raise ConfigError(f"protein.init_from = {p.init_from!r}: that run read only the sites where its training "
                               f"sequences differ (protein.sites), so its positions are not residue positions")
 
@@ -277,14 +275,14 @@ class ProteinTask:
 
     def build_data(self, cfg: RunConfig) -> TaskData:
         directory = self.prepare(cfg)
-        sites = read_meta(directory).get("sites")
+        meta = read_meta(directory)
+        sites = meta.get("sites")
         if sites and launched_rank() == 0:
             columns = [str(j + 1) for j in sites["columns"]]
             shown = ", ".join(columns[:12] + (["..."] if len(columns) > 12 else []))
             print(f"protein.sites = 'varying': the model reads {len(columns)} of {sites['length']} positions "
                   f"({shown}; 1-based), where the training sequences differ", flush=True)
-        return TaskData(self.samples(cfg, "train", train=True), self.samples(cfg, "validation"),
-                        summary(read_meta(directory)))
+        return TaskData(self.samples(cfg, "train", train=True), self.samples(cfg, "validation"), summary(meta))
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         ids = torch.nn.utils.rnn.pad_sequence([s["ids"] for s in samples], batch_first=True, padding_value=self.pad)
