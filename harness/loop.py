@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -26,7 +27,8 @@ from .prepare import store_run_data
 from .selection import Selection
 from .startup import Plan, check_free_space, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
-from .world import World, all_gather_objects, all_gather_rows, all_reduce, all_reduce_start, peak_memory_bytes
+from .world import (World, all_gather_objects, all_gather_rows, all_gather_start, all_reduce, peak_memory_bytes,
+                    to_host_later)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -58,8 +60,8 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
-    """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
-    checkpoint: raises Preempted."""
+    """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it with a checkpoint a step after the
+    one it came in (at that one, where its figures were read at once): raises Preempted."""
     timeout_s = plan.run.cfg.train.collective_timeout_s
     with Watch(world.rank) as watch, contextlib.ExitStack() as teardown:
         held = prepare_run_dir(plan, world, resume_from, overwrite)
@@ -115,7 +117,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers): what
     # partitioned loading saves, against the whole model's size.
     build_peaks = all_gather_objects(engine.harness_build_peak)
-    start_step, samples_seen, nonfinite, state = 0, 0, 0, {}
+    start_step, samples_seen, state = 0, 0, {}
     min_loss_scale = float(ds.config.get("fp16", {}).get("min_loss_scale", 1))
     if resume_from is not None:
         # another data-parallel size or ZeRO stage: converted once to DeepSpeed's universal checkpoint
@@ -160,10 +162,12 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, t.seed, world.device)
     progress = _progress(world, start_step, max_steps)
     teardown.callback(progress.close)  # before the one line an exception ends the run with
-    window_work, window_steps, last_metrics = torch.zeros(4, dtype=torch.float64), 0, {}
-    window_start = time.perf_counter()
     stop = min(max_steps, stop_at) if stop_at else max_steps
-    step = start_step
+    fixed = {"build_peak_bytes": [p["host"] for p in build_peaks],
+             "build_peak_device_bytes": [p["device"] for p in build_peaks]}
+    items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
+    ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world)
+    last_metrics, step = {}, start_step
     while step < stop and not (selection and selection.stopped_at):
         lr = schedule.get_last_lr()[0]
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
@@ -176,65 +180,38 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
             work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
         with mark("to device"):
             batches = [to_device(b, world.device) for b in cpu_batches]
-        result = train_step(engine, plan, batches, world, work, mark, watch.signal or 0)
+        result = train_step(engine, plan, batches, world, work, ledger.carry(), mark, watch.signal or 0)
         step += 1
         beat.step = step
         samples_seen += ds.global_batch_size
-        window_work += result.work
-        window_steps += 1
         with mark("progress bar"):
             progress.update(1)
-        # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
-        # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
-        fp16 = ds.precision == "fp16"
-        scale = float(engine.optimizer.loss_scale) if fp16 and result.skipped else None  # read only when needed
-        bad_skip = result.skipped and (not fp16 or scale <= min_loss_scale)
-        nonfinite = nonfinite + 1 if bad_skip or not math.isfinite(result.loss) else 0
-        give_up = nonfinite >= t.max_nonfinite_steps
-        if result.skipped and world.is_main:
-            why = f"fp16 overflow (loss scale now {scale:g})" if scale is not None else "gradient not finite"
-            progress.write(f"step {step}: {why}, update skipped ({engine.skipped_steps} so far)")
-        if step % t.log_every == 0 or step == stop or give_up or result.signal:
-            with mark("logging"):
-                now = time.perf_counter()  # the window runs from one log point to the next: this logging's own cost
-                seconds = now - window_start  # lands in the next window, so every second of the loop is in one
-                items, step_flops, real, padded = window_work.tolist()
-                record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                          "samples_seen": samples_seen, "tokens_per_s": items / seconds,
-                          "step_s": seconds / window_steps, "tflops": step_flops / seconds / 1e12,
-                          "padding": 1 - real / padded if padded else 0.0,
-                          "peak_mem_bytes": result.peak_mem, "epoch": step / steps_per_epoch,
-                          "flops_method": flops.method, "build_peak_bytes": [p["host"] for p in build_peaks],
-                          "build_peak_device_bytes": [p["device"] for p in build_peaks]}
-                record["skipped_steps"] = engine.skipped_steps  # updates skipped for a non-finite gradient, so far
-                if fp16:
-                    record["loss_scale"] = float(engine.optimizer.loss_scale)
-                tracker.log(record)
-                items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
-                progress.set_postfix({"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}",
-                                      f"{items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-                window_start, window_work, window_steps = now, torch.zeros_like(window_work), 0
-        if traced:  # before any evaluation or checkpoint: the step as every step runs it
+        ledger.add(step, result, lr, samples_seen, mark)  # reads the step before this one
+        if traced:  # before anything only some steps do: the step as every step runs it
             progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
-        if give_up:
+        evaluating = t.eval_every and step % t.eval_every == 0 and step < max_steps
+        saving = t.save_every and step % t.save_every == 0
+        if evaluating or saving or step == stop or ledger.signal or ledger.give_up:
+            ledger.settle(last=step == stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
+        if ledger.give_up:
             # The weights that produced the first non-finite loss were saved, if at all, one step before it.
-            first_bad = step - nonfinite + 1
+            first_bad = ledger.step - ledger.nonfinite + 1
             good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
             tracker.close()
             kept = f"{good} (--resume auto takes it)" if good else \
                 "none (later ones are set aside as step_*.bad; --overwrite starts again)"
-            raise TrainingStopped(f"the loss or gradient was non-finite for {nonfinite} consecutive steps (steps "
-                                  f"{first_bad}-{step}; {engine.skipped_steps} updates skipped in all); stopping. Last "
-                                  f"good checkpoint: {kept}. Lower optimizer.lr, check the data, or use bf16 instead "
-                                  f"of fp16")
+            raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
+                                  f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
+                                  f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
+                                  f"data, or use bf16 instead of fp16")
         improved = False
-        if t.eval_every and step % t.eval_every == 0 and step < max_steps and not result.signal:
+        if evaluating and not ledger.signal:
             last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step,
                                          want=selection and selection.metric)
             if selection:  # the same verdict on every rank: the metrics are all-reduced
                 improved = _select(selection, last_metrics, step, plan, world, tracker, math.isfinite(result.loss))
         stopping = bool(selection and selection.stopped_at)
-        if (t.save_every and step % t.save_every == 0) or step == stop or improved or stopping or result.signal:
+        if saving or step == stop or improved or stopping or ledger.signal:
             if math.isfinite(result.loss):
                 extra = {"selection": selection.state()} if selection else {}
                 best = selection.step if selection and selection.value is not None else None
@@ -242,11 +219,11 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                                 t.keep_checkpoints, best=best, layout=checkpoint.layout_of(ds))
             elif world.is_main:
                 progress.write(f"step {step}: loss is not finite, checkpoint skipped")
-        if result.signal:
+        if ledger.signal:
             progress.close()
             tracker.close()
             saved = checkpoint.latest(ckpts)
-            raise Preempted(f"stopped by {signal.Signals(result.signal).name} after step {step} of {max_steps}; "
+            raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {max_steps}; "
                             f"latest checkpoint: {saved.name if saved else 'none'}; continue with --resume auto")
     progress.close()
     if step == max_steps:
@@ -292,14 +269,110 @@ def _draw_curves(run_dir: Path, say) -> None:
         say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
-@dataclass(frozen=True)
+FIGURES = 5  # a step's figures from one rank: [carried (1) or not (0), loss sum, peak memory, stop signal, grad norm]
+
+
+@dataclass
 class StepResult:
-    loss: float               # mean over the step's global items (e.g. target tokens)
-    work: torch.Tensor        # global: items, model FLOPs, real and padded positions (see `step_work`)
-    grad_norm: float | None   # global gradient norm before clipping
-    skipped: bool             # fp16 overflow: DeepSpeed skipped the update
-    peak_mem: int             # the most memory any rank has held so far (bytes; see world.peak_memory_bytes)
-    signal: int = 0           # a stop signal some rank got (the highest number), else 0: see preemption.py
+    """A step's outcome. What only the ranks together know (the global work, the loss, the peak memory, a stop
+    signal) is read by the `Ledger`, a step late where it can be; until then `loss` and its kin are None."""
+    rows: Callable[[], torch.Tensor]  # -> (world, 4 + FIGURES) on the host: every rank's work counts of this step
+    #                                   and its figures of the step before, where the loop carried them (`Ledger`)
+    mine: torch.Tensor | None  # (FIGURES,) this rank's figures of this step, on its device; None: read (pipeline)
+    skipped: bool              # the update was skipped for a non-finite gradient (fp16: or an overflow)
+    skipped_steps: int         # updates skipped so far
+    loss_scale: float | None   # fp16's loss scale after the step; None in fp32 and bf16
+    loss: float | None = None         # mean over the step's global items (e.g. target tokens)
+    peak_mem: int | None = None       # the most memory any rank has held so far (bytes; world.peak_memory_bytes)
+    signal: int | None = None         # a stop signal some rank got (the highest number), else 0: preemption.py
+    grad_norm: float | None = None    # global gradient norm before clipping, where DeepSpeed or the loop has one
+
+
+class Ledger:
+    """The loop's account of its steps, one step behind them. A step's own figures (`StepResult.mine`) ride to the
+    other ranks in the next step's one collective, the work counts' gather (`Ledger.carry`, `train_step`), so no
+    step has a sync of its own beyond DeepSpeed's, nor waits there for a slower rank. A step whose figures a
+    decision needs at once (an evaluation, a checkpoint, the end) is read with a collective of its own: `settle`.
+
+    Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there), keeps a stop signal some
+    rank got (`signal`), and writes its metrics record at `train.log_every` and at the end. A record's window runs
+    from one logged step's end to the next's, so every second of the loop, the logging's own included, is in one."""
+
+    def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
+                 fixed: dict, items: str, min_loss_scale: float, world: World):
+        self.tracker, self.progress, self.t, self.stop, self.world = tracker, progress, t, stop, world
+        self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
+        self.min_loss_scale = min_loss_scale
+        self.nothing = torch.zeros(FIGURES, dtype=torch.float64, device=world.device)  # nothing carried
+        self.pending: tuple | None = None  # (step, StepResult, its global work, lr, samples seen, when it ended)
+        self.step, self.result = None, None  # the last step read
+        self.nonfinite, self.give_up, self.signal = 0, False, 0
+        self.window_work, self.window_steps, self.window_start = torch.zeros(4, dtype=torch.float64), 0, \
+            time.perf_counter()
+
+    def carry(self) -> torch.Tensor:
+        """What the next step's collective carries: this rank's figures of the step not yet read, or nothing."""
+        return self.nothing if self.pending is None else self.pending[1].mine
+
+    def add(self, step: int, result: StepResult, lr: float, samples_seen: int, mark=profiling.unmarked) -> None:
+        """Step `step` has run: read the one before it (its figures came with this step's collective), and keep this
+        one for later."""
+        with mark("loss to host"):
+            rows = result.rows()  # sync point: on a GPU, with a copy queued early in the step
+        if self.pending is not None:
+            self._read(rows[:, 4:], mark=mark)
+        work = rows[:, :4].sum(0) / self.world.replicas  # ranks that read the same batch each counted it
+        self.pending = (step, result, work, lr, samples_seen, time.perf_counter())
+        if result.mine is None:  # read already (a pipeline's step)
+            self._read(None, mark=mark)
+
+    def settle(self, last: bool = False) -> None:
+        """Read the step not yet read, now (`last`: the loop ends after it, so its record is written)."""
+        if self.pending is not None:
+            self._read(all_gather_rows(self.pending[1].mine).cpu(), last)  # sync point: a collective of its own
+
+    def _read(self, ranks: torch.Tensor | None, last: bool = False, mark=profiling.unmarked) -> None:
+        """The pending step's figures from every rank's `ranks` (world, FIGURES) on the host."""
+        step, r, work, lr, samples_seen, ended = self.pending
+        self.pending = None
+        if ranks is not None:
+            assert bool((ranks[:, 0] == 1).all()), "a step's figures were not carried"  # the loop's bookkeeping
+            norm = ranks[0, 4].item()
+            r.loss = (ranks[:, 1].sum() / self.world.replicas / work[0]).item()
+            r.peak_mem, r.signal = int(ranks[:, 2].max()), int(ranks[:, 3].max())
+            r.grad_norm = None if math.isnan(norm) else norm
+        if self.give_up:  # the run stops at the step that gave up: one read after it is not counted
+            return
+        bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
+        self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
+        self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
+        self.step, self.result, self.signal = step, r, self.signal or r.signal
+        self.window_work += work
+        self.window_steps += 1
+        # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
+        # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
+        if r.skipped and self.world.is_main:
+            why = "gradient not finite" if r.loss_scale is None else f"fp16 overflow (loss scale now {r.loss_scale:g})"
+            self.progress.write(f"step {step}: {why}, update skipped ({r.skipped_steps} so far)")
+        if step % self.t.log_every == 0 or step == self.stop or last or self.give_up or r.signal:
+            with mark("logging"):
+                self._log(step, r, lr, samples_seen, ended)
+
+    def _log(self, step: int, r: StepResult, lr: float, samples_seen: int, ended: float) -> None:
+        seconds = ended - self.window_start
+        items, step_flops, real, padded = self.window_work.tolist()
+        record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
+                  "tokens_per_s": items / seconds, "step_s": seconds / self.window_steps,
+                  "tflops": step_flops / seconds / 1e12, "padding": 1 - real / padded if padded else 0.0,
+                  "peak_mem_bytes": r.peak_mem, "epoch": step / self.steps_per_epoch,
+                  "flops_method": self.flops.method, **self.fixed,  # the method: once the first batch was counted
+                  "skipped_steps": r.skipped_steps}  # updates skipped for a non-finite gradient, so far
+        if r.loss_scale is not None:
+            record["loss_scale"] = r.loss_scale
+        self.tracker.log(record)
+        self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
+                                   f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
+        self.window_start, self.window_work, self.window_steps = ended, torch.zeros_like(self.window_work), 0
 
 
 def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -314,27 +387,26 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
-               work: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
+               work: torch.Tensor, carry: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
-    the parts of the step for a traced one (`profiling.StepProfile.section`). Two collectives of its own: the
-    work (started here, awaited only before the first backward, so the first forward hides it) and, at the end,
-    every rank's loss, peak memory and `stop_signal` (one it got, or 0): the step's one sync point."""
+    the parts of the step for a traced one (`profiling.StepProfile.section`). One collective of its own, started
+    here and awaited only before the first backward (so the first forward hides it): every rank's work counts (the
+    loss normaliser) with `carry`, its figures of the step before (`Ledger.carry`). This step's figures (loss sum,
+    peak memory, `stop_signal`, one it got or 0, and the gradient norm) are returned to be carried the same way; a
+    pipeline's are read at once."""
     task, accum = plan.task, len(micro_batches)
-    with mark("work all-reduce"):
-        # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each add it: hence the division
-        # by world.replicas below.
-        work = work.to(world.device)
-        pending = all_reduce_start(work)
+    with mark("step collective"):
+        out, pending = all_gather_start(torch.cat([work.to(world.device), carry]))  # (4 + FIGURES,) from each rank
 
     def loss_scale() -> torch.Tensor:
         """DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
         product over the global count makes the gradient that of sum(loss) / n_items."""
-        with mark("work all-reduce"):
+        with mark("step collective"):
             if pending is not None:
                 pending.wait()
-            if world.replicas > 1:
-                work.div_(world.replicas)
-            return (world.dp_size * accum / work[0]).float()
+            # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each count it: hence replicas.
+            items = out.view(world.world_size, -1)[:, 0].sum() / world.replicas
+            return (world.dp_size * accum / items).float()
 
     skipped_before = engine.skipped_steps
     grad_norm = None
@@ -345,6 +417,7 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         with mark("loss to host"):
             peak = all_reduce(_peak(world, stop_signal), torch.distributed.ReduceOp.MAX)
             step_loss, peak, stop_signal = torch.cat([step_loss, peak]).tolist()  # sync point
+        mine = None
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
         for i, batch in enumerate(micro_batches):
@@ -356,23 +429,25 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
             if plan.ds.loop_norms and i == accum - 1:  # gradients are all-reduced in the boundary backward
                 with mark("grad norm"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
-                        engine.module.parameters(), plan.ds.loop_clips or float("inf")).item()
+                        engine.module.parameters(), plan.ds.loop_clips or float("inf"))
             with mark("engine"):
                 engine.step()  # steps the optimizer and schedule only at the accumulation boundary
             loss_sum += loss.detach().double()
-        with mark("loss to host"):
-            if world.world_size == 1:  # nothing to gather: the fewest tensor operations
-                step_loss, peak = (loss_sum / work[0]).item(), peak_memory_bytes(world.device)  # sync point
-            else:
-                ranks = all_gather_rows(torch.cat([loss_sum.reshape(1), _peak(world, stop_signal)]))  # (world, 3)
-                step_loss, peak, stop_signal = torch.cat([(ranks[:, 0].sum() / world.replicas / work[0]).reshape(1),
-                                                     ranks[:, 1:].amax(0)]).tolist()  # sync point
-    with mark("grad norm"):
-        if grad_norm is None:
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = None if grad_norm is None else float(grad_norm)
-    skipped = engine.skipped_steps > skipped_before
-    return StepResult(step_loss, work.cpu(), grad_norm, skipped, int(peak), int(stop_signal))
+        with mark("grad norm"):
+            if grad_norm is None:
+                grad_norm = engine.get_global_grad_norm()  # a float, a tensor, or None
+            grad_norm = torch.as_tensor(math.nan if grad_norm is None else grad_norm, dtype=torch.float64,
+                                        device=world.device).reshape(1)
+        mine = torch.cat([torch.ones(1, dtype=torch.float64, device=world.device), loss_sum.reshape(1),
+                          _peak(world, stop_signal), grad_norm])
+    fp16 = plan.ds.precision == "fp16"
+    result = StepResult(to_host_later(out.view(world.world_size, -1)), mine, engine.skipped_steps > skipped_before,
+                        engine.skipped_steps, float(engine.optimizer.loss_scale) if fp16 else None)
+    if mine is None:
+        norm = engine.get_global_grad_norm()
+        result.loss, result.peak_mem, result.signal = step_loss, int(peak), int(stop_signal)
+        result.grad_norm = None if norm is None else float(norm)
+    return result
 
 
 def _peak(world: World, stop_signal: int) -> torch.Tensor:

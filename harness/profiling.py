@@ -1,7 +1,8 @@
 """Where one training step's time goes: `train.profile_step = N` traces optimizer step N with torch.profiler on
 rank 0 and writes RUN/profile.json.
 
-- `wall_s`: the step, from fetching its batches to the loss on the host (the loop's one sync point).
+- `wall_s`: the step, from fetching its batches until it ran (on a GPU, its last kernel), with the loop's reading
+  of the step before it (`loop.Ledger`).
 - `loader_wait_s`: of that, waiting for the data loader's batches.
 - `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
   the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
@@ -33,7 +34,8 @@ def unmarked(name: str) -> contextlib.AbstractContextManager:
 
 
 class StepProfile:
-    """Started before a step's batches are fetched; `finish` after its loss reached the host and it was logged."""
+    """Started before a step's batches are fetched; `finish` after the step and the reading of the one before it
+    (`loop.Ledger`): what every step does."""
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile

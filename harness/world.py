@@ -16,6 +16,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -199,19 +200,38 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     return t
 
 
-def all_reduce_start(t: torch.Tensor):
-    """Start an in-place sum all-reduce of `t` and return at once; `.wait()` on the result (None in a world of
-    one) before reading `t`. Work done in between overlaps the collective."""
-    return torch.distributed.all_reduce(t, async_op=True) if _grouped() else None
+def all_gather_start(t: torch.Tensor):
+    """Start gathering every rank's 1-d `t` and return at once: (out, handle), `out` of world x len(t) in rank
+    order; `.wait()` on the handle (None in a world of one, where `out` is `t`) before reading it. Work done in
+    between overlaps the collective."""
+    if not _grouped():
+        return t, None
+    out = torch.empty(torch.distributed.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
+    return out, torch.distributed.all_gather_into_tensor(out, t, async_op=True)
 
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-d `t`, stacked in rank order: (world, len(t)); a sync point."""
-    if not _grouped():
-        return t.unsqueeze(0)
-    out = torch.empty(torch.distributed.get_world_size() * t.numel(), dtype=t.dtype, device=t.device)
-    torch.distributed.all_gather_into_tensor(out, t)
+    out, handle = all_gather_start(t)
+    if handle is not None:
+        handle.wait()
     return out.view(-1, t.numel())
+
+
+def to_host_later(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`t` on the host, to be read later: on a GPU copied now into pinned memory behind the work queued so far, and
+    the function returned waits for that copy alone (not for work queued since); elsewhere `t` itself."""
+    if t.device.type != "cuda":
+        return lambda: t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> torch.Tensor:
+        copied.synchronize()  # sync point: with the copy alone
+        return host
+    return read
 
 
 def all_gather_objects(obj) -> list:

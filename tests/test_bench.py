@@ -195,7 +195,7 @@ def test_overhead_study_compares_with_a_reference_that_trains_alike(tmp_path, co
     assert e["status"] == "ok" and e["name"] == "zero2 x2" and e["zero_stage"] == 2, e
     assert e["loss_max_diff"] < 1e-6  # fp32, the same engine and batches: the same losses
     assert all(e["step_s"][p]["n"] == 3 for p in overhead.PROGRAMS)
-    assert {"data", "count work", "work all-reduce", "engine", "loss to host", "logging"} <= set(
+    assert {"data", "count work", "step collective", "engine", "loss to host", "logging"} <= set(
         e["profile"]["sections"])
     assert {"data", "engine", "loss to host"} <= set(e["reference_profile"]["sections"])  # profiled alike
     outside = [p["wall_s"] - p["sections"]["engine"] for p in (e["profile"], e["reference_profile"])]

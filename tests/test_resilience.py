@@ -153,3 +153,66 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     line = refused.proc.stderr.strip().splitlines()[-1]
     assert "was saved as data 1 x tensor 1 x pipeline 1, ZeRO-0" in line, line
     assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-2" in line, line
+
+
+def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none_past_giving_up():
+    """`loop.Ledger`, the loop's account of its steps, on made-up steps in a world of one: a step's figures ride in
+    the next step's collective (`carry`) and are read when that step is added; `settle` reads them at once. A stop
+    signal is known from the step it came in; giving up on non-finite losses counts no step after."""
+    import torch
+
+    from harness.loop import Ledger, StepResult
+
+    logged, written = [], []
+    work = torch.tensor([10.0, 1e12, 9, 10], dtype=torch.float64)  # items, FLOPs, real and padded positions
+
+    def made_up(books: Ledger, step: int, loss: float, signal: int = 0, skipped: bool = False) -> StepResult:
+        """What `train_step` returns: the step's collective (its work and what it carried) and its own figures."""
+        rows = torch.cat([work, books.carry()]).reshape(1, -1)
+        mine = torch.tensor([1, 10 * loss, 100 * step, signal, 0.5], dtype=torch.float64)  # loss sum over 10 items
+        return StepResult(lambda: rows, mine, skipped=skipped, skipped_steps=int(step >= 3), loss_scale=None)
+
+    def ledger(log_every: int, stop: int, max_nonfinite: int = 2) -> Ledger:
+        logged.clear(), written.clear()
+        progress = type("Bar", (), {"write": lambda self, s: written.append(s), "set_postfix": lambda *a, **k: None})
+        world = type("World", (), {"replicas": 1, "device": torch.device("cpu"), "is_main": True})
+        return Ledger(type("Tracker", (), {"log": lambda self, r: logged.append(r)})(), progress(),
+                      type("Train", (), {"log_every": log_every, "max_nonfinite_steps": max_nonfinite}), stop,
+                      steps_per_epoch=4, flops=type("Flops", (), {"method": "analytic"}), fixed={}, items="tokens",
+                      min_loss_scale=1.0,
+                      world=world)
+
+    # a record every 3 steps and at the last (7): each over its window of steps, each step read once
+    books = ledger(log_every=3, stop=7)
+    assert not books.carry().any()  # nothing to carry into the first step
+    for step in range(1, 8):
+        books.add(step, made_up(books, step, 1.0 / step, skipped=step == 3), lr=1e-3, samples_seen=8 * step)
+        assert books.step == (step - 1 or None) and books.carry()[2] == 100 * step  # this one rides in the next
+    books.settle()  # the last: read at once
+    assert books.step == 7 and books.pending is None and not books.carry().any()
+    assert [r["step"] for r in logged] == [3, 6, 7] and [r["loss"] for r in logged] == [1 / 3, 1 / 6, 1 / 7]
+    assert [r["peak_mem_bytes"] for r in logged] == [300, 600, 700] and logged[-1]["epoch"] == 7 / 4
+    for r in logged:  # 10 items and 1e12 FLOPs a step, whatever the window's length
+        assert math.isclose(r["tokens_per_s"] * r["step_s"], 10) and math.isclose(r["tflops"] * r["step_s"], 1)
+        assert math.isclose(r["padding"], 0.1) and r["grad_norm"] == 0.5 and r["skipped_steps"] == 1
+        assert r["flops_method"] == "analytic"
+    assert written == ["step 3: gradient not finite, update skipped (1 so far)"]
+
+    # a non-finite loss at steps 2 and 5, an update skipped for a non-finite gradient at 6: the second bad step in a
+    # row gives up on reading step 6; step 7, run meanwhile, is read but neither counted nor logged
+    books = ledger(log_every=1, stop=100)
+    for step, loss in zip(range(1, 8), [1.0, math.nan, 1.0, 1.0, math.inf, 1.0, 1.0]):
+        books.add(step, made_up(books, step, loss, skipped=step == 6), lr=1e-3, samples_seen=8 * step)
+        if books.give_up:
+            break
+    assert step == 7 and books.step == 6 and books.nonfinite == 2
+    books.settle(last=True)
+    assert books.pending is None and [r["step"] for r in logged] == list(range(1, 7))
+
+    # a signal in step 4's figures is known once step 5 has run; step 5 is then read at once and logged
+    books = ledger(log_every=10, stop=100)
+    for step in range(1, 6):
+        books.add(step, made_up(books, step, 1.0, signal=15 if step == 4 else 0), lr=1e-3, samples_seen=8 * step)
+    assert books.signal == 15 and books.step == 4
+    books.settle(last=True)
+    assert [r["step"] for r in logged] == [4, 5] and books.step == 5
