@@ -80,8 +80,9 @@ def build_engine(plan, world: World, total_steps: int):
         else:
             model = plan.task.build_model(cfg)
     if partitioned and world.is_main:
+        loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py)
         print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
-              f"transformers' HfDeepSpeedConfig)")
+              f"transformers' HfDeepSpeedConfig){f'; weights: {loading}' if loading else ''}")
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)

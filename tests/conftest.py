@@ -297,6 +297,17 @@ def tiny_llama(tmp_path_factory, corpus):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_shards(tmp_path_factory, tiny_llama):
+    """`tiny_llama`'s weights saved again in shards of at most 20 KB (with an index), beside the same tokenizer."""
+    out = tmp_path_factory.mktemp("hf") / "tiny-llama-shards"
+    _transformers().LlamaForCausalLM.from_pretrained(tiny_llama).save_pretrained(out, max_shard_size="20KB")
+    for f in tiny_llama.iterdir():
+        if not f.name.startswith("model") and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_t5(tmp_path_factory):
     """The toy English-"French" pairs and a 2+2-layer T5 with a word-level tokenizer trained on both sides."""
     import gzip

@@ -7,6 +7,7 @@ run."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -22,7 +23,7 @@ def hf_sets(model_dir) -> list[str]:
 
 
 def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_zero3(cached_run, tiny_llama, corpus,
-                                                                                    tmp_path):
+                                                                                    tiny_llama_shards, tmp_path):
     ref = cached_run("hf-ref", sets=hf_sets(tiny_llama), base=TINY_RUN)
     assert "task lm, LlamaForCausalLM of" in ref.proc.stdout
     # Llama's mask code reads values (.item()), which a meta-device forward cannot: the 6N fallback, said so
@@ -34,19 +35,25 @@ def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_ze
     assert "resumed from" in two2.proc.stdout
     assert_losses_close(two2.losses, ref.losses, FP32_TOL)
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
-    two3 = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama), "train.micro_batch_size=2"], base=TINY_RUN)
-    assert "built partitioned over the ranks (ZeRO-3" in two3.proc.stdout
+    # the same weights in shards, each rank reading its own share of each (models/hf.py): the losses of 1 process
+    # that read them whole through transformers
+    shards = len(list(tiny_llama_shards.glob("model-*.safetensors")))
+    two3 = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama_shards), "train.micro_batch_size=2"],
+                      base=TINY_RUN)
+    assert shards > 2 and "built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through transformers' " \
+        f"HfDeepSpeedConfig); weights: each rank read its own share of {shards} safetensors file(s)" in two3.proc.stdout
     assert_losses_close(two3.losses, ref.losses, FP32_TOL)
     built = two3.metrics[-1]
     assert len(built["build_peak_bytes"]) == 2 and all(b >= 0 for b in built["build_peak_bytes"])
     assert built["build_peak_device_bytes"] == [None, None] and "model built: at its peak it took" in two3.proc.stdout
 
 
-def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_llama, tmp_path):
+def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_llama_shards, tmp_path):
     import torch
 
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
-    run = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama), "train.micro_batch_size=2"], base=TINY_RUN)
+    run = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama_shards), "train.micro_batch_size=2"],
+                     base=TINY_RUN)
     from harness.export import load_model
 
     ours, _ = load_model(run.dir)
@@ -120,3 +127,43 @@ def test_hf_models_go_only_where_they_fit(tiny_llama, tmp_path, monkeypatch):
         cfg = resolve(None, [f'run.task="{task}"', llama, "train.max_steps=1"]).cfg
         with pytest.raises(ConfigError, match=message):
             get_task(task).check(cfg)
+
+
+def test_a_rank_reads_exactly_its_flat_share_of_a_checkpoint_tensor(tmp_path):
+    """The partitioned loader's reading (models/hf.py `_flat_range`): any flat range of a stored tensor, from the
+    rows that hold it, whatever the rows' boundaries."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from harness.models.hf import _flat_range
+
+    tensors = {"matrix": torch.arange(15.0).reshape(5, 3), "cube": torch.arange(24.0).reshape(2, 3, 4),
+               "vector": torch.arange(7.0), "scalar": torch.tensor(3.0)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        for key, t in tensors.items():
+            flat = t.reshape(-1)
+            for start in range(flat.numel()):
+                for end in range(start + 1, flat.numel() + 1):
+                    assert torch.equal(_flat_range(f, key, start, end), flat[start:end]), (key, start, end)
+
+
+def test_the_partitioned_loader_finds_a_hub_ids_weights_in_the_cache(tiny_llama_shards, tmp_path, monkeypatch):
+    """A hub id's shards are read where from_pretrained keeps them, its snapshot in the Hugging Face cache (filled by
+    hand here, offline); an id neither cached nor reachable is left to transformers' loader (which says why)."""
+    from huggingface_hub import constants
+
+    from harness.models.hf import _weight_files
+
+    snapshot = tmp_path / "models--harness-tests--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_llama_shards, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    shards = sorted(f.name for f in tiny_llama_shards.glob("model-*.safetensors"))
+    assert len(shards) > 2 and sorted(f.name for f in _weight_files(str(tiny_llama_shards))) == shards
+    found = _weight_files("harness-tests/tiny-llama")
+    assert sorted(f.name for f in found) == shards and all(f.is_file() and snapshot in f.parents for f in found)
+    assert _weight_files("harness-tests/absent") == []

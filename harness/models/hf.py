@@ -5,13 +5,16 @@ that `save_pretrained` wrote (its weights and, beside them, its tokenizer), or a
 initialisation, `from_config`). The task picks the auto class (`model.hf_class` overrides it). Built under
 `with torch.device("meta")` (`harness plan`, the FLOPs count) the model comes from its config alone: no weights are
 read. Under ZeRO-3 the loop builds it inside DeepSpeed's partitioned construction (`zero_init`), as
-transformers' own DeepSpeed integration does (`from_pretrained` then reads the weights on rank 0 and scatters them).
+transformers' own DeepSpeed integration does; pretrained weights in local safetensors files are then read by each
+rank for its own share (`load_partitioned`), anything else by `from_pretrained` (rank 0 reads them all and scatters).
 
 `transformers` is the optional extra `[hf]`; without it a run naming `model.hf` stops before launch.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -80,11 +83,24 @@ def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
     source, has_weights = _config_source(cfg.model.hf)
     on_meta = torch.empty(0).device.type == "meta"
     torch.manual_seed(cfg.train.seed)  # a from-config model's initial weights: the same on every rank
-    if has_weights and not on_meta:
+    if has_weights and not on_meta and _partitioned():
+        model, how = load_partitioned(cls, config, source)
+        if model is None:
+            how = f"transformers' loader (rank 0 reads the whole checkpoint): {how}"
+            model = cls.from_pretrained(source, config=config)
+        model.harness_loading = how  # said by parallel.build_engine
+    elif has_weights and not on_meta:
         model = cls.from_pretrained(source, config=config)
     else:
         model = cls.from_config(config)
     return model.train()
+
+
+def _partitioned() -> bool:
+    """Whether this build is inside `zero_init` (transformers' ZeRO-3 construction)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 @contextlib.contextmanager
@@ -101,6 +117,109 @@ def zero_init(ds_config: dict):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
+
+
+def _weight_files(source: str) -> list[Path]:
+    """`source`'s safetensors weights on this machine: one file, or the shards its index names; [] where there are
+    none. A hub id's are those of its snapshot in the Hugging Face cache, fetched there first (those files alone)
+    where `from_pretrained` would fetch them."""
+    path = Path(source)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
+        except (OSError, ValueError):  # not on the hub, or neither reachable nor cached: from_pretrained says which
+            return []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+    return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+@contextlib.contextmanager
+def _weights_left_empty():
+    """transformers' `from_config` under ZeRO-3 initialises each module gathered whole (`initialize_weights_zero3`):
+    work thrown away where every weight is read from a checkpoint next. Skipped for such a build."""
+    import transformers.integrations.deepspeed as integration
+
+    real = integration.initialize_weights_zero3
+    integration.initialize_weights_zero3 = lambda model: None
+    try:
+        yield
+    finally:
+        integration.initialize_weights_zero3 = real
+
+
+def _flat_range(f, key: str, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of checkpoint tensor `key` flattened, reading only the rows that hold them."""
+    part = f.get_slice(key)
+    shape = part.get_shape()
+    if not shape:
+        return f.get_tensor(key).reshape(-1)[start:end]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-end // row)
+    rows = part[first:last].reshape(-1)
+    return rows[start - first * row:end - first * row]
+
+
+def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
+    """Under ZeRO-3 (inside `zero_init`): the model built partitioned with no initialisation, then each rank copies
+    its own share of every parameter from the checkpoint's safetensors files, reading only the rows that hold it,
+    with no collective: no rank holds more than its share and one parameter's rows. transformers' own loader has
+    rank 0 read the whole checkpoint and scatter it, module by module. (model, how it was loaded), or (None, why
+    not): a checkpoint that is not local safetensors, or whose names, shapes or dtypes are not the model's own,
+    is left to transformers (which renames and initialises what is missing)."""
+    from safetensors import safe_open
+
+    files = _weight_files(source)
+    if not files:
+        return None, "no safetensors weights (in the directory, or in the hub id's snapshot in the cache)"
+    with _weights_left_empty():
+        model = cls.from_config(config)
+    own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
+    loaded, why = set(), None
+    headers = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                part = f.get_slice(key)
+                headers[key] = (tuple(part.get_shape()), part.get_dtype())
+    for key, (shape, dtype) in headers.items():
+        t = own.get(key)
+        if t is None:
+            why = f"the checkpoint's {key!r} is not one of the model's names"
+            break
+        ours = tuple(getattr(t, "ds_shape", t.shape))  # a partitioned parameter's whole shape
+        if ours != shape or _SAFETENSORS_DTYPES.get(dtype) != t.dtype:
+            why = f"{key!r} is {dtype} {list(shape)} in the checkpoint, {t.dtype} {list(ours)} in the model"
+            break
+        loaded.add(id(t))
+    missing = [k for k, t in own.items() if id(t) not in loaded and isinstance(t, nn.Parameter)]
+    if why is None and missing:
+        why = f"the checkpoint has no {missing[0]!r}"
+    if why is not None:
+        del model
+        return None, why
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    t = own[key]
+                    if hasattr(t, "ds_tensor"):  # a ZeRO-3 parameter: this rank's slice of it, flattened and padded
+                        size = t.ds_tensor.ds_numel
+                        start = size * torch.distributed.get_rank(group=t.ds_process_group)
+                        end = min(start + size, t.ds_numel)
+                        if start < end:
+                            t.ds_tensor[:end - start].copy_(_flat_range(f, key, start, end))
+                    else:  # buffers are whole on every rank
+                        t.copy_(f.get_tensor(key))
+    return model, f"each rank read its own share of {len(files)} safetensors file(s)"
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def logits(outputs) -> torch.Tensor:
