@@ -27,8 +27,8 @@ from .prepare import store_run_data
 from .selection import Selection
 from .startup import Plan, check_free_space, prepare_run_dir
 from .tracking import Tracker, truncate_jsonl
-from .world import (World, all_gather_objects, all_gather_rows, all_gather_start, all_reduce, peak_memory_bytes,
-                    to_host_later)
+from .world import (World, all_gather_objects, all_gather_rows, all_gather_start, all_reduce, host_to_device,
+                    peak_memory_bytes, to_host_later)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -60,8 +60,8 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
-    """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it with a checkpoint a step after the
-    one it came in (at that one, where its figures were read at once): raises Preempted."""
+    """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
+    checkpoint: raises Preempted."""
     timeout_s = plan.run.cfg.train.collective_timeout_s
     with Watch(world.rank) as watch, contextlib.ExitStack() as teardown:
         held = prepare_run_dir(plan, world, resume_from, overwrite)
@@ -269,15 +269,17 @@ def _draw_curves(run_dir: Path, say) -> None:
         say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
-FIGURES = 5  # a step's figures from one rank: [carried (1) or not (0), loss sum, peak memory, stop signal, grad norm]
+HEAD = 5  # a step's row starts with what each rank knows before it: its work counts (4) and a stop signal it got
+FIGURES = 5  # what follows, carried from the step before: [carried (1) or not (0), peak memory, has a gradient norm
+#              (1) or not (0), the norm, loss sum]
 
 
 @dataclass
 class StepResult:
     """A step's outcome. What only the ranks together know (the global work, the loss, the peak memory, a stop
     signal) is read by the `Ledger`, a step late where it can be; until then `loss` and its kin are None."""
-    rows: Callable[[], torch.Tensor]  # -> (world, 4 + FIGURES) on the host: every rank's work counts of this step
-    #                                   and its figures of the step before, where the loop carried them (`Ledger`)
+    rows: Callable[[], torch.Tensor]  # -> (world, HEAD + FIGURES) on the host: every rank's work counts and signal
+    #                                   of this step and its figures of the step before, where carried (`Ledger`)
     mine: torch.Tensor | None  # (FIGURES,) this rank's figures of this step, on its device; None: read (pipeline)
     skipped: bool              # the update was skipped for a non-finite gradient (fp16: or an overflow)
     skipped_steps: int         # updates skipped so far
@@ -292,10 +294,12 @@ class Ledger:
     """The loop's account of its steps, one step behind them. A step's own figures (`StepResult.mine`) ride to the
     other ranks in the next step's one collective, the work counts' gather (`Ledger.carry`, `train_step`), so no
     step has a sync of its own beyond DeepSpeed's, nor waits there for a slower rank. A step whose figures a
-    decision needs at once (an evaluation, a checkpoint, the end) is read with a collective of its own: `settle`.
+    decision needs at once (an evaluation, a checkpoint, the end, a stop signal) is read with a collective of its
+    own: `settle`. A stop signal some rank got travels at the head of a step's row: `signal` has it once the step
+    it was sent in has been added, so the run stops at that step's end.
 
-    Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there), keeps a stop signal some
-    rank got (`signal`), and writes its metrics record at `train.log_every` and at the end. A record's window runs
+    Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there) and writes its metrics
+    record at `train.log_every` and at the end. A record's window runs
     from one logged step's end to the next's, so every second of the loop, the logging's own included, is in one."""
 
     def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
@@ -319,8 +323,10 @@ class Ledger:
         one for later."""
         with mark("loss to host"):
             rows = result.rows()  # sync point: on a GPU, with a copy queued early in the step
+        result.signal = int(rows[:, 4].max())  # sent before the step ran: it stops the run at this step's end
+        self.signal = self.signal or result.signal
         if self.pending is not None:
-            self._read(rows[:, 4:], mark=mark)
+            self._read(rows[:, HEAD:], mark=mark)
         work = rows[:, :4].sum(0) / self.world.replicas  # ranks that read the same batch each counted it
         self.pending = (step, result, work, lr, samples_seen, time.perf_counter())
         if result.mine is None:  # read already (a pipeline's step)
@@ -337,16 +343,15 @@ class Ledger:
         self.pending = None
         if ranks is not None:
             assert bool((ranks[:, 0] == 1).all()), "a step's figures were not carried"  # the loop's bookkeeping
-            norm = ranks[0, 4].item()
-            r.loss = (ranks[:, 1].sum() / self.world.replicas / work[0]).item()
-            r.peak_mem, r.signal = int(ranks[:, 2].max()), int(ranks[:, 3].max())
-            r.grad_norm = None if math.isnan(norm) else norm
+            r.peak_mem = int(ranks[:, 1].max())
+            r.grad_norm = ranks[0, 3].item() if ranks[0, 2] else None  # global: every rank's is the same
+            r.loss = (ranks[:, 4].sum() / self.world.replicas / work[0]).item()
         if self.give_up:  # the run stops at the step that gave up: one read after it is not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
         self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
-        self.step, self.result, self.signal = step, r, self.signal or r.signal
+        self.step, self.result = step, r
         self.window_work += work
         self.window_steps += 1
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
@@ -391,12 +396,15 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
     the parts of the step for a traced one (`profiling.StepProfile.section`). One collective of its own, started
     here and awaited only before the first backward (so the first forward hides it): every rank's work counts (the
-    loss normaliser) with `carry`, its figures of the step before (`Ledger.carry`). This step's figures (loss sum,
-    peak memory, `stop_signal`, one it got or 0, and the gradient norm) are returned to be carried the same way; a
-    pipeline's are read at once."""
+    loss normaliser) and `stop_signal` (one it got, or 0), with `carry`, its figures of the step before
+    (`Ledger.carry`). This step's figures (peak memory, gradient norm, loss sum) are returned to be carried the
+    same way; a pipeline's are read at once. On a GPU nothing here waits for the device: host values go up from
+    pinned memory, and the gathered rows come down behind the gather, early in the step (`to_host_later`)."""
     task, accum = plan.task, len(micro_batches)
     with mark("step collective"):
-        out, pending = all_gather_start(torch.cat([work.to(world.device), carry]))  # (4 + FIGURES,) from each rank
+        head = torch.cat([work, torch.tensor([stop_signal], dtype=torch.float64)])  # (HEAD,) known on the host
+        out, pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
+    rows = []  # the host's copy of every rank's row: (world, HEAD + FIGURES)
 
     def loss_scale() -> torch.Tensor:
         """DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
@@ -404,9 +412,10 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         with mark("step collective"):
             if pending is not None:
                 pending.wait()
+            gathered = out.view(world.world_size, -1)
+            rows.append(to_host_later(gathered))
             # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each count it: hence replicas.
-            items = out.view(world.world_size, -1)[:, 0].sum() / world.replicas
-            return (world.dp_size * accum / items).float()
+            return (world.dp_size * accum / (gathered[:, 0].sum() / world.replicas)).float()
 
     skipped_before = engine.skipped_steps
     grad_norm = None
@@ -415,8 +424,10 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         with mark("engine"):
             step_loss = pipeline_step(engine, task, micro_batches, scale).double().reshape(1)  # already global
         with mark("loss to host"):
-            peak = all_reduce(_peak(world, stop_signal), torch.distributed.ReduceOp.MAX)
-            step_loss, peak, stop_signal = torch.cat([step_loss, peak]).tolist()  # sync point
+            peak = all_reduce(host_to_device(torch.tensor([float(peak_memory_bytes(world.device))],
+                                                           dtype=torch.float64), world.device),
+                              torch.distributed.ReduceOp.MAX)
+            step_loss, peak = torch.cat([step_loss, peak]).tolist()  # sync point
         mine = None
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
@@ -436,23 +447,27 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         with mark("grad norm"):
             if grad_norm is None:
                 grad_norm = engine.get_global_grad_norm()  # a float, a tensor, or None
-            grad_norm = torch.as_tensor(math.nan if grad_norm is None else grad_norm, dtype=torch.float64,
-                                        device=world.device).reshape(1)
-        mine = torch.cat([torch.ones(1, dtype=torch.float64, device=world.device), loss_sum.reshape(1),
-                          _peak(world, stop_signal), grad_norm])
+            mine = _figures(world, grad_norm, loss_sum)
     fp16 = plan.ds.precision == "fp16"
-    result = StepResult(to_host_later(out.view(world.world_size, -1)), mine, engine.skipped_steps > skipped_before,
-                        engine.skipped_steps, float(engine.optimizer.loss_scale) if fp16 else None)
+    result = StepResult(rows[0], mine, engine.skipped_steps > skipped_before, engine.skipped_steps,
+                        float(engine.optimizer.loss_scale) if fp16 else None)
     if mine is None:
         norm = engine.get_global_grad_norm()
-        result.loss, result.peak_mem, result.signal = step_loss, int(peak), int(stop_signal)
+        result.loss, result.peak_mem = step_loss, int(peak)
         result.grad_norm = None if norm is None else float(norm)
     return result
 
 
-def _peak(world: World, stop_signal: int) -> torch.Tensor:
-    """This rank's peak memory so far and its stop signal, (2,) float64 on its device (exact to 2**53 bytes)."""
-    return torch.tensor([peak_memory_bytes(world.device), stop_signal], dtype=torch.float64, device=world.device)
+def _figures(world: World, grad_norm, loss_sum: torch.Tensor) -> torch.Tensor:
+    """This rank's figures of a step, (FIGURES,) float64 on its device (peak memory exact to 2**53 bytes), built
+    without waiting for the device: a norm DeepSpeed keeps on the device stays there."""
+    known = [1.0, float(peak_memory_bytes(world.device)), float(grad_norm is not None)]
+    if isinstance(grad_norm, torch.Tensor):
+        norm = grad_norm.detach().reshape(1).to(world.device, torch.float64)
+        return torch.cat([host_to_device(torch.tensor(known, dtype=torch.float64), world.device), norm,
+                          loss_sum.reshape(1)])
+    known.append(0.0 if grad_norm is None else float(grad_norm))
+    return torch.cat([host_to_device(torch.tensor(known, dtype=torch.float64), world.device), loss_sum.reshape(1)])
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None) -> dict:

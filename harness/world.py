@@ -218,6 +218,12 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return out.view(-1, t.numel())
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`; to a GPU from pinned memory, so the host does not wait for the work queued
+    there (a copy from pageable memory would)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def to_host_later(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     """`t` on the host, to be read later: on a GPU copied now into pinned memory behind the work queued so far, and
     the function returned waits for that copy alone (not for work queued since); elsewhere `t` itself."""
@@ -226,7 +232,7 @@ def to_host_later(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(t.device))
 
     def read() -> torch.Tensor:
         copied.synchronize()  # sync point: with the copy alone

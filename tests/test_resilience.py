@@ -158,7 +158,7 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
 def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none_past_giving_up():
     """`loop.Ledger`, the loop's account of its steps, on made-up steps in a world of one: a step's figures ride in
     the next step's collective (`carry`) and are read when that step is added; `settle` reads them at once. A stop
-    signal is known from the step it came in; giving up on non-finite losses counts no step after."""
+    signal is known from the step it was sent in; giving up on non-finite losses counts no step after."""
     import torch
 
     from harness.loop import Ledger, StepResult
@@ -167,9 +167,9 @@ def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none
     work = torch.tensor([10.0, 1e12, 9, 10], dtype=torch.float64)  # items, FLOPs, real and padded positions
 
     def made_up(books: Ledger, step: int, loss: float, signal: int = 0, skipped: bool = False) -> StepResult:
-        """What `train_step` returns: the step's collective (its work and what it carried) and its own figures."""
-        rows = torch.cat([work, books.carry()]).reshape(1, -1)
-        mine = torch.tensor([1, 10 * loss, 100 * step, signal, 0.5], dtype=torch.float64)  # loss sum over 10 items
+        """What `train_step` returns: the step's collective (its work, a signal, what it carried) and its figures."""
+        rows = torch.cat([work, torch.tensor([float(signal)], dtype=torch.float64), books.carry()]).reshape(1, -1)
+        mine = torch.tensor([1, 100 * step, 1, 0.5, 10 * loss], dtype=torch.float64)  # loss sum over 10 items
         return StepResult(lambda: rows, mine, skipped=skipped, skipped_steps=int(step >= 3), loss_scale=None)
 
     def ledger(log_every: int, stop: int, max_nonfinite: int = 2) -> Ledger:
@@ -187,7 +187,7 @@ def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none
     assert not books.carry().any()  # nothing to carry into the first step
     for step in range(1, 8):
         books.add(step, made_up(books, step, 1.0 / step, skipped=step == 3), lr=1e-3, samples_seen=8 * step)
-        assert books.step == (step - 1 or None) and books.carry()[2] == 100 * step  # this one rides in the next
+        assert books.step == (step - 1 or None) and books.carry()[1] == 100 * step  # this one rides in the next
     books.settle()  # the last: read at once
     assert books.step == 7 and books.pending is None and not books.carry().any()
     assert [r["step"] for r in logged] == [3, 6, 7] and [r["loss"] for r in logged] == [1 / 3, 1 / 6, 1 / 7]
@@ -209,10 +209,11 @@ def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none
     books.settle(last=True)
     assert books.pending is None and [r["step"] for r in logged] == list(range(1, 7))
 
-    # a signal in step 4's figures is known once step 5 has run; step 5 is then read at once and logged
+    # a signal sent with step 4 is known once step 4 has run, before its figures are read; read at once, it is
+    # logged (the loop then saves and stops)
     books = ledger(log_every=10, stop=100)
-    for step in range(1, 6):
+    for step in range(1, 5):
         books.add(step, made_up(books, step, 1.0, signal=15 if step == 4 else 0), lr=1e-3, samples_seen=8 * step)
-    assert books.signal == 15 and books.step == 4
+        assert books.signal == (15 if step == 4 else 0) and books.step == (step - 1 or None)
     books.settle(last=True)
-    assert [r["step"] for r in logged] == [4, 5] and books.step == 5
+    assert [r["step"] for r in logged] == [4] and books.step == 4 and books.result.signal == 15

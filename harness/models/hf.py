@@ -121,14 +121,17 @@ def zero_init(ds_config: dict):
 
 def _weight_files(source: str) -> list[Path]:
     """`source`'s safetensors weights on this machine: one file, or the shards its index names; [] where there are
-    none. A hub id's are those of its snapshot in the Hugging Face cache, fetched there first (those files alone)
-    where `from_pretrained` would fetch them."""
+    none. A hub id's are those of its snapshot in the Hugging Face cache, fetched there first (the index or the one
+    file, then the shards it names) where `from_pretrained` would fetch them."""
     path = Path(source)
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
         try:
-            path = Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
+            path = Path(snapshot_download(source, allow_patterns=["model.safetensors", "model.safetensors.index.json"]))
+            if (path / "model.safetensors.index.json").is_file():
+                names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()
+                path = Path(snapshot_download(source, allow_patterns=sorted(set(names))))
         except (OSError, ValueError):  # not on the hub, or neither reachable nor cached: from_pretrained says which
             return []
     index = path / "model.safetensors.index.json"
@@ -164,43 +167,40 @@ def _flat_range(f, key: str, start: int, end: int) -> torch.Tensor:
 
 
 def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
-    """Under ZeRO-3 (inside `zero_init`): the model built partitioned with no initialisation, then each rank copies
-    its own share of every parameter from the checkpoint's safetensors files, reading only the rows that hold it,
-    with no collective: no rank holds more than its share and one parameter's rows. transformers' own loader has
-    rank 0 read the whole checkpoint and scatter it, module by module. (model, how it was loaded), or (None, why
-    not): a checkpoint that is not local safetensors, or whose names, shapes or dtypes are not the model's own,
-    is left to transformers (which renames and initialises what is missing)."""
+    """Under ZeRO-3 (inside `zero_init`): the model built partitioned with no initialisation (`deepspeed.zero.Init`
+    holds a module's parameters whole only while building it), then each rank copies its own share of every
+    parameter from the checkpoint's safetensors files, reading only the rows that hold it, with no collective:
+    after the build no rank holds more than its share and one parameter's rows. transformers' own loader has rank 0
+    read the whole checkpoint and scatter it, module by module. (model, how it was loaded), or (None, why not): a
+    checkpoint that is not safetensors, whose names, shapes or dtypes are not the model's own (every parameter and
+    persistent buffer), one transformers converts, or a partitioning this cannot write into (hpZ's secondary
+    copies, parameters offloaded to NVMe) is left to transformers (which renames, converts and initialises). The
+    ranks agree before each collective step, so a rank missing a file cannot leave the others waiting."""
     from safetensors import safe_open
 
+    from ..world import all_gather_objects
+
+    def agreed(why: str | None) -> str | None:  # the first rank's reason to fall back, on every rank
+        return next((w for w in all_gather_objects(why) if w), None)
+
     files = _weight_files(source)
-    if not files:
-        return None, "no safetensors weights (in the directory, or in the hub id's snapshot in the cache)"
-    with _weights_left_empty():
-        model = cls.from_config(config)
-    own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
-    loaded, why = set(), None
+    why = agreed(None if files else "no safetensors weights (in the directory, or in the hub id's snapshot in the "
+                                    "cache)")
+    if why:
+        return None, why
     headers = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 part = f.get_slice(key)
                 headers[key] = (tuple(part.get_shape()), part.get_dtype())
-    for key, (shape, dtype) in headers.items():
-        t = own.get(key)
-        if t is None:
-            why = f"the checkpoint's {key!r} is not one of the model's names"
-            break
-        ours = tuple(getattr(t, "ds_shape", t.shape))  # a partitioned parameter's whole shape
-        if ours != shape or _SAFETENSORS_DTYPES.get(dtype) != t.dtype:
-            why = f"{key!r} is {dtype} {list(shape)} in the checkpoint, {t.dtype} {list(ours)} in the model"
-            break
-        loaded.add(id(t))
-    missing = [k for k, t in own.items() if id(t) not in loaded and isinstance(t, nn.Parameter)]
-    if why is None and missing:
-        why = f"the checkpoint has no {missing[0]!r}"
-    if why is not None:
+    with _weights_left_empty():
+        model = cls.from_config(config)
+    why = agreed(_unloadable(model, headers))
+    if why:
         del model
         return None, why
+    own = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -214,7 +214,45 @@ def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
                             t.ds_tensor[:end - start].copy_(_flat_range(f, key, start, end))
                     else:  # buffers are whole on every rank
                         t.copy_(f.get_tensor(key))
+    from transformers import GenerationConfig
+
+    local = Path(source).is_dir()
+    if getattr(model, "generation_config", None) is not None and \
+            (not local or (Path(source) / "generation_config.json").is_file()):
+        try:  # what from_pretrained reads beside the weights: the checkpoint's decoding defaults
+            model.generation_config = GenerationConfig.from_pretrained(source)
+        except (OSError, ValueError):
+            pass  # none there: the config's defaults, as from_pretrained keeps them
     return model, f"each rank read its own share of {len(files)} safetensors file(s)"
+
+
+def _unloadable(model: nn.Module, headers: dict[str, tuple]) -> str | None:
+    """Why the partitioned loader cannot fill `model` from checkpoint tensors `headers` ({name: (shape, dtype)}), or
+    None."""
+    from deepspeed.runtime.zero.partition_parameters import OffloadDeviceEnum
+
+    try:
+        from transformers.conversion_mapping import WeightConverter, get_model_conversion_mapping
+        if any(isinstance(c, WeightConverter) for c in get_model_conversion_mapping(model)):
+            return "transformers converts this model's checkpoint tensors"
+    except ImportError:  # an older transformers: no conversions
+        pass
+    own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
+    loaded = set()
+    for key, (shape, dtype) in headers.items():
+        t = own.get(key)
+        if t is None:
+            return f"the checkpoint's {key!r} is not one of the model's names"
+        ours = tuple(getattr(t, "ds_shape", t.shape))  # a partitioned parameter's whole shape
+        if ours != shape or _SAFETENSORS_DTYPES.get(dtype) != t.dtype:
+            return f"{key!r} is {dtype} {list(shape)} in the checkpoint, {t.dtype} {list(ours)} in the model"
+        if hasattr(t, "ds_tensor") and (getattr(t, "ds_secondary_tensor", None) is not None or
+                                        getattr(t.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme or
+                                        t.ds_tensor.numel() != t.ds_tensor.ds_numel):
+            return "its parameters are partitioned in a way the partitioned loader does not write (hpZ or NVMe)"
+        loaded.add(id(t))
+    missing = [k for k, t in own.items() if id(t) not in loaded]
+    return f"the checkpoint has no {missing[0]!r}" if missing else None
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
