@@ -269,7 +269,8 @@ def _draw_curves(run_dir: Path, say) -> None:
         say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
-HEAD = 5  # a step's row starts with what each rank knows before it: its work counts (4) and a stop signal it got
+WORK = 4  # a step's row starts with what each rank knows before it: its work counts (`step_work`)
+HEAD = WORK + 1  # and a stop signal it got
 FIGURES = 5  # what follows, carried from the step before: [carried (1) or not (0), peak memory, has a gradient norm
 #              (1) or not (0), the norm, loss sum]
 
@@ -299,8 +300,8 @@ class Ledger:
     it was sent in has been added, so the run stops at that step's end.
 
     Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there) and writes its metrics
-    record at `train.log_every` and at the end. A record's window runs
-    from one logged step's end to the next's, so every second of the loop, the logging's own included, is in one."""
+    record at `train.log_every` and at the end. A record's window runs from one logged step's end to the next's, so
+    every second of the loop, the logging's own included, is in one."""
 
     def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
                  fixed: dict, items: str, min_loss_scale: float, world: World):
@@ -323,11 +324,11 @@ class Ledger:
         one for later."""
         with mark("loss to host"):
             rows = result.rows()  # sync point: on a GPU, with a copy queued early in the step
-        result.signal = int(rows[:, 4].max())  # sent before the step ran: it stops the run at this step's end
+        result.signal = int(rows[:, WORK].max())  # sent before the step ran: it stops the run at this step's end
         self.signal = self.signal or result.signal
         if self.pending is not None:
             self._read(rows[:, HEAD:], mark=mark)
-        work = rows[:, :4].sum(0) / self.world.replicas  # ranks that read the same batch each counted it
+        work = rows[:, :WORK].sum(0) / self.world.replicas  # ranks that read the same batch each counted it
         self.pending = (step, result, work, lr, samples_seen, time.perf_counter())
         if result.mine is None:  # read already (a pipeline's step)
             self._read(None, mark=mark)

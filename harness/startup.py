@@ -175,6 +175,11 @@ def checkpoint_bytes_per_param(plan: Plan) -> tuple[int, str]:
 CONVERSION_FACTOR = 1.5  # a universal conversion's peak on disk over its source checkpoint (1.47x measured, ZeRO-2)
 
 
+def _bytes_on_disk(directory: Path) -> int:
+    """The size of the files under `directory` (a checkpoint)."""
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
 def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None) -> str | None:
     """Why the file system of the run directory cannot hold this run's checkpoints and export, or None: the checkpoints
     it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less the
@@ -189,12 +194,12 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     count = t.keep_checkpoints + 1 + bool(t.select_best)
     ckpts = plan.run_dir / "checkpoints"
     kept = sorted(ckpts.glob("step_*[0-9]"))[-(count - 1):] if ckpts.is_dir() else []  # rotated out, these free
-    held = sum(p.stat().st_size for d in kept for p in d.rglob("*") if p.is_file())
+    held = sum(map(_bytes_on_disk, kept))
     need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
     convert = 0
     if resume_from is not None and checkpoint.reshape(resume_from, plan.ds) and \
             not resume_from.with_name(resume_from.name + checkpoint.UNIVERSAL).is_dir():
-        convert = CONVERSION_FACTOR * sum(p.stat().st_size for p in resume_from.rglob("*") if p.is_file())
+        convert = CONVERSION_FACTOR * _bytes_on_disk(resume_from)
     free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
     if free >= need + convert:
         return None

@@ -128,16 +128,23 @@ def _weight_files(source: str) -> list[Path]:
         from huggingface_hub import snapshot_download
 
         try:
-            path = Path(snapshot_download(source, allow_patterns=["model.safetensors", "model.safetensors.index.json"]))
-            if (path / "model.safetensors.index.json").is_file():
-                names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()
-                path = Path(snapshot_download(source, allow_patterns=sorted(set(names))))
+            path = Path(snapshot_download(source, allow_patterns=["model.safetensors", INDEX]))
+            if shards := _shards(path):
+                path = Path(snapshot_download(source, allow_patterns=shards))
         except (OSError, ValueError):  # not on the hub, or neither reachable nor cached: from_pretrained says which
             return []
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return [path / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+    if shards := _shards(path):
+        return [path / name for name in shards]
     return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _shards(path: Path) -> list[str]:
+    """The shard files a directory's safetensors index names, in its order ([] without an index)."""
+    index = path / INDEX
+    return list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
 
 
 @contextlib.contextmanager
@@ -196,11 +203,11 @@ def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
                 headers[key] = (tuple(part.get_shape()), part.get_dtype())
     with _weights_left_empty():
         model = cls.from_config(config)
-    why = agreed(_unloadable(model, headers))
+    own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
+    why = agreed(_unloadable(model, own, headers))
     if why:
-        del model
+        del model, own
         return None, why
-    own = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -226,9 +233,9 @@ def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
     return model, f"each rank read its own share of {len(files)} safetensors file(s)"
 
 
-def _unloadable(model: nn.Module, headers: dict[str, tuple]) -> str | None:
-    """Why the partitioned loader cannot fill `model` from checkpoint tensors `headers` ({name: (shape, dtype)}), or
-    None."""
+def _unloadable(model: nn.Module, own: dict[str, torch.Tensor], headers: dict[str, tuple]) -> str | None:
+    """Why the partitioned loader cannot fill `model` (its state dict `own`, kept tensors) from checkpoint tensors
+    `headers` ({name: (shape, dtype)}), or None."""
     from deepspeed.runtime.zero.partition_parameters import OffloadDeviceEnum
 
     try:
@@ -237,7 +244,6 @@ def _unloadable(model: nn.Module, headers: dict[str, tuple]) -> str | None:
             return "transformers converts this model's checkpoint tensors"
     except ImportError:  # an older transformers: no conversions
         pass
-    own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
     loaded = set()
     for key, (shape, dtype) in headers.items():
         t = own.get(key)
