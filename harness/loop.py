@@ -167,26 +167,15 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
              "build_peak_device_bytes": [p["device"] for p in build_peaks]}
     items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
     ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world)
+    steps = Steps(engine, plan, world, loader, flops, ledger, progress)
     last_metrics, step = {}, start_step
     while step < stop and not (selection and selection.stopped_at):
-        lr = schedule.get_last_lr()[0]
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
         mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
-        fetch_start = time.perf_counter()
-        with mark("data"):
-            cpu_batches = [next(loader) for _ in range(ds.grad_accum_steps)]
-        loader_wait = time.perf_counter() - fetch_start
-        with mark("count work"):
-            work = step_work(task, flops, cpu_batches)  # counted on the host: no device sync
-        with mark("to device"):
-            batches = [to_device(b, world.device) for b in cpu_batches]
-        result = train_step(engine, plan, batches, world, work, ledger.carry(), mark, watch.signal or 0)
+        samples_seen += ds.global_batch_size
+        result, loader_wait = steps.run(step + 1, schedule.get_last_lr()[0], samples_seen, watch.signal or 0, mark)
         step += 1
         beat.step = step
-        samples_seen += ds.global_batch_size
-        with mark("progress bar"):
-            progress.update(1)
-        ledger.add(step, result, lr, samples_seen, mark)  # reads the step before this one
         if traced:  # before anything only some steps do: the step as every step runs it
             progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
         evaluating = t.eval_every and step % t.eval_every == 0 and step < max_steps
@@ -312,8 +301,7 @@ class Ledger:
         self.pending: tuple | None = None  # (step, StepResult, its global work, lr, samples seen, when it ended)
         self.step, self.result = None, None  # the last step read
         self.nonfinite, self.give_up, self.signal = 0, False, 0
-        self.window_work, self.window_steps, self.window_start = torch.zeros(4, dtype=torch.float64), 0, \
-            time.perf_counter()
+        self.window_work, self.window_steps, self.window_start = [0.0] * WORK, 0, time.perf_counter()
 
     def carry(self) -> torch.Tensor:
         """What the next step's collective carries: this rank's figures of the step not yet read, or nothing."""
@@ -323,12 +311,13 @@ class Ledger:
         """Step `step` has run: read the one before it (its figures came with this step's collective), and keep this
         one for later."""
         with mark("loss to host"):
-            rows = result.rows()  # sync point: on a GPU, with a copy queued early in the step
-        result.signal = int(rows[:, WORK].max())  # sent before the step ran: it stops the run at this step's end
+            rows = result.rows().tolist()  # sync point: on a GPU, with a copy queued early in the step
+        result.signal = int(max(r[WORK] for r in rows))  # sent before the step ran: it stops the run at this step's end
         self.signal = self.signal or result.signal
         if self.pending is not None:
-            self._read(rows[:, HEAD:], mark=mark)
-        work = rows[:, :WORK].sum(0) / self.world.replicas  # ranks that read the same batch each counted it
+            self._read([r[HEAD:] for r in rows], mark=mark)
+        # the step's global work: ranks that read the same batch (tensor-parallel peers) each counted it
+        work = [sum(column) / self.world.replicas for column in zip(*(r[:WORK] for r in rows))]
         self.pending = (step, result, work, lr, samples_seen, time.perf_counter())
         if result.mine is None:  # read already (a pipeline's step)
             self._read(None, mark=mark)
@@ -336,24 +325,25 @@ class Ledger:
     def settle(self, last: bool = False) -> None:
         """Read the step not yet read, now (`last`: the loop ends after it, so its record is written)."""
         if self.pending is not None:
-            self._read(all_gather_rows(self.pending[1].mine).cpu(), last)  # sync point: a collective of its own
+            self._read(all_gather_rows(self.pending[1].mine).tolist(), last)  # sync point: a collective of its own
 
-    def _read(self, ranks: torch.Tensor | None, last: bool = False, mark=profiling.unmarked) -> None:
-        """The pending step's figures from every rank's `ranks` (world, FIGURES) on the host."""
+    def _read(self, ranks: list[list[float]] | None, last: bool = False, mark=profiling.unmarked) -> None:
+        """The pending step's figures from every rank's row of FIGURES numbers, on the host (Python numbers: one
+        conversion, not a tensor operation per figure)."""
         step, r, work, lr, samples_seen, ended = self.pending
         self.pending = None
         if ranks is not None:
-            assert bool((ranks[:, 0] == 1).all()), "a step's figures were not carried"  # the loop's bookkeeping
-            r.peak_mem = int(ranks[:, 1].max())
-            r.grad_norm = ranks[0, 3].item() if ranks[0, 2] else None  # global: every rank's is the same
-            r.loss = (ranks[:, 4].sum() / self.world.replicas / work[0]).item()
+            assert all(f[0] == 1 for f in ranks), "a step's figures were not carried"  # the loop's bookkeeping
+            r.peak_mem = int(max(f[1] for f in ranks))
+            r.grad_norm = ranks[0][3] if ranks[0][2] else None  # global: every rank's is the same
+            r.loss = sum(f[4] for f in ranks) / self.world.replicas / work[0]
         if self.give_up:  # the run stops at the step that gave up: one read after it is not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
         self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
         self.step, self.result = step, r
-        self.window_work += work
+        self.window_work = [a + b for a, b in zip(self.window_work, work)]
         self.window_steps += 1
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
         # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
@@ -366,7 +356,7 @@ class Ledger:
 
     def _log(self, step: int, r: StepResult, lr: float, samples_seen: int, ended: float) -> None:
         seconds = ended - self.window_start
-        items, step_flops, real, padded = self.window_work.tolist()
+        items, step_flops, real, padded = self.window_work
         record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
                   "tokens_per_s": items / seconds, "step_s": seconds / self.window_steps,
                   "tflops": step_flops / seconds / 1e12, "padding": 1 - real / padded if padded else 0.0,
@@ -378,10 +368,38 @@ class Ledger:
         self.tracker.log(record)
         self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-        self.window_start, self.window_work, self.window_steps = ended, torch.zeros_like(self.window_work), 0
+        self.window_start, self.window_work, self.window_steps = ended, [0.0] * WORK, 0
 
 
-def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+class Steps:
+    """What the loop does each step, from fetching its batches to handing it to the `Ledger` (which reads the step
+    before): `_train` runs it once a step, and `harness bench --overhead` times it against a hand-written step on
+    the same engine, in the same process (`bench/reference.py`)."""
+
+    def __init__(self, engine, plan: Plan, world: World, loader, flops: ForwardFlops, ledger: Ledger, progress):
+        self.engine, self.plan, self.world, self.loader = engine, plan, world, loader
+        self.flops, self.ledger, self.progress = flops, ledger, progress
+
+    def run(self, step: int, lr: float, samples_seen: int, stop_signal: int = 0,
+            mark=profiling.unmarked) -> tuple[StepResult, float]:
+        """Train step number `step`: (its result, the seconds waited for its batches)."""
+        task, world = self.plan.task, self.world
+        fetch_start = time.perf_counter()
+        with mark("data"):
+            cpu_batches = [next(self.loader) for _ in range(self.plan.ds.grad_accum_steps)]
+        loader_wait = time.perf_counter() - fetch_start
+        with mark("count work"):
+            work = step_work(task, self.flops, cpu_batches)  # counted on the host: no device sync
+        with mark("to device"):
+            batches = [to_device(b, world.device) for b in cpu_batches]
+        result = train_step(self.engine, self.plan, batches, world, work, self.ledger.carry(), mark, stop_signal)
+        with mark("progress bar"):
+            self.progress.update(1)
+        self.ledger.add(step, result, lr, samples_seen, mark)  # reads the step before this one
+        return result, loader_wait
+
+
+def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> list[float]:
     """This rank's share of a step, from its host-side batches: [items (the loss normaliser), model training FLOPs
     (`models/flops.py`: analytic, or counted), real positions, padded positions]."""
     items = model_flops = real = padded = 0
@@ -389,11 +407,11 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
         n = task.count(b)
         r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
         items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
-    return torch.tensor([items, TRAIN_FACTOR * model_flops, real, padded], dtype=torch.float64)
+    return [float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded)]
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
-               work: torch.Tensor, carry: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
+               work: list[float], carry: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
     """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
     the parts of the step for a traced one (`profiling.StepProfile.section`). One collective of its own, started
     here and awaited only before the first backward (so the first forward hides it): every rank's work counts (the
@@ -403,7 +421,7 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
     pinned memory, and the gathered rows come down behind the gather, early in the step (`to_host_later`)."""
     task, accum = plan.task, len(micro_batches)
     with mark("step collective"):
-        head = torch.cat([work, torch.tensor([stop_signal], dtype=torch.float64)])  # (HEAD,) known on the host
+        head = torch.tensor([*work, stop_signal], dtype=torch.float64)  # (HEAD,) known on the host
         out, pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
     rows = []  # the host's copy of every rank's row: (world, HEAD + FIGURES)
 

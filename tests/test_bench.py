@@ -201,6 +201,9 @@ def test_overhead_study_compares_with_a_reference_that_trains_alike(tmp_path, co
     outside = [p["wall_s"] - p["sections"]["engine"] for p in (e["profile"], e["reference_profile"])]
     assert e["profile"]["own_s"] == pytest.approx(outside[0] - outside[1])  # one round: its own difference
     assert "| zero2 x2 |" in (tmp_path / "o" / "overhead.md").read_text()
+    # The harness loop's own step beside the reference's, in the reference's process: 2 blocks of each (5 timed
+    # steps a block), so both really ran there.
+    assert e["paired"]["blocks"] == 2 and all(e["paired"]["step_s"][p] > 0 for p in ("harness", "reference"))
 
 
 def test_overhead_figures_are_the_rounds_ratios_of_medians():
@@ -215,3 +218,17 @@ def test_overhead_figures_are_the_rounds_ratios_of_medians():
     row = overhead.markdown({"rounds": 3, "steps": 3, "warmup": 1, "configs": [
         {"name": "zero1 x2", "status": "ok", "loss_max_diff": 0.0, **f}]}).splitlines()[-1]
     assert "+10.0% [+9.1%, +20.0%]" in row and "+100.0% [+100.0%, +120.0%]" in row
+
+
+def test_paired_blocks_give_the_median_ratio_with_its_order_statistic_interval():
+    # block ratios of medians - 1: 1.1/1.0, 2.0/2.0, 0.9/1.0, 3.3/3.0 -> +10%, 0%, -10%, +10%
+    pairs = {"harness": [[1.1, 1.0, 1.2], [2.0], [0.9, 0.9], [3.3]], "reference": [[1.0], [2.0, 2.0], [1.0], [3.0]]}
+    p = overhead.paired(pairs)
+    assert p["median"] == pytest.approx(0.05) and p["blocks"] == 4
+    # n = 4: j = floor(2 - 0.98 * 2) = 0 -> 1, k = ceil(2 + 1 + 1.96) = 5 -> 4: the whole sample
+    assert (p["ci_low"], p["ci_high"]) == pytest.approx((-0.1, 0.1))
+    assert p["step_s"] == pytest.approx({"harness": 1.1, "reference": 2.0})  # pooled: medians of all the steps
+    # n = 25: j = floor(12.5 - 4.9) = 7, k = ceil(13.5 + 4.9) = 19 (the 7th and 19th smallest)
+    assert overhead.median_ci([i / 100 for i in range(1, 26)]) == pytest.approx((0.07, 0.19))
+    assert overhead.paired({"harness": [], "reference": []}) is None
+    assert "+5.0% (95% CI -10.0%..+10.0%; 4 block pairs)" in overhead._paired(p)

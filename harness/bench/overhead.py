@@ -17,10 +17,17 @@ and the harness's own time: per round, its host time outside the engine's calls 
 the reference's, the median over the rounds. A busy machine blurs that difference far less than it blurs a
 ratio of step times taken minutes apart. The reference must train to the harness's losses for the comparison to
 be fair: `loss_max_diff` says how far apart they were.
+
+After its timed steps, each reference run also alternates, on its own engine, blocks of its step with blocks of the
+harness loop's step (`reference.py --paired`, `loop.Steps`): `paired` compares them block by block, so the
+harness's step code is measured without the launch-to-launch spread that blurs the programs' ratio (the same
+program launched twice differs by several percent on a shared machine). Its median ratio comes with a 95%
+confidence interval (distribution-free, from the order statistics of the block ratios).
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -52,6 +59,7 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
         return {**entry, "status": "skipped", "error": "a pipeline has no hand-written loop to compare with"}
     times = {p: [] for p in PROGRAMS}  # per program, per round: the timed steps' seconds
     losses, profiles = {}, {"harness": [], "reference": []}
+    pairs = {"reference": [], "harness": []}  # block by block, over the rounds (`reference.py --paired`)
     # What the harness's timed run is told about its length, so the others follow the same schedule.
     length = [f"train.max_steps={schedule_length(warmup, steps)}", "train.epochs=0.0"]
     for r in range(rounds):  # harness, reference, plain; then the other way round: a drift in the machine's
@@ -70,11 +78,40 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
                     return {**entry, "status": "failed", "error": f"{program}: {result['error']}"}
                 if "profile" in result:  # the reference's (plain.py traces nothing)
                     profiles[program].append(result["profile"])
+                for name, blocks in result.get("paired", {}).items():
+                    pairs[name] += blocks
                 result = {k: result[k][warmup:] for k in ("step_s", "loss")}  # as the harness's record leaves them
             times[program].append(result["step_s"])
             losses.setdefault(program, result["loss"])
     return {**entry, "status": "ok", **figures(times), "loss_max_diff": max(
-        abs(a - b) for a, b in zip(losses["harness"], losses["reference"])), **breakdown(profiles)}
+        abs(a - b) for a, b in zip(losses["harness"], losses["reference"])), **breakdown(profiles),
+        "paired": paired(pairs)}
+
+
+def paired_blocks(steps: int) -> int:
+    """Blocks of each loop per reference run (`reference.py --paired`): about 2.4x `steps` more steps in all."""
+    return max(2, steps // 5)
+
+
+def paired(pairs: dict[str, list[list[float]]]) -> dict | None:
+    """The harness loop's step against the reference's in one process, block by block: each pair's ratio of medians
+    - 1; their median with a 95% confidence interval, and the pooled step medians."""
+    if not pairs["harness"] or len(pairs["harness"]) != len(pairs["reference"]):
+        return None
+    each = sorted(statistics.median(h) / statistics.median(r) - 1 for h, r in zip(pairs["harness"], pairs["reference"]))
+    low, high = median_ci(each)
+    return {"median": statistics.median(each), "ci_low": low, "ci_high": high, "blocks": len(each),
+            "step_s": {p: statistics.median(s for b in pairs[p] for s in b) for p in ("harness", "reference")}}
+
+
+def median_ci(ordered: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval for the median of a sorted sample: the order statistics j and k
+    with j = floor(n/2 - 0.98 sqrt(n)), k = ceil(n/2 + 1 + 0.98 sqrt(n)) (1-based; the normal approximation of the
+    binomial, Conover's Practical Nonparametric Statistics), clamped to the sample."""
+    n = len(ordered)
+    j = max(1, math.floor(n / 2 - 0.98 * math.sqrt(n)))
+    k = min(n, math.ceil(n / 2 + 1 + 0.98 * math.sqrt(n)))
+    return ordered[j - 1], ordered[k - 1]
 
 
 def breakdown(profiles: dict[str, list[dict]]) -> dict:
@@ -117,7 +154,8 @@ def script(program: str, config: Config, precision: str, run_file: str | None, s
            timeout: float) -> dict:
     """Run reference.py or plain.py as `harness bench` launches the harness; its JSON line, or an error."""
     cmd = [sys.executable, *launcher(config), "-m", f"harness.bench.{program}", "--steps", str(steps)]
-    cmd += {"reference": ["--ds", config.ds, "--profile"], "plain": ["--precision", precision]}[program]
+    cmd += {"reference": ["--ds", config.ds, "--profile", "--paired", str(paired_blocks(steps))],
+            "plain": ["--precision", precision]}[program]
     cmd += ["--run", run_file] if run_file else []
     for s in sets:
         cmd += ["--set", s]
@@ -143,15 +181,17 @@ def markdown(result: dict) -> str:
              f"{result['warmup']} warm-up steps each. Step time median (p10-p90) over all rounds; overhead: each "
              f"round's ratio of medians - 1, median over the rounds [smallest, largest].", "",
              "| configuration | harness step s | reference step s | plain step s | harness vs reference | "
-             "DeepSpeed (reference vs plain) | losses harness vs reference |", "|---|---|---|---|---|---|---|"]
+             "harness's step vs reference's, one process | DeepSpeed (reference vs plain) | losses harness vs "
+             "reference |", "|---|---|---|---|---|---|---|---|"]
     for e in result["configs"]:
         if e["status"] != "ok":
-            lines.append(f"| {e['name']} | **{e['status']}**: {e['error'][:100]} | | | | | |")
+            lines.append(f"| {e['name']} | **{e['status']}**: {e['error'][:100]} | | | | | | |")
             continue
         s = e["step_s"]
         cells = [f"{s[p]['median']:.4f} ({s[p]['p10']:.4f}-{s[p]['p90']:.4f})" for p in PROGRAMS]
         lines.append(f"| {e['name']} | " + " | ".join(cells) + f" | {_ratio(e['harness_overhead'])} | "
-                     f"{_ratio(e['deepspeed_overhead'])} | max diff {e['loss_max_diff']:.1e} |")
+                     f"{_paired(e.get('paired'))} | {_ratio(e['deepspeed_overhead'])} | "
+                     f"max diff {e['loss_max_diff']:.1e} |")
     for e in result["configs"]:
         p, r = e.get("profile") or {}, e.get("reference_profile") or {}
         if p.get("sections"):
@@ -168,6 +208,12 @@ def markdown(result: dict) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _paired(p: dict | None) -> str:
+    if not p:
+        return "-"
+    return f"{p['median']:+.1%} (95% CI {p['ci_low']:+.1%}..{p['ci_high']:+.1%}; {p['blocks']} block pairs)"
 
 
 def _ratio(r: dict) -> str:

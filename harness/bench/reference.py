@@ -11,6 +11,13 @@ training, as a script would have to write it. Rank 0 prints one JSON line:
 {"step_s": [seconds of each step, fetch to fetch], "loss": [the step's loss, averaged over the ranks]}, and
 with `--profile` the summary of one more step traced by torch.profiler under the harness loop's section names.
 
+`--paired BLOCKS` then alternates, in this process and on this engine, blocks of `--block` steps of this loop with
+blocks of the harness loop's own step (`loop.Steps`: counting, the step's collective, the grad norm, the `Ledger`
+reading the step before and writing a metrics record every step, the progress bar), the order reversed every
+other block; the first step of each block is not timed. Launches of one program differ by several percent on a
+shared machine; steps of one process do not, so this gives the cost of the harness's step code itself:
+"paired": {"reference": [each block's step seconds], "harness": [...]} in the JSON line.
+
 The loss is each micro-batch's own mean, where the harness divides by the step's global item count: the two
 agree where every micro-batch counts the same items (fixed-length language modelling, what the overhead study
 trains), which is what makes the comparison fair, and what its losses check shows. A pipeline has no per-batch
@@ -19,6 +26,7 @@ forward to write by hand: it is refused.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -30,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--profile", action="store_true", help="trace one more step after them (profiling.py)")
+    ap.add_argument("--paired", type=int, default=0, help="then this many blocks of each loop's steps, alternated")
+    ap.add_argument("--block", type=int, default=6, help="steps per paired block, the first one not timed")
     args = ap.parse_args(argv)
 
     import torch
@@ -50,14 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     data = task.build_data(cfg)
     engine, _ = build_engine(plan, world, cfg.train.max_steps)
     sampler = StepSampler(len(data.train), cfg.train.micro_batch_size, accum, world.dp_rank, world.dp_size,
-                          cfg.train.seed, 0, args.steps + args.profile, bucket=cfg.data.bucket,
+                          cfg.train.seed, 0, args.steps + args.profile + 2 * args.paired * args.block,
+                          bucket=cfg.data.bucket,
                           lengths=task.lengths(data.train) if cfg.data.bucket else None)
     loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, cfg.train.seed, world.device)
-    times, losses, profile = [], [], None
-    last = time.perf_counter()
-    for step in range(args.steps + args.profile):
-        traced = profiling.StepProfile(world.device) if step == args.steps and world.is_main else None
-        mark = traced.section if traced else profiling.unmarked  # the harness's names for the same parts
+    def step(mark=profiling.unmarked) -> float:
         total = torch.zeros((), device=world.device)
         for i in range(accum):
             with mark("data"):
@@ -75,21 +82,81 @@ def main(argv: list[str] | None = None) -> None:
                 engine.step()
             total += loss.detach().float()
         with mark("loss to host"):
-            loss_value = total.item() / accum  # sync point: the step's loss on the host, as any script prints it
+            return total.item() / accum  # sync point: the step's loss on the host, as any script prints it
+
+    times, losses, profile = [], [], None
+    last = time.perf_counter()
+    for i in range(args.steps + args.profile):
+        traced = profiling.StepProfile(world.device) if i == args.steps and world.is_main else None
+        loss_value = step(traced.section if traced else profiling.unmarked)  # the harness's names for the parts
         if traced:
-            profile = traced.finish(0.0, step + 1)
+            profile = traced.finish(0.0, i + 1)
             continue
         losses.append(loss_value)
         now = time.perf_counter()
         times.append(now - last)
         last = now
     per_rank = all_gather_objects(losses)  # after the timed steps
+    paired = _paired(plan, world, engine, loader, step, args.paired, args.block, args.steps + args.profile) \
+        if args.paired else None
     if world.is_main:
         print(json.dumps({"step_s": times, "loss": [sum(v) / len(v) for v in zip(*per_rank)],
-                          **({"profile": profile} if profile else {})}), flush=True)
+                          **({"profile": profile} if profile else {}), **({"paired": paired} if paired else {})}),
+              flush=True)
     barrier()
     release(engine)
     close_world()
+
+
+
+def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int, done: int) -> dict:
+    """Each loop's step seconds, block by block (see the module's docstring): {"reference": [[...], ...],
+    "harness": [[...], ...]}, block i of one beside block i of the other."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from ..loop import Ledger, Steps, _progress
+    from ..models.flops import ForwardFlops
+    from ..tracking import Tracker
+
+    cfg, t = plan.run.cfg, plan.run.cfg.train
+    with torch.device("meta"):
+        flops = ForwardFlops(plan.task.build_model(cfg))
+    scratch = tempfile.TemporaryDirectory(prefix="harness-paired-")
+    tracker = Tracker(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none")),
+                      Path(scratch.name), enabled=world.is_main)  # a metrics record every step, as when timed
+    progress = _progress(world, done, done + 2 * blocks * block)
+    ledger = Ledger(tracker, progress, dataclasses.replace(t, log_every=1), 10**9, 10**9,
+                    flops, {}, getattr(plan.task, "items", "items"), 1.0, world)
+    steps, n = Steps(engine, plan, world, loader, flops, ledger, progress), done
+    lr = engine.lr_scheduler.get_last_lr()[0] if engine.lr_scheduler else 0.0
+
+    def harness_step() -> None:
+        nonlocal n
+        n += 1
+        steps.run(n, lr, 0)
+
+    out = {"reference": [], "harness": []}
+    for b in range(blocks):
+        for name in ("reference", "harness") if b % 2 == 0 else ("harness", "reference"):
+            if name == "reference":
+                ledger.settle()  # the harness's last step read now, not inside the reference's block
+            fn = reference_step if name == "reference" else harness_step
+            fn()  # the first step of a block: the switch from the other loop, not timed
+            seconds, last = [], time.perf_counter()
+            for _ in range(block - 1):
+                fn()
+                now = time.perf_counter()
+                seconds.append(now - last)
+                last = now
+            out[name].append(seconds)
+    ledger.settle()
+    progress.close()
+    tracker.close()
+    scratch.cleanup()
+    return out
 
 
 if __name__ == "__main__":
