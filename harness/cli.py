@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                     "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
                     "and statistics")
     ev.add_argument("--name", help="--data: the entry's name in RUN/eval.json (default: PATH's file name)")
+    ev.add_argument("--periods", type=int, metavar="K", help="price runs: also score K consecutive periods of the "
+                    "windows by forecast origin (rolling origin, the model fixed), each with its verdict against "
+                    "persistence (sets prices.periods for this evaluation)")
     b = sub.add_parser("bench", help="time a sweep of strategies, precisions, sizes and process counts, one "
                        "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
     b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
@@ -198,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "evaluate" and args.data is not None:
                 if args.split:
                     raise ConfigError(f"--split {args.split} and --data {args.data}: name one")
-                results = evaluate.evaluate_data(args.run_dir, args.data, args.name)
+                results = evaluate.evaluate_data(args.run_dir, args.data, args.name, args.periods)
                 print("\n\n".join(evaluate.render_table(k, v) for k, v in results.items()))
             elif args.command == "evaluate":
                 if args.name:
                     raise ConfigError("--name names new data: it goes with --data")
                 split = args.split or "test"
-                print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split)))
+                print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
             else:
                 sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
                 print("\n".join(evaluate.translate(args.run_dir, sentences)))

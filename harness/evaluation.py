@@ -10,6 +10,7 @@ pair, the sha256 of their `sha256sum` lines) and the rows kept and skipped.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -26,7 +27,7 @@ RESULTS = "eval.json"
 SPLITS = ("train", "validation", "test")  # names an entry for new data may not take
 
 
-def _task(run_dir: Path, reader: bool = False) -> tuple[RunConfig, object]:
+def _task(run_dir: Path, reader: bool = False, periods: int | None = None) -> tuple[RunConfig, object]:
     for name in ("config.toml", MODEL_FILE):
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
@@ -39,6 +40,13 @@ def _task(run_dir: Path, reader: bool = False) -> tuple[RunConfig, object]:
     if not hasattr(task, "evaluate"):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no field evaluation; its validation loss is in "
                           f"{run_dir / 'eval.jsonl'}")
+    if periods is not None:  # `--periods K`: rolling-origin periods, for this evaluation only
+        if cfg.run.task != "prices":
+            raise ConfigError(f"--periods {periods}: rolling-origin periods score price forecasts; {run_dir} is a "
+                              f"{cfg.run.task!r} run")
+        if periods < 1:
+            raise ConfigError(f"--periods {periods}: must be >= 1 (1: the whole split, no periods)")
+        cfg = dataclasses.replace(cfg, prices=dataclasses.replace(cfg.prices, periods=periods))
     return cfg, task
 
 
@@ -56,9 +64,9 @@ def _record(run_dir: Path, entries: dict[str, dict]) -> None:
     tmp.replace(path)
 
 
-def evaluate_run(run_dir: str | Path, split: str) -> dict[str, float | str]:
+def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None) -> dict[str, float | str]:
     run_dir = Path(run_dir)
-    cfg, task = _task(run_dir)
+    cfg, task = _task(run_dir, periods=periods)
     saved = stored(run_dir)
     if saved is not None and hasattr(task, "prepare"):
         changed = differences(saved, task.prepare(cfg))
@@ -74,11 +82,12 @@ def evaluate_run(run_dir: str | Path, split: str) -> dict[str, float | str]:
     return metrics
 
 
-def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None) -> dict[str, dict[str, float | str]]:
+def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None,
+                  periods: int | None = None) -> dict[str, dict[str, float | str]]:
     """`harness evaluate --data PATH [--name NAME]`: {entry name: metrics} for each data set PATH holds (a directory
     may hold several: NAME/part), read with the run's stored tokenizer and statistics; also written to eval.json."""
     run_dir, path = Path(run_dir), Path(path)
-    cfg, task = _task(run_dir, reader=True)
+    cfg, task = _task(run_dir, reader=True, periods=periods)
     saved = stored(run_dir)
     if saved is None and hasattr(task, "store"):
         raise ConfigError(f"{run_dir}: holds no stored tokenizer and statistics ({STORED}/{CHECKSUMS}), which "

@@ -15,7 +15,7 @@ from harness.config import ConfigError, resolve
 from harness.models.patch import PatchConfig, PatchTST
 from harness.prepare import prices as P
 from harness.prepare import read_meta
-from harness.tasks.prices import PricesTask, baselines, score, trivial_directions, verdict
+from harness.tasks.prices import PricesTask, baselines, by_period, score, trivial_directions, verdict
 
 from conftest import bare_copy, cli, harness
 
@@ -67,7 +67,7 @@ def test_stocks_split_chronologically_on_the_same_dates(stocks):
     assert "2012-01-01" <= s["test"]["first"]
     dates = [d for name in P.SPLITS for d in P.load_split(directory, name)["date"]]
     assert dates == sorted(dates) and len(set(dates)) == len(dates)
-    values, bounds = P.series(directory)
+    values, bounds, _ = P.series(directory)
     assert values.shape == (len(dates), 4) and torch.isfinite(values).all()
     # rows before GOOG's first day are counted, not silently lost
     assert meta["counts"]["train"]["before_start"] > 0 and meta["counts"]["train"]["ok"] == s["train"]["rows"]
@@ -83,7 +83,7 @@ def test_stocks_normalisation_uses_training_rows_only(stocks):
     assert norm["transform"] == "log"
     assert norm["mean"][0] == pytest.approx(np.log(aapl).mean(), rel=1e-9)
     assert norm["std"][0] == pytest.approx(np.log(aapl).std(ddof=0), rel=1e-9)
-    values, bounds = P.series(directory)
+    values, bounds, _ = P.series(directory)
     a, b = bounds["train"]
     assert values[a:b].mean(0).abs().max() < 1e-4 and values[b:].mean(0).abs().max() > 0.5  # prices rose after 2010
     # back to prices: the first training row of AAPL is its adjusted close on 2004-08-19
@@ -110,7 +110,7 @@ def test_windows_stay_inside_their_split(tmp_path, context):
     cfg = cfg_for(str(tmp_path / "rows.csv"), f"prices.lookback={lookback}", f"prices.horizon={horizon}",
                   f'prices.context="{context}"')
     directory = P.prepare(cfg)
-    norm, (_, bounds) = read_meta(directory)["norm"], P.series(directory)
+    norm, (_, bounds, _) = read_meta(directory)["norm"], P.series(directory)
     for split in P.SPLITS:
         a, b = bounds[split]
         w = P.windows(cfg, directory, split)
@@ -250,6 +250,21 @@ def test_two_process_zero2_run_lowers_the_loss_and_evaluates(trained, cache):
     assert test["verdict"].startswith("the model beats persistence") and "verdict: the model beats" in proc.stdout
     assert test["mse_difference_ci_low"] <= test["mse"] - test["persistence_mse"] <= test["mse_difference_ci_high"]
     assert 0 <= test["always_up_directional_accuracy"] <= 1 and "majority_directional_accuracy" in test
+    assert "periods" not in test  # prices.periods = 1: the whole split only
+    # rolling origin: the same windows in 2 periods (41 and 40), dated, which together make the whole split's MSE
+    proc = cli("evaluate", "--run-dir", str(run.dir), "--split", "test", "--periods", "2",
+               env={"HARNESS_CACHE": str(cache)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    periods = json.loads((run.dir / "eval.json").read_text())["test"]
+    assert periods["mse"] == pytest.approx(test["mse"]) and periods["periods"] == 2
+    assert [periods[f"period_{i}_windows"] for i in (1, 2)] == [41, 40]
+    assert (41 * periods["period_1_mse"] + 40 * periods["period_2_mse"]) / 81 == pytest.approx(test["mse"], rel=1e-5)
+    assert re.match(r"targets \d{4}-\d\d-\d\d\.\.\d{4}-\d\d-\d\d: ", periods["period_2_verdict"])
+    assert "periods_verdict: rolling origin over 2 periods" in proc.stdout
+    for bad, message in (("0", "--periods 0: must be >= 1"), ("3", "use at most 2")):  # 81 windows, 4 x 8 a period
+        proc = cli("evaluate", "--run-dir", str(run.dir), "--split", "test", "--periods", bad,
+                   env={"HARNESS_CACHE": str(cache)}, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, capsys, one_thread):
@@ -325,3 +340,35 @@ def test_skill_bootstrap_and_verdict_by_hand():
     assert trivial_directions(last, truth, up_share=0.8) == {"always_up_directional_accuracy": pytest.approx(2 / 3),
                                                              "majority_directional_accuracy": pytest.approx(2 / 3)}
     assert trivial_directions(last, truth, up_share=0.3)["majority_directional_accuracy"] == pytest.approx(1 / 3)
+
+
+def test_rolling_origin_periods_score_each_stretch_of_windows_by_hand():
+    """`by_period`: 16 windows (horizon 2) in 2 periods of 8 (4 blocks of 2 each, the least allowed). In the first the
+    model is off by 0.1 and persistence by 0.2 (MSE 0.01 vs 0.04: skill 0.75); in the second the model by 0.3 and
+    persistence by 0.1 (0.09 vs 0.01). The errors are constant, so each period's interval is a point and both
+    verdicts are significant."""
+    from harness.prepare.prices import Windows
+
+    y = torch.zeros(16, 2, 1)
+    model = torch.tensor([0.1] * 8 + [0.3] * 8).view(16, 1, 1).expand(16, 2, 1)
+    reference = torch.tensor([0.2] * 8 + [0.1] * 8).view(16, 1, 1).expand(16, 2, 1)
+    dates = [f"2020-01-{d:02d}" for d in range(1, 21)]  # rows 0-19; window i forecasts rows 3 + i and 4 + i
+    windows = Windows(torch.zeros(20, 1), range(3, 19), lookback=3, horizon=2, dates=dates)
+    out = by_period(model, reference, y, windows, 2)
+    assert out["periods"] == 2 and out["period_1_windows"] == out["period_2_windows"] == 8
+    assert (out["period_1_mse"], out["period_1_persistence_mse"]) == pytest.approx((0.01, 0.04))
+    assert (out["period_2_mse"], out["period_2_persistence_mse"]) == pytest.approx((0.09, 0.01))
+    assert out["period_1_skill_vs_persistence"] == pytest.approx(0.75)
+    assert out["period_2_skill_vs_persistence"] == pytest.approx(-8.0)
+    assert out["period_1_verdict"].startswith("targets 2020-01-04..2020-01-12: the model beats persistence: its MSE "
+                                              "is 75.0% lower; significant")
+    assert out["period_2_verdict"].startswith("targets 2020-01-12..2020-01-20: persistence beats the model: the "
+                                              "model's MSE is 800.0% higher; significant")
+    assert (out["periods_model_ahead"], out["periods_model_ahead_significant"],
+            out["periods_persistence_ahead_significant"]) == (1, 1, 1)
+    assert out["periods_verdict"] == ("rolling origin over 2 periods (the model fixed): the model beats persistence "
+                                      "in 1 (significantly in 1), persistence beats it in 1 (significantly in 1)")
+    # 3 periods of 16 windows would hold fewer than 4 blocks of the horizon each: refused, saying how many fit
+    with pytest.raises(ConfigError, match="use at most 2"):
+        by_period(model, reference, y, windows, 3)
+    assert Windows(torch.zeros(20, 1), range(3, 19), 3, 2).targets(0, 15) == "rows 3..19"  # no dates: the rows

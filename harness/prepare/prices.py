@@ -322,16 +322,17 @@ def to_price(z: torch.Tensor, norm: dict) -> torch.Tensor:
     return x.exp() if norm["transform"] == "log" else x
 
 
-def series(directory: Path) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
-    """All kept rows in time order, (N, C) float32, and each split's row range [a, b)."""
-    parts, bounds, at = [], {}, 0
+def series(directory: Path) -> tuple[torch.Tensor, dict[str, tuple[int, int]], list[str]]:
+    """All kept rows in time order, (N, C) float32, each split's row range [a, b), and each row's date."""
+    parts, bounds, dates, at = [], {}, [], 0
     for name in SPLITS:
         ds = load_split(directory, name)
         rows = torch.tensor(np.asarray(ds["values"], dtype=np.float32).reshape(len(ds), -1))
         parts.append(rows)
+        dates += ds["date"]
         bounds[name] = (at, at + len(rows))
         at += len(rows)
-    return torch.cat(parts), bounds
+    return torch.cat(parts), bounds, dates
 
 
 def target_starts(bounds: tuple[int, int], lookback: int, horizon: int, context: str) -> range:
@@ -342,10 +343,17 @@ def target_starts(bounds: tuple[int, int], lookback: int, horizon: int, context:
 
 
 class Windows(torch.utils.data.Dataset):
-    """Sample i: {"x": (lookback, C), "y": (horizon, C)} of normalised values."""
+    """Sample i: {"x": (lookback, C), "y": (horizon, C)} of normalised values; `dates`: each row's date, where
+    known (`targets` names a run of windows by them)."""
 
-    def __init__(self, values: torch.Tensor, starts: range, lookback: int, horizon: int):
-        self.values, self.starts, self.lookback, self.horizon = values, starts, lookback, horizon
+    def __init__(self, values: torch.Tensor, starts: range, lookback: int, horizon: int,
+                 dates: list[str] | None = None):
+        self.values, self.starts, self.lookback, self.horizon, self.dates = values, starts, lookback, horizon, dates
+
+    def targets(self, first: int, last: int) -> str:
+        """The dates that windows `first`..`last` forecast (their rows where no dates are known)."""
+        a, b = self.starts[first], self.starts[last] + self.horizon - 1
+        return f"{self.dates[a][:10]}..{self.dates[b][:10]}" if self.dates else f"rows {a}..{b}"
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -357,13 +365,13 @@ class Windows(torch.utils.data.Dataset):
 
 def windows(cfg: RunConfig, directory: Path, split: str) -> Windows:
     p = cfg.prices
-    values, bounds = series(directory)
+    values, bounds, dates = series(directory)
     starts = target_starts(bounds[split], p.lookback, p.horizon, p.context)
     if len(starts) == 0:
         a, b = bounds[split]
         raise ConfigError(f"the {split} split has {b - a} rows, too few for one window of lookback {p.lookback} + "
                           f"horizon {p.horizon} (prices.context = {p.context!r}); shorten them or move the dates")
-    return Windows(values, starts, p.lookback, p.horizon)
+    return Windows(values, starts, p.lookback, p.horizon, dates)
 
 
 def norm_of(directory: Path) -> dict:
@@ -397,4 +405,5 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
     protocol = (f"{f.name} {str(dates[0])[:10]}..{str(dates[-1])[:10]}, {len(meta['channels'])} channels, lookback "
                 f"{p.lookback}, horizon {p.horizon}, every window (stride 1) inside the file, z-scored with the run's "
                 f"train statistics{' of log prices' if norm['transform'] == 'log' else ''}")
-    return Windows(z, starts, p.lookback, p.horizon), dict(Counter(st for _, st in status)), f, protocol
+    return Windows(z, starts, p.lookback, p.horizon, [str(d) for d in dates]), \
+        dict(Counter(st for _, st in status)), f, protocol

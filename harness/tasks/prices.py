@@ -8,7 +8,8 @@ windows, the model next to two baselines a forecaster must beat to be worth anyt
   a constant growth rate for the log-transformed stocks);
 each with MSE and MAE on the normalised scale and on the source's scale (prices), and directional accuracy
 (the forecast moves the same way from the last value as the truth) for the model and for drift (persistence
-never moves).
+never moves). With `prices.periods` = K > 1 (`harness evaluate --periods K`) it also scores K consecutive periods by
+forecast origin, each with its own verdict against persistence (`by_period`: rolling origin, the model fixed).
 `read` takes a new csv for `harness evaluate --data` (`prepare.prices.read_scoring`): z-scored with the run's stored
 training statistics, every window of the file scored by the same `evaluate`; the majority direction is the
 training split's, kept with the run (meta "train_up_share").
@@ -53,6 +54,8 @@ class PricesTask:
                 raise ConfigError(f"prices.{key} = {getattr(p, key)} must be > 0")
         if p.patch_len > p.lookback:
             raise ConfigError(f"prices.patch_len = {p.patch_len} must be <= prices.lookback = {p.lookback}")
+        if p.periods < 1:
+            raise ConfigError(f"prices.periods = {p.periods} must be >= 1 (1: the whole split, no periods)")
         if not 0.0 <= p.head_dropout < 1.0:
             raise ConfigError(f"prices.head_dropout = {p.head_dropout} must be in [0, 1)")
         if cfg.model.vocab_size:
@@ -137,8 +140,11 @@ class PricesTask:
         x = torch.stack([windows[i]["x"] for i in range(len(windows))])  # (n, L, C)
         y = torch.stack([windows[i]["y"] for i in range(len(windows))])  # (n, H, C)
         forecasts = {"model": pred, **baselines(x, windows.horizon)}
+        periods = by_period(pred, forecasts["persistence"], y, windows, cfg.prices.periods) \
+            if cfg.prices.periods > 1 else {}
         return score(forecasts, x[:, -1], y, scored.norm) | verdict(pred, forecasts["persistence"], y) \
-            | trivial_directions(x[:, -1], y, scored.up_share) | {"windows": len(windows), "protocol": scored.protocol}
+            | trivial_directions(x[:, -1], y, scored.up_share) \
+            | {"windows": len(windows), "protocol": scored.protocol} | periods
 
 
 def up_share(train: P.Windows) -> float:
@@ -187,6 +193,42 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
     line += (f"; {'not ' if holds_zero else ''}significant (the 95% block-bootstrap interval of the MSE difference, "
              f"[{low:.4g}, {high:.4g}], {'holds' if holds_zero else 'excludes'} 0)")
     return {f"skill_vs_{name}": gain, "mse_difference_ci_low": low, "mse_difference_ci_high": high, "verdict": line}
+
+
+MIN_BLOCKS = 4  # blocks of H windows each rolling-origin period must hold (`by_period`)
+
+
+def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, windows: P.Windows, k: int) -> dict:
+    """Rolling-origin evaluation with the model fixed (trained once, not refitted as the origin moves): the windows, in
+    order of forecast origin, cut into `k` consecutive periods of (nearly) equal counts, each scored against
+    persistence with its own MSEs, skill and `verdict`; and how many periods each side wins, and significantly. A
+    model that wins overall through one lucky stretch shows it here. Neighbouring periods share the targets of up
+    to H - 1 windows at their border. Each period must hold MIN_BLOCKS blocks of H windows: a block bootstrap over
+    fewer has too few distinct blocks to resample, and its interval comes out too narrow."""
+    n, horizon = len(y), y.shape[1]
+    fits = n // (MIN_BLOCKS * horizon)
+    if k > fits:
+        advice = f"use at most {fits}" if fits > 1 else "the split is too short for periods: lengthen it or " \
+            "shorten the horizon"
+        raise ConfigError(f"prices.periods = {k}: {n} windows make periods of fewer than {MIN_BLOCKS} blocks of the "
+                          f"horizon ({MIN_BLOCKS} x {horizon} windows), too few for the block bootstrap's verdict; "
+                          f"{advice}")
+    out, ahead, ahead_sig, behind_sig = {"periods": k}, 0, 0, 0
+    for i, idx in enumerate(torch.tensor_split(torch.arange(n), k), 1):
+        v = verdict(model[idx], reference[idx], y[idx])
+        ahead += v["skill_vs_persistence"] > 0
+        ahead_sig += v["mse_difference_ci_high"] < 0  # the model's errors significantly smaller
+        behind_sig += v["mse_difference_ci_low"] > 0
+        out |= {f"period_{i}_windows": len(idx), f"period_{i}_mse": ((model[idx] - y[idx]) ** 2).mean().item(),
+                f"period_{i}_persistence_mse": ((reference[idx] - y[idx]) ** 2).mean().item(),
+                f"period_{i}_skill_vs_persistence": v["skill_vs_persistence"],
+                f"period_{i}_verdict": f"targets {windows.targets(int(idx[0]), int(idx[-1]))}: {v['verdict']}"}
+    out |= {"periods_model_ahead": ahead, "periods_model_ahead_significant": ahead_sig,
+            "periods_persistence_ahead_significant": behind_sig,
+            "periods_verdict": f"rolling origin over {k} periods (the model fixed): the model beats persistence in "
+                               f"{ahead} (significantly in {ahead_sig}), persistence beats it in {k - ahead} "
+                               f"(significantly in {behind_sig})"}
+    return out
 
 
 def trivial_directions(last: torch.Tensor, y: torch.Tensor, up_share: float) -> dict[str, float]:
