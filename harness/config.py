@@ -208,9 +208,9 @@ class PricesSection:
     head_dropout: float = _f(0.0, "dropout before the flatten head")
     center: str = _f("mean", "per-window normalisation subtracts the window's mean (RevIN) or its last value "
                      "(PatchTST's subtract_last; the untrained model then forecasts persistence)", ("mean", "last"))
-    periods: int = _f(1, "evaluation: also score the split in this many consecutive periods by forecast origin "
-                      "(rolling origin, the trained model fixed), each against persistence with its own verdict; "
-                      "1 = the whole split only; `harness evaluate --periods K` sets it for one evaluation")
+    periods: int = _f(1, "`harness evaluate`: also score the split in this many consecutive periods by forecast "
+                      "origin (rolling origin, the trained model fixed), each against persistence with its own "
+                      "verdict; 1 = the whole split only; `--periods K` sets it for one evaluation")
 
 
 BUILT_IN_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "dropout", "vocab_size")

@@ -336,7 +336,8 @@ class Ledger:
             assert all(f[0] == 1 for f in ranks), "a step's figures were not carried"  # the loop's bookkeeping
             r.peak_mem = int(max(f[1] for f in ranks))
             r.grad_norm = ranks[0][3] if ranks[0][2] else None  # global: every rank's is the same
-            r.loss = sum(f[4] for f in ranks) / self.world.replicas / work[0]
+            # a step without items (a 0/0 loss) is a non-finite step
+            r.loss = sum(f[4] for f in ranks) / self.world.replicas / work[0] if work[0] else math.nan
         if self.give_up:  # the run stops at the step that gave up: one read after it is not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)

@@ -224,11 +224,16 @@ def test_paired_blocks_give_the_median_ratio_with_its_order_statistic_interval()
     # block ratios of medians - 1: 1.1/1.0, 2.0/2.0, 0.9/1.0, 3.3/3.0 -> +10%, 0%, -10%, +10%
     pairs = {"harness": [[1.1, 1.0, 1.2], [2.0], [0.9, 0.9], [3.3]], "reference": [[1.0], [2.0, 2.0], [1.0], [3.0]]}
     p = overhead.paired(pairs)
-    assert p["median"] == pytest.approx(0.05) and p["blocks"] == 4
-    # n = 4: j = floor(2 - 0.98 * 2) = 0 -> 1, k = ceil(2 + 1 + 1.96) = 5 -> 4: the whole sample
-    assert (p["ci_low"], p["ci_high"]) == pytest.approx((-0.1, 0.1))
+    assert p["median"] == pytest.approx(0.05) and p["blocks"] == 4 and p["ratios"] == pytest.approx([-0.1, 0, 0.1, 0.1])
+    assert p["ci_low"] is None and p["ci_high"] is None  # 4 pairs: even the whole sample covers only 1 - 2/16 = 87.5%
     assert p["step_s"] == pytest.approx({"harness": 1.1, "reference": 2.0})  # pooled: medians of all the steps
-    # n = 25: j = floor(12.5 - 4.9) = 7, k = ceil(13.5 + 4.9) = 19 (the 7th and 19th smallest)
-    assert overhead.median_ci([i / 100 for i in range(1, 26)]) == pytest.approx((0.07, 0.19))
+    assert overhead._paired(p) == "+5.0% (4 block pairs, too few for a 95% CI)"
+    # n = 6: P(Bin(6, 1/2) = 0) = 1/64 <= 0.025 < 7/64: j = 1, the whole sample (coverage 1 - 2/64 = 96.9%)
+    assert overhead.median_ci([1.0, 2, 3, 4, 5, 6]) == (1.0, 6)
+    assert overhead.median_ci([1.0, 2, 3, 4, 5]) is None  # 2/32 = 6.25% outside even the whole sample
+    # n = 25: P(X <= 7) = 0.0216 <= 0.025 < P(X <= 8) = 0.0539: j = 8, k = 18 (the 8th and 18th smallest)
+    assert overhead.median_ci([i / 100 for i in range(1, 26)]) == pytest.approx((0.08, 0.18))
+    assert overhead.median_ci([i / 100 for i in range(1, 36)]) == pytest.approx((0.12, 0.24))  # 35: the 12th, 24th
     assert overhead.paired({"harness": [], "reference": []}) is None
-    assert "+5.0% (95% CI -10.0%..+10.0%; 4 block pairs)" in overhead._paired(p)
+    p = overhead.paired({"harness": [[1.0 + i / 100] for i in range(6)], "reference": [[1.0]] * 6})
+    assert overhead._paired(p) == "+2.5% (95% CI +0.0%..+5.0%; 6 block pairs)"

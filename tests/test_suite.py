@@ -53,6 +53,8 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
     s = {p: o["step_s"][p]["median"] for p in ("harness", "reference", "plain")}
     assert o["harness_overhead"]["median"] == pytest.approx(s["harness"] / s["reference"] - 1)
     assert o["target_met"] == (o["harness_overhead"]["median"] <= 0.02)
+    # the two steps in one process, block by block (reference.py --paired)
+    assert o["paired"]["blocks"] == 2 and "; in one process " in results._overhead(suite["parts"])
     g = suite["parts"]["largest"]
     assert [c["name"] for c in g["configs"]] == ["zero0 x1", "zero3_offload x1"]
     assert all(c["params"] > 0 and c["tried"] for c in g["configs"]) and g["ratio"] > 0

@@ -22,7 +22,7 @@ After its timed steps, each reference run also alternates, on its own engine, bl
 harness loop's step (`reference.py --paired`, `loop.Steps`): `paired` compares them block by block, so the
 harness's step code is measured without the launch-to-launch spread that blurs the programs' ratio (the same
 program launched twice differs by several percent on a shared machine). Its median ratio comes with a 95%
-confidence interval (distribution-free, from the order statistics of the block ratios).
+confidence interval (distribution-free: two order statistics of the block ratios, `median_ci`).
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
                 result = {"step_s": h["step_s_values"], "loss": h["loss_values"]}
                 profiles["harness"] += [h["profile"]] if h.get("profile") else []
             else:
+                # the reference also runs the paired blocks: about 3.4x the steps, twice the time allowed
                 result = script(program, config, plan.ds.precision, run_file, [*sets, *config.sets, *length],
-                                warmup + steps, timeout)
+                                warmup + steps, timeout * (2 if program == "reference" else 1))
                 if "error" in result:
                     return {**entry, "status": "failed", "error": f"{program}: {result['error']}"}
                 if "profile" in result:  # the reference's (plain.py traces nothing)
@@ -88,6 +89,9 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
         "paired": paired(pairs)}
 
 
+BLOCK = 6  # steps per paired block (`reference.py --paired`), the first one not timed
+
+
 def paired_blocks(steps: int) -> int:
     """Blocks of each loop per reference run (`reference.py --paired`): about 2.4x `steps` more steps in all."""
     return max(2, steps // 5)
@@ -95,23 +99,27 @@ def paired_blocks(steps: int) -> int:
 
 def paired(pairs: dict[str, list[list[float]]]) -> dict | None:
     """The harness loop's step against the reference's in one process, block by block: each pair's ratio of medians
-    - 1; their median with a 95% confidence interval, and the pooled step medians."""
+    - 1 (`ratios`, sorted); their median with a 95% confidence interval (None below 6 pairs), and the pooled step
+    medians."""
     if not pairs["harness"] or len(pairs["harness"]) != len(pairs["reference"]):
         return None
     each = sorted(statistics.median(h) / statistics.median(r) - 1 for h, r in zip(pairs["harness"], pairs["reference"]))
-    low, high = median_ci(each)
-    return {"median": statistics.median(each), "ci_low": low, "ci_high": high, "blocks": len(each),
+    low, high = median_ci(each) or (None, None)
+    return {"median": statistics.median(each), "ci_low": low, "ci_high": high, "blocks": len(each), "ratios": each,
             "step_s": {p: statistics.median(s for b in pairs[p] for s in b) for p in ("harness", "reference")}}
 
 
-def median_ci(ordered: list[float]) -> tuple[float, float]:
-    """A distribution-free 95% confidence interval for the median of a sorted sample: the order statistics j and k
-    with j = floor(n/2 - 0.98 sqrt(n)), k = ceil(n/2 + 1 + 0.98 sqrt(n)) (1-based; the normal approximation of the
-    binomial, Conover's Practical Nonparametric Statistics), clamped to the sample."""
-    n = len(ordered)
-    j = max(1, math.floor(n / 2 - 0.98 * math.sqrt(n)))
-    k = min(n, math.ceil(n / 2 + 1 + 0.98 * math.sqrt(n)))
-    return ordered[j - 1], ordered[k - 1]
+def median_ci(ordered: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The distribution-free confidence interval for the median of a sorted sample: its order statistics j and
+    n + 1 - j (1-based), j the largest with P(Bin(n, 1/2) < j) <= (1 - level) / 2, so that it covers the median
+    with probability at least `level` whatever the distribution; None where no such j exists (fewer than 6 values
+    at 95%)."""
+    n, tail = len(ordered), (1 - level) / 2
+    j, below = 0, 0.0
+    while j < n and below + math.comb(n, j) / 2 ** n <= tail:
+        below += math.comb(n, j) / 2 ** n
+        j += 1
+    return (ordered[j - 1], ordered[n - j]) if j else None
 
 
 def breakdown(profiles: dict[str, list[dict]]) -> dict:
@@ -154,8 +162,8 @@ def script(program: str, config: Config, precision: str, run_file: str | None, s
            timeout: float) -> dict:
     """Run reference.py or plain.py as `harness bench` launches the harness; its JSON line, or an error."""
     cmd = [sys.executable, *launcher(config), "-m", f"harness.bench.{program}", "--steps", str(steps)]
-    cmd += {"reference": ["--ds", config.ds, "--profile", "--paired", str(paired_blocks(steps))],
-            "plain": ["--precision", precision]}[program]
+    cmd += {"reference": ["--ds", config.ds, "--profile", "--paired", str(paired_blocks(steps)), "--block",
+                          str(BLOCK)], "plain": ["--precision", precision]}[program]
     cmd += ["--run", run_file] if run_file else []
     for s in sets:
         cmd += ["--set", s]
@@ -213,6 +221,8 @@ def _ms(seconds: float | None) -> str:
 def _paired(p: dict | None) -> str:
     if not p:
         return "-"
+    if p["ci_low"] is None:
+        return f"{p['median']:+.1%} ({p['blocks']} block pairs, too few for a 95% CI)"
     return f"{p['median']:+.1%} (95% CI {p['ci_low']:+.1%}..{p['ci_high']:+.1%}; {p['blocks']} block pairs)"
 
 

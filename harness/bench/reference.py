@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                           bucket=cfg.data.bucket,
                           lengths=task.lengths(data.train) if cfg.data.bucket else None)
     loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, cfg.train.seed, world.device)
+
     def step(mark=profiling.unmarked) -> float:
         total = torch.zeros((), device=world.device)
         for i in range(accum):
@@ -106,7 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     barrier()
     release(engine)
     close_world()
-
 
 
 def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int, done: int) -> dict:

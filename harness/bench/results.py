@@ -63,9 +63,13 @@ def _recipe(name: str, fmt):
 
 
 def _overhead(parts):
-    """Since the study compares with the hand-written DeepSpeed loop; older suites compared with plain PyTorch."""
+    """Since the study compares with the hand-written DeepSpeed loop (the launches' ratio, and where measured the two
+    steps' in one process); older suites compared with plain PyTorch."""
     o = parts["overhead"]
-    return f"{o['harness_overhead']['median']:+.1%} ({o['precision']})" if o.get("status") == "ok" else None
+    if o.get("status") != "ok":
+        return None
+    one = f"; in one process {o['paired']['median']:+.1%}" if o.get("paired") else ""
+    return f"{o['harness_overhead']['median']:+.1%}{one} ({o['precision']})"
 
 
 def _overhead_plain(parts):

@@ -327,7 +327,7 @@ def part_overhead(args, data, work: Path, budget: Budget) -> dict:
         return not_run("overhead")
     rounds = 2 if budget.allows(12) and not args.smoke else 1  # alternate twice where six launches fit with room
     o = overhead.one(Config(ds_path("zero0"), 1, "no"), run, sets, work / "overhead", rounds, args.warmup,
-                     args.steps, budget.left / rounds / 3)
+                     args.steps, budget.left / rounds / 4)  # a share each; the reference, with its paired blocks, two
     if o["status"] != "ok":
         return {"status": "failed", "error": o["error"][:300]}
     h = o["harness_overhead"]["median"]

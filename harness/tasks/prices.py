@@ -8,8 +8,9 @@ windows, the model next to two baselines a forecaster must beat to be worth anyt
   a constant growth rate for the log-transformed stocks);
 each with MSE and MAE on the normalised scale and on the source's scale (prices), and directional accuracy
 (the forecast moves the same way from the last value as the truth) for the model and for drift (persistence
-never moves). With `prices.periods` = K > 1 (`harness evaluate --periods K`) it also scores K consecutive periods by
-forecast origin, each with its own verdict against persistence (`by_period`: rolling origin, the model fixed).
+never moves). `harness evaluate` with `prices.periods` = K > 1 (or `--periods K`) also scores K consecutive periods
+by forecast origin, each with its own verdict against persistence (`by_period`: rolling origin, the model fixed);
+the evaluations during training do not.
 `read` takes a new csv for `harness evaluate --data` (`prepare.prices.read_scoring`): z-scored with the run's stored
 training statistics, every window of the file scored by the same `evaluate`; the majority direction is the
 training split's, kept with the run (meta "train_up_share").
@@ -141,7 +142,7 @@ class PricesTask:
         y = torch.stack([windows[i]["y"] for i in range(len(windows))])  # (n, H, C)
         forecasts = {"model": pred, **baselines(x, windows.horizon)}
         periods = by_period(pred, forecasts["persistence"], y, windows, cfg.prices.periods) \
-            if cfg.prices.periods > 1 else {}
+            if cfg.prices.periods > 1 and not in_training else {}  # `harness evaluate`'s, not training's
         return score(forecasts, x[:, -1], y, scored.norm) | verdict(pred, forecasts["persistence"], y) \
             | trivial_directions(x[:, -1], y, scored.up_share) \
             | {"windows": len(windows), "protocol": scored.protocol} | periods
@@ -216,7 +217,7 @@ def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, win
     out, ahead, ahead_sig, behind_sig = {"periods": k}, 0, 0, 0
     for i, idx in enumerate(torch.tensor_split(torch.arange(n), k), 1):
         v = verdict(model[idx], reference[idx], y[idx])
-        ahead += v["skill_vs_persistence"] > 0
+        ahead += v["skill_vs_persistence"] >= 0  # as `verdict` words it: a tie is not persistence's
         ahead_sig += v["mse_difference_ci_high"] < 0  # the model's errors significantly smaller
         behind_sig += v["mse_difference_ci_low"] > 0
         out |= {f"period_{i}_windows": len(idx), f"period_{i}_mse": ((model[idx] - y[idx]) ** 2).mean().item(),
