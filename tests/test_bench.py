@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import TINY, cli
+from conftest import ROOT, TINY, cli
 from harness.bench import overhead, report
 from harness.bench.run import largest_fitting
 from harness.models.flops import TRAIN_FACTOR
@@ -237,3 +237,19 @@ def test_paired_blocks_give_the_median_ratio_with_its_order_statistic_interval()
     assert overhead.paired({"harness": [], "reference": []}) is None
     p = overhead.paired({"harness": [[1.0 + i / 100] for i in range(6)], "reference": [[1.0]] * 6})
     assert overhead._paired(p) == "+2.5% (95% CI +0.0%..+5.0%; 6 block pairs)"
+
+
+def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_thresholds():
+    """`world.keep_freed_host_memory` (called by init_world and the plain loop) fixes glibc's mmap and trim
+    thresholds, so a step's freed memory is reused instead of faulted in again; a user's MALLOC_* setting wins."""
+    import subprocess
+    import sys
+
+    code = "from harness.world import keep_freed_host_memory as k; print(k())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    glibc = subprocess.run([sys.executable, "-c", "import platform; print(platform.libc_ver()[0])"],
+                           capture_output=True, text=True).stdout.strip() == "glibc"
+    for extra, expected in (({}, glibc), ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra},
+                             cwd=ROOT, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr[-2000:]

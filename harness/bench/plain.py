@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     from ..data import StepSampler
     from ..optim import lr_factor
     from ..tasks import get_task
+    from ..world import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as the harness and the reference set the host allocator (world.init_world)
 
     cfg = resolve(args.run, args.set).cfg
     task = get_task(cfg.run.task)
