@@ -137,12 +137,14 @@ class PricesTask:
                  data: Scored | None = None) -> dict[str, float | str]:
         scored = self.scored(cfg, split) if data is None else data
         windows = scored.windows
+        k = cfg.prices.periods if not in_training else 1  # `harness evaluate`'s, not training's
+        if k > 1:
+            check_periods(len(windows), windows.horizon, k)  # before the forecasts: refused at once
         pred = self.forecast(model, windows, cfg.train.micro_batch_size, world)
         x = torch.stack([windows[i]["x"] for i in range(len(windows))])  # (n, L, C)
         y = torch.stack([windows[i]["y"] for i in range(len(windows))])  # (n, H, C)
         forecasts = {"model": pred, **baselines(x, windows.horizon)}
-        periods = by_period(pred, forecasts["persistence"], y, windows, cfg.prices.periods) \
-            if cfg.prices.periods > 1 and not in_training else {}  # `harness evaluate`'s, not training's
+        periods = by_period(pred, forecasts["persistence"], y, windows, k) if k > 1 else {}
         return score(forecasts, x[:, -1], y, scored.norm) | verdict(pred, forecasts["persistence"], y) \
             | trivial_directions(x[:, -1], y, scored.up_share) \
             | {"windows": len(windows), "protocol": scored.protocol} | periods
@@ -199,14 +201,8 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
 MIN_BLOCKS = 4  # blocks of H windows each rolling-origin period must hold (`by_period`)
 
 
-def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, windows: P.Windows, k: int) -> dict:
-    """Rolling-origin evaluation with the model fixed (trained once, not refitted as the origin moves): the windows, in
-    order of forecast origin, cut into `k` consecutive periods of (nearly) equal counts, each scored against
-    persistence with its own MSEs, skill and `verdict`; and how many periods each side wins, and significantly. A
-    model that wins overall through one lucky stretch shows it here. Neighbouring periods share the targets of up
-    to H - 1 windows at their border. Each period must hold MIN_BLOCKS blocks of H windows: a block bootstrap over
-    fewer has too few distinct blocks to resample, and its interval comes out too narrow."""
-    n, horizon = len(y), y.shape[1]
+def check_periods(n: int, horizon: int, k: int) -> None:
+    """Refuse `k` periods of `n` windows where a period would hold fewer than MIN_BLOCKS blocks of `horizon` windows."""
     fits = n // (MIN_BLOCKS * horizon)
     if k > fits:
         advice = f"use at most {fits}" if fits > 1 else "the split is too short for periods: lengthen it or " \
@@ -214,6 +210,17 @@ def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, win
         raise ConfigError(f"prices.periods = {k}: {n} windows make periods of fewer than {MIN_BLOCKS} blocks of the "
                           f"horizon ({MIN_BLOCKS} x {horizon} windows), too few for the block bootstrap's verdict; "
                           f"{advice}")
+
+
+def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, windows: P.Windows, k: int) -> dict:
+    """Rolling-origin evaluation with the model fixed (trained once, not refitted as the origin moves): the windows, in
+    order of forecast origin, cut into `k` consecutive periods of (nearly) equal counts, each scored against
+    persistence with its own MSEs, skill and `verdict`; and how many periods each side wins, and significantly. A
+    model that wins overall through one lucky stretch shows it here. Neighbouring periods share the targets of up
+    to H - 1 windows at their border. Each period must hold MIN_BLOCKS blocks of H windows: a block bootstrap over
+    fewer has too few distinct blocks to resample, and its interval comes out too narrow."""
+    n = len(y)
+    check_periods(n, y.shape[1], k)
     out, ahead, ahead_sig, behind_sig = {"periods": k}, 0, 0, 0
     for i, idx in enumerate(torch.tensor_split(torch.arange(n), k), 1):
         v = verdict(model[idx], reference[idx], y[idx])
