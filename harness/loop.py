@@ -167,7 +167,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
              "build_peak_device_bytes": [p["device"] for p in build_peaks]}
     items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
     ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world)
-    steps = Steps(engine, plan, world, loader, flops, ledger, progress)
+    steps = Steps(engine, plan, world, loader, flops, ledger, progress, last=stop,
+                  starts=(t.profile_step,) if t.profile_step else ())  # a profiled step shows a span's start
     last_metrics, step = {}, start_step
     while step < stop and not (selection and selection.stopped_at):
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
@@ -258,18 +259,25 @@ def _draw_curves(run_dir: Path, say) -> None:
         say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
-WORK = 4  # a step's row starts with what each rank knows before it: its work counts (`step_work`)
-HEAD = WORK + 1  # and a stop signal it got
-FIGURES = 5  # what follows, carried from the step before: [carried (1) or not (0), peak memory, has a gradient norm
-#              (1) or not (0), the norm, loss sum]
+WORK = 4  # a step's work counts on each rank (`step_work`)
+HEAD = 2  # a span's row starts with a stop signal the rank got and its seconds per step of the last span
+FIGURES = 5  # a step's figures, carried to the next span's collective: [carried (1) or not (0), peak memory, has a
+#              gradient norm (1) or not (0), the norm, loss sum]
+SYNC_S = 1.0  # a span's collective comes about once a second at most: as many steps as run in it, up to
+MAX_SPAN = 16  # this many (batches fetched ahead), and one when the steps take a second or more
+
+
+def span_length(step_s: float) -> int:
+    """Steps in the next span, from the slowest rank's seconds per step (0: not known yet, a span of one)."""
+    return 1 if step_s <= 0 else max(1, min(MAX_SPAN, int(SYNC_S / step_s)))
 
 
 @dataclass
 class StepResult:
-    """A step's outcome. What only the ranks together know (the global work, the loss, the peak memory, a stop
-    signal) is read by the `Ledger`, a step late where it can be; until then `loss` and its kin are None."""
-    rows: Callable[[], torch.Tensor]  # -> (world, HEAD + FIGURES) on the host: every rank's work counts and signal
-    #                                   of this step and its figures of the step before, where carried (`Ledger`)
+    """A step's outcome. What only the ranks together know (the loss, the peak memory) is read by the `Ledger` when
+    the next span's collective brings it; until then `loss` and its kin are None."""
+    rows: Callable[[], torch.Tensor] | None  # the first step of a span: -> (world, HEAD + k * WORK + n * FIGURES)
+    #                                          on the host, every rank's row of the span's collective (`Span`)
     mine: torch.Tensor | None  # (FIGURES,) this rank's figures of this step, on its device; None: read (pipeline)
     skipped: bool              # the update was skipped for a non-finite gradient (fp16: or an overflow)
     skipped_steps: int         # updates skipped so far
@@ -280,13 +288,42 @@ class StepResult:
     grad_norm: float | None = None    # global gradient norm before clipping, where DeepSpeed or the loop has one
 
 
+class Span:
+    """One collective for the next `k` steps, where the loop had one a step: on a shared CPU a collective costs about
+    1% of a small model's step, however well hidden (gloo's thread, a second meeting of the ranks). Started at the
+    span's first step and awaited before its first backward (the first forward hides it), every rank's row:
+    [a stop signal it got, its seconds per step of the last span, the work counts of each of the `k` steps (the
+    loss normalisers; their batches fetched ahead), the figures of the steps run since the last span
+    (`Ledger.carry`)]. On a GPU nothing here waits for the device: host values go up from pinned memory, and the
+    rows come down behind the gather (`to_host_later`)."""
+
+    def __init__(self, works: list[list[float]], signal: int, step_s: float, carry: torch.Tensor, world: World):
+        self.k, self.world = len(works), world
+        head = torch.tensor([float(signal), step_s, *(w for work in works for w in work)], dtype=torch.float64)
+        self.out, self.pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
+        self.gathered, self.rows = None, None
+
+    def loss_scale(self, i: int, accum: int) -> torch.Tensor:
+        """Step `i` of the span's: DeepSpeed divides by the accumulation steps and averages over data-parallel
+        ranks; scaling by their product over the global count makes the gradient that of sum(loss) / n_items."""
+        world = self.world
+        if self.gathered is None:
+            if self.pending is not None:
+                self.pending.wait()
+            self.gathered = self.out.view(world.world_size, -1)
+            self.rows = to_host_later(self.gathered)
+        # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each count it: hence replicas.
+        items = self.gathered[:, HEAD + i * WORK].sum() / world.replicas
+        return (world.dp_size * accum / items).float()
+
+
 class Ledger:
-    """The loop's account of its steps, one step behind them. A step's own figures (`StepResult.mine`) ride to the
-    other ranks in the next step's one collective, the work counts' gather (`Ledger.carry`, `train_step`), so no
-    step has a sync of its own beyond DeepSpeed's, nor waits there for a slower rank. A step whose figures a
-    decision needs at once (an evaluation, a checkpoint, the end, a stop signal) is read with a collective of its
-    own: `settle`. A stop signal some rank got travels at the head of a step's row: `signal` has it once the step
-    it was sent in has been added, so the run stops at that step's end.
+    """The loop's account of its steps, a span behind them. A step's own figures (`StepResult.mine`) ride to the
+    other ranks in the next span's one collective (`Span`, `carry`), so no step has a sync of its own beyond
+    DeepSpeed's, nor waits there for a slower rank. A step whose figures a decision needs at once (an evaluation, a
+    checkpoint, the end, a stop signal) is read with a collective of its own: `settle`. A stop signal some rank got
+    travels at the head of a span's row: `signal` has it once the span's first step has been added, so the run
+    stops at that step's end (within about `SYNC_S` seconds and a step of the signal).
 
     Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there) and writes its metrics
     record at `train.log_every` and at the end. A record's window runs from one logged step's end to the next's, so
@@ -297,48 +334,61 @@ class Ledger:
         self.tracker, self.progress, self.t, self.stop, self.world = tracker, progress, t, stop, world
         self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
         self.min_loss_scale = min_loss_scale
-        self.nothing = torch.zeros(FIGURES, dtype=torch.float64, device=world.device)  # nothing carried
-        self.pending: tuple | None = None  # (step, StepResult, its global work, lr, samples seen, when it ended)
+        self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
+        self.pending: list[tuple] = []  # steps run, not read: (step, StepResult, its global work, lr, samples, end)
+        self.works: list[list[float]] = []  # the global work of the span's steps not yet added
+        self.span = 1  # steps in the next span (`span_length`)
         self.step, self.result = None, None  # the last step read
         self.nonfinite, self.give_up, self.signal = 0, False, 0
         self.window_work, self.window_steps, self.window_start = [0.0] * WORK, 0, time.perf_counter()
 
     def carry(self) -> torch.Tensor:
-        """What the next step's collective carries: this rank's figures of the step not yet read, or nothing."""
-        return self.nothing if self.pending is None else self.pending[1].mine
+        """What the next span's collective carries: this rank's figures of the steps not yet read, in order."""
+        return torch.cat([p[1].mine for p in self.pending]) if self.pending else self.nothing
 
     def add(self, step: int, result: StepResult, lr: float, samples_seen: int, mark=profiling.unmarked) -> None:
-        """Step `step` has run: read the one before it (its figures came with this step's collective), and keep this
-        one for later."""
-        with mark("loss to host"):
-            rows = result.rows().tolist()  # sync point: on a GPU, with a copy queued early in the step
-        result.signal = int(max(r[WORK] for r in rows))  # sent before the step ran: it stops the run at this step's end
-        self.signal = self.signal or result.signal
-        if self.pending is not None:
-            self._read([r[HEAD:] for r in rows], mark=mark)
-        # the step's global work: ranks that read the same batch (tensor-parallel peers) each counted it
-        work = [sum(column) / self.world.replicas for column in zip(*(r[:WORK] for r in rows))]
-        self.pending = (step, result, work, lr, samples_seen, time.perf_counter())
+        """Step `step` has run: at a span's first step, read the steps before it (their figures came with its
+        collective); keep this one for later."""
+        if result.rows is not None:
+            with mark("loss to host"):
+                rows = result.rows().tolist()  # sync point: on a GPU, with a copy queued early in the step
+            result.signal = int(max(r[0] for r in rows))  # sent before the step ran: stops the run at its end
+            self.signal = self.signal or result.signal
+            self.span = span_length(max(r[1] for r in rows))
+            carried = HEAD + (len(rows[0]) - HEAD - len(self.pending) * FIGURES)
+            assert (carried - HEAD) % WORK == 0 and not self.works, "a span's collective is out of step"
+            self._read_pending([r[carried:] for r in rows], mark=mark)
+            # the steps' global work: ranks that read the same batch (tensor-parallel peers) each counted it
+            self.works = [[sum(column) / self.world.replicas for column in zip(*(r[i:i + WORK] for r in rows))]
+                          for i in range(HEAD, carried, WORK)]
+        self.pending.append((step, result, self.works.pop(0), lr, samples_seen, time.perf_counter()))
         if result.mine is None:  # read already (a pipeline's step)
-            self._read(None, mark=mark)
+            self._read_pending(None, mark=mark)
 
     def settle(self, last: bool = False) -> None:
-        """Read the step not yet read, now (`last`: the loop ends after it, so its record is written)."""
-        if self.pending is not None:
-            self._read(all_gather_rows(self.pending[1].mine).tolist(), last)  # sync point: a collective of its own
+        """Read the steps not yet read, now (`last`: the loop ends after them, so the last one's record is
+        written)."""
+        if self.pending:
+            self._read_pending(all_gather_rows(self.carry()).tolist(), last)  # sync point: a collective of its own
 
-    def _read(self, ranks: list[list[float]] | None, last: bool = False, mark=profiling.unmarked) -> None:
-        """The pending step's figures from every rank's row of FIGURES numbers, on the host (Python numbers: one
-        conversion, not a tensor operation per figure)."""
-        step, r, work, lr, samples_seen, ended = self.pending
-        self.pending = None
+    def _read_pending(self, ranks: list[list[float]] | None, last: bool = False, mark=profiling.unmarked) -> None:
+        """The pending steps, in order, from every rank's figures of them (FIGURES numbers a step, on the host)."""
+        pending, self.pending = self.pending, []
+        for j, p in enumerate(pending):
+            self._read(p, None if ranks is None else [r[j * FIGURES:(j + 1) * FIGURES] for r in ranks],
+                       last and j == len(pending) - 1, mark)
+
+    def _read(self, pending: tuple, ranks: list[list[float]] | None, last: bool, mark) -> None:
+        """One step's figures from every rank's row of FIGURES numbers, on the host (Python numbers: one conversion,
+        not a tensor operation per figure)."""
+        step, r, work, lr, samples_seen, ended = pending
         if ranks is not None:
             assert all(f[0] == 1 for f in ranks), "a step's figures were not carried"  # the loop's bookkeeping
             r.peak_mem = int(max(f[1] for f in ranks))
             r.grad_norm = ranks[0][3] if ranks[0][2] else None  # global: every rank's is the same
             # a step without items (a 0/0 loss) is a non-finite step
             r.loss = sum(f[4] for f in ranks) / self.world.replicas / work[0] if work[0] else math.nan
-        if self.give_up:  # the run stops at the step that gave up: one read after it is not counted
+        if self.give_up:  # the run stops at the step that gave up: reads after it are not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
@@ -373,31 +423,53 @@ class Ledger:
 
 
 class Steps:
-    """What the loop does each step, from fetching its batches to handing it to the `Ledger` (which reads the step
+    """What the loop does each step, from fetching its batches to handing it to the `Ledger` (which reads the steps
     before): `_train` runs it once a step, and `harness bench --overhead` times it against a hand-written step on
-    the same engine, in the same process (`bench/reference.py`)."""
+    the same engine, in the same process (`bench/reference.py`). At a span's first step it fetches and counts the
+    batches of all the span's steps (`Ledger.span` of them, none past `last`) and starts the span's collective
+    (`Span`); a step in `starts` is a span of its own (a profiled step: it shows what a step that syncs costs)."""
 
-    def __init__(self, engine, plan: Plan, world: World, loader, flops: ForwardFlops, ledger: Ledger, progress):
+    def __init__(self, engine, plan: Plan, world: World, loader, flops: ForwardFlops, ledger: Ledger, progress,
+                 last: int, starts: tuple[int, ...] = ()):
         self.engine, self.plan, self.world, self.loader = engine, plan, world, loader
-        self.flops, self.ledger, self.progress = flops, ledger, progress
+        self.flops, self.ledger, self.progress, self.last, self.starts = flops, ledger, progress, last, starts
+        self.ahead: list[tuple[list[dict[str, torch.Tensor]], float]] = []  # the span's batches, with their fetch's s
+        self.span, self.index, self.span_start = None, 0, (0, 0.0)  # (step, time) the last span began
 
     def run(self, step: int, lr: float, samples_seen: int, stop_signal: int = 0,
             mark=profiling.unmarked) -> tuple[StepResult, float]:
         """Train step number `step`: (its result, the seconds waited for its batches)."""
-        task, world = self.plan.task, self.world
-        fetch_start = time.perf_counter()
-        with mark("data"):
-            cpu_batches = [next(self.loader) for _ in range(self.plan.ds.grad_accum_steps)]
-        loader_wait = time.perf_counter() - fetch_start
-        with mark("count work"):
-            work = step_work(task, self.flops, cpu_batches)  # counted on the host: no device sync
+        first = not self.ahead
+        if first:
+            self._start_span(step, stop_signal, mark)
+        cpu_batches, loader_wait = self.ahead.pop(0)
         with mark("to device"):
-            batches = [to_device(b, world.device) for b in cpu_batches]
-        result = train_step(self.engine, self.plan, batches, world, work, self.ledger.carry(), mark, stop_signal)
+            batches = [to_device(b, self.world.device) for b in cpu_batches]
+        result = train_step(self.engine, self.plan, batches, self.world, self.span, self.index, mark)
+        result.rows = self.span.rows if first else None
+        self.index += 1
         with mark("progress bar"):
             self.progress.update(1)
-        self.ledger.add(step, result, lr, samples_seen, mark)  # reads the step before this one
+        self.ledger.add(step, result, lr, samples_seen, mark)  # at a span's first step, reads the steps before it
         return result, loader_wait
+
+    def _start_span(self, step: int, stop_signal: int, mark) -> None:
+        then, started = self.span_start
+        now = time.perf_counter()
+        step_s = (now - started) / (step - then) if then else 0.0  # this rank's, over the last span
+        k = 1 if step in self.starts else \
+            min(self.ledger.span, self.last - step + 1, *(s - step for s in self.starts if s > step))
+        works = []
+        for _ in range(k):
+            fetch_start = time.perf_counter()
+            with mark("data"):
+                cpu_batches = [next(self.loader) for _ in range(self.plan.ds.grad_accum_steps)]
+            self.ahead.append((cpu_batches, time.perf_counter() - fetch_start))
+            with mark("count work"):
+                works.append(step_work(self.plan.task, self.flops, cpu_batches))  # on the host: no device sync
+        with mark("step collective"):
+            self.span = Span(works, stop_signal, step_s, self.ledger.carry(), self.world)
+        self.index, self.span_start = 0, (step, now)
 
 
 def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> list[float]:
@@ -411,31 +483,18 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
     return [float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded)]
 
 
-def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World,
-               work: list[float], carry: torch.Tensor, mark=profiling.unmarked, stop_signal: int = 0) -> StepResult:
-    """One optimizer step over this rank's micro-batches; gradients averaged over ranks by DeepSpeed. `mark` names
-    the parts of the step for a traced one (`profiling.StepProfile.section`). One collective of its own, started
-    here and awaited only before the first backward (so the first forward hides it): every rank's work counts (the
-    loss normaliser) and `stop_signal` (one it got, or 0), with `carry`, its figures of the step before
-    (`Ledger.carry`). This step's figures (peak memory, gradient norm, loss sum) are returned to be carried the
-    same way; a pipeline's are read at once. On a GPU nothing here waits for the device: host values go up from
-    pinned memory, and the gathered rows come down behind the gather, early in the step (`to_host_later`)."""
+def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World, span: Span,
+               index: int, mark=profiling.unmarked) -> StepResult:
+    """One optimizer step over this rank's micro-batches, step `index` of `span`; gradients averaged over ranks by
+    DeepSpeed. `mark` names the parts of the step for a traced one (`profiling.StepProfile.section`). The loss
+    normaliser comes from the span's collective (`Span.loss_scale`: its first step waits for it before its first
+    backward, so the first forward hides it). This step's figures (peak memory, gradient norm, loss sum) are
+    returned to be carried by the next span's collective; a pipeline's are read at once."""
     task, accum = plan.task, len(micro_batches)
-    with mark("step collective"):
-        head = torch.tensor([*work, stop_signal], dtype=torch.float64)  # (HEAD,) known on the host
-        out, pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
-    rows = []  # the host's copy of every rank's row: (world, HEAD + FIGURES)
 
     def loss_scale() -> torch.Tensor:
-        """DeepSpeed divides by the accumulation steps and averages over data-parallel ranks; scaling by their
-        product over the global count makes the gradient that of sum(loss) / n_items."""
         with mark("step collective"):
-            if pending is not None:
-                pending.wait()
-            gathered = out.view(world.world_size, -1)
-            rows.append(to_host_later(gathered))
-            # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each count it: hence replicas.
-            return (world.dp_size * accum / (gathered[:, 0].sum() / world.replicas)).float()
+            return span.loss_scale(index, accum)
 
     skipped_before = engine.skipped_steps
     grad_norm = None
@@ -469,7 +528,7 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
                 grad_norm = engine.get_global_grad_norm()  # a float, a tensor, or None
             mine = _figures(world, grad_norm, loss_sum)
     fp16 = plan.ds.precision == "fp16"
-    result = StepResult(rows[0], mine, engine.skipped_steps > skipped_before, engine.skipped_steps,
+    result = StepResult(None, mine, engine.skipped_steps > skipped_before, engine.skipped_steps,
                         float(engine.optimizer.loss_scale) if fp16 else None)
     if mine is None:
         norm = engine.get_global_grad_norm()

@@ -1,8 +1,8 @@
 """Stopping for the scheduler: SIGTERM (SLURM and Kubernetes send it before the kill), SIGINT (Ctrl-C) and SIGUSR1
 (SLURM's `--signal` warning before the time limit) end a run with a checkpoint instead of a traceback.
 
-A handler only records the signal. The loop carries "a signal came" in the collective every step already starts
-with (`loop.train_step`), so every rank learns of it at the same step, however many got the signal, at no extra
+A handler only records the signal. The loop carries "a signal came" in the collective it starts anyway about once
+a second (`loop.Span`), so every rank learns of it at the same step, however many got the signal, at no extra
 sync: they finish that step, save a checkpoint, and the command exits with `EXIT_PREEMPTED`. A second signal
 changes nothing (a launcher passes on what the terminal already sent); SIGKILL still ends a run at once.
 """

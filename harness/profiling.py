@@ -2,7 +2,8 @@
 rank 0 and writes RUN/profile.json.
 
 - `wall_s`: the step, from fetching its batches until it ran (on a GPU, its last kernel), with the loop's reading
-  of the step before it (`loop.Ledger`).
+  of the steps before it (`loop.Ledger`). A profiled step has the loop's collective to itself (`loop.Span`, a
+  span of one step): it shows a step that syncs, which the loop's other steps do about once a second.
 - `loader_wait_s`: of that, waiting for the data loader's batches.
 - `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
   the time the GPU sat idle on Python, launches and syncs (0 when kernels overlap enough to fill the step).
@@ -34,8 +35,8 @@ def unmarked(name: str) -> contextlib.AbstractContextManager:
 
 
 class StepProfile:
-    """Started before a step's batches are fetched; `finish` after the step and the reading of the one before it
-    (`loop.Ledger`): what every step does."""
+    """Started before a step's batches are fetched; `finish` after the step and the reading of the ones before it
+    (`loop.Ledger`)."""
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile

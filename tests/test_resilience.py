@@ -155,22 +155,28 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-2" in line, line
 
 
-def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none_past_giving_up():
-    """`loop.Ledger`, the loop's account of its steps, on made-up steps in a world of one: a step's figures ride in
-    the next step's collective (`carry`) and are read when that step is added; `settle` reads them at once. A stop
-    signal is known from the step it was sent in; giving up on non-finite losses counts no step after."""
+def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_counts_none_past_giving_up():
+    """`loop.Ledger`, the loop's account of its steps, on made-up steps in a world of one: the loop's collective
+    comes once a span of steps (`loop.Span`), with the work of each of its steps, and carries the figures of the
+    steps run since the last one (`carry`), read when the span's first step is added; `settle` reads them at once.
+    A span is as long as a second of the slowest rank's steps. A stop signal is known from the span it was sent
+    in; giving up on non-finite losses counts no step after."""
     import torch
 
-    from harness.loop import Ledger, StepResult
+    from harness.loop import MAX_SPAN, Ledger, StepResult, span_length
 
     logged, written = [], []
-    work = torch.tensor([10.0, 1e12, 9, 10], dtype=torch.float64)  # items, FLOPs, real and padded positions
+    work = [10.0, 1e12, 9, 10]  # items, FLOPs, real and padded positions
 
-    def made_up(books: Ledger, step: int, loss: float, signal: int = 0, skipped: bool = False) -> StepResult:
-        """What `train_step` returns: the step's collective (its work, a signal, what it carried) and its figures."""
-        rows = torch.cat([work, torch.tensor([float(signal)], dtype=torch.float64), books.carry()]).reshape(1, -1)
+    def made_up(books: Ledger, step: int, loss: float, span: int = 0, signal: int = 0, step_s: float = 0.0,
+                skipped: bool = False) -> StepResult:
+        """What `train_step` returns (with the rows of its span's collective where a span of `span` steps starts:
+        a signal, the seconds per step, each step's work, what it carried) and its figures."""
+        head = torch.tensor([float(signal), step_s, *work * span], dtype=torch.float64)
+        rows = torch.cat([head, books.carry()]).reshape(1, -1)
         mine = torch.tensor([1, 100 * step, 1, 0.5, 10 * loss], dtype=torch.float64)  # loss sum over 10 items
-        return StepResult(lambda: rows, mine, skipped=skipped, skipped_steps=int(step >= 3), loss_scale=None)
+        return StepResult((lambda: rows) if span else None, mine, skipped=skipped, skipped_steps=int(step >= 3),
+                          loss_scale=None)
 
     def ledger(log_every: int, stop: int, max_nonfinite: int = 2) -> Ledger:
         logged.clear(), written.clear()
@@ -182,14 +188,22 @@ def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none
                       min_loss_scale=1.0,
                       world=world)
 
-    # a record every 3 steps and at the last (7): each over its window of steps, each step read once
+    assert [span_length(s) for s in (0.0, 2.0, 0.3, 0.001)] == [1, 1, 3, MAX_SPAN]
+    # spans of 1, 3 and 3 steps; a record every 3 steps and at the last (7): each over its window of steps, each
+    # step read once, when the span after its own starts
     books = ledger(log_every=3, stop=7)
-    assert not books.carry().any()  # nothing to carry into the first step
+    assert books.span == 1 and not books.carry().numel()  # nothing to carry into the first span
+    last_read = {1: None, 2: 1, 3: 1, 4: 1, 5: 4, 6: 4, 7: 4}
     for step in range(1, 8):
-        books.add(step, made_up(books, step, 1.0 / step, skipped=step == 3), lr=1e-3, samples_seen=8 * step)
-        assert books.step == (step - 1 or None) and books.carry()[1] == 100 * step  # this one rides in the next
-    books.settle()  # the last: read at once
-    assert books.step == 7 and books.pending is None and not books.carry().any()
+        span = {1: 1, 2: 3, 5: 3}.get(step, 0)
+        books.add(step, made_up(books, step, 1.0 / step, span, step_s=0.3 if step == 2 else 0.0,
+                                skipped=step == 3), lr=1e-3, samples_seen=8 * step)
+        assert books.step == last_read[step], step
+        carried = books.carry().reshape(-1, 5)[:, 1].tolist()  # the peak memory (100 x step) of each step not read
+        assert carried == [100.0 * s for s in range((last_read[step] or 0) + 1, step + 1)], step
+        assert books.span == (3 if step in (2, 3, 4) else 1)  # step 2's span said 0.3 s a step; 5's, not known
+    books.settle()  # the last span's: read at once
+    assert books.step == 7 and not books.pending and not books.carry().numel()
     assert [r["step"] for r in logged] == [3, 6, 7] and [r["loss"] for r in logged] == [1 / 3, 1 / 6, 1 / 7]
     assert [r["peak_mem_bytes"] for r in logged] == [300, 600, 700] and logged[-1]["epoch"] == 7 / 4
     for r in logged:  # 10 items and 1e12 FLOPs a step, whatever the window's length
@@ -198,22 +212,29 @@ def test_the_loop_reads_each_step_from_the_next_steps_collective_and_counts_none
         assert r["flops_method"] == "analytic"
     assert written == ["step 3: gradient not finite, update skipped (1 so far)"]
 
-    # a non-finite loss at steps 2 and 5, an update skipped for a non-finite gradient at 6: the second bad step in a
-    # row gives up on reading step 6; step 7, run meanwhile, is read but neither counted nor logged
+    # spans of one: a non-finite loss at steps 2 and 5, an update skipped for a non-finite gradient at 6: the second
+    # bad step in a row gives up on reading step 6; step 7, run meanwhile, is read but neither counted nor logged
     books = ledger(log_every=1, stop=100)
     for step, loss in zip(range(1, 8), [1.0, math.nan, 1.0, 1.0, math.inf, 1.0, 1.0]):
-        books.add(step, made_up(books, step, loss, skipped=step == 6), lr=1e-3, samples_seen=8 * step)
+        books.add(step, made_up(books, step, loss, span=1, skipped=step == 6), lr=1e-3, samples_seen=8 * step)
         if books.give_up:
             break
     assert step == 7 and books.step == 6 and books.nonfinite == 2
     books.settle(last=True)
-    assert books.pending is None and [r["step"] for r in logged] == list(range(1, 7))
+    assert not books.pending and [r["step"] for r in logged] == list(range(1, 7))
+    # one span of 4 read at once: non-finite at 2 and 3 gives up at 3; step 4, read with them, is not counted
+    books = ledger(log_every=1, stop=100)
+    for step, loss in zip(range(1, 5), [1.0, math.nan, math.nan, 1.0]):
+        books.add(step, made_up(books, step, loss, span=4 if step == 1 else 0), lr=1e-3, samples_seen=8 * step)
+    books.settle()
+    assert books.give_up and books.step == 3 and books.nonfinite == 2 and [r["step"] for r in logged] == [1, 2, 3]
 
-    # a signal sent with step 4 is known once step 4 has run, before its figures are read; read at once, it is
-    # logged (the loop then saves and stops)
+    # a signal sent with the span starting at step 3 is known once step 3 has run, before its figures are read;
+    # read at once, it is logged (the loop then saves and stops)
     books = ledger(log_every=10, stop=100)
-    for step in range(1, 5):
-        books.add(step, made_up(books, step, 1.0, signal=15 if step == 4 else 0), lr=1e-3, samples_seen=8 * step)
-        assert books.signal == (15 if step == 4 else 0) and books.step == (step - 1 or None)
+    for step in range(1, 4):
+        books.add(step, made_up(books, step, 1.0, span=1 if step < 3 else 5, signal=15 if step == 3 else 0),
+                  lr=1e-3, samples_seen=8 * step)
+        assert books.signal == (15 if step == 3 else 0) and books.step == (step - 1 or None)
     books.settle(last=True)
-    assert [r["step"] for r in logged] == [4] and books.step == 4 and books.result.signal == 15
+    assert [r["step"] for r in logged] == [3] and books.step == 3 and books.result.signal == 15

@@ -12,8 +12,9 @@ training, as a script would have to write it. Rank 0 prints one JSON line:
 with `--profile` the summary of one more step traced by torch.profiler under the harness loop's section names.
 
 `--paired BLOCKS` then alternates, in this process and on this engine, blocks of `--block` steps of this loop with
-blocks of the harness loop's own step (`loop.Steps`: counting, the step's collective, the grad norm, the `Ledger`
-reading the step before and writing a metrics record every step, the progress bar), the order reversed every
+blocks of the harness loop's own step (`loop.Steps`: counting, the loop's collective where a span of steps starts,
+the grad norm, the `Ledger` reading the steps before and writing a metrics record every step, the progress bar;
+its spans run on across blocks, as they would across steps), the order reversed every
 other block; the first step of each block is not timed. Launches of one program differ by several percent on a
 shared machine; steps of one process do not, so this gives the cost of the harness's step code itself:
 "paired": {"reference": [each block's step seconds], "harness": [...]} in the JSON line.
@@ -130,7 +131,7 @@ def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int
     progress = _progress(world, done, done + 2 * blocks * block)
     ledger = Ledger(tracker, progress, dataclasses.replace(t, log_every=1), 10**9, 10**9,
                     flops, {}, getattr(plan.task, "items", "items"), 1.0, world)
-    steps, n = Steps(engine, plan, world, loader, flops, ledger, progress), done
+    steps, n = Steps(engine, plan, world, loader, flops, ledger, progress, done + blocks * block), done
     lr = engine.lr_scheduler.get_last_lr()[0] if engine.lr_scheduler else 0.0
 
     def harness_step() -> None:
