@@ -177,7 +177,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         result, loader_wait = steps.run(step + 1, schedule.get_last_lr()[0], samples_seen, watch.signal or 0, mark)
         step += 1
         beat.step = step
-        if traced:  # before anything only some steps do: the step as every step runs it
+        if traced:  # before anything only some steps do: a step that syncs (a span of its own, `Steps`)
             progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
         evaluating = t.eval_every and step % t.eval_every == 0 and step < max_steps
         saving = t.save_every and step % t.save_every == 0
@@ -319,13 +319,14 @@ class Span:
 
 class Ledger:
     """The loop's account of its steps, a span behind them. A step's own figures (`StepResult.mine`) ride to the
-    other ranks in the next span's one collective (`Span`, `carry`), so no step has a sync of its own beyond
-    DeepSpeed's, nor waits there for a slower rank. A step whose figures a decision needs at once (an evaluation, a
+    other ranks in the next span's one collective (`Span`, `carry`): no step has a sync of its own beyond
+    DeepSpeed's and that one, once a span. A step whose figures a decision needs at once (an evaluation, a
     checkpoint, the end, a stop signal) is read with a collective of its own: `settle`. A stop signal some rank got
     travels at the head of a span's row: `signal` has it once the span's first step has been added, so the run
     stops at that step's end (within about `SYNC_S` seconds and a step of the signal).
 
-    Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there) and writes its metrics
+    Reading a step counts it towards `train.max_nonfinite_steps` (`give_up` once there, up to a span after the
+    step that made it so; every save and evaluation settles first) and writes its metrics
     record at `train.log_every` and at the end. A record's window runs from one logged step's end to the next's, so
     every second of the loop, the logging's own included, is in one."""
 
@@ -426,13 +427,15 @@ class Steps:
     """What the loop does each step, from fetching its batches to handing it to the `Ledger` (which reads the steps
     before): `_train` runs it once a step, and `harness bench --overhead` times it against a hand-written step on
     the same engine, in the same process (`bench/reference.py`). At a span's first step it fetches and counts the
-    batches of all the span's steps (`Ledger.span` of them, none past `last`) and starts the span's collective
+    batches of all the span's steps (`Ledger.span` of them, none past `last`, no more than the loader's workers
+hold ready: data loading still overlaps training) and starts the span's collective
     (`Span`); a step in `starts` is a span of its own (a profiled step: it shows what a step that syncs costs)."""
 
     def __init__(self, engine, plan: Plan, world: World, loader, flops: ForwardFlops, ledger: Ledger, progress,
                  last: int, starts: tuple[int, ...] = ()):
         self.engine, self.plan, self.world, self.loader = engine, plan, world, loader
         self.flops, self.ledger, self.progress, self.last, self.starts = flops, ledger, progress, last, starts
+        self.workers = plan.run.cfg.data.num_workers
         self.ahead: list[tuple[list[dict[str, torch.Tensor]], float]] = []  # the span's batches, with their fetch's s
         self.span, self.index, self.span_start = None, 0, (0, 0.0)  # (step, time) the last span began
 
@@ -457,8 +460,9 @@ class Steps:
         then, started = self.span_start
         now = time.perf_counter()
         step_s = (now - started) / (step - then) if then else 0.0  # this rank's, over the last span
+        ready = 4 * self.workers // self.plan.ds.grad_accum_steps if self.workers else MAX_SPAN  # `train_batches`
         k = 1 if step in self.starts else \
-            min(self.ledger.span, self.last - step + 1, *(s - step for s in self.starts if s > step))
+            min(self.ledger.span, self.last - step + 1, max(1, ready), *(s - step for s in self.starts if s > step))
         works = []
         for _ in range(k):
             fetch_start = time.perf_counter()

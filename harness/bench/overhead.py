@@ -7,8 +7,9 @@ on the same processes, model and batches:
 - `plain`: a plain PyTorch loop (`plain.py`), DistributedDataParallel on several processes.
 
 Each program's step time is the time from one step's end to the next's (so nothing between steps escapes it),
-in each round: harness overhead = median harness step / median reference step - 1, DeepSpeed overhead = median
-reference step / median plain step - 1, each reported as the median over the rounds, with the smallest and
+in each round: harness overhead = mean harness step / mean reference step - 1, DeepSpeed overhead = mean
+reference step / mean plain step - 1 (means: the harness syncs once a span of steps, `loop.Span`, and that step's
+cost is part of every step's), each reported as the median over the rounds, with the smallest and
 largest round as the spread (a round's three runs are neighbours in time; rounds apart are not).
 
 Each harness and reference run traces one extra step with torch.profiler (`profiling.py`, the same section
@@ -72,7 +73,7 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
                 result = {"step_s": h["step_s_values"], "loss": h["loss_values"]}
                 profiles["harness"] += [h["profile"]] if h.get("profile") else []
             else:
-                # the reference also runs the paired blocks: about 3.4x the steps, twice the time allowed
+                # the reference also runs the paired blocks: about 7x the steps, twice the time allowed
                 result = script(program, config, plan.ds.precision, run_file, [*sets, *config.sets, *length],
                                 warmup + steps, timeout * (2 if program == "reference" else 1))
                 if "error" in result:
@@ -89,24 +90,24 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
         "paired": paired(pairs)}
 
 
-BLOCK = 6  # steps per paired block (`reference.py --paired`), the first one not timed
+BLOCK = 17  # steps per paired block (`reference.py --paired`), the first one not timed: 16 timed, a span's worth
 
 
 def paired_blocks(steps: int) -> int:
-    """Blocks of each loop per reference run (`reference.py --paired`): about 2.4x `steps` more steps in all."""
+    """Blocks of each loop per reference run (`reference.py --paired`): about 6.8x `steps` more steps in all."""
     return max(2, steps // 5)
 
 
 def paired(pairs: dict[str, list[list[float]]]) -> dict | None:
-    """The harness loop's step against the reference's in one process, block by block: each pair's ratio of medians
-    - 1 (`ratios`, sorted); their median with a 95% confidence interval (None below 6 pairs), and the pooled step
-    medians."""
+    """The harness loop's step against the reference's in one process, block by block: each pair's ratio of means
+    - 1 (`ratios`, sorted; a block holds a span of the harness's steps, with the step that syncs); their median with
+    a 95% confidence interval (None below 6 pairs), and the pooled mean steps."""
     if not pairs["harness"] or len(pairs["harness"]) != len(pairs["reference"]):
         return None
-    each = sorted(statistics.median(h) / statistics.median(r) - 1 for h, r in zip(pairs["harness"], pairs["reference"]))
+    each = sorted(statistics.fmean(h) / statistics.fmean(r) - 1 for h, r in zip(pairs["harness"], pairs["reference"]))
     low, high = median_ci(each) or (None, None)
     return {"median": statistics.median(each), "ci_low": low, "ci_high": high, "blocks": len(each), "ratios": each,
-            "step_s": {p: statistics.median(s for b in pairs[p] for s in b) for p in ("harness", "reference")}}
+            "step_s": {p: statistics.fmean(s for b in pairs[p] for s in b) for p in ("harness", "reference")}}
 
 
 def median_ci(ordered: list[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -148,7 +149,8 @@ def breakdown(profiles: dict[str, list[dict]]) -> dict:
 def figures(times: dict[str, list[list[float]]]) -> dict:
     """The study's arithmetic, from each program's step seconds per round."""
     pooled = {p: summary([s for r in times[p] for s in r]) for p in PROGRAMS}
-    per_round = [{p: statistics.median(times[p][r]) for p in PROGRAMS} for r in range(len(times["harness"]))]
+    # means, not medians: the harness's loop syncs once a span of steps, and a median would drop the step that does
+    per_round = [{p: statistics.fmean(times[p][r]) for p in PROGRAMS} for r in range(len(times["harness"]))]
 
     def ratio(a: str, b: str) -> dict:  # round by round: the programs of one round ran side by side
         each = [m[a] / m[b] - 1 for m in per_round]
@@ -187,7 +189,7 @@ def markdown(result: dict) -> str:
     lines = ["## Overhead: the harness vs a hand-written DeepSpeed loop vs plain PyTorch", "",
              f"{result['rounds']} round(s) alternating the three programs; {result['steps']} timed steps after "
              f"{result['warmup']} warm-up steps each. Step time median (p10-p90) over all rounds; overhead: each "
-             f"round's ratio of medians - 1, median over the rounds [smallest, largest].", "",
+             f"round's ratio of mean steps - 1, median over the rounds [smallest, largest].", "",
              "| configuration | harness step s | reference step s | plain step s | harness vs reference | "
              "harness's step vs reference's, one process | DeepSpeed (reference vs plain) | losses harness vs "
              "reference |", "|---|---|---|---|---|---|---|---|"]

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--profile", action="store_true", help="trace one more step after them (profiling.py)")
     ap.add_argument("--paired", type=int, default=0, help="then this many blocks of each loop's steps, alternated")
-    ap.add_argument("--block", type=int, default=6, help="steps per paired block, the first one not timed")
+    ap.add_argument("--block", type=int, default=17, help="steps per paired block, the first one not timed")
     args = ap.parse_args(argv)
 
     import torch
