@@ -199,14 +199,17 @@ def keep(ds):
     return ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
 
 
+PREFETCH = 4  # batches each loader worker keeps ready
+
+
 def train_batches(dataset, sampler: Sampler, collate, num_workers: int, seed: int, device: torch.device) -> Iterator:
-    """The training loader's batches, as `sampler` lays them out: `num_workers` processes with 4 batches prefetched
+    """The training loader's batches, as `sampler` lays them out: `num_workers` processes with PREFETCH batches ahead
     each, pinned memory on a GPU. The loader has its own generator: drawing its worker seed from the global RNG
     would shift dropout after a resume."""
     from torch.utils.data import DataLoader
 
     return iter(DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                           pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
+                           pin_memory=device.type == "cuda", prefetch_factor=PREFETCH if num_workers else None,
                            persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed)))
 
 

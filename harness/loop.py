@@ -16,7 +16,7 @@ import torch
 
 from . import checkpoint, profiling
 from .config import ConfigError, Preempted, TrainingStopped  # raised here, caught by the CLI
-from .data import StepSampler, eval_batches, train_batches
+from .data import PREFETCH, StepSampler, eval_batches, train_batches
 from .export import export_model
 from .models.flops import TRAIN_FACTOR, ForwardFlops
 from .optim import follow_config_lr
@@ -298,7 +298,7 @@ class Span:
     rows come down behind the gather (`to_host_later`)."""
 
     def __init__(self, works: list[list[float]], signal: int, step_s: float, carry: torch.Tensor, world: World):
-        self.k, self.world = len(works), world
+        self.world = world
         head = torch.tensor([float(signal), step_s, *(w for work in works for w in work)], dtype=torch.float64)
         self.out, self.pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
         self.gathered, self.rows = None, None
@@ -356,7 +356,7 @@ class Ledger:
             result.signal = int(max(r[0] for r in rows))  # sent before the step ran: stops the run at its end
             self.signal = self.signal or result.signal
             self.span = span_length(max(r[1] for r in rows))
-            carried = HEAD + (len(rows[0]) - HEAD - len(self.pending) * FIGURES)
+            carried = len(rows[0]) - len(self.pending) * FIGURES  # where the figures of the steps before begin
             assert (carried - HEAD) % WORK == 0 and not self.works, "a span's collective is out of step"
             self._read_pending([r[carried:] for r in rows], mark=mark)
             # the steps' global work: ranks that read the same batch (tensor-parallel peers) each counted it
@@ -428,14 +428,15 @@ class Steps:
     before): `_train` runs it once a step, and `harness bench --overhead` times it against a hand-written step on
     the same engine, in the same process (`bench/reference.py`). At a span's first step it fetches and counts the
     batches of all the span's steps (`Ledger.span` of them, none past `last`, no more than the loader's workers
-hold ready: data loading still overlaps training) and starts the span's collective
-    (`Span`); a step in `starts` is a span of its own (a profiled step: it shows what a step that syncs costs)."""
+    hold ready: data loading still overlaps training) and starts the span's collective (`Span`); a step in `starts`
+    is a span of its own (a profiled step: it shows what a step that syncs costs)."""
 
     def __init__(self, engine, plan: Plan, world: World, loader, flops: ForwardFlops, ledger: Ledger, progress,
                  last: int, starts: tuple[int, ...] = ()):
         self.engine, self.plan, self.world, self.loader = engine, plan, world, loader
         self.flops, self.ledger, self.progress, self.last, self.starts = flops, ledger, progress, last, starts
-        self.workers = plan.run.cfg.data.num_workers
+        workers = plan.run.cfg.data.num_workers  # each holds PREFETCH micro-batches ready (`train_batches`)
+        self.ready = max(1, PREFETCH * workers // plan.ds.grad_accum_steps) if workers else MAX_SPAN  # steps' worth
         self.ahead: list[tuple[list[dict[str, torch.Tensor]], float]] = []  # the span's batches, with their fetch's s
         self.span, self.index, self.span_start = None, 0, (0, 0.0)  # (step, time) the last span began
 
@@ -460,9 +461,8 @@ hold ready: data loading still overlaps training) and starts the span's collecti
         then, started = self.span_start
         now = time.perf_counter()
         step_s = (now - started) / (step - then) if then else 0.0  # this rank's, over the last span
-        ready = 4 * self.workers // self.plan.ds.grad_accum_steps if self.workers else MAX_SPAN  # `train_batches`
         k = 1 if step in self.starts else \
-            min(self.ledger.span, self.last - step + 1, max(1, ready), *(s - step for s in self.starts if s > step))
+            min(self.ledger.span, self.last - step + 1, self.ready, *(s - step for s in self.starts if s > step))
         works = []
         for _ in range(k):
             fetch_start = time.perf_counter()
