@@ -238,3 +238,39 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
         assert books.signal == (15 if step == 3 else 0) and books.step == (step - 1 or None)
     books.settle(last=True)
     assert [r["step"] for r in logged] == [3] and books.step == 3 and books.result.signal == 15
+
+
+def test_a_span_fetches_what_the_ledger_asks_but_never_past_the_last_step_a_profiled_one_or_the_workers_ready():
+    """`loop.Steps` at a span's first step, in a world of one: it fetches and counts the batches of `Ledger.span`
+    steps, no more than the loader's workers hold ready (PREFETCH micro-batches each, over the accumulation), none
+    past the last step, and ends the span before a profiled step, which is a span of its own."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from harness import profiling
+    from harness.data import PREFETCH
+    from harness.loop import MAX_SPAN, Steps
+
+    def spans(workers: int, accum: int, last: int, starts=(), span: int = MAX_SPAN) -> list[int]:
+        fetched = []
+        task = NS(count=lambda b: 10, inputs=lambda b: (b,))
+        plan = NS(task=task, ds=NS(grad_accum_steps=accum), run=NS(cfg=NS(data=NS(num_workers=workers))))
+        ledger = NS(span=span, carry=lambda: torch.zeros(0, dtype=torch.float64))
+        world = NS(device=torch.device("cpu"), world_size=1)
+        loader = iter(lambda: fetched.append(1) or {"x": torch.zeros(1)}, None)
+        steps = Steps(None, plan, world, loader, lambda inputs, n: 1.0, ledger, None, last=last, starts=starts)
+        lengths, step = [], 1
+        while step <= last:
+            steps._start_span(step, 0, profiling.unmarked)
+            lengths.append(len(steps.ahead))
+            step += len(steps.ahead)
+            steps.ahead.clear()
+        assert len(fetched) == last * accum  # every step's micro-batches, once
+        return lengths
+
+    assert spans(workers=0, accum=1, last=40) == [16, 16, 8]  # the ledger's 16; the last step ends the third
+    assert spans(workers=2, accum=1, last=20) == [2 * PREFETCH] * 2 + [4]  # 8 ready with 2 workers
+    assert spans(workers=1, accum=2, last=5) == [2, 2, 1]  # 4 micro-batches ready: 2 steps of 2
+    assert spans(workers=1, accum=8, last=3) == [1, 1, 1]  # fewer ready than a step: a step at a time
+    assert spans(workers=0, accum=1, last=30, starts=(10,), span=6) == [6, 3, 1, 6, 6, 6, 2]  # 10 alone
