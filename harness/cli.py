@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
                    "part's time budget")
     b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
                    "checkpoints (default bench/suite-work)")
+    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all: "
+                   "translation_multi30k, protein_flip_ss, protein_gb1, prices_etth1); in the same --out they "
+                   "replace those recipes' earlier results and keep the others")
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     ex.add_argument("--run-dir", required=True, metavar="DIR")
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 run_suite(args)
                 return 0
-            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work") if getattr(args, k)]
+            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes") if getattr(args, k)]
             if suite_only:
                 raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
             from .bench.run import run_bench

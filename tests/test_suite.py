@@ -11,6 +11,7 @@ import pytest
 
 from conftest import ROOT, cli
 from harness.bench import results
+from harness.bench import suite as suite_mod
 from harness.bench.suite import PARTS, RECIPES
 from harness.cli import main
 
@@ -86,6 +87,29 @@ def test_a_second_command_adds_its_parts_to_the_same_results(smoke, tmp_path, ca
     assert "holds a smoke run" in capsys.readouterr().err
 
 
+def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path):
+    out = tmp_path / "three"
+    shutil.copytree(smoke, out)
+    before = {r["name"]: r for r in json.loads((out / "suite.json").read_text())["parts"]["quality"]["recipes"]}
+    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
+                 str(DATA), "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    suite = json.loads((out / "suite.json").read_text())
+    assert "--recipes prices_etth1" in suite["commands"][-1]
+    after = {r["name"]: r for r in suite["parts"]["quality"]["recipes"]}
+    assert list(after) == [r.name for r in RECIPES]  # every recipe still there, in the suite's order
+    assert all(after[n] == before[n] for n in after if n != "prices_etth1")  # kept as the first command left them
+    etth1 = after["prices_etth1"]
+    assert etth1["status"] == "ok" and etth1 != before["prices_etth1"]  # trained and scored again
+    assert etth1["test"]["persistence_mse"] == pytest.approx(1.294, abs=1e-3)
+    assert "| prices_etth1 | mse |" in (out / "suite.md").read_text()
+    # a recipe a later command had no budget for keeps the result it had; a part that broke keeps every recipe
+    skipped = suite_mod.merge_quality(suite["parts"]["quality"], {"recipes": [suite_mod.not_run("protein_gb1")]})
+    assert skipped["recipes"] == suite["parts"]["quality"]["recipes"]
+    broke = suite_mod.merge_quality(suite["parts"]["quality"], {"status": "failed", "error": "RuntimeError: x"})
+    assert broke["status"] == "failed" and broke["recipes"] == suite["parts"]["quality"]["recipes"]
+    assert suite_mod.merge_quality(None, {"status": "failed", "error": "x"})["recipes"] == []
+
+
 def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     assert results.main(check=True) == 0  # the README is what results/gpu/ gives
     root = tmp_path / "repo"
@@ -118,10 +142,16 @@ def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
            (["--parts", "quality"], "--data DIR is needed"),
            (["--data", str(tmp_path / "nowhere")], "not a directory"),
            (["--data", str(tmp_path)], "no ett/, flip_gb1/low_vs_high.csv.gz, flip_ss/, multi30k/ in it"),
-           (["--budget", "speed=soon", "--data", str(tmp_path)], "--budget speed=soon")]
+           (["--budget", "speed=soon", "--data", str(tmp_path)], "--budget speed=soon"),
+           (["--recipes", "prices_etth1,warp", "--data", str(tmp_path)], "unknown recipe(s) warp; the recipes are "
+                                                                           "translation_multi30k, protein_flip_ss"),
+           (["--parts", "ops", "--recipes", "prices_etth1"], "--parts ops has no quality"),
+           (["--parts", "quality", "--recipes", "prices_etth1", "--data", str(tmp_path)], "no ett/ in it")]
     for args, message in bad:
         assert main(["bench", "--suite", "gpu", "--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args
     assert main(["bench", "--smoke", "--out", str(out)]) == 2
     assert "--smoke belong to --suite" in capsys.readouterr().err
+    assert main(["bench", "--recipes", "prices_etth1", "--out", str(out)]) == 2
+    assert "--recipes belong to --suite" in capsys.readouterr().err
     assert not out.exists()

@@ -17,7 +17,8 @@ GPU tables are generated from those files (`harness results`). Parts, in order o
 - `largest`: the largest lm (by layers) that trains under ZeRO-0 and under ZeRO-3 with CPU offload, and the ratio.
 - `quality`: the Multi30k, FLIP secondary structure, FLIP GB1 and ETTh1 recipes, each trained as many steps as its budget allows (a short probe
   times a step, then the run resumes to the steps that fit) and scored once on its test split. A run cut short
-  of its recipe's schedule is reported as cut, never extrapolated.
+  of its recipe's schedule is reported as cut, never extrapolated. `--recipes` runs some of them (a third command
+  with the session's time left); in the same `--out` their results replace the earlier ones and the others stay.
 
 A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget". Time a
 part leaves unused goes to the next part of the same command, so the command's total never exceeds their sum.
@@ -157,6 +158,7 @@ def run_suite(args) -> dict:
         if part not in PARTS or not seconds.replace(".", "", 1).isdigit():
             raise ConfigError(f"--budget {b}: expected PART=SECONDS with a part of {', '.join(PARTS)}")
         budgets[part] = float(seconds)
+    args.recipes = chosen_recipes(args.recipes, parts)
     data = Path(args.data) if args.data else None
     if data is not None and not data.is_dir():
         raise ConfigError(f"--data {data}: not a directory (expected the benchmark sets: multi30k/, flip_ss/, flip_gb1/, ett/)")
@@ -164,7 +166,8 @@ def run_suite(args) -> dict:
         if data is None:
             raise ConfigError("--data DIR is needed for the speed and quality parts: the folder holding multi30k/, "
                               "flip_ss/, flip_gb1/ and ett/ (e.g. ../shared/data)")
-        missing = sorted({x.data for x in (*SPEED, *RECIPES) if x.data and not (data / x.data).exists()})
+        read = (*(SPEED if "speed" in parts else ()), *(args.recipes if "quality" in parts else ()))
+        missing = sorted({x.data for x in read if x.data and not (data / x.data).exists()})
         if missing:
             raise ConfigError(f"--data {data}: no {', '.join(m if '.' in m else m + '/' for m in missing)} in it (the benchmark sets the "
                               f"speed and quality parts read)")
@@ -190,10 +193,11 @@ def run_suite(args) -> dict:
         print(f"== part {part} (budget {budget.seconds:.0f} s)", flush=True)
         started = time.monotonic()
         try:
-            result["parts"][part] = PART_RUNNERS[part](args, data, work / part, budget)
+            done = PART_RUNNERS[part](args, data, work / part, budget)
         except Exception as e:  # noqa: BLE001 - GPU time is scarce: a part that breaks is recorded, the rest runs
-            result["parts"][part] = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}
+            done = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
+        result["parts"][part] = merge_quality(result["parts"].get(part), done) if part == "quality" else done
         result["parts"][part]["wall_s"] = time.monotonic() - started
         spare = max(0.0, budget.left)
         path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
@@ -356,10 +360,35 @@ def part_largest(args, data, work: Path, budget: Budget) -> dict:
             "bounds": "lower" if offload["stopped_by_budget"] or offload["capped"] else "measured"}
 
 
+def chosen_recipes(names: str | None, parts: list[str]) -> tuple[Recipe, ...]:
+    """`--recipes a,b`: the quality part's recipes to run (default all), in the suite's order."""
+    if not names:
+        return RECIPES
+    if "quality" not in parts:
+        raise ConfigError(f"--recipes chooses the quality part's recipes, and --parts {','.join(parts)} has no quality")
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = sorted(wanted - {r.name for r in RECIPES})
+    if unknown or not wanted:
+        raise ConfigError(f"--recipes: unknown recipe(s) {', '.join(unknown) or '(none given)'}; the recipes are "
+                          f"{', '.join(r.name for r in RECIPES)}")
+    return tuple(r for r in RECIPES if r.name in wanted)
+
+
+def merge_quality(before: dict | None, now: dict) -> dict:
+    """A later command's quality part into the same results: its recipes replace the same recipes' earlier results,
+    the others are kept, and one it had no budget to run keeps the result it had."""
+    kept = {r["name"]: r for r in (before or {}).get("recipes", [])}
+    for r in now.get("recipes", []):
+        if r["status"] != "not run" or r["name"] not in kept:
+            kept[r["name"]] = r
+    order = [r.name for r in RECIPES]
+    return {**now, "recipes": sorted(kept.values(), key=lambda r: order.index(r["name"]))}
+
+
 def part_quality(args, data, work: Path, budget: Budget) -> dict:
     results = []
-    for i, r in enumerate(RECIPES):
-        share = budget.share(len(RECIPES) - i)
+    for i, r in enumerate(args.recipes):
+        share = budget.share(len(args.recipes) - i)
         if not share.allows(2):
             results.append({**not_run(r.name), "metric": r.metric, "target": r.target})
             continue
