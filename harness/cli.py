@@ -106,9 +106,9 @@ def parser() -> argparse.ArgumentParser:
                    "part's time budget")
     b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
                    "checkpoints (default bench/suite-work)")
-    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all: "
-                   "translation_multi30k, protein_flip_ss, protein_gb1, prices_etth1); in the same --out they "
-                   "replace those recipes' earlier results and keep the others")
+    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all; an "
+                   "unknown name is refused with the list); in the same --out their results replace those recipes' "
+                   "earlier ones and the others stay")
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     ex.add_argument("--run-dir", required=True, metavar="DIR")
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 run_suite(args)
                 return 0
-            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes") if getattr(args, k)]
+            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes")
+                          if getattr(args, k) not in (None, [], False)]
             if suite_only:
                 raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
             from .bench.run import run_bench

@@ -91,6 +91,7 @@ def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path
     out = tmp_path / "three"
     shutil.copytree(smoke, out)
     before = {r["name"]: r for r in json.loads((out / "suite.json").read_text())["parts"]["quality"]["recipes"]}
+    (out / "suite.md").unlink()  # written again by the command
     assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
                  str(DATA), "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     suite = json.loads((out / "suite.json").read_text())
@@ -101,13 +102,30 @@ def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path
     etth1 = after["prices_etth1"]
     assert etth1["status"] == "ok" and etth1 != before["prices_etth1"]  # trained and scored again
     assert etth1["test"]["persistence_mse"] == pytest.approx(1.294, abs=1e-3)
-    assert "| prices_etth1 | mse |" in (out / "suite.md").read_text()
-    # a recipe a later command had no budget for keeps the result it had; a part that broke keeps every recipe
-    skipped = suite_mod.merge_quality(suite["parts"]["quality"], {"recipes": [suite_mod.not_run("protein_gb1")]})
-    assert skipped["recipes"] == suite["parts"]["quality"]["recipes"]
-    broke = suite_mod.merge_quality(suite["parts"]["quality"], {"status": "failed", "error": "RuntimeError: x"})
-    assert broke["status"] == "failed" and broke["recipes"] == suite["parts"]["quality"]["recipes"]
-    assert suite_mod.merge_quality(None, {"status": "failed", "error": "x"})["recipes"] == []
+    assert etth1["command"] == 1 and after["protein_gb1"]["command"] == 0  # which command scored each
+    md = (out / "suite.md").read_text()
+    assert all(f"| {n} | " in md for n in after) and "--recipes prices_etth1" in md
+    # a recipe a later command had no budget for, or only failed on, keeps the result it had, with the attempt noted
+    q, merge = suite["parts"]["quality"], suite_mod.merge_quality
+    late = merge(q, {"recipes": [suite_mod.not_run("protein_gb1"),
+                                 {"name": "prices_etth1", "status": "failed", "error": "timed out"}]})["recipes"]
+    assert [r["name"] for r in late] == list(after)
+    assert late[2] == {**after["protein_gb1"], "later_attempt": "not run: budget"}
+    assert late[3] == {**etth1, "later_attempt": "failed: timed out"}
+    assert late[0] == after["translation_multi30k"]  # not attempted: untouched
+    failed = {"name": "protein_gb1", "status": "failed", "error": "OOM"}
+    assert merge({"recipes": [failed]}, {"recipes": [suite_mod.not_run("protein_gb1")]})["recipes"] == [
+        {**failed, "later_attempt": "not run: budget"}]  # a failure says more than "not run"
+    assert merge({"recipes": [failed]}, {"recipes": [after["protein_gb1"]]})["recipes"] == [after["protein_gb1"]]
+    # a part that broke keeps every recipe, and suite.md still shows them; a recipe since dropped goes last
+    broke = merge(q, {"status": "failed", "error": "RuntimeError: x",
+                      "recipes": [{"name": "a_dropped_recipe", "status": "failed", "error": "y"}]})
+    assert broke["status"] == "failed" and broke["recipes"][:4] == q["recipes"]
+    assert broke["recipes"][4]["name"] == "a_dropped_recipe"
+    md = results.suite_markdown({**suite, "parts": {"quality": {**broke, "recipes": late}}})
+    assert "Part quality failed: RuntimeError: x" in md and "| prices_etth1 | mse |" in md
+    assert "prices_etth1: the result above is command 2's; a later command's attempt gave failed: timed out" in md
+    assert merge(None, {"status": "failed", "error": "x"})["recipes"] == []
 
 
 def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
@@ -146,12 +164,14 @@ def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
            (["--recipes", "prices_etth1,warp", "--data", str(tmp_path)], "unknown recipe(s) warp; the recipes are "
                                                                            "translation_multi30k, protein_flip_ss"),
            (["--parts", "ops", "--recipes", "prices_etth1"], "--parts ops has no quality"),
+           (["--recipes", "", "--data", str(tmp_path)], "unknown recipe(s) (none given)"),
            (["--parts", "quality", "--recipes", "prices_etth1", "--data", str(tmp_path)], "no ett/ in it")]
     for args, message in bad:
         assert main(["bench", "--suite", "gpu", "--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args
     assert main(["bench", "--smoke", "--out", str(out)]) == 2
     assert "--smoke belong to --suite" in capsys.readouterr().err
-    assert main(["bench", "--recipes", "prices_etth1", "--out", str(out)]) == 2
-    assert "--recipes belong to --suite" in capsys.readouterr().err
+    for recipes in ("prices_etth1", ""):
+        assert main(["bench", "--recipes", recipes, "--out", str(out)]) == 2
+        assert "--recipes belong to --suite" in capsys.readouterr().err
     assert not out.exists()

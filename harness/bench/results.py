@@ -161,7 +161,7 @@ def suite_markdown(result: dict) -> str:
     """suite.md: every part's figures, targets and where a missed one lost its time."""
     env = result["environment"]
     failed = {k: v for k, v in result["parts"].items() if v.get("status") == "failed" and "error" in v}
-    parts = {k: v for k, v in result["parts"].items() if k not in failed}
+    parts = {k: v for k, v in result["parts"].items() if k not in failed or v.get("recipes")}  # kept recipes show
     lines = [f"# harness GPU suite{' (smoke: toy sizes, not figures)' if result['smoke'] else ''}: {env['device']}",
              "", f"torch {env['torch']} (CUDA {env['cuda']}), DeepSpeed {env['deepspeed']}, commit {env['commit']}, "
              f"{env['date']}. Commands: " + "; ".join(f"`{c}`" for c in result["commands"]) + "."]
@@ -222,6 +222,8 @@ def suite_markdown(result: dict) -> str:
             lines.append(f"| {e['name']} | {e['metric']} | {_fmt(e['value'])} | "
                          f"{'-' if e['target'] is None else e['target']}: {_met(e)} | {e['steps']} "
                          f"({e['schedule']}) | {others} |")
+        lines += [f"\n{e['name']}: the result above is command {e.get('command', 0) + 1}'s; a later command's attempt "
+                  f"gave {cell(e['later_attempt'])}" for e in q["recipes"] if e.get("later_attempt")]
     return "\n".join(lines)
 
 

@@ -197,7 +197,11 @@ def run_suite(args) -> dict:
         except Exception as e:  # noqa: BLE001 - GPU time is scarce: a part that breaks is recorded, the rest runs
             done = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
-        result["parts"][part] = merge_quality(result["parts"].get(part), done) if part == "quality" else done
+        if part == "quality":  # each recipe says which command scored it: a later command may keep it
+            for r in done.get("recipes", []):
+                r.setdefault("command", len(result["commands"]) - 1)
+            done = merge_quality(result["parts"].get(part), done)
+        result["parts"][part] = done
         result["parts"][part]["wall_s"] = time.monotonic() - started
         spare = max(0.0, budget.left)
         path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
@@ -362,7 +366,7 @@ def part_largest(args, data, work: Path, budget: Budget) -> dict:
 
 def chosen_recipes(names: str | None, parts: list[str]) -> tuple[Recipe, ...]:
     """`--recipes a,b`: the quality part's recipes to run (default all), in the suite's order."""
-    if not names:
+    if names is None:
         return RECIPES
     if "quality" not in parts:
         raise ConfigError(f"--recipes chooses the quality part's recipes, and --parts {','.join(parts)} has no quality")
@@ -375,14 +379,20 @@ def chosen_recipes(names: str | None, parts: list[str]) -> tuple[Recipe, ...]:
 
 
 def merge_quality(before: dict | None, now: dict) -> dict:
-    """A later command's quality part into the same results: its recipes replace the same recipes' earlier results,
-    the others are kept, and one it had no budget to run keeps the result it had."""
+    """A later command's quality part into the same results: its recipes replace the same recipes' earlier results
+    and the others are kept, except that a result never gives way to a worse one (scored > failed > not run, for lack
+    of budget): the earlier one then stays, with the later attempt noted on it (`later_attempt`)."""
+    rank = {"ok": 2, "failed": 1, "not run": 0}
     kept = {r["name"]: r for r in (before or {}).get("recipes", [])}
     for r in now.get("recipes", []):
-        if r["status"] != "not run" or r["name"] not in kept:
+        old = kept.get(r["name"])
+        if old is None or rank[r["status"]] >= rank[old["status"]]:
             kept[r["name"]] = r
-    order = [r.name for r in RECIPES]
-    return {**now, "recipes": sorted(kept.values(), key=lambda r: order.index(r["name"]))}
+        else:
+            kept[r["name"]] = {**old, "later_attempt": f"{r['status']}: {r.get('error', '')}"[:300]}
+    order = [r.name for r in RECIPES]  # a recipe since renamed or dropped goes last
+    return {**now, "recipes": sorted(kept.values(), key=lambda r: (order.index(r["name"]) if r["name"] in order
+                                                                  else len(order), r["name"]))}
 
 
 def part_quality(args, data, work: Path, budget: Budget) -> dict:
