@@ -115,14 +115,20 @@ def extension_root() -> Path:
 COMPILERS = {"ninja", "cc1plus", "nvcc", "cicc", "ptxas", "c++", "g++", "gcc", "clang++"}
 
 
-def compiler_running() -> bool:
-    """Whether any process on this machine is a compiler or ninja (a JIT build in progress, ours or another's)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+def compiler_running(where: Path) -> bool:
+    """Whether a compiler or ninja runs in `where` or below it: a JIT build there (torch's cpp_extension runs ninja,
+    and ninja its compilers, in the extension's build directory, the one holding the lock). A compiler elsewhere,
+    e.g. torch.compile's in /tmp, does not count."""
+    where = where.resolve()
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            argv0 = cmdline.read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-        except OSError:  # the process ended while we looked
+            argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+            if Path(argv0).name not in COMPILERS:
+                continue
+            cwd = Path(os.readlink(proc / "cwd"))
+        except OSError:  # the process ended while we looked, or is not ours to read
             continue
-        if Path(argv0).name in COMPILERS:
+        if cwd == where or where in cwd.parents:
             return True
     return False
 
@@ -131,16 +137,16 @@ def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> Non
     """A JIT build killed midway leaves `<extension>/lock` behind, and every later start waits on it forever,
     silently (torch's FileBaton polls for the file to vanish: pytorch/pytorch#189245; DeepSpeed's hang reports, e.g.
     deepspeedai/DeepSpeedExamples#302, end in `file_baton.py wait`). Refuse to start instead, naming the file, when
-    a lock is older than `max_age_s` and no compiler runs on this machine."""
+    a lock is older than `max_age_s` and no compiler runs in its build directory."""
     import time
 
     root = root or extension_root()
     locks = [p for p in (*root.glob("*/lock"), *root.glob("*/*/lock")) if p.is_file()]
-    stale = [p for p in locks if time.time() - p.stat().st_mtime > max_age_s]
-    if stale and not compiler_running():
+    stale = [p for p in locks if time.time() - p.stat().st_mtime > max_age_s and not compiler_running(p.parent)]
+    if stale:
         age = (time.time() - stale[0].stat().st_mtime) / 60
         raise ConfigError(f"a JIT build of DeepSpeed's {stale[0].parent.name} op was killed midway: its lock "
-                          f"{stale[0]} is {age:.0f} min old and no compiler is running, so every start would wait "
+                          f"{stale[0]} is {age:.0f} min old and no compiler runs there, so every start would wait "
                           f"on it forever. Remove it (rm {' '.join(map(str, stale))}) and start again")
 
 

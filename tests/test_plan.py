@@ -191,7 +191,9 @@ def test_lr_schedule_warmup_then_decay():
 def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path, corpus):
     """A DeepSpeed op build killed midway leaves `<op>/lock`; every later start would wait on it forever."""
     import os
+    import shutil
     import time
+    from pathlib import Path
 
     from harness.startup import check_build_locks
 
@@ -201,8 +203,28 @@ def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path
     check_build_locks(tmp_path / "ext")  # a fresh lock: a build may be running, wait for it as DeepSpeed does
     old = time.time() - 600
     os.utime(lock, (old, old))
-    with pytest.raises(ConfigError, match=f"lock {lock} is 10 min old and no compiler is running.*rm {lock}"):
+    with pytest.raises(ConfigError, match=f"lock {lock} is 10 min old and no compiler runs there.*rm {lock}"):
         check_build_locks(tmp_path / "ext")
+    # a build still running in the lock's directory (ninja there) is waited for; a compiler elsewhere (another
+    # job's, torch.compile's) does not hide the stale lock
+    ninja = tmp_path / "bin" / "ninja"
+    ninja.parent.mkdir()
+    ninja.symlink_to(shutil.which("sleep"))
+    for cwd, waits in ((lock.parent, True), (tmp_path / "bin", False)):
+        build = subprocess.Popen([str(ninja), "30"], cwd=cwd)
+        try:
+            for _ in range(100):  # until the process shows its own name
+                if Path(f"/proc/{build.pid}/cmdline").read_bytes().startswith(str(ninja).encode()):
+                    break
+                time.sleep(0.05)
+            if waits:
+                check_build_locks(tmp_path / "ext")
+            else:
+                with pytest.raises(ConfigError, match="no compiler runs there"):
+                    check_build_locks(tmp_path / "ext")
+        finally:
+            build.kill()
+            build.wait()
     out = subprocess.run([sys.executable, "-m", "harness", "train", "--set", "train.max_steps=3", "--set",
                           f"data.path=\"{corpus}\"", "--set", f"run.output_dir=\"{tmp_path / 'run'}\""],
                          cwd=ROOT, env=_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext" / "py312_cpu")}),
