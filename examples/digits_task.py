@@ -5,7 +5,7 @@
     harness evaluate --run-dir runs/digits --split test
     harness evaluate --run-dir runs/digits --data my_digits.txt   # new data: one line of `length` digits a sample
 
-What a task must provide and what it may leave out: the Task interface in harness/tasks/__init__.py.
+What a task must provide and what it may leave out: the Task interface in harness/tasks/interface.py.
 """
 from __future__ import annotations
 

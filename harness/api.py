@@ -20,7 +20,7 @@ from typing import Any
 
 def _sources(run) -> tuple[str | None, list[str]]:
     """(run file, overrides) for any accepted form of `run`."""
-    from .config import RunConfig, flatten
+    from .config.run import RunConfig, flatten
 
     if run is None or isinstance(run, (str, Path)):
         return (None if run is None else str(run)), []
@@ -36,7 +36,7 @@ def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world
     command prints."""
     from dataclasses import replace
 
-    from .startup import make_plan
+    from .plan.resolve import make_plan
 
     run_file, overrides = _sources(run)
     if task is not None:  # recorded by reference; the object itself is what trains
@@ -46,7 +46,7 @@ def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world
 
 
 def plan_text(p) -> str:
-    from .planning import render
+    from .plan.render import render
 
     return render(p)
 
@@ -55,10 +55,10 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
           overwrite: bool = False, stop_at: int | None = None) -> dict[str, Any]:
     """Train (`harness train`); returns the last evaluation's metrics and the step reached (with train.select_best,
     `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0)."""
-    from .config import ConfigError
-    from .startup import preflight
-    from .loop import train as run_training
-    from .world import barrier, close_world, init_world
+    from .config.run import ConfigError
+    from .distributed.world import barrier, close_world, init_world
+    from .run.loop import train as run_training
+    from .run.startup import preflight
 
     p = plan(run, sets, ds, task)
     resume_from = preflight(p, resume, overwrite)
@@ -77,13 +77,13 @@ def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None =
     """The field's metrics of a finished run on a split (`harness evaluate`), or with `data` on new data read with
     the run's stored tokenizer and statistics (`--data`: {entry name: metrics}, one entry per data set); also
     written to RUN/eval.json."""
-    from .evaluation import evaluate_data, evaluate_run
+    from .eval.evaluate import evaluate_data, evaluate_run
 
     return evaluate_run(run_dir, split) if data is None else evaluate_data(run_dir, data, name)
 
 
 def load_model(run_dir: str | Path):
     """(model, RunConfig): the task's model with the run's exported weights, in eval mode, on the CPU."""
-    from .export import load_model as load
+    from .run.export import load_model as load
 
     return load(run_dir)

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, Preempted, TrainingStopped
-from .heartbeat import EXIT_HUNG, RankHung
-from .world import launched_rank, quiet_deepspeed
+from .config.run import ConfigError, Preempted, TrainingStopped
+from .distributed.world import launched_rank, quiet_deepspeed
+from .run.heartbeat import EXIT_HUNG, RankHung
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -117,8 +117,8 @@ def parser() -> argparse.ArgumentParser:
                         "the task's metric), each run a line")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("--out", required=True, metavar="FILE.png")
-    r = sub.add_parser("results", help="regenerate the README's GPU table from results/gpu/*/suite.json")
-    r.add_argument("--check", action="store_true", help="only check that the README matches the result files")
+    r = sub.add_parser("results", help="regenerate the GPU table of docs/benchmarks.md from results/gpu/*/suite.json")
+    r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     tr.add_argument("--run-dir", required=True, metavar="DIR")
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
@@ -126,9 +126,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args) -> int:
-    from .config import read_toml, resolve
+    from .config.run import read_toml
     from .prepare import read_meta, summary
-    from .tasks import get_task
+    from .tasks import get_task, resolve
 
     if args.run:
         task_in_file = read_toml(args.run).get("run", {}).get("task", "lm")
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import main as launch
 
         try:
-            return launch(argv[1:])
+            return launch(argv[1:], parser().parse_args)
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     is_main = launched_rank() == 0
     try:
         if args.command == "keys":
-            from .planning import render_keys
+            from .plan.render import render_keys
 
             print(render_keys())
             return 0
@@ -190,17 +190,17 @@ def main(argv: list[str] | None = None) -> int:
 
             return results(args.check)
         if args.command == "export":
-            from .export import export_hf
+            from .run.export import export_hf
 
             print(f"wrote {export_hf(args.run_dir, args.hf)}")
             return 0
         if args.command == "plot":
-            from .plots import plot
+            from .run.plots import plot
 
             print(f"wrote {plot(args.run_dirs, args.out)}")
             return 0
         if args.command in ("evaluate", "translate"):
-            from . import evaluation as evaluate
+            from .eval import evaluate
 
             if args.command == "evaluate" and args.data is not None:
                 if args.split:
@@ -216,16 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                 sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
                 print("\n".join(evaluate.translate(args.run_dir, sentences)))
             return 0
-        from .startup import make_plan
+        from .plan.resolve import make_plan
 
         if args.command == "plan":
-            from .planning import render
+            from .plan.render import render
 
             plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
             print(render(plan))
             if args.gpus_per_node is not None:
-                from .planning import count_params
-                from .scaling import render_scaling
+                from .bench.scaling import render_scaling
+                from .plan.render import count_params
 
                 print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes, args.interconnect,
                                                       args.profile, args.mfu)))
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report
-        from .preemption import EXIT_PREEMPTED
+        from .run.preemption import EXIT_PREEMPTED
 
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else \
             EXIT_HUNG if isinstance(e, RankHung) else EXIT_PREEMPTED

@@ -10,7 +10,7 @@ found, and torchrun reports any non-zero rank as its multi-line ChildFailedError
 script cannot tell bad input from a crash from a preemption.
 
 - The checks run here, without a process group: the plan for the launch's world size, precision and DeepSpeed
-  file (`startup.make_plan`), and this machine and run directory (`startup.preflight`). Bad input prints one line
+  file (`plan.resolve.make_plan`), and this machine and run directory (`run.startup.preflight`). Bad input prints one line
   and exits 2 before any rank starts.
 - The ranks report how they ended to a file this process names (STATUS_ENV). A stop that every rank makes
   together (a non-finite loss, a signal) then exits 0 under torchrun, so it prints no failure report, and
@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError
-from .preemption import EXIT_PREEMPTED, SIGNALS
+from .config.run import ConfigError
+from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
 STATUS_ENV = "HARNESS_STATUS_FILE"
 COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: safe to exit 0 under torchrun
@@ -74,12 +74,13 @@ def launch_settings(accelerate_args: list[str]) -> dict:
             "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file")}
 
 
-def check(train_args: list[str], settings: dict) -> None:
-    """Everything `harness train` checks before its process group, for this launch's world."""
-    from .cli import parser
-    from .startup import make_plan, preflight
+def check(train_args: list[str], settings: dict, parse) -> None:
+    """Everything `harness train` checks before its process group, for this launch's world; `parse` reads `harness
+    train`'s arguments as the command line does (the CLI's parser, which owns them)."""
+    from .plan.resolve import make_plan
+    from .run.startup import preflight
 
-    args = parser().parse_args(train_args)
+    args = parse(train_args)
     before = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if settings["deepspeed_config_file"]:  # as accelerate will export it to the ranks
         os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = settings["deepspeed_config_file"]
@@ -112,9 +113,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], parse) -> int:
+    """`harness launch ARGV`; `parse` reads `harness train`'s arguments (the CLI's parser, which owns them)."""
     accelerate_args, train_args = split_argv(argv)
-    check(train_args, launch_settings(accelerate_args))
+    check(train_args, launch_settings(accelerate_args), parse)
     fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
     os.close(fd)
     env = {**os.environ, STATUS_ENV: status,
@@ -150,7 +152,7 @@ def _wait(proc: subprocess.Popen, status: Path, grace_s: float = 5.0) -> int:
     """The launcher's exit code. Once a rank reports a hung rank (heartbeat.py), the ranks still there get
     `grace_s` to end, then SIGKILL: a stopped process cannot take torchrun's SIGTERM, and torchrun would wait 30 s
     before its own SIGKILL."""
-    from .heartbeat import EXIT_HUNG
+    from .run.heartbeat import EXIT_HUNG
 
     hung_at = None
     while True:

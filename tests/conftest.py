@@ -252,7 +252,7 @@ def val_loss_of_export(run_dir: Path) -> float:
     """The exported model's mean validation loss, computed in this process with a plain module."""
     import torch
 
-    from harness.export import load_model
+    from harness.run.export import load_model
     from harness.tasks import get_task
 
     model, cfg = load_model(run_dir)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from harness.data import StepSampler
-from harness.world import close_world, init_world
+from harness.data.batches import StepSampler
+from harness.distributed.world import close_world, init_world
 
 
 def say(record: dict) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness import world
+from harness.distributed import world
 from harness.cli import main
 
 S = "--set"

@@ -246,7 +246,7 @@ def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_t
     import subprocess
     import sys
 
-    code = "from harness.world import keep_freed_host_memory as k; print(k())"
+    code = "from harness.distributed.memory import keep_freed_host_memory as k; print(k())"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     glibc = subprocess.run([sys.executable, "-c", "import platform; print(platform.libc_ver()[0])"],
                            capture_output=True, text=True).stdout.strip() == "glibc"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, val_loss_of_export
-from harness import checkpoint
-from harness.config import ConfigError
+from harness.run import checkpoint
+from harness.config.run import ConfigError
 
 STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", "model.dropout=0.1"]
 
@@ -59,7 +59,7 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
 
 
 def test_zero3_export_loads_into_a_plain_model_with_the_same_outputs(cached_run, tmp_path):
-    from harness.export import load_model
+    from harness.run.export import load_model
 
     ds = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     z3 = cached_run("zero3-2p", nproc=2, ds=ds, sets=["train.micro_batch_size=2"])
@@ -86,7 +86,7 @@ def test_run_directory_is_readable(cached_run):
     mode = lambda name: (run.dir / name).stat().st_mode & 0o777  # noqa: E731
     assert mode("model.safetensors") == mode("config.toml")
     # the saved config is a run file that reproduces the run
-    from harness.config import resolve
+    from harness.tasks import resolve
 
     assert resolve(str(run.dir / "config.toml")).cfg.train.max_steps == 6
 
@@ -123,7 +123,7 @@ def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, mo
     disk must hold that too, CONVERSION_FACTOR x the checkpoint, unless the conversion is already there."""
     from collections import namedtuple
 
-    from harness import startup
+    from harness.run import startup
     from harness.api import plan
 
     p = plan(str(ROOT / "configs/runs/lm_demo.toml"), [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"],
@@ -219,7 +219,7 @@ def test_best_checkpoint_is_exported_and_early_stopping_stops_the_same_after_a_r
 
 
 def test_select_mode_auto_minimises_errors_and_maximises_scores():
-    from harness.selection import direction
+    from harness.run.selection import direction
 
     lower = ("loss", "val_loss", "perplexity", "price_mse", "bits_per_byte")
     assert [direction(m, "auto") for m in lower] == ["min"] * 5

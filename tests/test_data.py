@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from conftest import harness
-from harness.config import ConfigError, DataSection
-from harness.data import keep, load_rows
+from harness.config.run import ConfigError, DataSection
+from harness.data.rows import keep, load_rows
 
 
 def test_text_rows_empty_undecodable_and_overlong_are_counted(tmp_path):
@@ -80,7 +80,7 @@ def test_bad_lines_in_json_lines_and_csv_are_skipped_and_counted_not_the_whole_f
     ("columns.csv", b"body,label\nx,1\n", "no column 'text' (data.text_field) in its header; columns are"),
 ])
 def test_an_unusable_data_file_is_named_before_launch(tmp_path, name, content, message):
-    from harness.data import check_paths
+    from harness.data.rows import check_paths
 
     path = tmp_path / name
     path.write_bytes(content)
@@ -90,7 +90,7 @@ def test_an_unusable_data_file_is_named_before_launch(tmp_path, name, content, m
 
 
 def test_records_keep_a_bom_out_of_the_header_line_separators_in_strings_and_long_fields_whole(tmp_path):
-    from harness.data import parse_records
+    from harness.data.rows import parse_records
 
     table = tmp_path / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte-order mark
     table.write_bytes("\ufefftext,label\n".encode() + b"x" * 200_000 + b",1\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import resolve
+from harness.tasks import resolve
 from harness.prepare import protein as protein_prep
 from harness.prepare import read_meta
 from harness.prepare import translation as translation_prep

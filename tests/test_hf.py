@@ -35,7 +35,7 @@ def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_ze
     assert "resumed from" in two2.proc.stdout
     assert_losses_close(two2.losses, ref.losses, FP32_TOL)
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
-    # the same weights in shards, each rank reading its own share of each (models/hf.py): the losses of 1 process
+    # the same weights in shards, each rank reading its own share of each (distributed/zero3.py): the losses of 1 process
     # that read them whole through transformers
     shards = len(list(tiny_llama_shards.glob("model-*.safetensors")))
     two3 = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama_shards), "train.micro_batch_size=2"],
@@ -54,7 +54,7 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     ds3 = ds_variant(tmp_path, "zero3.json", stage3_param_persistence_threshold=0)
     run = cached_run("hf-zero3-2p", nproc=2, ds=ds3, sets=[*hf_sets(tiny_llama_shards), "train.micro_batch_size=2"],
                      base=TINY_RUN)
-    from harness.export import load_model
+    from harness.run.export import load_model
 
     ours, _ = load_model(run.dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(run.dir / "hf").eval()
@@ -72,7 +72,8 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
 
 
 def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_path):
-    from harness.config import ConfigError, resolve
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
     from harness.tasks import get_task
 
     task = get_task("lm")
@@ -98,7 +99,7 @@ def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny
     whole = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     assert all(a.shape == b.shape for a, b in zip(theirs.parameters(), whole.parameters()))  # gathered, not shards
     ids = torch.tensor([[5, 6, 7, 8]])
-    from harness.export import load_model
+    from harness.run.export import load_model
 
     ours, _ = load_model(tp.dir)
     with torch.no_grad():
@@ -106,7 +107,8 @@ def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny
 
 
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
-    from harness.config import ConfigError, resolve
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
     from harness.tasks import get_task
 
     cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
@@ -116,7 +118,8 @@ def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
 
 
 def test_hf_models_go_only_where_they_fit(tiny_llama, tmp_path, monkeypatch):
-    from harness.config import ConfigError, resolve
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
     from harness.tasks import get_task
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
@@ -130,13 +133,13 @@ def test_hf_models_go_only_where_they_fit(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_a_rank_reads_exactly_its_flat_share_of_a_checkpoint_tensor(tmp_path):
-    """The partitioned loader's reading (models/hf.py `_flat_range`): any flat range of a stored tensor, from the
+    """The partitioned loader's reading (distributed/zero3.py `_flat_range`): any flat range of a stored tensor, from the
     rows that hold it, whatever the rows' boundaries."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from harness.models.hf import _flat_range
+    from harness.distributed.zero3 import _flat_range
 
     tensors = {"matrix": torch.arange(15.0).reshape(5, 3), "cube": torch.arange(24.0).reshape(2, 3, 4),
                "vector": torch.arange(7.0), "scalar": torch.tensor(3.0)}
@@ -154,7 +157,7 @@ def test_the_partitioned_loader_finds_a_hub_ids_weights_in_the_cache(tiny_llama_
     hand here, offline); an id neither cached nor reachable is left to transformers' loader (which says why)."""
     from huggingface_hub import constants
 
-    from harness.models.hf import _weight_files
+    from harness.models.hf import weight_files
 
     snapshot = tmp_path / "models--harness-tests--tiny-llama" / "snapshots" / ("0" * 40)
     shutil.copytree(tiny_llama_shards, snapshot)
@@ -163,7 +166,7 @@ def test_the_partitioned_loader_finds_a_hub_ids_weights_in_the_cache(tiny_llama_
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     shards = sorted(f.name for f in tiny_llama_shards.glob("model-*.safetensors"))
-    assert len(shards) > 2 and sorted(f.name for f in _weight_files(str(tiny_llama_shards))) == shards
-    found = _weight_files("harness-tests/tiny-llama")
+    assert len(shards) > 2 and sorted(f.name for f in weight_files(str(tiny_llama_shards))) == shards
+    found = weight_files("harness-tests/tiny-llama")
     assert sorted(f.name for f in found) == shards and all(f.is_file() and snapshot in f.parents for f in found)
-    assert _weight_files("harness-tests/absent") == []
+    assert weight_files("harness-tests/absent") == []

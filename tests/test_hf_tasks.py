@@ -42,9 +42,9 @@ def test_hf_seq2seq_translates_under_partitioned_zero3_resumes_exactly_and_expor
     final = run.evals[-1]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HARNESS_CACHE", env["HARNESS_CACHE"])
-        from harness.export import load_model
+        from harness.run.export import load_model
         from harness.tasks.translation import TranslationTask
-        from harness.world import single_world
+        from harness.distributed.world import single_world
 
         ours, cfg = load_model(run.dir)
         alone = TranslationTask().evaluate(ours, cfg, "validation", single_world(), max_sentences=12)
@@ -78,7 +78,7 @@ def test_hf_esm_classifies_proteins_under_partitioned_zero3_resumes_exactly_and_
     ids = torch.tensor([tok("MKTAYIAKQR")["input_ids"]])  # <cls> residues <eos>, as the harness feeds them
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HARNESS_CACHE", env["HARNESS_CACHE"])
-        from harness.export import load_model
+        from harness.run.export import load_model
 
         ours, _ = load_model(two3.dir)
     with torch.no_grad():
@@ -88,7 +88,7 @@ def test_hf_esm_classifies_proteins_under_partitioned_zero3_resumes_exactly_and_
 def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_ids(tiny_esm, tmp_path, monkeypatch):
     """mlm and per-residue heads on the same encoder; the samples carry ESM's ids (<cls> residues <eos>), masks
     with its <mask>, and pad with its <pad> (id 1, not the harness's 0)."""
-    from harness.config import resolve
+    from harness.tasks import resolve
     from harness.tasks.protein import IGNORE, ProteinTask
 
     from test_protein import write_flip
@@ -120,7 +120,7 @@ def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_i
         loss = task.loss(model, batch) / task.count(batch)
         assert abs(loss.item() - math.log(n_out)) < 1.0  # about uniform at initialisation
     # regress: the sequence-classification class with one output, on z-scored values
-    from harness.config import ConfigError
+    from harness.config.run import ConfigError
 
     from test_protein import write_fitness
 
@@ -143,12 +143,13 @@ def test_hf_model_from_its_config_on_the_tasks_own_tokenizer(tiny_llama, tiny_t5
                                                              monkeypatch):
     """`model.hf_tokenizer = false`: a model from its config.json trains on the task's own ids (bytes, SentencePiece,
     residues), its vocabulary and special ids set to theirs; pretrained weights are refused."""
-    from harness.config import ConfigError, resolve
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
     from harness.prepare import read_meta
     from harness.prepare import protein as pprep
     from harness.prepare import translation as tprep
     from harness.tasks import get_task
-    from harness.world import single_world
+    from harness.distributed.world import single_world
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
     toy, t5 = tiny_t5

@@ -60,7 +60,7 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     import shutil
 
     from harness.cli import main
-    from harness.plots import PLOT_FILE, curves
+    from harness.run.plots import PLOT_FILE, curves
 
     run = harness(tmp_path / "run", corpus, sets=["logging.plots=true", "train.eval_every=3"])
     png = run.dir / PLOT_FILE

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from harness import metrics
-from harness.config import ConfigError, resolve, to_toml
+from harness.tasks import metrics
+from harness.config.run import ConfigError, to_toml
+from harness.tasks import resolve
 from harness.prepare import package_file, prepared, read_meta, summary
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DS, assert_losses_close, harness, rewind, val_loss_of_export
-from harness.planning import bubble_fraction
+from harness.plan.render import bubble_fraction
 from test_plan import plan, write
 
 FP32_TOL = 1e-5
@@ -184,7 +184,7 @@ def test_one_sync_overflow_check_answers_as_deepspeed_s_serial_check(dtype):
 
     from deepspeed.runtime.utils import CheckOverflow
 
-    from harness.parallel import one_sync_overflow_check
+    from harness.distributed.parallel import one_sync_overflow_check
 
     params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 300, 7)]
     ours = SimpleNamespace(overflow_checker=CheckOverflow())

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from conftest import DS, ROOT, _env, cli
-from harness.config import ConfigError, ScheduleSection, all_keys, resolve
-from harness.ds_config import model_state_bytes, resolve_ds
-from harness.optim import lr_factor
+from harness.config.run import ConfigError, ScheduleSection, all_keys
+from harness.tasks import resolve
+from harness.config.ds import model_state_bytes, resolve_ds
+from harness.distributed.optim import lr_factor
 
 STEPS = ["train.max_steps=10"]
 
@@ -144,7 +145,7 @@ def test_auto_precision_follows_accelerate_and_agreeing_values_pass(tmp_path):
     assert resolve_ds(r, str(DS / "zero2.json"), 2, "no").precision == "fp32"
     # no precision asked for: bf16 on a GPU that has it (the default for speed), fp32 elsewhere
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("harness.ds_config.gpu_has_bf16", lambda: True)
+        mp.setattr("harness.config.ds.gpu_has_bf16", lambda: True)
         on_gpu = resolve_ds(r, str(DS / "zero2.json"), 2, "no")
         assert on_gpu.precision == "bf16" and "bf16, the default on this GPU" in on_gpu.source["bf16.enabled"]
         assert resolve_ds(r, str(DS / "zero2.json"), 2, "fp16").precision == "fp16"  # asked for: followed
@@ -195,7 +196,7 @@ def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path
     import time
     from pathlib import Path
 
-    from harness.startup import check_build_locks
+    from harness.run.startup import check_build_locks
 
     lock = tmp_path / "ext" / "py312_cpu" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
@@ -239,7 +240,7 @@ def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path
 def test_deepspeed_builds_see_an_arch_list_it_can_parse(arch, plain, monkeypatch):
     import os
 
-    from harness.optim import deepspeed_arch_list
+    from harness.distributed.optim import deepspeed_arch_list
 
     if arch is None:
         monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)

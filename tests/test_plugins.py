@@ -53,8 +53,9 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
 def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(cached_run, tmp_path, one_thread):
     """The example's reader (`read`): its test rows written to a file score what the test split scores; a task without
     a reader gets one line from `evaluate --data`."""
-    from harness.config import ConfigError, resolve, to_toml
-    from harness.evaluation import evaluate_data, evaluate_run
+    from harness.config.run import ConfigError, to_toml
+    from harness.tasks import resolve
+    from harness.eval.evaluate import evaluate_data, evaluate_run
     from harness.tasks import task_class
 
     run = cached_run("digits-ref", args=BY_FILE)
@@ -85,7 +86,8 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
     (['run.task="nope"'], "the built-in tasks are lm, translation, protein, prices; a plug-in task is named"),
 ])
 def test_plugin_task_mistakes_are_one_line_before_launch(sets, message):
-    from harness.config import ConfigError, resolve
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
 
     with pytest.raises(ConfigError) as e:
         resolve(str(ROOT / "examples" / "digits.toml"), sets)
@@ -93,7 +95,8 @@ def test_plugin_task_mistakes_are_one_line_before_launch(sets, message):
 
 
 def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):
-    from harness.config import resolve, to_toml
+    from harness.tasks import resolve
+    from harness.config.run import to_toml
 
     cfg = resolve(str(ROOT / "examples" / "digits.toml"), ["task.length=8"]).cfg
     assert cfg.task.length == 8 and cfg.run.task.endswith("examples/digits_task.py:DigitsTask")
@@ -123,8 +126,8 @@ print("MODEL", type(model).__name__, cfg.task.length)
                                         ("tp2_zero1.json", "layer_specs match no parameter of run.task")])
 def test_plan_says_what_a_plugin_model_lacks_for_model_parallelism(ds, message):
     from conftest import DS
-    from harness.config import ConfigError
-    from harness.startup import make_plan
+    from harness.config.run import ConfigError
+    from harness.plan.resolve import make_plan
 
     with pytest.raises(ConfigError) as e:
         make_plan(str(ROOT / "examples" / "digits.toml"), ["model.n_heads=2"], str(DS / ds), world_size=2)
@@ -132,6 +135,6 @@ def test_plan_says_what_a_plugin_model_lacks_for_model_parallelism(ds, message):
 
 
 def test_keys_lists_the_tasks_and_how_to_name_a_plugin():
-    from harness.planning import render_keys
+    from harness.plan.render import render_keys
 
     assert "the built-in tasks are lm, translation, protein, prices; a plug-in task is named" in render_keys()

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from harness.config import ConfigError, resolve
+from harness.config.run import ConfigError
+from harness.tasks import resolve
 from harness.models.patch import PatchConfig, PatchTST
 from harness.prepare import prices as P
 from harness.prepare import read_meta
@@ -275,7 +276,7 @@ def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, cap
     import hashlib
 
     from harness.cli import main
-    from harness.evaluation import evaluate_data, evaluate_run
+    from harness.eval.evaluate import evaluate_data, evaluate_run
 
     run, data = trained
     split = evaluate_run(run.dir, "test")
@@ -321,7 +322,7 @@ def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, cap
 
 
 def test_skill_bootstrap_and_verdict_by_hand():
-    from harness.metrics import block_bootstrap_ci, skill
+    from harness.tasks.metrics import block_bootstrap_ci, skill
 
     assert skill(0.5, 1.0) == 0.5 and skill(2.0, 1.0) == -1.0
     # [0, 1] resampled in blocks of 1: means 0, 0.5, 1 with chances 1/4, 1/2, 1/4, so the 95% interval is [0, 1]

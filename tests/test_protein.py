@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from harness.config import ConfigError, resolve
-from harness.evaluation import evaluate_run
+from harness.config.run import ConfigError
+from harness.tasks import resolve
+from harness.eval.evaluate import evaluate_run
 from harness.models.encoder import Encoder
 from harness.models.transformer import TransformerConfig
 from harness.prepare import read_meta
@@ -137,7 +138,7 @@ def test_two_process_regression_learns_beside_its_ridge_baseline(tmp_path, one_t
     assert {"ridge_spearman", "ridge_pearson", "ridge_mse", "ridge_alpha"} <= test.keys()
     # `harness evaluate --data`, with the stored vocabulary and value statistics: the FLIP csv gives its test rows, a
     # plain csv of those rows every row; both score what the split scores, and still do once the training data changed.
-    from harness.evaluation import evaluate_data
+    from harness.eval.evaluate import evaluate_data
 
     lines = path.read_text().splitlines()
     held_out = tmp_path / "held_out.csv"
@@ -252,7 +253,7 @@ def test_q3_scores_every_residue_of_chains_longer_than_seq_len(tmp_path):
     assert len(test) == 2 and [len(test[i]["ids"]) for i in range(2)] == [5, 5]  # <cls> + 4 residues each
     owned = [t for i in range(2) for t in test[i]["targets"].tolist() if t != IGNORE]
     assert owned == prep.load(directory, "test")["states"][0] == [0, 0, 1, 1, 0, 0]  # each residue once, in order
-    from harness.world import single_world
+    from harness.distributed.world import single_world
 
     torch.manual_seed(0)
     model = task.build_model(cfg)  # positions for 4 residues and <cls> only

@@ -15,7 +15,7 @@ import time
 
 from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
 from harness.launcher import _is_rank, descendants
-from harness.preemption import EXIT_PREEMPTED
+from harness.run.preemption import EXIT_PREEMPTED
 
 LONG = ["train.max_steps=3000", "train.global_batch_size=8"]  # 4 x 1 x 2 on two processes, 4 x 2 x 1 on one
 
@@ -156,14 +156,14 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
 
 
 def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_counts_none_past_giving_up():
-    """`loop.Ledger`, the loop's account of its steps, on made-up steps in a world of one: the loop's collective
-    comes once a span of steps (`loop.Span`), with the work of each of its steps, and carries the figures of the
+    """`step.Ledger`, the loop's account of its steps, on made-up steps in a world of one: the loop's collective
+    comes once a span of steps (`step.Span`), with the work of each of its steps, and carries the figures of the
     steps run since the last one (`carry`), read when the span's first step is added; `settle` reads them at once.
     A span is as long as a second of the slowest rank's steps. A stop signal is known from the span it was sent
     in; giving up on non-finite losses counts no step after."""
     import torch
 
-    from harness.loop import MAX_SPAN, Ledger, StepResult, span_length
+    from harness.run.step import MAX_SPAN, Ledger, StepResult, span_length
 
     logged, written = [], []
     work = [10.0, 1e12, 9, 10]  # items, FLOPs, real and padded positions
@@ -241,16 +241,16 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
 
 
 def test_a_span_fetches_what_the_ledger_asks_but_never_past_the_last_step_a_profiled_one_or_the_workers_ready():
-    """`loop.Steps` at a span's first step, in a world of one: it fetches and counts the batches of `Ledger.span`
+    """`step.Steps` at a span's first step, in a world of one: it fetches and counts the batches of `Ledger.span`
     steps, no more than the loader's workers hold ready (PREFETCH micro-batches each, over the accumulation), none
     past the last step, and ends the span before a profiled step, which is a span of its own."""
     from types import SimpleNamespace as NS
 
     import torch
 
-    from harness import profiling
-    from harness.data import PREFETCH
-    from harness.loop import MAX_SPAN, Steps
+    from harness.run import profiling
+    from harness.data.batches import PREFETCH
+    from harness.run.step import MAX_SPAN, Steps
 
     def spans(workers: int, accum: int, last: int, starts=(), span: int = MAX_SPAN) -> list[int]:
         fetched = []

@@ -8,12 +8,13 @@ import json
 
 import pytest
 
-from harness.config import ConfigError
-from harness.ds_config import Layout, model_state_bytes
-from harness.planning import bubble_fraction, meta_model
-from harness.scaling import (EFFICIENCY, GPUS, LINKS, bubble_factor, collective_bytes, estimate, offload_bytes,
-                             render_scaling, tp_step_bytes, zero_step_bytes, zero_volume_bytes)
-from harness.startup import make_plan
+from harness.config.run import ConfigError
+from harness.config.layout import Layout
+from harness.config.ds import model_state_bytes
+from harness.plan.render import bubble_fraction, meta_model
+from harness.bench.scaling import (EFFICIENCY, GPUS, LINKS, bubble_factor, collective_bytes, estimate, offload_bytes,
+                                   render_scaling, tp_step_bytes, zero_step_bytes, zero_volume_bytes)
+from harness.plan.resolve import make_plan
 
 STEPS = ["train.max_steps=10"]
 
@@ -23,7 +24,7 @@ def n_params(plan) -> int:
 
 
 def device_states(n: int, plan, dp: int) -> int:
-    """The ZeRO accounting of ds_config for `dp` data-parallel ranks."""
+    """The ZeRO accounting of config.ds for `dp` data-parallel ranks."""
     return model_state_bytes(n, dataclasses.replace(plan.ds, layout=Layout(dp, dp)))["device"]
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import DS, ROOT, TINY, _env
-from harness.config import ConfigError
-from harness.data import StepSampler, eval_batches
+from harness.config.run import ConfigError
+from harness.data.batches import StepSampler, eval_batches
 
 
 def probe(*args: str) -> list[dict]:

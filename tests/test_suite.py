@@ -1,5 +1,6 @@
 """`harness bench --suite gpu --smoke`: every part of the GPU suite at toy size on this CPU, for real, so the suite
-works before a GPU ever sees it; the README's GPU table generated from result files; the suite's bad input."""
+works before a GPU ever sees it; the GPU table of docs/benchmarks.md generated from result files; the suite's bad
+input."""
 from __future__ import annotations
 
 import json
@@ -129,10 +130,11 @@ def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path
 
 
 def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
-    assert results.main(check=True) == 0  # the README is what results/gpu/ gives
+    assert results.main(check=True) == 0  # docs/benchmarks.md is what results/gpu/ gives
     root = tmp_path / "repo"
     (root / "results" / "gpu" / "smoke").mkdir(parents=True)
-    shutil.copy(ROOT / "README.md", root / "README.md")
+    (root / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "benchmarks.md", root / "docs" / "benchmarks.md")
     suite = json.loads((smoke / "suite.json").read_text())
     (root / "results" / "gpu" / "smoke" / "suite.json").write_text(json.dumps(suite))
     block = results.render(root)
@@ -141,7 +143,7 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     (root / "results" / "gpu" / "full").mkdir()
     (root / "results" / "gpu" / "full" / "suite.json").write_text(json.dumps(suite))
     block = results.render(root)
-    link = "(results/gpu/full/suite.json)"
+    link = "(../results/gpu/full/suite.json)"  # from docs/ to the file
     lm = next(line for line in block.splitlines() if line.startswith("| lm 125M, length 1024 MFU, compile off"))
     assert "MFU - of the datasheet peak" in lm and "tokens/s (fp32)" in lm and link in lm  # no CPU datasheet
     assert next(line for line in block.splitlines() if "compile on" in line).endswith(f"| {results.NOT_MEASURED} |")
@@ -149,9 +151,9 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     assert "BLEU" in bleu and "nrefs:1\\|case" in bleu and link in bleu and "not the recipe's result" in bleu
     assert "persistence 1.29" in next(line for line in block.splitlines() if line.startswith("| ETTh1"))
     assert "CPUAdamBuilder built" in block
-    assert results.main(check=True, root=root) == 1  # the copied README does not show these yet
+    assert results.main(check=True, root=root) == 1  # the copied page does not show these yet
     assert results.main(check=False, root=root) == 0 and results.main(check=True, root=root) == 0
-    assert link in (root / "README.md").read_text()
+    assert link in (root / "docs" / "benchmarks.md").read_text()
 
 
 def test_suite_refuses_bad_input_before_running(tmp_path, capsys):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import assert_losses_close, bare_copy, cli, ds_variant, harness
-from harness.config import ConfigError, resolve
-from harness.decoding import beam_search, greedy
+from harness.config.run import ConfigError
+from harness.tasks import resolve
+from harness.models.decoding import beam_search, greedy
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from harness.prepare import read_meta
 from harness.prepare import translation as prep
@@ -257,7 +258,7 @@ def test_evaluate_data_scores_new_pairs_with_the_run_s_own_tokenizer(toy_run, tm
     import hashlib
 
     from harness.cli import main
-    from harness.evaluation import evaluate_data, evaluate_run
+    from harness.eval.evaluate import evaluate_data, evaluate_run
 
     run, data, cache = toy_run
     monkeypatch.setenv("HARNESS_CACHE", str(cache))
@@ -319,7 +320,7 @@ def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_d
     assert "global batch 4 = 1 x 2 x 2" in ranks.proc.stdout
     with pytest.MonkeyPatch.context() as mp:  # the premise: micro-batches of one step hold unequal token counts
         mp.setenv("HARNESS_CACHE", env["HARNESS_CACHE"])
-        from harness.data import StepSampler
+        from harness.data.batches import StepSampler
 
         cfg = resolve(str(one.dir / "config.toml")).cfg
         task = TranslationTask()
@@ -353,8 +354,8 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     final = run.evals[-1]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HARNESS_CACHE", str(cache))
-        from harness.export import load_model
-        from harness.world import single_world
+        from harness.run.export import load_model
+        from harness.distributed.world import single_world
 
         model, cfg = load_model(run.dir)
         alone = TranslationTask().evaluate(model, cfg, "validation", single_world(), max_sentences=12)

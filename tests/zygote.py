@@ -16,7 +16,7 @@ import sys
 sys.path[0] = os.getcwd()  # the repository, first on the path as under `python -m harness` started there
 ANSWERS = os.fdopen(os.dup(1), "w")  # the protocol's channel: what the imports below print goes to stderr instead
 os.dup2(2, 1)
-from harness.world import quiet_deepspeed  # noqa: E402
+from harness.distributed.world import quiet_deepspeed  # noqa: E402
 
 quiet_deepspeed()  # before DeepSpeed picks its accelerator, as `harness` does
 import accelerate  # noqa: E402,F401
@@ -25,12 +25,12 @@ import deepspeed  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (torch.optim's first call imports it in every run)
 
 import harness.api  # noqa: E402,F401
-import harness.checkpoint  # noqa: E402,F401
+import harness.run.checkpoint  # noqa: E402,F401
 import harness.cli  # noqa: E402,F401
-import harness.evaluation  # noqa: E402,F401
-import harness.export  # noqa: E402,F401
-import harness.loop  # noqa: E402,F401
-import harness.parallel  # noqa: E402,F401
+import harness.eval.evaluate  # noqa: E402,F401
+import harness.run.export  # noqa: E402,F401
+import harness.run.loop  # noqa: E402,F401
+import harness.distributed.parallel  # noqa: E402,F401
 import harness.tasks  # noqa: E402,F401
 
 

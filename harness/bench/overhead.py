@@ -8,7 +8,7 @@ on the same processes, model and batches:
 
 Each program's step time is the time from one step's end to the next's (so nothing between steps escapes it),
 in each round: harness overhead = mean harness step / mean reference step - 1, DeepSpeed overhead = mean
-reference step / mean plain step - 1 (means: the harness syncs once a span of steps, `loop.Span`, and that step's
+reference step / mean plain step - 1 (means: the harness syncs once a span of steps, `step.Span`, and that step's
 cost is part of every step's), each reported as the median over the rounds, with the smallest and
 largest round as the spread (a round's three runs are neighbours in time; rounds apart are not).
 
@@ -20,7 +20,7 @@ ratio of step times taken minutes apart. The reference must train to the harness
 be fair: `loss_max_diff` says how far apart they were.
 
 After its timed steps, each reference run also alternates, on its own engine, blocks of its step with blocks of the
-harness loop's step (`reference.py --paired`, `loop.Steps`): `paired` compares them block by block, so the
+harness loop's step (`reference.py --paired`, `step.Steps`): `paired` compares them block by block, so the
 harness's step code is measured without the launch-to-launch spread that blurs the programs' ratio (the same
 program launched twice differs by several percent on a shared machine). Its median ratio comes with a 95%
 confidence interval (distribution-free: two order statistics of the block ratios, `median_ci`).
@@ -34,9 +34,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
-from ..startup import Plan
-from .sweep import ROOT, Config, env_for, launcher, measure, plan_for, schedule_length, summary
+from ..config.run import ConfigError
+from ..plan.resolve import Plan
+from .sweep import (
+    ROOT,
+    Config,
+    env_for,
+    launcher,
+    measure,
+    plan_for,
+    schedule_length,
+    summary,
+)
 
 PROGRAMS = ("harness", "reference", "plain")
 

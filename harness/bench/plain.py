@@ -26,11 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     args = ap.parse_args(argv)
 
-    from ..config import resolve
-    from ..data import StepSampler
-    from ..optim import lr_factor
-    from ..tasks import get_task
-    from ..world import keep_freed_host_memory
+    from ..data.batches import StepSampler
+    from ..distributed.memory import keep_freed_host_memory
+    from ..distributed.optim import lr_factor
+    from ..tasks import get_task, resolve
 
     keep_freed_host_memory()  # as the harness and the reference set the host allocator (world.init_world)
 

@@ -6,13 +6,13 @@ model, AdamW, schedule and resolved DeepSpeed config; set-up is not timed) and r
 harness's sampler and loader), then trains the way a 60-line script would: for each micro-batch forward,
 `engine.backward(loss / items)`, `engine.step()`, and the step's loss to the host. No global item count, work
 counters, grad-norm read, logging, progress bar, checkpoint or evaluation. Where the harness clips gradients
-in its loop rather than in DeepSpeed (ZeRO-0 in fp32, see `ds_config.py`), this loop clips them too: the same
+in its loop rather than in DeepSpeed (ZeRO-0 in fp32, see `config/ds.py`), this loop clips them too: the same
 training, as a script would have to write it. Rank 0 prints one JSON line:
 {"step_s": [seconds of each step, fetch to fetch], "loss": [the step's loss, averaged over the ranks]}, and
 with `--profile` the summary of one more step traced by torch.profiler under the harness loop's section names.
 
 `--paired BLOCKS` then alternates, in this process and on this engine, blocks of `--block` steps of this loop with
-blocks of the harness loop's own step (`loop.Steps`: counting, the loop's collective where a span of steps starts,
+blocks of the harness loop's own step (`step.Steps`: counting, the loop's collective where a span of steps starts,
 the grad norm, the `Ledger` reading the steps before and writing a metrics record every step, the progress bar;
 its spans run on across blocks, as they would across steps), the order reversed every
 other block; the first step of each block is not timed. Launches of one program differ by several percent on a
@@ -45,13 +45,19 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from .. import profiling
-    from ..config import ConfigError
-    from ..data import StepSampler, train_batches
-    from ..parallel import build_engine, release
-    from ..startup import make_plan
-    from ..world import (accelerate_mixed_precision, all_gather_objects, barrier, close_world, init_world,
-                         launched_world_size)
+    from ..config.run import ConfigError
+    from ..data.batches import StepSampler, train_batches
+    from ..distributed.parallel import build_engine, release
+    from ..distributed.world import (
+        accelerate_mixed_precision,
+        all_gather_objects,
+        barrier,
+        close_world,
+        init_world,
+        launched_world_size,
+    )
+    from ..plan.resolve import make_plan
+    from ..run import profiling
 
     plan = make_plan(args.run, args.set, args.ds, launched_world_size(), accelerate_mixed_precision())
     if plan.ds.layout.pp_size > 1:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             with mark("engine"):
                 loss = task.loss(engine, batch) / items
                 engine.backward(loss)
-            if plan.ds.loop_clips and i == accum - 1:  # ZeRO-0 fp32: clipped here, not by DeepSpeed (ds_config.py)
+            if plan.ds.loop_clips and i == accum - 1:  # ZeRO-0 fp32: clipped here, not by DeepSpeed (config/ds.py)
                 with mark("grad norm"):
                     torch.nn.utils.clip_grad_norm_(engine.module.parameters(), plan.ds.loop_clips)
             with mark("engine"):
@@ -118,9 +124,10 @@ def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int
 
     import torch
 
-    from ..loop import Ledger, Steps, _progress
     from ..models.flops import ForwardFlops
-    from ..tracking import Tracker
+    from ..run.loop import _progress
+    from ..run.step import Ledger, Steps
+    from ..run.tracking import Tracker
 
     cfg, t = plan.run.cfg, plan.run.cfg.train
     with torch.device("meta"):

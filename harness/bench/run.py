@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..ds_config import model_state_bytes
-from ..planning import count_params
-from ..startup import check_build_locks
+from ..config.ds import model_state_bytes
+from ..config.run import ConfigError
+from ..plan.render import count_params
+from ..run.startup import check_build_locks
 from . import device, overhead, report
 from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
 

@@ -3,8 +3,8 @@
 GPU time comes rarely and in short stretches, so the suite is ready before one appears, runs in two commands of
 under 10 minutes (`--parts ops,speed,overhead` then `--parts largest,quality`), and leaves its results in
 `--out` (default `results/gpu/<date>-<device>/`) as `suite.json` (every raw figure, the device, versions, commit,
-date and command; a second command adds its parts to the same file), `suite.md` and `speed.png`. The README's
-GPU tables are generated from those files (`harness results`). Parts, in order of value:
+date and command; a second command adds its parts to the same file), `suite.md` and `speed.png`. The GPU
+tables of docs/benchmarks.md are generated from those files (`harness results`). Parts, in order of value:
 
 - `ops`: DeepSpeed's JIT-built ops the harness uses here (fused Adam on a GPU, CPU Adam for offload) are built or
   loaded once, and whether they built is recorded (the optimizer falls back to PyTorch's fused AdamW if not).
@@ -23,7 +23,7 @@ GPU tables are generated from those files (`harness results`). Parts, in order o
 A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget". Time a
 part leaves unused goes to the next part of the same command, so the command's total never exceeds their sum.
 `--smoke` runs every part at toy size (CI, on a CPU, in about two minutes) so the suite is proven before a GPU
-sees it; smoke results never reach the README.
+sees it; smoke results never reach docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -37,16 +37,17 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..optim import deepspeed_arch_list
-from ..planning import count_params
-from ..startup import check_build_locks
+from ..config.run import ConfigError
+from ..distributed.optim import deepspeed_arch_list
+from ..plan.render import count_params
+from ..run.startup import check_build_locks
 from . import device, overhead, report
+from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe
+from .results import suite_markdown
 from .run import largest
 from .sweep import ROOT, Config, as_text, ds_path, last_error, measure, plan_for
 
@@ -55,66 +56,9 @@ SUITES = ("gpu",)
 PARTS = ("ops", "speed", "overhead", "largest", "quality")
 BUDGET_S = {"ops": 90, "speed": 320, "overhead": 150, "largest": 240, "quality": 330}  # two commands < 10 min
 SMOKE_BUDGET_S = {"ops": 60, "speed": 90, "overhead": 90, "largest": 60, "quality": 160}
-OVERHEAD_TARGET, LARGEST_TARGET = 0.02, 5.0  # harness <= +2% over the hand-written DeepSpeed loop; ZeRO-3 + offload >= 5x ZeRO-0
 MIN_LAUNCH_S = {False: 20, True: 5}  # (by --smoke) a launch given less than this would only time out
 
 
-@dataclass(frozen=True)
-class SpeedModel:
-    name: str
-    run: str                            # the recipe it starts from, in configs/runs
-    data: str                           # its folder under --data ("" = the embedded default)
-    sets: tuple[str, ...]               # the GPU size
-    smoke: tuple[str, ...]              # the toy size
-    target_mfu: float | None = None     # against the datasheet peak (H100 bf16: 989 TFLOP/s)
-
-
-_TOY = ("model.d_model=32", "model.n_heads=2", "model.n_layers=1", "train.micro_batch_size=8")
-_ONE = ("train.global_batch_size=0", "train.grad_accum_steps=1", "data.bucket=0")
-SPEED = (
-    SpeedModel("translation base", "translation_multi30k.toml", "multi30k",
-               _ONE + ("model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=6",
-                       "model.dropout=0.1", "data.bucket=50", "train.micro_batch_size=256"),
-               _ONE + _TOY + ("model.d_ff=64", "model.vocab_size=1000"), 0.40),
-    SpeedModel("protein 100M, length 512", "protein_flip_ss.toml", "flip_ss",
-               _ONE + ("model.d_model=768", "model.n_heads=12", "model.n_layers=14", "data.seq_len=512",
-                       "data.bucket=50", "train.micro_batch_size=32"),
-               _ONE + _TOY + ("data.seq_len=128",), 0.45),
-    SpeedModel("lm 125M, length 1024", "lm_demo.toml", "",
-               _ONE + ("model.d_model=768", "model.n_heads=12", "model.n_layers=18", "data.seq_len=1024",
-                       "train.micro_batch_size=16"),
-               _ONE + _TOY + ("data.seq_len=64",), 0.45),
-    SpeedModel("translation big", "translation_multi30k.toml", "multi30k",
-               _ONE + ("model.d_model=1024", "model.n_heads=16", "model.d_ff=4096", "model.n_layers=6",
-                       "model.dropout=0.1", "data.bucket=50", "train.micro_batch_size=128"),
-               (), None),  # no toy twin: the smoke run has one translation model already
-)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    run: str
-    ds: str                             # the DeepSpeed file its header names
-    data: str
-    metric: str                         # the test-split figure it is judged by
-    target: float | None                # metric >= target (None: report next to the baselines only)
-    smoke: tuple[str, ...]
-    sets: tuple[str, ...] = ()          # always (a smaller in-training BLEU sample: the test split is scored after)
-    compare: tuple[str, ...] = field(default=())  # other figures of the same evaluation shown beside it
-
-
-RECIPES = (
-    Recipe("translation_multi30k", "translation_multi30k.toml", "bf16", "multi30k", "bleu", 35.0,
-           _TOY + ("model.d_ff=64", "model.vocab_size=1000", "translation.beam_size=1"),
-           ("translation.eval_max_sentences=200",),
-           ("chrf", "copy_source_bleu", "bleu_signature")),
-    Recipe("protein_flip_ss", "protein_flip_ss.toml", "bf16", "flip_ss", "q3", 0.70, _TOY + ("data.seq_len=128",)),
-    Recipe("protein_gb1", "protein_gb1.toml", "bf16", "flip_gb1/low_vs_high.csv.gz", "spearman", 0.5, _TOY,
-           compare=("ridge_spearman", "pearson", "mse")),
-    Recipe("prices_etth1", "prices_etth1.toml", "zero2", "ett", "mse", None, ("model.n_layers=1",),
-           compare=("mae", "persistence_mse", "persistence_mae")),
-)
 PROBE_STEPS = 30
 EVAL_SHARE = 0.25  # of a recipe's budget kept for its final evaluation, export and the test-split scoring
 
@@ -205,8 +149,6 @@ def run_suite(args) -> dict:
         result["parts"][part]["wall_s"] = time.monotonic() - started
         spare = max(0.0, budget.left)
         path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
-    from .results import suite_markdown  # results.py reads this module's SPEED and RECIPES
-
     (out / "suite.md").write_text(suite_markdown(result) + "\n")
     speed = result["parts"].get("speed")
     if speed and speed.get("bench"):
@@ -346,7 +288,7 @@ def part_overhead(args, data, work: Path, budget: Budget) -> dict:
 def part_largest(args, data, work: Path, budget: Budget) -> dict:
     """ZeRO-0 and ZeRO-3 + CPU offload, the lm grown by layers, half the budget each."""
     run = str(ROOT / "configs" / "runs" / "lm_demo.toml")
-    sets = list(_TOY + ("data.seq_len=64",) if args.smoke else
+    sets = list(TOY + ("data.seq_len=64",) if args.smoke else
                 ("model.d_model=4096", "model.n_heads=32", "data.seq_len=512",
                  "train.micro_batch_size=1", "train.global_batch_size=0", "train.grad_accum_steps=1"))
     found = []
@@ -426,7 +368,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch\)", proc.stdout + proc.stderr)
     recipe_steps = int(planned.group(2)) if planned else None
     if smoke and planned:  # the recipe's own length, from its run file and the steps per epoch just printed
-        from ..config import resolve
+        from ..tasks import resolve
 
         t = resolve(run_file, sets).cfg.train
         recipe_steps = t.max_steps or math.ceil(t.epochs * int(planned.group(3)))
@@ -444,7 +386,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
                       ["--resume", "auto"], budget)
         if proc.returncode != 0:
             return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr), "steps": steps}
-    from ..evaluation import evaluate_run
+    from ..eval.evaluate import evaluate_run
 
     metrics = evaluate_run(run_dir, "test")
     value = metrics.get(r.metric)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
-from ..profiling import PROFILE_FILE
-from ..startup import Plan, make_plan
+from ..config.run import ConfigError
+from ..plan.resolve import Plan, make_plan
+from ..run.profiling import PROFILE_FILE
 from .device import cpu_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there

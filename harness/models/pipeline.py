@@ -7,7 +7,7 @@ inputs and the last returns the model's output. Two kinds of layer:
   function of (layer, inputs) -> outputs;
 - `SharedUse`: a use of a parameter that several layers share (e.g. a translation model's one embedding
   matrix, used to embed both sides and to project to the vocabulary): `fn(weight, inputs, training)`.
-`harness.parallel` turns the list into DeepSpeed's PipelineModule (a shared parameter becomes a tied layer,
+`harness.distributed.parallel` turns the list into DeepSpeed's PipelineModule (a shared parameter becomes a tied layer,
 its gradient summed over the stages that use it).
 
 Rules a layer's outputs follow between stages: every floating-point tensor passed on must be used later and

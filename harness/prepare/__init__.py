@@ -11,6 +11,8 @@ tokenizer and `meta.json` (normalisation statistics, classes) of the prepared di
 `checksums.json` (the sha256 of every file there, and what `differences` compares). `harness evaluate --data`
 reads new data with these, never re-fitted; `harness evaluate --split` refuses when the data prepared now from
 `data.path` has another tokenizer or other statistics than the stored ones (the training data changed since).
+
+May import: config, data, models (a Hugging Face tokenizer). Never tasks or anything above them.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import ConfigError
-from ..data import DataSummary
+from ..config.run import ConfigError
+from ..data.rows import DataSummary
 
 META = "meta.json"
 STORED = "data"  # RUN/data/: the run's copy of its tokenizer and statistics

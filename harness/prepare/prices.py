@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import data
-from ..config import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig
+from ..data import rows as data
 from . import load_split, package_file, prepared, read_meta, save_split
 
 VERSION = 1  # bump when the preparation changes: the cache key includes it

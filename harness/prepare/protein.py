@@ -40,11 +40,20 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, RunConfig
-from ..data import KEPT
-from ..tokenizer import Tokenizer, train_tokenizer
+from ..config.run import ConfigError, RunConfig
+from ..data.rows import KEPT
+from ..data.tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
-from .protein_sources import DEFAULT, SPLITS, Row, check_flip, file_format, read_scored, read_source, source_kind
+from .protein_sources import (
+    DEFAULT,
+    SPLITS,
+    Row,
+    check_flip,
+    file_format,
+    read_scored,
+    read_source,
+    source_kind,
+)
 
 VERSION = 2
 MAX_CLASSES = 100

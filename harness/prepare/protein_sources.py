@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig
 from . import package_file
 
 SPLITS = ("train", "validation", "test")

@@ -41,11 +41,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, RunConfig
-from .. import data
-from ..data import keep
+from ..config.run import ConfigError, RunConfig
+from ..data import rows as data
+from ..data.rows import keep
+from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..models import hf
-from ..tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
 
 VERSION = 1

@@ -1,201 +1,22 @@
-"""The task interface: a task says how to build the model, the data, the loss and the metrics.
-The harness owns everything else (parallelism, the loop, checkpoints, logging)."""
-from __future__ import annotations
+"""Tasks: what a task provides (`interface.py`: the model, the data, the loss, the metrics), the built-in ones
+(`lm`, `translation`, `protein`, `prices`), the fields' metrics (`metrics.py`) and the registry that finds a task by
+name (`registry.py`). A plug-in task imports `Task`, `TaskData`, `DataSummary` and `ReadData` from here.
 
-import dataclasses
-import difflib
-import hashlib
-import importlib
-import importlib.util
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+May import: config, data, models, prepare, dist (a rank's place; collectives in a task's evaluation). Never the run,
+plan, eval or bench: a task does not know how it is run.
+"""
+from ..data.rows import DataSummary
+from .interface import REQUIRED, CaseStudy, ReadData, Task, TaskData, TaskDefaults
+from .registry import (
+           PLUGIN_HINT,
+           TASKS,
+           get_task,
+           is_plugin_name,
+           plugin_path,
+           resolve,
+           task_class,
+           task_ref,
+)
 
-import torch
-from torch import nn
-
-from ..config import ConfigError, RunConfig, is_plugin_name
-from ..data import KEPT, DataSummary
-
-
-@dataclass
-class TaskData:
-    train: Any          # a map-style dataset of samples
-    val: Any
-    summary: DataSummary | None = None  # what was read and dropped; None: the harness says the sizes
-
-
-class Task(Protocol):
-    """What a task provides; the harness owns everything else. A plug-in task (`run.task = "package.module:Class"`
-    or `"path/to/file.py:Class"`) implements the required methods; each optional one not given takes the default
-    of `TaskDefaults` (stated there). Batches are dicts of tensors; a model is a plain `nn.Module`.
-
-    Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
-    Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
-    batches), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`, `store` and
-    `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
-    `items` names what `count` counts, for the progress bar's rate (default "items").
-    The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
-    harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
-    A pipeline needs the model's `pipeline_layers()` (see `models/transformer.py`).
-    """
-
-    def check(self, cfg: RunConfig) -> None:
-        """Preflight: raise ConfigError for bad input before any process group starts."""
-
-    def build_model(self, cfg: RunConfig) -> nn.Module:
-        """A plain nn.Module (on the meta device too, for `harness plan`)."""
-
-    def build_data(self, cfg: RunConfig) -> TaskData: ...
-
-    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]: ...
-
-    def count(self, batch: dict[str, torch.Tensor]) -> int:
-        """How many items (e.g. target tokens) the batch's loss sums over, known before the forward pass."""
-
-    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The model's positional arguments for this batch (also what a pipeline's first stage receives)."""
-
-    def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The SUM of per-item losses over the batch, from the model's outputs; the loop divides by the global
-        item count. `loss(model, batch)` is `loss_from(model(*inputs(batch)), batch)`."""
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
-
-    def metrics(self, mean_loss: float) -> dict[str, float]:
-        """Evaluation metrics from the mean validation loss."""
-
-
-REQUIRED = ("build_model", "build_data", "collate", "count", "inputs", "loss_from")
-
-
-class TaskDefaults:
-    """The optional parts of a task, as a plug-in task gets them when it does not define them."""
-
-    Config = None  # a frozen dataclass: the task's own `[task]` section of the run file (None: no section)
-
-    def check(self, cfg: RunConfig) -> None:
-        """Nothing beyond the harness's own checks."""
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.loss_from(model(*self.inputs(batch)), batch)
-
-    def metrics(self, mean_loss: float) -> dict[str, float]:
-        return {"loss": mean_loss}
-
-
-@dataclass
-class ReadData:
-    """New data read by a task's `read` for `harness evaluate --data`, one data set of PATH."""
-    data: Any                     # handed back to the task's `evaluate(..., data=data)`
-    counts: dict[str, int]        # rows by status (the rules of the task's reader)
-    files: list[Path]             # the files read, for the report's sha256
-    part: str = ""                # which of PATH's data sets (a directory may hold several); "" for the only one
-    kept: tuple[str, ...] = KEPT  # the statuses of rows kept; rows of any other were skipped
-
-
-class CaseStudy(Task, Protocol):
-    """A task with prepared data and its field's own evaluation (translation, protein, prices)."""
-
-    def prepare(self, cfg: RunConfig) -> Path:
-        """Clean, split and tokenize the source once (see `harness.prepare`); return the prepared directory."""
-
-    def store(self, cfg: RunConfig, out: Path) -> None:
-        """Write into `out` (RUN/data/, rank 0, when training starts) what reading new data needs: the tokenizer and
-        the statistics fitted on the training split (`harness.prepare.store` copies them with their sha256)."""
-
-    def read(self, cfg: RunConfig, path: Path, stored: Path | None) -> list[ReadData]:
-        """`harness evaluate --data PATH`: PATH read in the formats the task reads, cleaned by its rules, with the
-        run's stored artefacts in `stored` (RUN/data/, None where the task stores none; never re-fitted); one
-        ReadData per data set PATH holds (or a single one). Bad input: ConfigError. A task with a `prepared`
-        attribute has it set to `stored` while a run is loaded (`harness evaluate --data`, `translate`,
-        `load_model`), so that its `prepare(cfg)` and what builds on it (the model's vocabulary) read the run's copy."""
-
-    def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
-                 data=None) -> dict[str, float | str]:
-        """The field's metrics on a split, computed over the whole split on every rank; `data` (what `read`
-        returned) replaces the split, which then only names it.
-
-        `model` is the DeepSpeed engine at the end of training (every rank, maybe ZeRO-3 or tensor parallel;
-        `in_training` is then true and a task may score a sample of the split), the consolidated plain model on
-        every rank (pipeline runs), or a plain module in one process (`harness evaluate`). Every rank makes the
-        same number of forward calls, through the model's top-level `__call__` only, so ZeRO-3 and tensor
-        parallelism can run their collectives; results are gathered with `world.gather`.
-        """
-
-
-TASKS = {  # name -> module:class, imported on use so `harness keys` stays fast
-    "lm": "lm:LanguageModelTask",
-    "translation": "translation:TranslationTask",
-    "protein": "protein:ProteinTask",
-    "prices": "prices:PricesTask",
-}
-PLUGIN_HINT = ('a plug-in task is named "package.module:ClassName" (importable here) or "path/to/file.py:ClassName" '
-               '(see the Task interface in harness/tasks/__init__.py)')
-
-
-def plugin_path(name: str) -> str:
-    """A file-path reference made absolute, so a new process (evaluate, resume, bench) in any directory finds it."""
-    target, _, cls = name.rpartition(":")
-    if target.endswith(".py"):
-        return f"{Path(target).resolve()}:{cls}"
-    return name
-
-
-def task_class(name: str) -> type:
-    """The class `run.task` names: a built-in task, or a plug-in by module or file path."""
-    if not is_plugin_name(name):
-        if name not in TASKS:
-            raise ConfigError(f"run.task = {name!r} is not a task; the built-in tasks are {', '.join(TASKS)}; "
-                              f"{PLUGIN_HINT}")
-        module, cls = TASKS[name].split(":")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
-    target, _, cls_name = name.rpartition(":")
-    if not target or not cls_name:
-        raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
-    try:
-        module = _import_file(target) if target.endswith(".py") else importlib.import_module(target)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
-        raise ConfigError(f"run.task = {name!r}: importing {target} failed: {type(e).__name__}: {e}") from None
-    cls = getattr(module, cls_name, None)
-    if not isinstance(cls, type):
-        classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
-        close = difflib.get_close_matches(cls_name, classes, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
-        raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
-    missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
-                          f"harness/tasks/__init__.py lists what a task provides)")
-    section = getattr(cls, "Config", None)
-    if section is not None and not dataclasses.is_dataclass(section):
-        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
-    for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
-        if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
-            setattr(cls, attr, TaskDefaults.__dict__[attr])
-    return cls
-
-
-def _import_file(path: str):
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"run.task: no file {file}")
-    # One module per file, under a name of its own: re-importing the same file (a second run) reuses it.
-    name = "harness_task_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
-
-
-def get_task(name: str) -> Task:
-    return task_class(name)()
+__all__ = ["CaseStudy", "DataSummary", "PLUGIN_HINT", "REQUIRED", "ReadData", "TASKS", "Task", "TaskData",
+           "TaskDefaults", "get_task", "is_plugin_name", "plugin_path", "resolve", "task_class", "task_ref"]

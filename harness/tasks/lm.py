@@ -11,12 +11,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, RunConfig
-from ..data import DataSummary, check_paths, keep, load_rows
+from ..config.run import ConfigError, RunConfig
+from ..data.rows import DataSummary, check_paths, keep, load_rows
 from ..models import hf
 from ..models.transformer import TransformerConfig, TransformerLM
 from ..prepare import cache_dir
-from . import TaskData
+from .interface import TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
 

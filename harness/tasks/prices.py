@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from .. import metrics as M
-from ..config import ConfigError, RunConfig
-from ..data import eval_batches
+from ..config.run import ConfigError, RunConfig
+from ..data.batches import eval_batches
 from ..models.patch import PatchConfig, PatchTST
-from ..prepare import read_meta, store, summary
 from ..prepare import prices as P
-from . import ReadData, TaskData
+from ..prepare import read_meta, store, summary
+from . import metrics as M
+from .interface import ReadData, TaskData
 
 
 @dataclass

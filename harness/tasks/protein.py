@@ -42,17 +42,18 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, RunConfig, resolve
-from ..data import eval_batches
-from ..metrics import accuracy, auroc, pearson, q3, regression, ridge, spearman
+from ..config.run import ConfigError, RunConfig
+from ..data.batches import eval_batches
+from ..data.tokenizer import PAD
+from ..distributed.world import launched_rank
 from ..models import hf
 from ..models.encoder import Encoder
 from ..models.transformer import TransformerConfig
-from ..prepare import read_meta, store, summary
 from ..prepare import protein as prep
-from ..tokenizer import PAD
-from ..world import launched_rank
-from . import ReadData, TaskData
+from ..prepare import read_meta, store, summary
+from .interface import ReadData, TaskData
+from .metrics import accuracy, auroc, pearson, q3, regression, ridge, spearman
+from .registry import resolve
 
 IGNORE = prep.IGNORE
 EVAL_MASK_SEED = 1_234_567  # validation/test masks do not depend on train.seed

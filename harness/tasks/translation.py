@@ -24,17 +24,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, RunConfig, TranslationSection
-from ..data import eval_batches
-from ..decoding import generate, hf_generate
-from ..metrics import bleu_chrf
+from ..config.run import ConfigError, RunConfig, TranslationSection
+from ..data.batches import eval_batches
+from ..data.tokenizer import BOS, EOS, PAD
+from ..distributed.world import all_reduce
 from ..models import hf
+from ..models.decoding import generate, hf_generate
 from ..models.seq2seq import Seq2Seq, Seq2SeqConfig
 from ..prepare import read_meta, store, summary
 from ..prepare import translation as prep
-from ..tokenizer import BOS, EOS, PAD
-from ..world import all_reduce
-from . import ReadData, TaskData
+from .interface import ReadData, TaskData
+from .metrics import bleu_chrf
 
 
 class TranslationTask:

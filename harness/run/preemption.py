@@ -2,7 +2,7 @@
 (SLURM's `--signal` warning before the time limit) end a run with a checkpoint instead of a traceback.
 
 A handler only records the signal. The loop carries "a signal came" in the collective it starts anyway about once
-a second (`loop.Span`), so every rank learns of it at the same step, however many got the signal, at no extra
+a second (`step.Span`), so every rank learns of it at the same step, however many got the signal, at no extra
 sync: they finish that step, save a checkpoint, and the command exits with `EXIT_PREEMPTED`. A second signal
 changes nothing (a launcher passes on what the terminal already sent); SIGKILL still ends a run at once.
 """

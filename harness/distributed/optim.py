@@ -10,7 +10,7 @@ import warnings
 import torch
 from torch import nn
 
-from .config import RunConfig, ScheduleSection
+from ..config.run import RunConfig, ScheduleSection
 
 
 def lr_factor(step: int, total: int, s: ScheduleSection) -> float:

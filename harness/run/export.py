@@ -13,8 +13,9 @@ from pathlib import Path
 
 from torch import nn
 
-from .config import ConfigError, RunConfig, resolve
-from .world import World
+from ..config.run import ConfigError, RunConfig
+from ..distributed.world import World
+from ..tasks import resolve
 
 MODEL_FILE = "model.safetensors"
 
@@ -27,8 +28,8 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
     model `RUN/hf/` (config, weights, tokenizer: `from_pretrained` loads it with no code of ours)."""
     from safetensors.torch import save_file
 
-    from .models import hf
-    from .parallel import full_state_dict
+    from ..distributed.parallel import full_state_dict
+    from ..models import hf
 
     state = full_state_dict(engine, world)
     if not world.is_main:
@@ -83,8 +84,8 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     so the training data need not exist any more either; a `task` given is used as it is."""
     from safetensors.torch import load_file
 
-    from .prepare import stored
-    from .tasks import get_task
+    from ..prepare import stored
+    from ..tasks import get_task
 
     cfg = run_config(run_dir)
     if task is None:
@@ -104,8 +105,8 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
 
 def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory."""
-    from .models import hf
-    from .tasks import get_task
+    from ..models import hf
+    from ..tasks import get_task
 
     model, cfg = load_model(run_dir)
     if not hf.is_hf(model):

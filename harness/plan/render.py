@@ -5,11 +5,11 @@ import json
 
 import torch
 
-from .config import all_keys, flatten
-from .ds_config import model_state_bytes, tp_split_params
-from .parallel import pipeline_partition
-from .startup import Plan
-
+from ..config.ds import model_state_bytes
+from ..config.layout import tp_split_params
+from ..config.run import all_keys, flatten
+from ..distributed.parallel import pipeline_partition
+from .resolve import Plan
 
 MAX_RANKS_SHOWN = 16
 
@@ -110,7 +110,7 @@ def render(plan: Plan) -> str:
 
 
 def render_keys() -> str:
-    from .tasks import PLUGIN_HINT, TASKS
+    from ..tasks import PLUGIN_HINT, TASKS
 
     lines = []
     for key, f in all_keys().items():

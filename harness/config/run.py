@@ -2,7 +2,7 @@
 
 Precedence, stated once: defaults < run file (TOML) < command line (`--set section.key=value`).
 Every value remembers where it came from, so `harness plan` and error messages can say so.
-The DeepSpeed JSON is resolved against this config in `ds_config.py`.
+The DeepSpeed JSON is resolved against this config in `ds.py`.
 """
 from __future__ import annotations
 
@@ -317,7 +317,11 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
+def resolve(run_file: str | None, overrides: list[str], task_ref) -> Resolved:
+    """The run config from defaults, the run file and `--set` overrides. `task_ref(name)` is the task registry's word
+    on `run.task` (`harness.tasks.registry.task_ref`): the name as stored (a plug-in file's path made absolute) and
+    the plug-in's [task] section (a dataclass) or None; it raises for a name that is no task. Callers use
+    `harness.tasks.resolve`, which passes it: the config knows no task."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if run_file:
         flat = {}
@@ -327,7 +331,11 @@ def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
             flat.update({f"{section}.{k}": v for k, v in body.items()})
         layers.append((f"run file {run_file}", flat))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))
-    sections = _sections(layers)
+    task = RunSection.task
+    for origin, flat in layers:
+        task = flat.get("run.task", task)
+    stored, section = task_ref(task) if isinstance(task, str) else (task, None)
+    sections = SECTIONS if section is None else {**SECTIONS, PLUGIN_SECTION: section}
     values: dict[str, dict[str, Any]] = {s: {} for s in sections}
     source = {k: "default" for k in all_keys(sections)}
     for origin, flat in layers:
@@ -337,10 +345,8 @@ def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
             section, name = key.split(".")
             values[section][name] = _coerce(key, value, origin, sections)
             source[key] = origin
-    if is_plugin_name(values["run"].get("task", "")):
-        from .tasks import plugin_path
-
-        values["run"]["task"] = plugin_path(values["run"]["task"])  # found again from any directory
+    if "task" in values["run"]:
+        values["run"]["task"] = stored  # a plug-in file found again from any directory
     try:
         cfg = RunConfig(**{s: sections[s](**values[s]) for s in sections})
     except TypeError as e:  # a plug-in's Config with a field that has no default
@@ -348,27 +354,6 @@ def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
     resolved = Resolved(cfg, source)
     _check(resolved)
     return resolved
-
-
-def is_plugin_name(task: str) -> bool:
-    return isinstance(task, str) and ":" in task
-
-
-def _sections(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, type]:
-    """The built-in sections, plus [task] when `run.task` names a plug-in task that declares a Config."""
-    task = RunSection.task
-    for origin, flat in layers:
-        if "run.task" in flat:
-            task = flat["run.task"]
-    from .tasks import TASKS, task_class
-
-    if not is_plugin_name(task):
-        if task not in TASKS:
-            task_class(task)  # raises: the built-in tasks and how to name a plug-in
-        return SECTIONS
-
-    section = task_class(task).Config
-    return SECTIONS if section is None else {**SECTIONS, PLUGIN_SECTION: section}
 
 
 POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .config import RunConfig, flatten
+from ..config.run import RunConfig, flatten
 
 
 def wandb_has_key() -> bool:

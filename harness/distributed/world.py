@@ -20,6 +20,9 @@ from typing import Callable
 
 import torch
 
+from ..config.layout import Layout
+from .memory import keep_freed_host_memory
+
 
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -79,33 +82,8 @@ _OWN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 _set_env: list[str] = []  # what init_world put in the environment itself (no launcher), for close_world
 
 
-MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-
-
-def keep_freed_host_memory(mmap_above: int = 16 << 20, trim_above: int = 64 << 20) -> bool:
-    """Let glibc keep the host memory a training step frees for the next step, instead of handing it back to the system
-    and faulting it in again: fixed thresholds (blocks over `mmap_above` bytes mapped on their own, the heap trimmed
-    once `trim_above` bytes lie free at its top) in place of glibc's dynamic ones, which follow what the process
-    allocated before. Each step frees and allocates its gradients and activations again; with glibc's defaults that
-    cost `lm_demo` under ZeRO-0 3,200-5,700 minor page faults a step (it varied from launch to launch, and the harness,
-    which allocates more before training, drew more of them than a bare script), about none with these, at the same
-    peak resident set. Called by `init_world` (so by `harness train` and the overhead study's hand-written loop alike)
-    and by the plain PyTorch loop. Leaves glibc's settings alone where the user set them (MALLOC_ENV) or off glibc;
-    True where it set them."""
-    if any(k in os.environ for k in MALLOC_ENV):
-        return False
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl): its own allocator's policy stands
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(mallopt(m_mmap_threshold, mmap_above)) and bool(mallopt(m_trim_threshold, trim_above))
-
-
 def init_world(layout=None, timeout_s: float | None = None) -> World:
-    """The process group and this rank's place in `layout` (a `ds_config.Layout`; None = data parallel only). A
+    """The process group and this rank's place in `layout` (a `config.layout.Layout`; None = data parallel only). A
     collective that waits longer than `timeout_s` raises (None: torch's default, 30 min)."""
     keep_freed_host_memory()
     if "RANK" not in os.environ:  # no launcher: a world of one
@@ -142,8 +120,6 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
                            f"{world_size}, the launcher {launched_world_size()}")
     rank = torch.distributed.get_rank()
     if layout is None:
-        from .ds_config import Layout
-
         layout = Layout(world_size=world_size, dp_size=world_size)
     if layout.world_size != world_size:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
@@ -194,23 +170,6 @@ def close_world() -> None:
 def single_world(device: str | torch.device = "cpu") -> World:
     """One process and no process group (e.g. `harness evaluate`): collectives below become no-ops."""
     return World(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, device=torch.device(device))
-
-
-def resident_bytes() -> int:
-    """This process's resident set now (Linux), else 0."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set of this process
 
 
 def _grouped() -> bool:

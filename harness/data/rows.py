@@ -1,12 +1,10 @@
-"""Reading rows through Hugging Face `datasets`, cleaning them by stated rules, and sharding batches across ranks.
+"""Reading rows through Hugging Face `datasets` and cleaning them by stated rules (batches: `batches.py`).
 
 Cleaning rules (counted, reported at the start of training, never a crash mid-run):
 - empty or whitespace-only rows are skipped;
 - rows that are not valid UTF-8 (text files) are skipped;
 - rows whose text field is missing or not a string (json/csv) are skipped;
 - rows longer than `data.max_row_chars` characters are truncated to it.
-
-Batches are a pure function of (seed, step), so a resumed run sees exactly the data it would have seen.
 """
 from __future__ import annotations
 
@@ -14,16 +12,11 @@ import csv
 import gzip
 import io
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-import torch
-from torch.utils.data import Sampler
-
-from .config import ConfigError, DataSection
+from ..config.run import ConfigError, DataSection
 
 SUFFIX_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv"}
 PEEK = 1 << 16  # bytes read before launch to judge a data file: empty, only whitespace, only a header
@@ -197,79 +190,3 @@ def read_records(path: str, kind: str, field_name: str) -> list:
 
 def keep(ds):
     return ds.filter(lambda s: s in KEPT, input_columns="status").remove_columns("status")
-
-
-PREFETCH = 4  # batches each loader worker keeps ready
-
-
-def train_batches(dataset, sampler: Sampler, collate, num_workers: int, seed: int, device: torch.device) -> Iterator:
-    """The training loader's batches, as `sampler` lays them out: `num_workers` processes with PREFETCH batches ahead
-    each, pinned memory on a GPU. The loader has its own generator: drawing its worker seed from the global RNG
-    would shift dropout after a resume."""
-    from torch.utils.data import DataLoader
-
-    return iter(DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                           pin_memory=device.type == "cuda", prefetch_factor=PREFETCH if num_workers else None,
-                           persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed)))
-
-
-class StepSampler(Sampler[list[int]]):
-    """This rank's micro-batches of sample indices, from `start_step` to `max_steps`.
-
-    Step s of epoch e takes the next `global_batch` indices of `epoch_order(e)`, laid out as (accum, dp_size,
-    micro): rank r's j-th micro-batch is [j, r, :]. Ranks are disjoint and together cover the global batch, and
-    a 1-process run with the same global batch sees the same samples at each step.
-    """
-
-    def __init__(self, n: int, micro: int, accum: int, dp_rank: int, dp_size: int, seed: int,
-                 start_step: int, max_steps: int, lengths: list[int] | None = None, bucket: int = 0):
-        self.n, self.micro, self.accum, self.dp_rank, self.dp_size = n, micro, accum, dp_rank, dp_size
-        self.seed, self.start_step, self.max_steps = seed, start_step, max_steps
-        self.global_batch = micro * accum * dp_size
-        self.steps_per_epoch = n // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"the training set has {n} samples, fewer than one global batch of "
-                              f"{self.global_batch}; use more data or a smaller batch")
-        self.lengths = None if lengths is None else torch.as_tensor(lengths)
-        self.bucket, self._epoch = bucket, (None, None)
-
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The samples of one epoch's steps in order, (steps_per_epoch * global_batch,): a permutation seeded by
-        (seed, epoch); with bucketing, sorted by length within windows of `bucket` global batches, then the
-        epoch's global batches shuffled, so each micro-batch holds similar lengths but steps still vary."""
-        if self._epoch[0] == epoch:
-            return self._epoch[1]
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        order = torch.randperm(self.n, generator=g)[:self.steps_per_epoch * self.global_batch]
-        if self.bucket and self.lengths is not None:
-            window = self.bucket * self.global_batch
-            order = torch.cat([w[torch.argsort(self.lengths[w], stable=True)] for w in order.split(window)])
-            batches = order.view(self.steps_per_epoch, self.global_batch)
-            order = batches[torch.randperm(self.steps_per_epoch, generator=g)].flatten()
-        self._epoch = (epoch, order)
-        return order
-
-    def step_indices(self, step: int) -> torch.Tensor:
-        """All indices of global step `step`, shape (accum, dp_size, micro)."""
-        epoch, offset = divmod(step, self.steps_per_epoch)
-        start = offset * self.global_batch
-        return self.epoch_order(epoch)[start:start + self.global_batch].view(self.accum, self.dp_size, self.micro)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start_step, self.max_steps):
-            for micro_batch in self.step_indices(step)[:, self.dp_rank]:
-                yield micro_batch.tolist()
-
-    def __len__(self) -> int:
-        return (self.max_steps - self.start_step) * self.accum
-
-
-def eval_batches(n: int, micro: int, dp_rank: int, dp_size: int, limit: int = 0) -> tuple[list[list[int]], int]:
-    """This rank's evaluation micro-batches (a strided shard of all n samples) and how many batches every rank
-    must run: ranks with fewer real batches repeat a forward pass so collective ops (ZeRO-3) stay in step."""
-    mine = list(range(dp_rank, n, dp_size))
-    batches = [mine[i:i + micro] for i in range(0, len(mine), micro)]
-    steps = math.ceil(math.ceil(n / dp_size) / micro)
-    if limit:
-        batches, steps = batches[:limit], min(steps, limit)
-    return batches, steps

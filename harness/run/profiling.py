@@ -2,7 +2,7 @@
 rank 0 and writes RUN/profile.json.
 
 - `wall_s`: the step, from fetching its batches until it ran (on a GPU, its last kernel), with the loop's reading
-  of the steps before it (`loop.Ledger`). A profiled step has the loop's collective to itself (`loop.Span`, a
+  of the steps before it (`step.Ledger`). A profiled step has the loop's collective to itself (`step.Span`, a
   span of one step): it shows a step that syncs, which the loop's other steps do about once a second.
 - `loader_wait_s`: of that, waiting for the data loader's batches.
 - `device_busy_s` (GPU): the sum of the step's kernel times; `host_overhead_s` = wall - loader wait - device busy,
@@ -11,9 +11,6 @@ rank 0 and writes RUN/profile.json.
 - `sections`: the host time of each part of the loop the loop marks (`section`), in its order: the engine's
   forward, backward and step, and around it what the harness adds (fetching batches, counting the work, device
   copies, the collectives, the grad norm, logging, the progress bar); `unmarked_s`, the rest of the step.
-
-`allocation_peak` measures what a block (building the model) took at its peak: the host's resident set, and on a
-GPU the tensors there.
 """
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ def unmarked(name: str) -> contextlib.AbstractContextManager:
 
 class StepProfile:
     """Started before a step's batches are fetched; `finish` after the step and the reading of the ones before it
-    (`loop.Ledger`)."""
+    (`step.Ledger`)."""
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile
@@ -91,24 +88,3 @@ def write(summary: dict, run_dir: Path) -> Path:
     path = run_dir / PROFILE_FILE
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return path
-
-
-@contextlib.contextmanager
-def allocation_peak(device: torch.device):
-    """What the block took at its peak above what was in use before, set on the dict it yields: `host`, the rise of
-    the process's peak resident set (an upper bound: it keeps what the allocator freed but did not return; torch
-    counts no CPU tensor bytes), and on a GPU `device`, the most bytes of tensors live at once there."""
-    from .world import peak_memory_bytes, resident_bytes
-
-    out: dict = {"host": None, "device": None}
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        start_device = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    start = resident_bytes()
-    yield out
-    out["host"] = max(0, peak_memory_bytes(torch.device("cpu")) - start)
-    if cuda:
-        torch.cuda.synchronize(device)
-        out["device"] = torch.cuda.max_memory_allocated(device) - start_device

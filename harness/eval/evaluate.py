@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, RunConfig
-from .export import MODEL_FILE, load_model, run_config
-from .prepare import CHECKSUMS, STORED, differences, sha256, stored
-from .tasks import ReadData, get_task
-from .world import single_world
+from ..config.run import ConfigError, RunConfig
+from ..distributed.world import single_world
+from ..prepare import CHECKSUMS, STORED, differences, sha256, stored
+from ..run.export import MODEL_FILE, load_model, run_config
+from ..tasks import ReadData, get_task
 
 RESULTS = "eval.json"
 SPLITS = ("train", "validation", "test")  # names an entry for new data may not take
@@ -36,7 +36,7 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None) -> tu
     task = get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
-                          f"harness/tasks/__init__.py), so it cannot score new data; score a split with --split")
+                          f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
     if not hasattr(task, "evaluate"):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no field evaluation; its validation loss is in "
                           f"{run_dir / 'eval.jsonl'}")

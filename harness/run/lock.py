@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from ..config.run import ConfigError
 from .heartbeat import every
 
 LOCK = ".lock"

@@ -17,17 +17,13 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..config.run import ConfigError, TrainSection
+from ..plan.resolve import metric_key
 from .checkpoint import step_name
-from .config import ConfigError, TrainSection
 
 BEST_FILE = "best.json"
 # `auto` minimises a metric named (or ending, or starting) with one of these, and maximises any other.
 LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse", "perplexity", "nll", "bits_per_byte", "error")
-
-
-def metric_key(name: str) -> str:
-    """The key in an evaluation's metrics: `val_loss` is the validation loss, reported as `loss`."""
-    return "loss" if name == "val_loss" else name
 
 
 def direction(name: str, mode: str) -> str:

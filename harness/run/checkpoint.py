@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ConfigError, TrainingStopped
-from .world import World, all_gather_objects, barrier
+from ..config.run import ConfigError, TrainingStopped
+from ..distributed.world import World, all_gather_objects, barrier
 
 LATEST = "latest"
 BEST = "best"
@@ -116,7 +116,7 @@ def resume_target(root: Path) -> Path | None:
 
 
 def layout_of(ds) -> dict[str, Any]:
-    """What a checkpoint's partitioning depends on, from a `ds_config.DSResolved` (written as layout.json)."""
+    """What a checkpoint's partitioning depends on, from a `config.ds.DSResolved` (written as layout.json)."""
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
             "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer, "offload_params": ds.offload_params}
 

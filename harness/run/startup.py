@@ -1,92 +1,22 @@
-"""Everything between the command line and the first step: resolve, preflight, run directory, engine.
+"""Everything between the plan and the first step: preflight, the machine's JIT builds, the run directory.
 
 `preflight` runs before any process group exists, so bad input ends with one line and exit code 2 on every
-rank instead of a stack trace on rank 7. Parallelism is applied to the model in `parallel.py`.
+rank instead of a stack trace on rank 7. The plan is made in `harness/plan/`; parallelism is applied to the model
+in `harness/distributed/parallel.py`.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, Resolved, check_training_length, flatten, read_toml, resolve, to_toml
-from .ds_config import DSResolved, resolve_ds
-from .tasks import Task, get_task
-from .world import World, accelerate_mixed_precision, launched_world_size, quiet_deepspeed
+from ..config.ds import DSResolved
+from ..config.run import ConfigError, flatten, read_toml, to_toml
+from ..distributed.world import World, launched_world_size, quiet_deepspeed
+from ..plan.resolve import Plan
 
 CPU_FP16_ENV = "HARNESS_CPU_FP16"
-
-
-@dataclass(frozen=True)
-class Plan:
-    run: Resolved
-    ds: DSResolved
-    task: Task
-    run_dir: Path
-
-
-def ds_file_arg(ds_file: str | None) -> str | None:
-    """--ds, else the DeepSpeed file named in the accelerate launch config (deepspeed_config_file)."""
-    from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
-    if ds_file and from_accelerate and Path(ds_file).resolve() != Path(from_accelerate).resolve():
-        raise ConfigError(f"--ds {ds_file} contradicts the accelerate launch config's deepspeed_config_file "
-                          f"{from_accelerate}; name one")
-    return ds_file or from_accelerate
-
-
-def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, world_size: int | None = None,
-              accel_precision: str | None = None) -> Plan:
-    run = resolve(run_file, overrides)
-    check_training_length(run.cfg)
-    task = get_task(run.cfg.run.task)
-    task.check(run.cfg)
-    check_selection(run, task)
-    if run.cfg.data.bucket and not hasattr(task, "lengths"):
-        raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
-                          f"bucketing them changes nothing, set it to 0")
-    ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
-                    accel_precision or accelerate_mixed_precision())
-    if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
-        raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
-                          f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
-    if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
-        check_model_parallel(run, ds, task)
-    return Plan(run, ds, task, Path(run.cfg.run.output_dir))
-
-
-def check_selection(run: Resolved, task: Task) -> None:
-    """`train.select_best` names a metric the validation evaluation reports: known before launch for a task whose
-    metrics all come from the loss; a task with a field evaluation (`evaluate`) is checked at its first one."""
-    from .selection import metric_key
-
-    name = run.cfg.train.select_best
-    if name and not hasattr(task, "evaluate"):
-        reported = [k for k, v in task.metrics(1.0).items() if not isinstance(v, str)]
-        if metric_key(name) not in reported:
-            raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
-                              f"{', '.join(reported)} at each evaluation (or val_loss for loss)")
-
-
-def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
-    """What a pipeline or tensor parallelism needs from the task's model, checked on its meta-device twin: a
-    pipeline its `pipeline_layers()`, tensor parallelism parameters that the config's layer specs match."""
-    import torch
-
-    from .ds_config import layer_specs, tp_split_params
-
-    with torch.device("meta"):
-        model = task.build_model(run.cfg)
-    if ds.layout.pp_size > 1 and not hasattr(model, "pipeline_layers"):
-        raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
-                          f"which a pipeline needs (the list of layers it cuts into stages; see "
-                          f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
-    if ds.layout.tp_size > 1 and (layer_specs(ds.config) or not run.cfg.model.hf) and \
-            not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
-        raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "
-                          f"model ({type(model).__name__}); the harness's own models name them blocks.N.attn.q_proj.weight, "
-                          f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")
 
 
 def check_device(ds: DSResolved) -> None:
@@ -223,8 +153,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     check_build_locks()
     check_device(plan.ds)
+    from ..distributed.world import launched_rank
     from . import checkpoint, lock
-    from .world import launched_rank, launched_world_size
 
     run_dir = plan.run_dir
     check_writable(run_dir, plan.run.describe("run.output_dir"))
@@ -249,7 +179,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
                           f"run.output_dir")
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
-        from .planning import count_params  # prepares the data where the model's size depends on it
+        from ..plan.render import (
+            count_params,  # prepares the data where the model's size depends on it
+        )
 
         problem = check_free_space(plan, count_params(plan), found)  # the loop checks ranks started otherwise
         if problem:
@@ -261,8 +193,8 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
     """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and writes the resolved
     configs; an --overwrite clears the old run first. Collective: a lock taken meanwhile by another run is refused
     on every rank."""
+    from ..distributed.world import all_gather_objects
     from .lock import Lock
-    from .world import all_gather_objects
 
     held, error = None, None
     if world.is_main:

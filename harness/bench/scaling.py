@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bench.device import PEAK_TFLOPS
-from .config import ConfigError, read_file
-from .ds_config import DSResolved, Layout, model_state_bytes
+from ..config.ds import DSResolved, model_state_bytes
+from ..config.layout import Layout
+from ..config.run import ConfigError, read_file
+from .device import PEAK_TFLOPS
 
 if TYPE_CHECKING:
-    from .startup import Plan
+    from ..plan.resolve import Plan
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError
+from ..config.run import ConfigError
 
 PLOT_FILE = "curves.png"
 METRICS = ("bleu", "q3", "spearman", "auroc", "accuracy", "masked_accuracy", "mse", "perplexity", "bits_per_byte")

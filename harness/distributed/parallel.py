@@ -24,10 +24,9 @@ import warnings
 import torch
 from torch import nn
 
-from .models.pipeline import SharedUse
-from .profiling import allocation_peak
+from ..models.pipeline import SharedUse
+from .memory import allocation_peak
 from .world import World, all_gather_objects, barrier
-
 
 MUON = "deepspeed.runtime.zero.muon.original_muon"
 
@@ -73,14 +72,14 @@ def build_engine(plan, world: World, total_steps: int):
     partitioned = bool(cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init)
     with allocation_peak(world.device) as built:
         if partitioned:
-            from .models.hf import zero_init
+            from .zero3 import zero_init
 
             with zero_init(plan.ds.config):
                 model = plan.task.build_model(cfg)
         else:
             model = plan.task.build_model(cfg)
     if partitioned and world.is_main:
-        loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py)
+        loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py, distributed/zero3.py)
         print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
               f"transformers' HfDeepSpeedConfig){f'; weights: {loading}' if loading else ''}")
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
@@ -146,7 +145,7 @@ def checkpoint_blocks(model: nn.Module) -> None:
     checkpointing: integer inputs and ZeRO-3's parameter hooks are fine with it)."""
     from torch.utils.checkpoint import checkpoint
 
-    from .models.transformer import Block
+    from ..models.transformer import Block
 
     def wrap(forward):
         def run(*args, **kwargs):

@@ -1,0 +1,99 @@
+"""The plan of a run: the run config, the DeepSpeed config and the task, resolved together and checked for the world
+it will run on, before any process starts (`make_plan`). Everything after it (`harness plan`, `harness launch`'s
+checks, training) reads the same `Plan`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config.ds import DSResolved, resolve_ds
+from ..config.layout import layer_specs, tp_split_params
+from ..config.run import ConfigError, Resolved, check_training_length
+from ..distributed.world import accelerate_mixed_precision, launched_world_size
+from ..models.hf import load_config
+from ..tasks import Task, get_task, resolve
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: Resolved
+    ds: DSResolved
+    task: Task
+    run_dir: Path
+
+
+def ds_file_arg(ds_file: str | None) -> str | None:
+    """--ds, else the DeepSpeed file named in the accelerate launch config (deepspeed_config_file)."""
+    from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if ds_file and from_accelerate and Path(ds_file).resolve() != Path(from_accelerate).resolve():
+        raise ConfigError(f"--ds {ds_file} contradicts the accelerate launch config's deepspeed_config_file "
+                          f"{from_accelerate}; name one")
+    return ds_file or from_accelerate
+
+
+def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, world_size: int | None = None,
+              accel_precision: str | None = None) -> Plan:
+    run = resolve(run_file, overrides)
+    check_training_length(run.cfg)
+    task = get_task(run.cfg.run.task)
+    task.check(run.cfg)
+    check_selection(run, task)
+    if run.cfg.data.bucket and not hasattr(task, "lengths"):
+        raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
+                          f"bucketing them changes nothing, set it to 0")
+    ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
+                    accel_precision or accelerate_mixed_precision())
+    if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
+        raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
+                          f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
+    if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
+        check_model_parallel(run, ds, task)
+    return Plan(run, ds, task, Path(run.cfg.run.output_dir))
+
+
+def check_selection(run: Resolved, task: Task) -> None:
+    """`train.select_best` names a metric the validation evaluation reports: known before launch for a task whose
+    metrics all come from the loss; a task with a field evaluation (`evaluate`) is checked at its first one."""
+    name = run.cfg.train.select_best
+    if name and not hasattr(task, "evaluate"):
+        reported = [k for k, v in task.metrics(1.0).items() if not isinstance(v, str)]
+        if metric_key(name) not in reported:
+            raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
+                              f"{', '.join(reported)} at each evaluation (or val_loss for loss)")
+
+
+def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
+    """What a pipeline or tensor parallelism needs from the task's model, checked on its meta-device twin: a
+    pipeline its `pipeline_layers()`, tensor parallelism parameters that the config's layer specs match."""
+    if ds.layout.tp_size > 1 and run.cfg.model.hf:
+        check_hf_tensor_parallel(run, ds.layout.tp_size, load_config(run.cfg))
+    with torch.device("meta"):
+        model = task.build_model(run.cfg)
+    if ds.layout.pp_size > 1 and not hasattr(model, "pipeline_layers"):
+        raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
+                          f"which a pipeline needs (the list of layers it cuts into stages; see "
+                          f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
+    if ds.layout.tp_size > 1 and (layer_specs(ds.config) or not run.cfg.model.hf) and \
+            not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
+        raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "
+                          f"model ({type(model).__name__}); the harness's own models name them blocks.N.attn.q_proj.weight, "
+                          f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")
+
+
+
+
+def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:
+    """Each tensor-parallel rank holds 1/tp of a Hugging Face model's heads and MLP width: tp must divide them."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value % tp:
+            raise ConfigError(f"tensor_parallel.autotp_size = {tp} must divide {key} = {value} of "
+                              f"{run.describe('model.hf')}: each rank holds {key} / {tp}")
+
+
+def metric_key(name: str) -> str:
+    """The key in an evaluation's metrics: `val_loss` is the validation loss, reported as `loss`."""
+    return "loss" if name == "val_loss" else name

@@ -1,0 +1,106 @@
+"""The task registry: the built-in tasks by name, plug-in tasks by module or file path, and the run config resolved
+with the task it names (a plug-in's `Config` is its [task] section). The config knows no task; this module tells it."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from ..config.run import ConfigError, Resolved
+from ..config.run import resolve as resolve_layers
+from .interface import REQUIRED, Task, TaskDefaults
+
+TASKS = {  # name -> module:class, imported on use so `harness keys` stays fast
+    "lm": "lm:LanguageModelTask",
+    "translation": "translation:TranslationTask",
+    "protein": "protein:ProteinTask",
+    "prices": "prices:PricesTask",
+}
+PLUGIN_HINT = ('a plug-in task is named "package.module:ClassName" (importable here) or "path/to/file.py:ClassName" '
+               '(see the Task interface in harness/tasks/interface.py)')
+
+
+def plugin_path(name: str) -> str:
+    """A file-path reference made absolute, so a new process (evaluate, resume, bench) in any directory finds it."""
+    target, _, cls = name.rpartition(":")
+    if target.endswith(".py"):
+        return f"{Path(target).resolve()}:{cls}"
+    return name
+
+
+def is_plugin_name(task: str) -> bool:
+    return isinstance(task, str) and ":" in task
+
+
+def task_ref(name: str) -> tuple[str, type | None]:
+    """`run.task` as the run config stores it, and the [task] section of the task it names (None for a built-in or
+    a plug-in without `Config`); raises for a name that is no task."""
+    cls = task_class(name)
+    return (plugin_path(name), cls.Config) if is_plugin_name(name) else (name, None)
+
+
+def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
+    """The run config (defaults < run file < `--set`), with the task `run.task` names checked and its [task] keys."""
+    return resolve_layers(run_file, overrides, task_ref)
+
+
+def task_class(name: str) -> type:
+    """The class `run.task` names: a built-in task, or a plug-in by module or file path."""
+    if not is_plugin_name(name):
+        if name not in TASKS:
+            raise ConfigError(f"run.task = {name!r} is not a task; the built-in tasks are {', '.join(TASKS)}; "
+                              f"{PLUGIN_HINT}")
+        module, cls = TASKS[name].split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+    target, _, cls_name = name.rpartition(":")
+    if not target or not cls_name:
+        raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
+    try:
+        module = _import_file(target) if target.endswith(".py") else importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
+        raise ConfigError(f"run.task = {name!r}: importing {target} failed: {type(e).__name__}: {e}") from None
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(cls_name, classes, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
+        raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
+    missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
+                          f"harness/tasks/interface.py lists what a task provides)")
+    section = getattr(cls, "Config", None)
+    if section is not None and not dataclasses.is_dataclass(section):
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
+    for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
+        if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
+            setattr(cls, attr, TaskDefaults.__dict__[attr])
+    return cls
+
+
+def _import_file(path: str):
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"run.task: no file {file}")
+    # One module per file, under a name of its own: re-importing the same file (a second run) reuses it.
+    name = "harness_task_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def get_task(name: str) -> Task:
+    return task_class(name)()
