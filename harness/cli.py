@@ -93,6 +93,12 @@ def parser() -> argparse.ArgumentParser:
                    "GPU: the card's memory)")
     b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers or units of "
                    "n_heads x 8 of width")
+    b.add_argument("--proxy", action="store_true", help="instead of timing: count what a step asks of a GPU (aten "
+                   "ops, kernel launches, host syncs, collectives), harness against plain PyTorch, for each speed-suite "
+                   "model at toy width under each ZeRO stage and precision, on this CPU (harness/bench/proxy.py); "
+                   "writes OUT/proxy.json and proxy.md (default OUT bench/proxy)")
+    b.add_argument("--stages", metavar="S,...", help="--proxy: the ZeRO stages (default 0,1,2,3)")
+    b.add_argument("--precisions", metavar="P,...", help="--proxy: the precisions (default fp32,bf16,fp16)")
     b.add_argument("--suite", choices=["gpu"], help="run a whole measurement suite instead of a sweep: gpu = MFU, "
                    "overhead, largest model and the recipes' quality, each part under its own time budget "
                    "(see harness/bench/suite.py)")
@@ -171,6 +177,18 @@ def main(argv: list[str] | None = None) -> int:
             toy = args.suite and args.smoke
             args.steps = (3 if toy else 20) if args.steps is None else args.steps
             args.warmup = (2 if toy else 5) if args.warmup is None else args.warmup
+            proxy_only = [f"--{k}" for k in ("stages", "precisions") if getattr(args, k) and not args.proxy]
+            if proxy_only:
+                raise ConfigError(f"{', '.join(proxy_only)} belong to --proxy")
+            if args.proxy:
+                if args.suite:
+                    raise ConfigError("--proxy and --suite: run one at a time")
+                from .bench.proxy import run_proxy
+
+                args.steps = 16 if args.steps == 20 else args.steps
+                args.warmup = 4 if args.warmup == 5 else args.warmup
+                args.proxy_timeout = args.timeout
+                return 1 if run_proxy(args)["failed"] else 0
             if args.suite:
                 from .bench.suite import run_suite
 

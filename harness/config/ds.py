@@ -58,12 +58,15 @@ class DSResolved:
     grad_accum_steps: int
     global_batch_size: int
     loop_clips: float = 0.0     # > 0: the loop clips to this itself (DeepSpeed's gradient_clipping is then 0)
+    autocast: bool = False      # bf16 as torch autocast over fp32 weights (`AUTOCAST`), not DeepSpeed's bf16 wrapper
 
     @property
     def loop_norms(self) -> bool:
-        """ZeRO-0 in fp32 without model parallelism keeps no gradient norm: the loop computes it (and clips),
-        once, instead of DeepSpeed's own clipping pass plus a second pass for the norm."""
-        return self.zero_stage == 0 and self.precision == "fp32" and self.layout.tp_size == self.layout.pp_size == 1
+        """ZeRO-0 in fp32 (or bf16 by autocast, which keeps fp32 weights and gradients) without model parallelism
+        keeps no gradient norm: the loop computes it (and clips), once, instead of DeepSpeed's own clipping pass plus
+        a second pass for the norm."""
+        return self.zero_stage == 0 and (self.precision == "fp32" or self.autocast) and \
+            self.layout.tp_size == self.layout.pp_size == 1
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
@@ -159,8 +162,12 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         if key not in ds:  # DeepSpeed's own step logging would interleave with the progress bar
             ds[key] = value
             source[key] = "harness default"
+    if "timers" not in ds:  # its throughput timer synchronizes the device twice a step (DeepSpeed PR #5363: 20-25%
+        ds["timers"] = {"throughput": {"enabled": False}}  # of a small model's step) for a figure the loop has
+        source["timers.throughput.enabled"] = "harness default: it synchronizes the device twice a step"
+    autocast = _autocast(ds, source, precision, stage, layout, label)
     resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
-                          micro * accum * layout.dp_size)
+                          micro * accum * layout.dp_size, autocast=autocast)
     if resolved.loop_norms and ds["gradient_clipping"]:
         resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
         ds["gradient_clipping"] = 0.0
@@ -312,12 +319,40 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
     return precision
 
 
+AUTOCAST = {"enabled": True, "dtype": "bfloat16"}
+
+
+def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout, label: str) -> bool:
+    """bf16 under ZeRO-0 without model parallelism runs as DeepSpeed's `torch_autocast` (fp32 weights and gradients,
+    bf16 matrix multiplies, the optimizer stepping the weights directly), not its bf16 wrapper (FP16_Optimizer), which
+    casts every gradient to fp32, tests and copies every parameter back one tensor at a time each step: about 600 of
+    lm_demo's 1,400 aten ops a step, where a plain PyTorch step of the same model in bf16 autocast runs 750
+    (`harness bench --proxy`). The model states take the same 16 bytes a parameter either way (4 + 4 + 8 against
+    2 + 2 + 4 + 8). A DeepSpeed file naming `torch_autocast` itself keeps what it says; ZeRO 1-3 keep DeepSpeed's
+    own bf16 optimizers. True where the run uses autocast."""
+    given = ds.get("torch_autocast")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise ConfigError(f"torch_autocast ({label}) must be an object like {AUTOCAST}")
+        if given.get("enabled") and precision != "fp32":
+            raise ConfigError(f"torch_autocast.enabled with {precision} ({label}): autocast runs over fp32 weights; "
+                              f"disable {precision}.enabled, or torch_autocast")
+        return bool(given.get("enabled"))
+    if precision != "bf16" or stage != 0 or layout.tp_size > 1 or layout.pp_size > 1:
+        return False
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": False}
+    ds["torch_autocast"] = dict(AUTOCAST)
+    why = "harness: ZeRO-0 bf16 as torch autocast over fp32 weights (one fused optimizer step, no per-parameter casts)"
+    source["bf16.enabled"] = source["torch_autocast.enabled"] = source["torch_autocast.dtype"] = why
+    return True
+
+
 def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:
     """Bytes of model states (weights, gradients, AdamW states) per rank, after the ZeRO paper (Rajbhandari et al.
     2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, m, v) bytes per
     parameter; in fp32 4 + 4 + 8. Stage 1 shards the optimizer part, 2 also the gradients, 3 also the weights.
     Offloaded parts move from "device" to "cpu". Activations and buffers are not included."""
-    n, mixed = ds.layout.dp_size, ds.precision != "fp32"
+    n, mixed = ds.layout.dp_size, ds.precision != "fp32" and not ds.autocast  # autocast: fp32 weights and grads
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     s = ds.zero_stage
     weights = w / n if s >= 3 else w

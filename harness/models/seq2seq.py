@@ -16,7 +16,7 @@
 
 Every use goes through the top-level call (ZeRO-3 gathers parameters in module hooks), selected by keywords:
     model(src, tgt_in)                                  -> logits (B, T, V)          teacher forcing
-    model(src, tgt_in, keep)                            -> logits (N, V)             at keep's N True positions
+    model(src, tgt_in, keep)                            -> logits (B, T, V)          keep: the real target tokens
     model(src=src)                                      -> (memory (B, S, C), src_mask (B, S))   encode once
     model(tgt_in=tok, memory=m, src_mask=s, cache=c)    -> (logits (B, 1, V), cache) one decoder step
 The step's `cache` (None on the first step) is {"self": [(k, v)] per layer, (B, nh, t, hs) growing by one
@@ -121,7 +121,7 @@ class Seq2Seq(nn.Module):
 
         def output(weight, inputs, training):
             y, keep = inputs
-            return F.linear(y[keep], weight)  # (N, V) at the kept target positions
+            return F.linear(y, weight)  # (B, T, V): the loss reads the kept positions (see `_decode`)
 
         return [SharedUse("embed", source),
                 *[PipeLayer(encode, block=b) for b in self.encoder],
@@ -145,9 +145,10 @@ class Seq2Seq(nn.Module):
         attend = src_mask[:, None, None, :]
         for block in self.decoder:
             x = block(x, causal=True, memory=memory, memory_mask=attend)
-        if keep is not None:  # only the positions the loss reads: the (C x V) projection is the costliest matmul
-            x = x[keep]  # (N, C)
-        return F.linear(self.dec_norm(x), self.embed)  # (B, T, V), or (N, V) with `keep`
+        # Every position, padding too: gathering the N positions the loss reads (x[keep]) would spare the padding's
+        # share of the (C x V) projection but waits for the device (a boolean mask's nonzero) every micro-batch; the
+        # loss ignores the padding instead (tasks/translation.py), and bucketed batches hold little of it.
+        return F.linear(self.dec_norm(x), self.embed)  # (B, T, V)
 
     def _step(self, tok: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: dict | None):
         """One decoder position for tok (B, 1) given the cached keys/values of the earlier positions.

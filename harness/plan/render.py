@@ -96,7 +96,8 @@ def render(plan: Plan) -> str:
     lines += [
         "",
         f"world size {ds.layout.world_size} (data parallel {ds.layout.dp_size}); ZeRO stage {ds.zero_stage}, "
-        f"{ds.precision}, optimizer offload {'on' if ds.offload_optimizer else 'off'}, "
+        f"{ds.precision}{' (torch autocast over fp32 weights)' if ds.autocast else ''}, "
+        f"optimizer offload {'on' if ds.offload_optimizer else 'off'}, "
         f"parameter offload {'on' if ds.offload_params else 'off'}",
         *layout_lines,
         f"global batch {ds.global_batch_size} = micro {run.cfg.train.micro_batch_size} x accumulation "

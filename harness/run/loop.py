@@ -149,7 +149,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     say(f"harness: task {cfg.run.task}, {type(meta_model).__name__} of {n_params:,} parameters "
         f"(FLOPs: {flops.method}) | world {world.world_size} "
         f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
-        f"{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
+        f"{' (autocast)' if ds.autocast else ''}{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
     if build_peaks[0]["host"] is not None:

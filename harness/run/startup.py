@@ -100,8 +100,9 @@ def checkpoint_bytes_per_param(plan: Plan) -> tuple[int, str]:
     copy: mixed precision or a ZeRO stage) and the optimizer's state (AdamW m and v; SGD's momentum). Measured
     checkpoints are 5 to 15% larger on toy models (file headers, RNG states), the same on large ones."""
     ds, opt = plan.ds, plan.run.cfg.optimizer
-    weights = 0 if ds.zero_stage == 3 else 4 if ds.precision == "fp32" else 2
-    master = 4 if ds.precision != "fp32" or ds.zero_stage >= 1 else 0
+    fp32 = ds.precision == "fp32" or ds.autocast  # autocast trains fp32 weights, with no master copy
+    weights = 0 if ds.zero_stage == 3 else 4 if fp32 else 2
+    master = 4 if not fp32 or ds.zero_stage >= 1 else 0
     state = 8 if opt.name == "adamw" else 4 if opt.momentum else 0
     parts = [f"{n} {what}" for n, what in ((weights, "weights"), (master, "fp32 master"), (state, "optimizer state"))
              if n]

@@ -133,14 +133,12 @@ class TranslationTask:
         return batch["src"], batch["tgt_in"], batch["tgt_out"] != PAD  # keep (B, T): the real target tokens
 
     def loss_from(self, outputs, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
-        # the built-in model's logits (N, V) at the N real target tokens, in row-major order; a Hugging Face
-        # model's (B, T, V) at every position
+        # logits (B, T, V) at every position; the padding's are ignored, not gathered away (no boolean mask: its
+        # nonzero would wait for the device every micro-batch)
         eps = self.label_smoothing if label_smoothing is None else label_smoothing
-        keep = batch["tgt_out"] != self.pad
-        target = batch["tgt_out"][keep]  # (N,)
         logits = hf.logits(outputs)
-        logits = logits[keep] if logits.dim() == 3 else logits
-        return F.cross_entropy(logits.float(), target, label_smoothing=eps, reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=self.pad,
+                               label_smoothing=eps, reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor], label_smoothing: float | None = None) -> torch.Tensor:
         return self.loss_from(model(*self.inputs(batch)), batch, label_smoothing)

@@ -1,0 +1,92 @@
+"""What a step asks of a GPU, counted on a CPU (`harness bench --proxy`): the counter counts what it says, the
+harness's step stays within 1.3x the aten ops of a plain PyTorch step and syncs the host at most once a logging span
+under ZeRO-0 in bf16 and fp32, and ZeRO-0 bf16 (torch autocast over fp32 weights) trains as DeepSpeed's bf16 wrapper
+did, on 2 processes as on 1."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, _env, assert_losses_close, cli
+
+BF16_TOL = 2e-2  # as tests/test_strategies.py: bf16 keeps 8 bits of mantissa
+TWO = ["train.micro_batch_size=2"]
+
+
+def test_the_counter_counts_ops_launches_and_syncs():
+    from harness.bench.proxy import counting
+
+    x = torch.randn(8, 8)
+    with counting() as c:
+        y = x @ x            # a kernel
+        v = y.view(64)       # a view: no kernel
+        keep = v[v > 0]      # a comparison (kernel) and a boolean gather: its nonzero waits for the device
+        v[v < 0] = 0         # a boolean-mask write: the same
+        v[torch.tensor([1, 2])]  # an integer gather: no wait
+        float(keep.sum())    # a sum (kernel) read on the host: a sync
+    assert c.by_name["mm"] == 1 and c.by_name["view"] == 1 and c.by_name["index"] == 2
+    assert c.syncs == 3  # the two masks, _local_scalar_dense
+    assert c.launches == c.ops - c.syncs - c.by_name["view"] - c.by_name["lift_fresh"]
+    assert c.collectives == 0
+
+
+def proxy(tmp_path, ds: dict, *sets: str) -> dict:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    done = subprocess.run([sys.executable, "-m", "harness.bench.proxy", "--run", str(ROOT / "configs/runs/lm_demo.toml"),
+                           "--ds", str(path), *(f"--set={s}" for s in sets)],
+                          capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_zero0_step_is_within_1_3x_the_plain_steps_ops_and_syncs_once_a_span_at_most(precision, tmp_path):
+    from harness.bench.proxy import ds_config
+
+    out = proxy(tmp_path, ds_config(0, precision), "train.grad_clip=1.0")
+    h, p = out["harness"], out["plain"]
+    assert out["autocast"] == (precision == "bf16")
+    assert h["ops"] <= 1.3 * p["ops"], (h, p)
+    assert h["launches"] <= 1.3 * p["launches"], (h, p)
+    assert h["syncs"] * 10 <= 1, h  # lm_demo logs every 10 steps: at most one host sync in each span of them
+
+
+def test_zero0_bf16_by_autocast_trains_as_deepspeeds_bf16_wrapper_did_on_2_processes_as_on_1(cached_run, tmp_path):
+    base = json.loads((ROOT / "configs/ds/zero0.json").read_text())
+    auto = {**base, "bf16": {"enabled": True}, "fp16": {"enabled": False}}
+    wrapper = {**auto, "torch_autocast": {"enabled": False}}  # a file naming torch_autocast keeps what it says
+    (tmp_path / "auto.json").write_text(json.dumps(auto))
+    (tmp_path / "wrapper.json").write_text(json.dumps(wrapper))
+    one = cached_run("z0-bf16-autocast", ds=str(tmp_path / "auto.json"))
+    two = cached_run("z0-bf16-autocast-2p", nproc=2, ds=str(tmp_path / "auto.json"), sets=TWO)
+    before = cached_run("z0-bf16-wrapper", ds=str(tmp_path / "wrapper.json"))
+    assert "ZeRO-0 bf16 (autocast)" in one.proc.stdout and "(autocast)" not in before.proc.stdout
+    assert_losses_close(two.losses, one.losses, BF16_TOL)
+    assert_losses_close(one.losses, before.losses, BF16_TOL)
+    plan = cli("plan", "--set", "train.max_steps=10", "--ds", str(tmp_path / "auto.json"))
+    assert "bf16 (torch autocast over fp32 weights)" in plan.stdout
+    assert "timers.throughput.enabled" in plan.stdout  # DeepSpeed's timer, which syncs twice a step, is off
+
+
+def test_a_torch_autocast_section_beside_bf16_is_refused(tmp_path):
+    ds = tmp_path / "both.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}))
+    done = cli("plan", "--set", "train.max_steps=10", "--ds", str(ds))
+    assert done.returncode == 2
+    assert "torch_autocast.enabled with bf16" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--proxy", "--stages", "0,5"], "--proxy counts ZeRO stages (0, 1, 2, 3) and precisions fp32, bf16, fp16; not 5"),
+    (["--proxy", "--precisions", "fp8"], "not fp8"),
+    (["--stages", "0"], "--stages belong to --proxy"),
+    (["--proxy", "--suite", "gpu"], "--proxy and --suite: run one at a time"),
+])
+def test_proxy_bad_input_is_one_line(args, message, tmp_path):
+    done = cli("bench", *args, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
