@@ -10,7 +10,7 @@ import json
 import shutil
 
 import pytest
-
+import torch
 from conftest import TINY_RUN, assert_losses_close, cli, ds_variant, harness
 
 transformers = pytest.importorskip("transformers")
@@ -26,8 +26,9 @@ def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_ze
                                                                                     tiny_llama_shards, tmp_path):
     ref = cached_run("hf-ref", sets=hf_sets(tiny_llama), base=TINY_RUN)
     assert "task lm, LlamaForCausalLM of" in ref.proc.stdout
-    # Llama's mask code reads values (.item()), which a meta-device forward cannot: the 6N fallback, said so
-    assert ref.metrics[0]["flops_method"] == "6N per item"
+    # Llama's mask code reads values (.item()), which a meta-device forward cannot: counted from its config
+    assert ref.metrics[0]["flops_method"] == "analytic (Hugging Face config)"
+    assert "(FLOPs: analytic (Hugging Face config))" in ref.proc.stdout
     assert ref.losses[6] < ref.losses[1]
     zero2 = {"nproc": 2, "ds": "zero2.json", "sets": [*hf_sets(tiny_llama), "train.micro_batch_size=2"], "base": TINY_RUN}
     harness(tmp_path / "zero2", corpus, args=["--stop-at", "3"], **zero2)  # ZeRO-2 resumes exactly
@@ -73,8 +74,7 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
 
 def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_path):
     from harness.config.run import ConfigError
-    from harness.tasks import resolve
-    from harness.tasks import get_task
+    from harness.tasks import get_task, resolve
 
     task = get_task("lm")
     cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama / 'config.json'))}"]).cfg
@@ -108,8 +108,7 @@ def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny
 
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
     from harness.config.run import ConfigError
-    from harness.tasks import resolve
-    from harness.tasks import get_task
+    from harness.tasks import get_task, resolve
 
     cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
                          'model.hf_class="AutoModelForNothing"']).cfg
@@ -119,8 +118,7 @@ def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
 
 def test_hf_models_go_only_where_they_fit(tiny_llama, tmp_path, monkeypatch):
     from harness.config.run import ConfigError
-    from harness.tasks import resolve
-    from harness.tasks import get_task
+    from harness.tasks import get_task, resolve
 
     monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
     llama = f"model.hf={json.dumps(str(tiny_llama))}"
@@ -170,3 +168,50 @@ def test_the_partitioned_loader_finds_a_hub_ids_weights_in_the_cache(tiny_llama_
     found = weight_files("harness-tests/tiny-llama")
     assert sorted(f.name for f in found) == shards and all(f.is_file() and snapshot in f.parents for f in found)
     assert weight_files("harness-tests/absent") == []
+
+
+@pytest.mark.parametrize("family", ["llama", "t5", "esm-mlm", "esm-classify", "esm-residue"])
+def test_hugging_face_flops_are_counted_from_the_config_and_match_a_count_of_the_real_forward(family):
+    """A Hugging Face model's FLOPs come from its config over the batch's real positions (transformers' forward
+    reads values, so the meta-device count cannot run): exactly torch's FlopCounterMode over a real forward pass of
+    a tiny Llama (grouped key/value heads), T5 (gated, more decoder than encoder layers) and ESM-2 under each head
+    (eager attention, so that the counter sees its matrix multiplies too)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.models.flops import ForwardFlops
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    B, S, T = 3, 12, 9
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="eager"))  # eager: its attention's matmuls are counted too
+        inputs = (torch.randint(3, 100, (B, S)),)
+    elif family == "t5":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=3, num_heads=4,
+            pad_token_id=0, decoder_start_token_id=0, feed_forward_proj="gated-gelu", attn_implementation="eager"))
+        decoder = torch.randint(3, 100, (B, T))
+        decoder[:, 0] = 0  # the start token is T5's pad
+        inputs = (torch.randint(3, 100, (B, S)), torch.ones(B, S, dtype=torch.long), decoder)
+    else:
+        config = transformers.EsmConfig(vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, position_embedding_type="rotary", pad_token_id=1,
+                                        num_labels=3, attn_implementation="eager")
+        cls = {"esm-mlm": transformers.EsmForMaskedLM, "esm-classify": transformers.EsmForSequenceClassification,
+               "esm-residue": transformers.EsmForTokenClassification}[family]
+        model = cls(config)
+        inputs = (torch.randint(4, 30, (B, S)), torch.ones(B, S, dtype=torch.long))
+    model.eval()
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(*inputs)
+    flops = ForwardFlops(model)
+    assert flops.method == "analytic (Hugging Face config)"
+    assert flops(inputs, items=B * S) == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    if len(inputs) > 1:  # padding is not counted: a batch with padded rows costs what its real positions cost
+        padded = inputs[1].clone()
+        padded[0, 5:] = 0
+        fewer = flops((inputs[0], padded, *inputs[2:]), items=B * S)
+        assert fewer < flops(inputs, items=B * S)

@@ -57,29 +57,97 @@ def decoder_blocks(t_lengths: torch.Tensor, s_lengths: torch.Tensor, layers: int
 
 class ForwardFlops:
     """FLOPs of one forward pass over a batch, for the logged TFLOP/s and MFU: the model's own analytic
-    `forward_flops(*inputs)` where it has one; else counted by torch's FlopCounterMode on a forward pass of the
-    meta-device model (no memory, no compute), once per input shape; else, for a model whose forward needs real
-    values, 2 N per item (N parameters: the 6 N per item of a training step). `method` says which one is in use."""
+    `forward_flops(*inputs)` where it has one; for a Hugging Face Transformer, the same count from its config over the
+    batch's real positions (`hf_forward_flops`: transformers' forward reads values, so it cannot run on the meta
+    device); else counted by torch's FlopCounterMode on a forward pass of the meta-device model (no memory, no
+    compute), once per input shape; else, for a model whose forward needs real values, estimated as 2 N per item (N
+    parameters: the 6 N per item of a training step). `method` says which one is in use: the start line and every
+    metrics record say it, "estimated: ..." once a count has failed."""
 
     def __init__(self, meta_model: torch.nn.Module):
+        from .hf import is_hf
+
         self.model = meta_model
-        self.method = "analytic" if hasattr(meta_model, "forward_flops") else "counted"
+        self.hf = hf_shape(meta_model) if not hasattr(meta_model, "forward_flops") and is_hf(meta_model) else None
+        self.method = "analytic" if hasattr(meta_model, "forward_flops") else \
+            "analytic (Hugging Face config)" if self.hf else "counted"
         self.n_params = sum(p.numel() for p in meta_model.parameters())
         self.cache: dict[tuple, float] = {}
 
     def __call__(self, inputs: tuple, items: int) -> float:
         if self.method == "analytic":
             return self.model.forward_flops(*inputs)
+        if self.hf:
+            return hf_forward_flops(self.hf, inputs)
         if self.method == "counted":
             key = tuple((tuple(x.shape), x.dtype) if torch.is_tensor(x) else repr(x) for x in inputs)
             if key not in self.cache:
                 try:
                     self.cache[key] = _count(self.model, inputs)
                 except Exception:  # noqa: BLE001 - a forward that reads values (e.g. .item()) cannot run on meta
-                    self.method = "6N per item"
+                    self.method = "estimated: 6N per item (the meta-device count failed)"
             if self.method == "counted":
                 return self.cache[key]
         return 2.0 * self.n_params * items
+
+
+def hf_shape(model: torch.nn.Module) -> dict | None:
+    """What the FLOPs of a Hugging Face Transformer depend on, read from its config and parameter names (None where
+    the config does not name a width, a depth and heads): width d, feed-forward width f (gated: three matrices,
+    as Llama's gate/up/down or T5's wi_0/wi_1/wo), heads h of dim dh and key/value heads kv, encoder and decoder
+    layers, vocabulary V, and the head: "lm" (every output position to V), "mlm" (ESM/BERT: a d x d dense, then V),
+    "tokens" (every position to the labels; also Llama's sequence classifier, which scores every position and keeps
+    the last), "sequence" (one position per sequence: a d x d dense, then the labels; ESM's and RoBERTa's head)."""
+    c = getattr(model, "config", None)
+    d = getattr(c, "hidden_size", None) or getattr(c, "d_model", None)
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "num_heads", None)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "num_layers", None)
+    if not (d and heads and layers):
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    kind = type(model).__name__
+    head = ("sequence" if kind.endswith("ForSequenceClassification") and any("classifier.dense." in n for n in names)
+            else "tokens" if kind.endswith(("ForTokenClassification", "ForSequenceClassification")) else
+            "mlm" if kind.endswith("ForMaskedLM") and any(".dense." in n and "lm_head" in n for n in names) else "lm")
+    dh = getattr(c, "head_dim", None) or getattr(c, "d_kv", None) or d // heads
+    return {"d": d, "f": getattr(c, "intermediate_size", None) or getattr(c, "d_ff", None) or 4 * d,
+            "gated": any(n.endswith(("gate_proj.weight", "wi_0.weight")) for n in names),
+            "h": heads, "kv": getattr(c, "num_key_value_heads", None) or heads, "dh": dh,
+            "encoder_layers": layers if c.is_encoder_decoder else 0,
+            "decoder_layers": (getattr(c, "num_decoder_layers", None) or layers) if c.is_encoder_decoder else layers,
+            "V": c.vocab_size,
+            "labels": getattr(c, "num_labels", 2), "head": head, "pad": getattr(c, "pad_token_id", None)}
+
+
+def hf_forward_flops(s: dict, inputs: tuple) -> float:
+    """Analytic FLOPs of a forward pass of the model `hf_shape` describes, over the real positions of `inputs` (the
+    tasks call `model(input_ids[, attention_mask[, decoder_input_ids]])`): per layer q and o projections over h x dh,
+    k and v over kv x dh, all position pairs of attention (4 t^2 h dh; cross-attention 4 t s h dh, its k and v over
+    the source), the feed-forward (2 or 3 d x f matrices), and the head."""
+    ids = inputs[0]
+    mask = inputs[1] if len(inputs) > 1 and inputs[1] is not None else torch.ones_like(ids, dtype=torch.bool)
+    src = mask.sum(1).double()  # (B,) real positions of each sequence
+    q, kv = s["h"] * s["dh"], s["kv"] * s["dh"]
+    d, f = s["d"], s["f"]
+    mlp = lambda t: (3 if s["gated"] else 2) * linear(t, d, f)  # noqa: E731
+
+    def attend(t, k):  # t queries over k keys: projections and every pair
+        return linear(t, d, q) + linear(t, q, d) + 2 * linear(k, d, kv) + 4 * t * k * q
+
+    if s["encoder_layers"]:  # encoder-decoder: the target's real positions (its first is the start token, often pad)
+        real = inputs[2] != s["pad"] if s["pad"] is not None else torch.ones_like(inputs[2], dtype=torch.bool)
+        real[:, 0] = True
+        tgt = real.sum(1).double()
+        total = s["encoder_layers"] * (attend(src, src) + mlp(src))
+        total = total + s["decoder_layers"] * (attend(tgt, tgt) + attend(tgt, src) + mlp(tgt))
+        out, rows = tgt, float(tgt.sum())
+    else:
+        total = s["decoder_layers"] * (attend(src, src) + mlp(src))
+        out, rows = src, float(src.sum())
+    head = {"lm": linear(rows, d, s["V"]), "mlm": linear(rows, d, d) + linear(rows, d, s["V"]),
+            "tokens": linear(rows, d, s["labels"]),
+            "sequence": linear(len(out), d, d) + linear(len(out), d, s["labels"])}[s["head"]]
+    return float(total.sum()) + head
 
 
 def _count(model: torch.nn.Module, inputs: tuple) -> float:
