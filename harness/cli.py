@@ -192,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.suite:
                 from .bench.suite import run_suite
 
-                run_suite(args)
-                return 0
+                failed = run_suite(args)["failures"]
+                if failed:  # the results are written; the command says it did not measure everything
+                    print(f"harness: error: {len(failed)} of the suite's measurements failed: {'; '.join(failed)}",
+                          file=sys.stderr)
+                return 1 if failed else 0
             suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes")
                           if getattr(args, k) not in (None, [], False)]
             if suite_only:

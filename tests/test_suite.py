@@ -177,3 +177,32 @@ def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
         assert main(["bench", "--recipes", recipes, "--out", str(out)]) == 2
         assert "--recipes belong to --suite" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_part_that_fails_makes_the_command_fail_after_writing_its_results(tmp_path, monkeypatch, capsys):
+    def broken(*args):
+        raise RuntimeError("no device")
+
+    monkeypatch.setitem(suite_mod.PART_RUNNERS, "ops", broken)
+    out = tmp_path / "out"
+    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
+                 str(tmp_path / "work")]) == 1
+    assert "1 of the suite's measurements failed: ops: RuntimeError: no device" in capsys.readouterr().err
+    assert json.loads((out / "suite.json").read_text())["parts"]["ops"]["status"] == "failed"  # written all the same
+
+
+def test_what_counts_as_a_failed_measurement():
+    failures = suite_mod.failures
+    result = {"commands": ["first", "second"], "parts": {
+        "speed": {"status": "ok", "bench": {"configs": [{"name": "a", "status": "ok"},
+                                                        {"name": "b", "status": "timeout"},
+                                                        {"name": "c", "status": "not run"},
+                                                        {"name": "d", "status": "oom"}]}},
+        "largest": {"status": "ok", "configs": [{"tried": {"23": {"status": "timeout"}}}]},  # its probes' search
+        "quality": {"recipes": [{"name": "x", "status": "failed", "error": "diverged", "command": 1},
+                                {"name": "y", "status": "failed", "command": 0},  # an earlier command's, kept
+                                {"name": "z", "status": "not run", "command": 1}]},
+        "overhead": {"status": "failed", "error": "RuntimeError: boom"}}}
+    assert failures(result, ["speed", "largest", "quality", "overhead"]) == [
+        "speed b: timeout", "speed d: oom", "quality x: diverged", "overhead: RuntimeError: boom"]
+    assert failures(result, ["largest"]) == []

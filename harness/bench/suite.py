@@ -155,7 +155,29 @@ def run_suite(args) -> dict:
         report.plot(speed["bench"], out / "speed.png")
     print(suite_markdown(result))
     print(f"wrote {path}, {out / 'suite.md'}")
+    result["failures"] = failures(result, parts)
     return result
+
+
+FAILED = ("failed", "timeout", "oom")
+
+
+def failures(result: dict, parts: list[str]) -> list[str]:
+    """What this command's parts could not measure, one phrase each: a part that broke, a speed configuration that
+    failed, ran out of memory or timed out, a recipe this command failed. "not run: budget" is a budget spent, not
+    a failure; the largest-model part's probes time out by design (each probe's own status is its search's)."""
+    command, out = len(result["commands"]) - 1, []
+    for part in parts:
+        done = result["parts"].get(part, {})
+        if done.get("status") in FAILED:
+            out.append(f"{part}: {done.get('error', done['status'])}"[:200])
+        for e in (done.get("bench") or {}).get("configs", []):
+            if e.get("status") in FAILED:
+                out.append(f"{part} {e.get('name', '')}: {e['status']}")
+        for r in done.get("recipes", []):
+            if r.get("status") in FAILED and r.get("command") == command:
+                out.append(f"{part} {r['name']}: {r.get('error', r['status'])}"[:200])
+    return out
 
 
 
