@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         if args.command == "bench":
             toy = args.suite and args.smoke
-            args.steps = (3 if toy else 20) if args.steps is None else args.steps
-            args.warmup = (2 if toy else 5) if args.warmup is None else args.warmup
+            args.steps = (16 if args.proxy else 3 if toy else 20) if args.steps is None else args.steps
+            args.warmup = (4 if args.proxy else 2 if toy else 5) if args.warmup is None else args.warmup
             proxy_only = [f"--{k}" for k in ("stages", "precisions") if getattr(args, k) and not args.proxy]
             if proxy_only:
                 raise ConfigError(f"{', '.join(proxy_only)} belong to --proxy")
@@ -185,8 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError("--proxy and --suite: run one at a time")
                 from .bench.proxy import run_proxy
 
-                args.steps = 16 if args.steps == 20 else args.steps
-                args.warmup = 4 if args.warmup == 5 else args.warmup
                 args.proxy_timeout = args.timeout
                 return 1 if run_proxy(args)["failed"] else 0
             if args.suite:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import ROOT, _env, assert_losses_close, cli
 
+from harness.config import ConfigError
+
 BF16_TOL = 2e-2  # as tests/test_strategies.py: bf16 keeps 8 bits of mantissa
 TWO = ["train.micro_batch_size=2"]
 
@@ -72,12 +74,24 @@ def test_zero0_bf16_by_autocast_trains_as_deepspeeds_bf16_wrapper_did_on_2_proce
     assert "timers.throughput.enabled" in plan.stdout  # DeepSpeed's timer, which syncs twice a step, is off
 
 
-def test_a_torch_autocast_section_beside_bf16_is_refused(tmp_path):
-    ds = tmp_path / "both.json"
-    ds.write_text(json.dumps({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}))
-    done = cli("plan", "--set", "train.max_steps=10", "--ds", str(ds))
+@pytest.mark.parametrize("ds, message", [
+    ({"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}}, "torch_autocast.enabled with bf16"),
+    ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "for fp16 use fp16.enabled"),
+])
+def test_a_torch_autocast_section_that_cannot_work_is_refused(ds, message, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    done = cli("plan", "--set", "train.max_steps=10", "--ds", str(path))
     assert done.returncode == 2
-    assert "torch_autocast.enabled with bf16" in done.stderr and "Traceback" not in done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_torch_autocast_section_of_the_users_trains_in_bf16(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"torch_autocast": {"enabled": True}}))  # DeepSpeed's dtype None: fp16 on a GPU
+    done = cli("plan", "--set", "train.max_steps=10", "--ds", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "bf16 (torch autocast over fp32 weights)" in done.stdout and '"bfloat16"' in done.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -90,3 +104,29 @@ def test_proxy_bad_input_is_one_line(args, message, tmp_path):
     done = cli("bench", *args, "--out", str(tmp_path / "out"))
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_zero0_checkpoint_resumes_only_with_the_weights_it_was_saved_with(tmp_path):
+    """A ZeRO-0 bf16 checkpoint of DeepSpeed's wrapper (16-bit weights, fp32 master: every one saved before bf16 ran
+    as autocast, whose layout.json did not say) does not load into an autocast run, nor the reverse: refused before
+    launch, saying how to resume it."""
+    from harness.plan.resolve import make_plan
+    from harness.run import checkpoint
+
+    base = json.loads((ROOT / "configs/ds/zero0.json").read_text())
+    for name, extra in (("auto", {}), ("wrapper", {"torch_autocast": {"enabled": False}})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**base, "bf16": {"enabled": True}, **extra}))
+    auto, wrapper = (make_plan(None, ["train.max_steps=10"], str(tmp_path / f"{n}.json"), 1, "no").ds
+                     for n in ("auto", "wrapper"))
+    step = tmp_path / "run" / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    old = {k: v for k, v in checkpoint.layout_of(wrapper).items() if k != "weights"}  # before it said the weights
+    (step / checkpoint.LAYOUT).write_text(json.dumps(old))
+    (tmp_path / "run" / "ds_config.json").write_text(json.dumps(wrapper.config))
+    assert checkpoint.reshape(step, wrapper) is False  # as it was saved
+    with pytest.raises(ConfigError, match='holds its ZeRO-0 weights as 16-bit \\+ fp32 master.*"torch_autocast"'):
+        checkpoint.reshape(step, auto)
+    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(auto)))
+    assert checkpoint.reshape(step, auto) is False
+    with pytest.raises(ConfigError, match="holds its ZeRO-0 weights as fp32; this run as 16-bit"):
+        checkpoint.reshape(step, wrapper)

@@ -192,17 +192,39 @@ def test_a_part_that_fails_makes_the_command_fail_after_writing_its_results(tmp_
 
 
 def test_what_counts_as_a_failed_measurement():
-    failures = suite_mod.failures
-    result = {"commands": ["first", "second"], "parts": {
+    parts = {
         "speed": {"status": "ok", "bench": {"configs": [{"name": "a", "status": "ok"},
                                                         {"name": "b", "status": "timeout"},
                                                         {"name": "c", "status": "not run"},
                                                         {"name": "d", "status": "oom"}]}},
-        "largest": {"status": "ok", "configs": [{"tried": {"23": {"status": "timeout"}}}]},  # its probes' search
-        "quality": {"recipes": [{"name": "x", "status": "failed", "error": "diverged", "command": 1},
-                                {"name": "y", "status": "failed", "command": 0},  # an earlier command's, kept
-                                {"name": "z", "status": "not run", "command": 1}]},
-        "overhead": {"status": "failed", "error": "RuntimeError: boom"}}}
-    assert failures(result, ["speed", "largest", "quality", "overhead"]) == [
-        "speed b: timeout", "speed d: oom", "quality x: diverged", "overhead: RuntimeError: boom"]
-    assert failures(result, ["largest"]) == []
+        "largest": {"status": "ok", "configs": [{"name": "zero0 x1", "tried": {
+            "23": {"status": "timeout"}, "24": {"status": "oom"},  # how the search finds the largest
+            "2": {"status": "failed", "error": "ImportError: x"}}}]},
+        "quality": {"recipes": [{"name": "x", "status": "failed", "error": "diverged"},
+                                {"name": "z", "status": "not run"}]},
+        "overhead": {"status": "failed", "error": "RuntimeError: boom"}}
+    assert suite_mod.failures(parts) == [
+        "speed b: timeout", "speed d: oom", "largest zero0 x1 at 2: ImportError: x", "quality x: diverged",
+        "overhead: RuntimeError: boom"]
+    assert suite_mod.failures({"largest": {"status": "ok", "configs": [{"tried": {"9": {"status": "oom"}}}]}}) == []
+
+
+def test_a_recipe_this_command_failed_fails_it_though_an_earlier_result_is_kept(tmp_path, monkeypatch, capsys):
+    """The merge keeps an earlier scored recipe over this command's failure (suite.merge_quality); the command
+    still says it failed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    h100 = json.loads((ROOT / "results/gpu/2026-11-23-nvidia-h100-80gb-hbm3/suite.json").read_text())
+    earlier = {**next(r for r in h100["parts"]["quality"]["recipes"] if r["name"] == "prices_etth1"), "command": 0}
+    assert earlier["status"] == "ok"
+    (out / "suite.json").write_text(json.dumps({"smoke": True, "environment": suite_mod.environment(),
+                                                "commands": ["earlier"], "parts": {"quality": {
+                                                    "status": "ok", "recipes": [earlier]}}}))
+    failed = {k: earlier[k] for k in ("name", "metric", "target", "run_file", "ds", "compare")}
+    monkeypatch.setitem(suite_mod.PART_RUNNERS, "quality", lambda *args: {"status": "ok", "recipes": [
+        {**failed, "status": "failed", "error": "diverged", "steps": 3}]})
+    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
+                 str(DATA), "--out", str(out), "--work", str(tmp_path / "work")]) == 1
+    assert "quality prices_etth1: diverged" in capsys.readouterr().err
+    kept = json.loads((out / "suite.json").read_text())["parts"]["quality"]["recipes"][0]
+    assert kept["status"] == "ok" and kept["value"] == earlier["value"]  # the earlier result stays

@@ -259,9 +259,15 @@ def run_proxy(args) -> dict:
                 cmd = [sys.executable, "-m", "harness.bench.proxy", "--run", str(ROOT / "configs" / "runs" / model.run),
                        "--ds", str(ds), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(f"--set={s}" for s in sets)]
-                done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.proxy_timeout)
-                line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("{")), None)
                 row = {"model": model.name, "zero_stage": stage, "precision": precision}
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.proxy_timeout)
+                except subprocess.TimeoutExpired:
+                    row["error"] = f"timed out after {args.proxy_timeout} s"
+                    rows.append(row)
+                    print(render_row(row), flush=True)
+                    continue
+                line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("{")), None)
                 if done.returncode or line is None:
                     row["error"] = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
                 else:

@@ -132,6 +132,7 @@ def run_suite(args) -> dict:
     result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, args.argv)]))
     result.setdefault("parts", {})
     spare = 0.0  # what earlier parts of this command left unused goes to the next: the total stays the sum
+    failed: list[str] = []
     for part in parts:
         budget = Budget(budgets[part] + spare, MIN_LAUNCH_S[args.smoke])
         print(f"== part {part} (budget {budget.seconds:.0f} s)", flush=True)
@@ -141,6 +142,7 @@ def run_suite(args) -> dict:
         except Exception as e:  # noqa: BLE001 - GPU time is scarce: a part that breaks is recorded, the rest runs
             done = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  failed: {type(e).__name__}: {e}", flush=True)
+        failed += failures({part: done})  # before the merge, which may keep an earlier result over this one
         if part == "quality":  # each recipe says which command scored it: a later command may keep it
             for r in done.get("recipes", []):
                 r.setdefault("command", len(result["commands"]) - 1)
@@ -155,28 +157,32 @@ def run_suite(args) -> dict:
         report.plot(speed["bench"], out / "speed.png")
     print(suite_markdown(result))
     print(f"wrote {path}, {out / 'suite.md'}")
-    result["failures"] = failures(result, parts)
+    result["failures"] = failed
     return result
 
 
 FAILED = ("failed", "timeout", "oom")
 
 
-def failures(result: dict, parts: list[str]) -> list[str]:
-    """What this command's parts could not measure, one phrase each: a part that broke, a speed configuration that
-    failed, ran out of memory or timed out, a recipe this command failed. "not run: budget" is a budget spent, not
-    a failure; the largest-model part's probes time out by design (each probe's own status is its search's)."""
-    command, out = len(result["commands"]) - 1, []
-    for part in parts:
-        done = result["parts"].get(part, {})
+def failures(parts: dict[str, dict]) -> list[str]:
+    """What a command's parts ({part: its result}) could not measure, one phrase each: a part that broke, a speed
+    configuration that failed, ran out of memory or timed out, a recipe that failed, a largest-model probe that
+    failed (not one that ran out of memory or time: that is how the search finds the largest). "not run: budget" is
+    a budget spent, not a failure."""
+    out = []
+    for part, done in parts.items():
         if done.get("status") in FAILED:
             out.append(f"{part}: {done.get('error', done['status'])}"[:200])
         for e in (done.get("bench") or {}).get("configs", []):
             if e.get("status") in FAILED:
                 out.append(f"{part} {e.get('name', '')}: {e['status']}")
         for r in done.get("recipes", []):
-            if r.get("status") in FAILED and r.get("command") == command:
+            if r.get("status") in FAILED:
                 out.append(f"{part} {r['name']}: {r.get('error', r['status'])}"[:200])
+        for c in done.get("configs", []) if part == "largest" else []:
+            for size, probe in (c.get("tried") or {}).items():
+                if isinstance(probe, dict) and probe.get("status") == "failed":
+                    out.append(f"{part} {c.get('name', c.get('ds', ''))} at {size}: {probe.get('error', 'failed')}"[:200])
     return out
 
 

@@ -165,13 +165,14 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     if "timers" not in ds:  # its throughput timer synchronizes the device twice a step (DeepSpeed PR #5363: 20-25%
         ds["timers"] = {"throughput": {"enabled": False}}  # of a small model's step) for a figure the loop has
         source["timers.throughput.enabled"] = "harness default: it synchronizes the device twice a step"
-    autocast = _autocast(ds, source, precision, stage, layout, label)
+    autocast, precision = _autocast(ds, source, precision, stage, layout, label)
     resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
                           micro * accum * layout.dp_size, autocast=autocast)
     if resolved.loop_norms and ds["gradient_clipping"]:
         resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
         ds["gradient_clipping"] = 0.0
-        source["gradient_clipping"] += "; clipped by the harness loop, which computes the norm ZeRO-0 fp32 keeps none of"
+        source["gradient_clipping"] += ("; clipped by the harness loop, which computes the norm ZeRO-0 in fp32 (or bf16 "
+                                        "by autocast) keeps none of")
     return resolved
 
 
@@ -322,29 +323,39 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
 AUTOCAST = {"enabled": True, "dtype": "bfloat16"}
 
 
-def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout, label: str) -> bool:
+def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout, label: str) -> tuple[bool, str]:
     """bf16 under ZeRO-0 without model parallelism runs as DeepSpeed's `torch_autocast` (fp32 weights and gradients,
     bf16 matrix multiplies, the optimizer stepping the weights directly), not its bf16 wrapper (FP16_Optimizer), which
     casts every gradient to fp32, tests and copies every parameter back one tensor at a time each step: about 600 of
     lm_demo's 1,400 aten ops a step, where a plain PyTorch step of the same model in bf16 autocast runs 750
     (`harness bench --proxy`). The model states take the same 16 bytes a parameter either way (4 + 4 + 8 against
-    2 + 2 + 4 + 8). A DeepSpeed file naming `torch_autocast` itself keeps what it says; ZeRO 1-3 keep DeepSpeed's
-    own bf16 optimizers. True where the run uses autocast."""
+    2 + 2 + 4 + 8); gradients are all-reduced in bf16 as the wrapper's were (`communication_data_type`, unless the
+    file sets it). A DeepSpeed file naming `torch_autocast` itself keeps what it says (bf16 only: DeepSpeed's fp16
+    autocast scales the loss where the loop cannot see it). (autocast, the precision the run trains in)."""
     given = ds.get("torch_autocast")
     if given is not None:
         if not isinstance(given, dict):
             raise ConfigError(f"torch_autocast ({label}) must be an object like {AUTOCAST}")
-        if given.get("enabled") and precision != "fp32":
+        if not given.get("enabled"):
+            return False, precision
+        if precision != "fp32":
             raise ConfigError(f"torch_autocast.enabled with {precision} ({label}): autocast runs over fp32 weights; "
                               f"disable {precision}.enabled, or torch_autocast")
-        return bool(given.get("enabled"))
+        if given.setdefault("dtype", "bfloat16") not in ("bfloat16", "bf16"):  # DeepSpeed's None: fp16 on a GPU
+            raise ConfigError(f"torch_autocast.dtype = {given['dtype']!r} ({label}): the harness runs autocast in "
+                              f"bfloat16; for fp16 use fp16.enabled (DeepSpeed's loss scaling)")
+        source.setdefault("torch_autocast.dtype", "harness default")
+        return True, "bf16"
     if precision != "bf16" or stage != 0 or layout.tp_size > 1 or layout.pp_size > 1:
-        return False
+        return False, precision
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": False}
     ds["torch_autocast"] = dict(AUTOCAST)
     why = "harness: ZeRO-0 bf16 as torch autocast over fp32 weights (one fused optimizer step, no per-parameter casts)"
     source["bf16.enabled"] = source["torch_autocast.enabled"] = source["torch_autocast.dtype"] = why
-    return True
+    if "communication_data_type" not in ds:  # fp32 gradients, all-reduced in bf16 as the bf16 wrapper's were
+        ds["communication_data_type"] = "bf16"
+        source["communication_data_type"] = "harness: gradients all-reduced in bf16, as under DeepSpeed's bf16 wrapper"
+    return True, "bf16"
 
 
 def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:

@@ -82,6 +82,11 @@ def build_engine(plan, world: World, total_steps: int):
         loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py, distributed/zero3.py)
         print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
               f"transformers' HfDeepSpeedConfig){f'; weights: {loading}' if loading else ''}")
+    if not partitioned and (plan.ds.precision == "fp32" or plan.ds.autocast):
+        # fp32 weights, as the config says: a Hugging Face checkpoint saved in bf16 loads as bf16 (transformers'
+        # dtype "auto"), and DeepSpeed casts a model only for its 16-bit wrappers; stepped in bf16, small updates
+        # would be lost with no fp32 copy to keep them
+        model = model.float()
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)

@@ -77,8 +77,10 @@ class ForwardFlops:
     def __call__(self, inputs: tuple, items: int) -> float:
         if self.method == "analytic":
             return self.model.forward_flops(*inputs)
-        if self.hf:
-            return hf_forward_flops(self.hf, inputs)
+        if self.hf is not None:
+            if _token_ids(inputs):
+                return hf_forward_flops(self.hf, inputs)
+            self.hf, self.method = None, "counted"  # called otherwise: counted on the meta device as any model
         if self.method == "counted":
             key = tuple((tuple(x.shape), x.dtype) if torch.is_tensor(x) else repr(x) for x in inputs)
             if key not in self.cache:
@@ -115,8 +117,14 @@ def hf_shape(model: torch.nn.Module) -> dict | None:
             "h": heads, "kv": getattr(c, "num_key_value_heads", None) or heads, "dh": dh,
             "encoder_layers": layers if c.is_encoder_decoder else 0,
             "decoder_layers": (getattr(c, "num_decoder_layers", None) or layers) if c.is_encoder_decoder else layers,
-            "V": c.vocab_size,
+            "V": getattr(c, "vocab_size", 0),
             "labels": getattr(c, "num_labels", 2), "head": head, "pad": getattr(c, "pad_token_id", None)}
+
+
+def _token_ids(inputs: tuple) -> bool:
+    """Whether a Hugging Face model is called as the tasks call it: token ids (B, T) first (else: counted)."""
+    return bool(inputs) and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2 and \
+        not torch.is_floating_point(inputs[0])
 
 
 def hf_forward_flops(s: dict, inputs: tuple) -> float:

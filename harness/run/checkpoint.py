@@ -6,8 +6,8 @@ Layout of `RUN/checkpoints/`:
     best                with `train.select_best`: the name of the best one (kept whatever the rotation says)
 A checkpoint is written as `step_N.partial`, renamed when every rank has finished, and only then named in
 `latest`: a crash mid-write leaves a `.partial` directory that is never resumed from and is removed later.
-Each holds `layout.json` (data, tensor and pipeline sizes, ZeRO stage, offload). Resuming onto another data-parallel
-size or ZeRO stage (1-3) converts it once, beside it, to DeepSpeed's universal format (`step_N.universal`, made by
+Each holds `layout.json` (data, tensor and pipeline sizes, ZeRO stage, offload, how the weights are held).
+Resuming onto another data-parallel size or ZeRO stage (1-3) converts it once, beside it, to DeepSpeed's universal format (`step_N.universal`, made by
 `ds_to_universal`), which DeepSpeed then loads into any partitioning; see `reshape`.
 The run directory must be on a file system that every node sees (as DeepSpeed's own checkpoints assume).
 """
@@ -118,7 +118,24 @@ def resume_target(root: Path) -> Path | None:
 def layout_of(ds) -> dict[str, Any]:
     """What a checkpoint's partitioning depends on, from a `config.ds.DSResolved` (written as layout.json)."""
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
-            "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer, "offload_params": ds.offload_params}
+            "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer, "offload_params": ds.offload_params,
+            "weights": _weights(ds.precision, ds.autocast)}
+
+
+def _weights(precision: str, autocast: bool) -> str:
+    """How a checkpoint holds the weights: "fp32" (fp32, or bf16 by torch autocast: the optimizer steps them) or
+    "16-bit + fp32 master" (DeepSpeed's bf16/fp16 wrapper or ZeRO optimizer). Neither loads as the other."""
+    return "fp32" if precision == "fp32" or autocast else "16-bit + fp32 master"
+
+
+def _saved_weights(path: Path) -> str | None:
+    """`_weights` of a checkpoint saved before layout.json said it, from its run's resolved DeepSpeed config."""
+    try:
+        ds = json.loads((path.parent.parent / "ds_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    sixteen = any(isinstance(ds.get(k), dict) and ds[k].get("enabled") is True for k in ("bf16", "fp16"))
+    return _weights("bf16" if sixteen else "fp32", bool((ds.get("torch_autocast") or {}).get("enabled")))
 
 
 def _describe(layout: dict[str, Any]) -> str:
@@ -137,8 +154,17 @@ def reshape(path: Path, ds) -> bool:
     except (OSError, ValueError):
         return False
     new = layout_of(ds)
+    if "weights" not in saved and (weights := _saved_weights(path)):
+        saved["weights"] = weights  # layout.json written before it recorded the weights
     if saved == new:
         return False
+    if saved["zero_stage"] == new["zero_stage"] == 0 and saved.get("weights", new["weights"]) != new["weights"]:
+        # ZeRO-0's optimizer state is a plain optimizer's over fp32 weights, or DeepSpeed's wrapper's over 16-bit ones
+        fix = 'add "torch_autocast": {"enabled": false} to the DeepSpeed file' if saved["weights"] != "fp32" else \
+            "resume with fp32, or bf16 by autocast (no torch_autocast section)"
+        raise ConfigError(f"--resume: {path} holds its ZeRO-0 weights as {saved['weights']}; this run as "
+                          f"{new['weights']} (bf16 under ZeRO-0 runs as torch autocast over fp32 weights), and neither "
+                          f"loads as the other: {fix}")
     convert = saved["zero_stage"] != 0 and \
         (saved["dp_size"], saved["zero_stage"]) != (new["dp_size"], new["zero_stage"])
     if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
