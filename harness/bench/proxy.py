@@ -31,7 +31,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "allclose", "unique",
@@ -43,7 +42,6 @@ NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "stride", "dim", "is_contiguous", "_nested_tensor_size"}
 PRECISIONS = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
-CPU_FP16_ENV = "HARNESS_CPU_FP16"  # fp16 runs on a CPU only when asked (run/startup.py)
 
 
 def _counter_class():
@@ -164,21 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args(argv)
 
-    import dataclasses
-
-    import torch
-
     from ..data.batches import StepSampler, train_batches
     from ..distributed.parallel import build_engine, release
     from ..distributed.world import close_world, init_world
-    from ..models.flops import ForwardFlops
     from ..plan.resolve import make_plan
     from ..run import step as step_module
-    from ..run.loop import _progress
     from ..run.startup import check_device
-    from ..run.step import Ledger, Steps
-    from ..run.tracking import Tracker
     from .plain import PlainLoop
+    from .reference import HarnessSteps
 
     plan = make_plan(args.run, args.set, args.ds, 1, "no")
     check_device(plan.ds)
@@ -192,28 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     host = HostWork()
     loader = host.batches(train_batches(data.train, sampler, task.collate, 0, cfg.train.seed, world.device))
     step_module.step_work = host.wrap(step_module.step_work)  # the batches' counts, taken before they go to the device
-    with torch.device("meta"):
-        flops = ForwardFlops(task.build_model(cfg))
-    scratch = tempfile.TemporaryDirectory(prefix="harness-proxy-")
-    quiet = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none"))
-    tracker = Tracker(quiet, Path(scratch.name), enabled=True)
-    progress = _progress(world, 0, total)
-    ledger = Ledger(tracker, progress, cfg.train, 10**9, 10**9, flops, {}, getattr(task, "items", "items"), 1.0,
-                    world)
-    steps = Steps(engine, plan, world, loader, flops, ledger, progress, total)
-    lr = engine.lr_scheduler.get_last_lr()[0] if engine.lr_scheduler else 0.0
-    n = 0
-
-    def harness_step() -> None:
-        nonlocal n
-        n += 1
-        steps.run(n, lr, 0)
-
+    harness = HarnessSteps(plan, world, engine, loader, 0, total, total)
     for _ in range(args.warmup):
-        harness_step()
-    harness = per_step(harness_step, args.steps, host)
-    ledger.settle()
-    progress.close()
+        harness.step()
+    counts = per_step(harness.step, args.steps, host)
+    harness.close()
     release(engine)
     plain = PlainLoop(cfg, plan.ds.precision, world.device, steps=total)
     plain.loader, plain.task.count = host.batches(plain.loader), host.wrap(plain.task.count)
@@ -221,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         plain.step()
     reference = per_step(plain.step, args.steps, host)
     close_world()
-    print(json.dumps({"harness": harness, "plain": reference, "precision": plan.ds.precision,
+    print(json.dumps({"harness": counts, "plain": reference, "precision": plan.ds.precision,
                       "autocast": plan.ds.autocast, "zero_stage": plan.ds.zero_stage}), flush=True)
 
 
@@ -236,6 +210,7 @@ def ds_config(stage: int, precision: str) -> dict:
 def run_proxy(args) -> dict:
     """`harness bench --proxy`: every speed-suite model at toy width x ZeRO stage x precision, one process each."""
     from ..config.run import ConfigError
+    from ..run.startup import CPU_FP16_ENV  # fp16 runs on a CPU only when asked
     from .catalog import SPEED
     from .sweep import ROOT
 

@@ -116,42 +116,61 @@ def main(argv: list[str] | None = None) -> None:
     close_world()
 
 
+class HarnessSteps:
+    """The harness loop's own step (`step.Steps`: counting, the span's collective, the grad norm, the `Ledger` reading
+    the steps before and writing metrics records into a scratch directory, the progress bar) on an engine and loader
+    built outside it, for the studies that run it beside another loop (here, and `proxy.py`). `step()` trains the
+    next step, from `start` up to `stop`; `settle()` reads the steps not yet read; `close()` settles and lets go."""
+
+    def __init__(self, plan, world, engine, loader, start: int, stop: int, bar_end: int, log_every: int | None = None):
+        import tempfile
+        from pathlib import Path
+
+        import torch
+
+        from ..models.flops import ForwardFlops
+        from ..run.loop import _progress
+        from ..run.step import Ledger, Steps
+        from ..run.tracking import Tracker
+
+        cfg = plan.run.cfg
+        t = cfg.train if log_every is None else dataclasses.replace(cfg.train, log_every=log_every)
+        with torch.device("meta"):
+            flops = ForwardFlops(plan.task.build_model(cfg))
+        self.scratch = tempfile.TemporaryDirectory(prefix="harness-steps-")
+        self.tracker = Tracker(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none")),
+                               Path(self.scratch.name), enabled=world.is_main)
+        self.progress = _progress(world, start, bar_end)
+        self.ledger = Ledger(self.tracker, self.progress, t, 10**9, 10**9, flops, {},
+                             getattr(plan.task, "items", "items"), 1.0, world)
+        self.steps, self.n = Steps(engine, plan, world, loader, flops, self.ledger, self.progress, stop), start
+        self.lr = engine.lr_scheduler.get_last_lr()[0] if engine.lr_scheduler else 0.0
+
+    def step(self) -> None:
+        self.n += 1
+        self.steps.run(self.n, self.lr, 0)
+
+    def settle(self) -> None:
+        self.ledger.settle()
+
+    def close(self) -> None:
+        self.ledger.settle()
+        self.progress.close()
+        self.tracker.close()
+        self.scratch.cleanup()
+
+
 def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int, done: int) -> dict:
     """Each loop's step seconds, block by block (see the module's docstring): {"reference": [[...], ...],
     "harness": [[...], ...]}, block i of one beside block i of the other."""
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from ..models.flops import ForwardFlops
-    from ..run.loop import _progress
-    from ..run.step import Ledger, Steps
-    from ..run.tracking import Tracker
-
-    cfg, t = plan.run.cfg, plan.run.cfg.train
-    with torch.device("meta"):
-        flops = ForwardFlops(plan.task.build_model(cfg))
-    scratch = tempfile.TemporaryDirectory(prefix="harness-paired-")
-    tracker = Tracker(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none")),
-                      Path(scratch.name), enabled=world.is_main)  # a metrics record every step, as when timed
-    progress = _progress(world, done, done + 2 * blocks * block)
-    ledger = Ledger(tracker, progress, dataclasses.replace(t, log_every=1), 10**9, 10**9,
-                    flops, {}, getattr(plan.task, "items", "items"), 1.0, world)
-    steps, n = Steps(engine, plan, world, loader, flops, ledger, progress, done + blocks * block), done
-    lr = engine.lr_scheduler.get_last_lr()[0] if engine.lr_scheduler else 0.0
-
-    def harness_step() -> None:
-        nonlocal n
-        n += 1
-        steps.run(n, lr, 0)
-
+    harness = HarnessSteps(plan, world, engine, loader, done, done + blocks * block, done + 2 * blocks * block,
+                           log_every=1)  # a metrics record every step, as when timed
     out = {"reference": [], "harness": []}
     for b in range(blocks):
         for name in ("reference", "harness") if b % 2 == 0 else ("harness", "reference"):
             if name == "reference":
-                ledger.settle()  # the harness's last step read now, not inside the reference's block
-            fn = reference_step if name == "reference" else harness_step
+                harness.settle()  # the harness's last step read now, not inside the reference's block
+            fn = reference_step if name == "reference" else harness.step
             fn()  # the first step of a block: the switch from the other loop, not timed
             seconds, last = [], time.perf_counter()
             for _ in range(block - 1):
@@ -160,10 +179,7 @@ def _paired(plan, world, engine, loader, reference_step, blocks: int, block: int
                 seconds.append(now - last)
                 last = now
             out[name].append(seconds)
-    ledger.settle()
-    progress.close()
-    tracker.close()
-    scratch.cleanup()
+    harness.close()
     return out
 
 
