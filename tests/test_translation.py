@@ -182,6 +182,19 @@ def test_padding_never_changes_the_loss():
     assert torch.allclose(a, alone, rtol=1e-5), (a, alone)
 
 
+def test_length_buckets_pad_to_the_next_bucket_and_change_no_loss():
+    from harness.data.batches import BucketedCollate
+
+    task, model = TranslationTask(), tiny_model()
+    samples = [{"src_ids": [5, 6, 7, 3], "tgt_ids": [2, 8, 9, 3]}, {"src_ids": [10, 3], "tgt_ids": [2, 11, 12, 13, 3]}]
+    batch, bucketed = task.collate(samples), BucketedCollate(task, (2, 6, 8))(samples)
+    assert {k: tuple(v.shape) for k, v in bucketed.items()} == {"src": (2, 6), "tgt_in": (2, 6), "tgt_out": (2, 6)}
+    assert torch.equal(bucketed["src"][:, :4], batch["src"]) and (bucketed["src"][:, 4:] == task.pad).all()
+    assert torch.allclose(task.loss(model, bucketed), task.loss(model, batch), rtol=1e-5)
+    long = [{"src_ids": list(range(4, 13)) + [3], "tgt_ids": [2, 5, 3]}]  # 10 source tokens: past every bucket
+    assert BucketedCollate(task, (2, 6, 8))(long)["src"].shape == (1, 10)  # kept as it is
+
+
 def test_label_smoothing_by_hand():
     logits = torch.tensor([[[2.0, 0.0, 1.0, -1.0], [0.5, 0.5, 0.0, 3.0], [1.0, 1.0, 1.0, 1.0]]])  # (1, 3, V=4)
     batch = {"src": torch.tensor([[3]]), "tgt_in": torch.tensor([[2, 1, 2]]), "tgt_out": torch.tensor([[2, 3, 0]])}

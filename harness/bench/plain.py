@@ -56,7 +56,8 @@ class PlainLoop:
     prints it)."""
 
     def __init__(self, cfg, precision: str, device: torch.device, rank: int = 0, ranks: int = 1, steps: int = 0):
-        from ..data.batches import StepSampler
+        from ..config.run import length_buckets
+        from ..data.batches import StepSampler, training_collate
         from ..distributed.optim import lr_factor
         from ..tasks import get_task
 
@@ -68,7 +69,8 @@ class PlainLoop:
         t = cfg.train
         sampler = StepSampler(len(data.train), t.micro_batch_size, t.grad_accum_steps, rank, ranks, t.seed, 0,
                               steps or t.max_steps)
-        self.loader = iter(torch.utils.data.DataLoader(data.train, batch_sampler=sampler, collate_fn=task.collate,
+        self.loader = iter(torch.utils.data.DataLoader(data.train, batch_sampler=sampler,
+                                                       collate_fn=training_collate(task, length_buckets(cfg)),
                                                        pin_memory=device.type == "cuda"))
         o = cfg.optimizer
         decay = [p for p in model.parameters() if p.ndim >= 2]

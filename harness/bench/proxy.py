@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args(argv)
 
-    from ..data.batches import StepSampler, train_batches
+    from ..data.batches import StepSampler, train_batches, training_collate
     from ..distributed.parallel import build_engine, release
     from ..distributed.world import close_world, init_world
     from ..plan.resolve import make_plan
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                           cfg.train.seed, 0, total, bucket=cfg.data.bucket,
                           lengths=task.lengths(data.train) if cfg.data.bucket else None)
     host = HostWork()
-    loader = host.batches(train_batches(data.train, sampler, task.collate, 0, cfg.train.seed, world.device))
+    collate = training_collate(task, plan.run.buckets)
+    loader = host.batches(train_batches(data.train, sampler, collate, 0, cfg.train.seed, world.device))
     step_module.step_work = host.wrap(step_module.step_work)  # the batches' counts, taken before they go to the device
     harness = HarnessSteps(plan, world, engine, loader, 0, total, total)
     for _ in range(args.warmup):

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from ..config.run import ConfigError
-    from ..data.batches import StepSampler, train_batches
+    from ..data.batches import StepSampler, train_batches, training_collate
     from ..distributed.parallel import build_engine, release
     from ..distributed.world import (
         accelerate_mixed_precision,
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                           cfg.train.seed, 0, args.steps + args.profile + 2 * args.paired * args.block,
                           bucket=cfg.data.bucket,
                           lengths=task.lengths(data.train) if cfg.data.bucket else None)
-    loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, cfg.train.seed, world.device)
+    loader = train_batches(data.train, sampler, training_collate(task, plan.run.buckets), cfg.data.num_workers,
+                           cfg.train.seed, world.device)
 
     def step(mark=profiling.unmarked) -> float:
         total = torch.zeros((), device=world.device)

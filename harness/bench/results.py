@@ -50,8 +50,9 @@ def _speed(model: str, compile_: str):
         e = next(c for c in parts["speed"]["bench"]["configs"] if c["name"] == f"{model}, compile {compile_}")
         if e["status"] != "ok":
             return f"{e['status']}: {cell(e.get('error', '')[:60])}"
+        compiled = f"; compiled in {e['compile_s']:.0f} s, apart" if e.get("compile_s") else ""
         return (f"MFU {bounded(e, 'mfu_table')} of the datasheet peak, {bounded(e, 'mfu_measured')} of the measured "
-                f"one; {e['tokens_per_s']:,.0f} tokens/s ({e['precision']})")
+                f"one; {e['tokens_per_s']:,.0f} tokens/s ({e['precision']}){compiled}")
     return pick
 
 

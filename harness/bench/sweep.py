@@ -179,6 +179,8 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
             "flops_per_step": statistics.median(r["tflops"] * 1e12 * r["step_s"] for r in timed),
             "flops_method": timed[-1].get("flops_method", "analytic"),
             "padding": statistics.median(r["padding"] for r in timed),
+            # train.compile's seconds compiling, warm-up steps included: kept out of every step_s above
+            "compile_s": sum(r["compile_s"] for r in records) if "compile_s" in records[0] else None,
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed),
             "build_peak_bytes": timed[-1].get("build_peak_bytes"), "log": os.path.relpath(log, out),
             **({"profile": json.loads((run_dir / PROFILE_FILE).read_text())}

@@ -75,6 +75,10 @@ class DataSection:
     seq_len: int = _f(128, "tokens per training sample")
     max_row_chars: int = _f(20000, "rows longer than this are truncated to it (and counted)")
     num_workers: int = _f(0, "DataLoader worker processes per rank (each prefetches 4 batches ahead)")
+    length_buckets: str = _f("", "comma-separated lengths (ascending, the last = data.seq_len, e.g. \"32,64,128\"; a "
+                             "TOML list works too) each training batch is padded up to: a few fixed shapes, so "
+                             "train.compile compiles each once, static, instead of one dynamic graph; empty = pad to "
+                             "the batch's longest; tasks with variable-length samples only (translation, protein)")
     bucket: int = _f(0, "length-bucketed batches: sort samples by length within windows of this many global "
                      "batches, so a micro-batch pads little (the batches' order stays random); 0 = off; tasks with "
                      "variable-length samples only (translation, protein)")
@@ -109,8 +113,11 @@ class TrainSection:
     activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
                                         "pass instead of storing them: less memory, about a third more compute "
                                         "(pipelines use pipeline.activation_checkpoint_interval instead)")
-    compile: bool = _f(False, "compile the model with torch.compile (DeepSpeed's engine.compile); the first "
-                       "steps are slow while it compiles")
+    compile: bool = _f(False, "compile each Transformer block with torch.compile (fullgraph; blocks of one class "
+                       "share one graph; lengths dynamic, or static per data.length_buckets): the steps that "
+                       "compile are slow, their compile seconds are logged apart (metrics compile_s), not in "
+                       "step_s; a block that cannot compile runs eagerly, said in one line; training only "
+                       "(evaluation and decoding run eagerly)")
     collective_timeout_s: float = _f(1800.0, "seconds a rank waits in a collective (a step's all-reduce, a "
                                      "checkpoint's barrier) before the job ends naming the ranks that stopped "
                                      "answering; must cover the longest checkpoint save and evaluation")
@@ -255,6 +262,10 @@ class Resolved:
     def is_set(self, key: str) -> bool:
         return self.source[key] != "default"
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return length_buckets(self.cfg)
+
     def describe(self, key: str) -> str:
         section, name = key.split(".")
         return f"{key} = {getattr(getattr(self.cfg, section), name)!r} ({self.source[key]})"
@@ -273,6 +284,8 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
     expected = get_type_hints(sections[section])[name]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if key == "data.length_buckets" and isinstance(value, list):  # a TOML list of lengths
+        value = ",".join(map(str, value))
     if get_origin(expected) is not None:  # no generic fields yet; keep the check honest if one is added
         expected = get_args(expected)[0]
     if type(value) is not expected:
@@ -377,6 +390,7 @@ def _check(r: Resolved) -> None:
         if v < 0 or (key in BELOW_ONE and v >= 1) or (key in UP_TO_ONE and v > 1):
             bound = "must be >= 0" if key in NON_NEGATIVE else f"must be in [0, 1{')' if key in BELOW_ONE else ']'}"
             raise ConfigError(f"{r.describe(key)} {bound}")
+    _check_buckets(r)
     if c.model.d_model % c.model.n_heads:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
                           f"{r.describe('model.n_heads')}")
@@ -411,6 +425,23 @@ def _check(r: Resolved) -> None:
                               f"{'; '.join(given)}")
 
 
+def _check_buckets(r: Resolved) -> None:
+    text, seq_len = r.cfg.data.length_buckets, r.cfg.data.seq_len
+    if not text.strip():
+        return
+    try:
+        buckets = r.buckets
+    except ValueError:
+        raise ConfigError(f"{r.describe('data.length_buckets')}: must be whole lengths separated by commas, "
+                          f"e.g. \"32,64,{seq_len}\"") from None
+    if any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ConfigError(f"{r.describe('data.length_buckets')}: lengths must be > 0 and ascending, each once")
+    if buckets[-1] != seq_len:
+        why = "does not cover" if buckets[-1] < seq_len else "pads past the model's positions beyond"
+        raise ConfigError(f"{r.describe('data.length_buckets')}: its largest {buckets[-1]} {why} "
+                          f"{r.describe('data.seq_len')}; end the list at {seq_len}")
+
+
 def _chosen(r: Resolved, keys: list[str] | tuple[str, ...]) -> list[str]:
     """The keys given a value other than their default, described: a default written back (the run directory's
     config.toml) is no choice."""
@@ -420,6 +451,11 @@ def _chosen(r: Resolved, keys: list[str] | tuple[str, ...]) -> list[str]:
         if r.is_set(key) and getattr(getattr(r.cfg, section), name) != getattr(SECTIONS[section], name):
             out.append(r.describe(key))
     return out
+
+
+def length_buckets(c: RunConfig) -> tuple[int, ...]:
+    """data.length_buckets as lengths (checked by `resolve`); () when empty."""
+    return tuple(int(x) for x in c.data.length_buckets.split(",") if x.strip())
 
 
 def check_training_length(c: RunConfig) -> None:

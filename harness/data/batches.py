@@ -26,6 +26,32 @@ def train_batches(dataset, sampler: Sampler, collate, num_workers: int, seed: in
                            persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed)))
 
 
+class BucketedCollate:
+    """`task.collate`, then each of the batch's (B, T) tensors named by `task.pad_values()` padded at the end to the
+    smallest of `buckets` (ascending) that holds it, with its padding value: a few shapes instead of one per batch
+    (compiled blocks compile once per bucket, `distributed/compile.py`). A batch longer than every bucket keeps its
+    length. Padding the same way as the task's own collate, it changes no loss."""
+
+    def __init__(self, task, buckets: tuple[int, ...]):
+        self.collate, self.pad, self.buckets = task.collate, task.pad_values(), buckets
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.collate(samples)
+        for key, value in self.pad.items():
+            if key not in batch:
+                continue
+            x = batch[key]
+            width = next((b for b in self.buckets if b >= x.shape[1]), x.shape[1])
+            if width > x.shape[1]:
+                batch[key] = torch.cat([x, x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)], 1)
+        return batch
+
+
+def training_collate(task, buckets: tuple[int, ...]):
+    """What turns a training micro-batch's samples into tensors: the task's collate, bucketed where asked."""
+    return BucketedCollate(task, buckets) if buckets else task.collate
+
+
 class StepSampler(Sampler[list[int]]):
     """This rank's micro-batches of sample indices, from `start_step` to `max_steps`.
 

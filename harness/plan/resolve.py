@@ -44,11 +44,24 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     if run.cfg.data.bucket and not hasattr(task, "lengths"):
         raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
                           f"bucketing them changes nothing, set it to 0")
+    if run.buckets and not hasattr(task, "pad_values"):
+        raise ConfigError(f"{run.describe('data.length_buckets')}: task {run.cfg.run.task!r} does not say how to pad "
+                          f"its batches (pad_values()); its samples are of one length, so remove the key")
+    if run.cfg.train.compile:
+        from ..distributed.compile import check_compile
+
+        why = check_compile("cuda" if torch.cuda.is_available() else "cpu")
+        if why:
+            raise ConfigError(f"{run.describe('train.compile')}: {why}; set it to false")
     ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
                     accel_precision or accelerate_mixed_precision())
     if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
         raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
                           f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
+    if run.cfg.train.compile and ds.zero_stage == 3:
+        raise ConfigError(f"{run.describe('train.compile')} with ZeRO-3: DeepSpeed gathers each layer's parameters "
+                          f"in module hooks that torch.compile does not trace (torch.compiler.disable), so no block "
+                          f"compiles whole; use ZeRO-0/1/2 or set train.compile=false")
     if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
         check_model_parallel(run, ds, task)
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))

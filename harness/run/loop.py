@@ -17,7 +17,7 @@ from ..config.run import (  # raised here, caught by the CLI
     Preempted,
     TrainingStopped,
 )
-from ..data.batches import StepSampler, eval_batches, train_batches
+from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
 from ..distributed.optim import follow_config_lr
 from ..distributed.parallel import (
     build_engine,
@@ -163,14 +163,22 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
 
     sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
-    loader = train_batches(data.train, sampler, task.collate, cfg.data.num_workers, t.seed, world.device)
+    loader = train_batches(data.train, sampler, training_collate(task, plan.run.buckets), cfg.data.num_workers,
+                           t.seed, world.device)
     progress = _progress(world, start_step, max_steps)
     teardown.callback(progress.close)  # before the one line an exception ends the run with
     stop = min(max_steps, stop_at) if stop_at else max_steps
     fixed = {"build_peak_bytes": [p["host"] for p in build_peaks],
              "build_peak_device_bytes": [p["device"] for p in build_peaks]}
     items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
-    ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world)
+    compiled = None
+    if t.compile:  # what torch compiles, and when, from its own records: compile seconds apart from step time
+        from ..distributed.compile import CompileWatch
+
+        compiled = CompileWatch(len(plan.run.buckets) + 1 if plan.run.buckets else 2, progress.write if world.is_main
+                                else (lambda line: None))
+    ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world,
+                    compiled)
     steps = Steps(engine, plan, world, loader, flops, ledger, progress, last=stop,
                   starts=(t.profile_step,) if t.profile_step else ())  # a profiled step shows a span's start
     last_metrics, step = {}, start_step
@@ -220,6 +228,10 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {max_steps}; "
                             f"latest checkpoint: {saved.name if saved else 'none'}; continue with --resume auto")
     progress.close()
+    if compiled:
+        graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
+        say(f"train.compile: {graphs} compiled in {compiled.seconds:.1f} s, counted apart from step_s (metrics "
+            f"compile_s)")
     if step == max_steps:
         last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
         if selection and _select(selection, last_metrics, step, plan, world, tracker, final=True) and world.is_main:

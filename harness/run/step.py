@@ -105,8 +105,9 @@ class Ledger:
     every second of the loop, the logging's own included, is in one."""
 
     def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
-                 fixed: dict, items: str, min_loss_scale: float, world: World):
+                 fixed: dict, items: str, min_loss_scale: float, world: World, compiled=None):
         self.tracker, self.progress, self.t, self.stop, self.world = tracker, progress, t, stop, world
+        self.compiled = compiled  # train.compile's CompileWatch: the seconds compiling, kept out of step_s
         self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
         self.min_loss_scale = min_loss_scale
         self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
@@ -182,6 +183,10 @@ class Ledger:
 
     def _log(self, step: int, r: StepResult, lr: float, samples_seen: int, ended: float) -> None:
         seconds = ended - self.window_start
+        compiling = 0.0
+        if self.compiled:  # the window's compiles, ended by its end: not step time (a perf_counter end, as wall time)
+            compiling = min(seconds, self.compiled.update(step, until=time.time() - (time.perf_counter() - ended)))
+            seconds = max(seconds - compiling, 1e-9)
         items, step_flops, real, padded = self.window_work
         record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
                   "tokens_per_s": items / seconds, "step_s": seconds / self.window_steps,
@@ -191,6 +196,8 @@ class Ledger:
                   "skipped_steps": r.skipped_steps}  # updates skipped for a non-finite gradient, so far
         if r.loss_scale is not None:
             record["loss_scale"] = r.loss_scale
+        if self.compiled:
+            record["compile_s"] = compiling
         self.tracker.log(record)
         self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)

@@ -297,6 +297,11 @@ class ProteinTask:
                                                                padding_value=IGNORE)  # (B, T)
         return batch
 
+    def pad_values(self) -> dict[str, int | bool]:
+        """The batch's (B, length) tensors and what pads them (`data.length_buckets`); `targets` where the
+        objective has one a residue (mlm, residue)."""
+        return {"ids": self.pad, "mask": False, "targets": IGNORE}
+
     def padding(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(real, padded) positions of the batch."""
         return int(batch["mask"].sum()), batch["mask"].numel()

@@ -115,6 +115,10 @@ class TranslationTask:
         tgt = _pad([s["tgt_ids"] for s in samples], self.pad)  # (B, T + 1): BOS + pieces + EOS
         return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
 
+    def pad_values(self) -> dict[str, int]:
+        """The batch's (B, length) tensors and what pads them (`data.length_buckets`)."""
+        return {"src": self.pad, "tgt_in": self.pad, "tgt_out": self.pad}
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["tgt_out"] != self.pad).sum())
 
