@@ -2,8 +2,10 @@
 
     harness train --run examples/digits.toml                      # run.task = "examples/digits_task.py:DigitsTask"
     accelerate launch --config_file launch/cpu_2proc.yaml -m harness train --run examples/digits.toml --ds configs/ds/zero3.json
-    harness evaluate --run-dir runs/digits --split test
-    harness evaluate --run-dir runs/digits --data my_digits.txt   # new data: one line of `length` digits a sample
+    harness evaluate --run-dir runs/digits --split test --task examples/digits_task.py:DigitsTask
+    harness evaluate --run-dir runs/digits --data my_digits.txt --task examples/digits_task.py:DigitsTask
+                                                                  # new data: one line of `length` digits a sample
+(`--task`: a run directory alone never imports the plug-in it names; you name it.)
 
 What a task must provide and what it may leave out: the Task interface in harness/tasks/interface.py.
 """

@@ -52,13 +52,15 @@ def plan_text(p) -> str:
 
 
 def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resume: str | None = None,
-          overwrite: bool = False, stop_at: int | None = None) -> dict[str, Any]:
+          overwrite: bool = False, stop_at: int | None = None, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Train (`harness train`); returns the last evaluation's metrics and the step reached (with train.select_best,
-    `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0)."""
+    `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0).
+    `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`)."""
     from .config.run import ConfigError
     from .distributed.world import barrier, close_world, init_world
     from .run.loop import train as run_training
     from .run.startup import preflight
+    from .run.trust import trusting
 
     p = plan(run, sets, ds, task)
     resume_from = preflight(p, resume, overwrite)
@@ -66,24 +68,32 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
         raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
     world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
     try:
-        result = run_training(p, world, resume_from, overwrite, stop_at)
+        with trusting(checkpoint=trust_checkpoint):
+            result = run_training(p, world, resume_from, overwrite, stop_at)
         barrier()  # every rank is done before any tears down its connections
         return result
     finally:
         close_world()
 
 
-def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None):
+def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None,
+             task: str | None = None, trust_run_dir: bool = False):
     """The field's metrics of a finished run on a split (`harness evaluate`), or with `data` on new data read with
     the run's stored tokenizer and statistics (`--data`: {entry name: metrics}, one entry per data set); also
-    written to RUN/eval.json."""
+    written to RUN/eval.json. A run of a plug-in task needs `task` (its name, as you trust it) or `trust_run_dir`
+    (see harness/run/trust.py)."""
     from .eval.evaluate import evaluate_data, evaluate_run
+    from .run.trust import trusting
 
-    return evaluate_run(run_dir, split) if data is None else evaluate_data(run_dir, data, name)
+    with trusting(task=task, run_dir=trust_run_dir):
+        return evaluate_run(run_dir, split) if data is None else evaluate_data(run_dir, data, name)
 
 
-def load_model(run_dir: str | Path):
-    """(model, RunConfig): the task's model with the run's exported weights, in eval mode, on the CPU."""
+def load_model(run_dir: str | Path, task: str | None = None, trust_run_dir: bool = False):
+    """(model, RunConfig): the task's model with the run's exported weights, in eval mode, on the CPU. `task` and
+    `trust_run_dir` as for `evaluate`."""
     from .run.export import load_model as load
+    from .run.trust import trusting
 
-    return load(run_dir)
+    with trusting(task=task, run_dir=trust_run_dir):
+        return load(run_dir)

@@ -9,6 +9,7 @@ import sys
 from .config.run import ConfigError, Preempted, TrainingStopped
 from .distributed.world import launched_rank, quiet_deepspeed
 from .run.heartbeat import EXIT_HUNG, RankHung
+from .run.trust import trusting
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -16,6 +17,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ds", metavar="DS.json", help="DeepSpeed config; default: ZeRO-0 (plain data parallel), fp32")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one run-config value (TOML literal); repeatable; wins over the run file")
+
+
+def _run_dir(p: argparse.ArgumentParser) -> None:
+    """A finished run directory to read, and what of it to trust: it may come from elsewhere."""
+    p.add_argument("--run-dir", required=True, metavar="DIR")
+    p.add_argument("--task", metavar="NAME", help="the plug-in task the run directory's config.toml names, named by "
+                   "you: importing it runs its code, which a run directory alone may not make happen")
+    p.add_argument("--trust-run-dir", action="store_true", help="import the plug-in task and run the Hugging Face "
+                   "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
                    "the job's time ran out; continue later with --resume auto")
+    t.add_argument("--trust-checkpoint", action="store_true", help="load checkpoints that hold more than weights "
+                   "and the harness's own state (unpickled: they can run code); only for files from a source you "
+                   "trust")
     la = sub.add_parser("launch", help="check a training run, then start it with accelerate launch; exits with the "
                         "harness's codes",
                         description="harness launch [ACCELERATE LAUNCH OPTIONS] train [TRAIN OPTIONS]: checks "
@@ -60,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
     ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split or on new data; writes "
                         "RUN/eval.json")
-    ev.add_argument("--run-dir", required=True, metavar="DIR")
+    _run_dir(ev)
     ev.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
     ev.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
                     "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
@@ -117,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
                    "earlier ones and the others stay")
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
-    ex.add_argument("--run-dir", required=True, metavar="DIR")
+    _run_dir(ex)
     ex.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
     pl = sub.add_parser("plot", help="draw runs' curves into one PNG (training loss, learning rate, validation loss, "
                         "the task's metric), each run a line")
@@ -126,9 +139,29 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("results", help="regenerate the GPU table of docs/benchmarks.md from results/gpu/*/suite.json")
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
-    tr.add_argument("--run-dir", required=True, metavar="DIR")
+    _run_dir(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
     return ap
+
+
+def _evaluate(args) -> int:
+    """`harness evaluate` and `harness translate`."""
+    from .eval import evaluate
+
+    if args.command == "evaluate" and args.data is not None:
+        if args.split:
+            raise ConfigError(f"--split {args.split} and --data {args.data}: name one")
+        results = evaluate.evaluate_data(args.run_dir, args.data, args.name, args.periods)
+        print("\n\n".join(evaluate.render_table(k, v) for k, v in results.items()))
+    elif args.command == "evaluate":
+        if args.name:
+            raise ConfigError("--name names new data: it goes with --data")
+        split = args.split or "test"
+        print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
+    else:
+        sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
+        print("\n".join(evaluate.translate(args.run_dir, sentences)))
+    return 0
 
 
 def _prepare(args) -> int:
@@ -211,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             from .run.export import export_hf
 
-            print(f"wrote {export_hf(args.run_dir, args.hf)}")
+            with trusting(task=args.task, run_dir=args.trust_run_dir):
+                print(f"wrote {export_hf(args.run_dir, args.hf)}")
             return 0
         if args.command == "plot":
             from .run.plots import plot
@@ -219,22 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {plot(args.run_dirs, args.out)}")
             return 0
         if args.command in ("evaluate", "translate"):
-            from .eval import evaluate
-
-            if args.command == "evaluate" and args.data is not None:
-                if args.split:
-                    raise ConfigError(f"--split {args.split} and --data {args.data}: name one")
-                results = evaluate.evaluate_data(args.run_dir, args.data, args.name, args.periods)
-                print("\n\n".join(evaluate.render_table(k, v) for k, v in results.items()))
-            elif args.command == "evaluate":
-                if args.name:
-                    raise ConfigError("--name names new data: it goes with --data")
-                split = args.split or "test"
-                print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
-            else:
-                sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
-                print("\n".join(evaluate.translate(args.run_dir, sentences)))
-            return 0
+            with trusting(task=args.task, run_dir=args.trust_run_dir):
+                return _evaluate(args)
         from .plan.resolve import make_plan
 
         if args.command == "plan":
@@ -253,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.stop_at is not None and args.stop_at <= 0:
             raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-        train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at)
+        train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
+              trust_checkpoint=args.trust_checkpoint)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report
         from .run.preemption import EXIT_PREEMPTED

@@ -39,7 +39,10 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
     assert "resumed from" in resumed.proc.stdout
     assert_losses_close(resumed.losses, whole.losses, FP32_TOL)
     assert 'task = "examples.digits_task:DigitsTask"' in (out / "config.toml").read_text()
-    ev = cli("evaluate", "--run-dir", str(out), "--split", "test", timeout=120)
+    ev = cli("evaluate", "--run-dir", str(out), "--split", "test", timeout=120)  # it names code: not run unasked
+    assert ev.returncode == 2 and "--task 'examples.digits_task:DigitsTask'" in ev.stderr, ev.stderr
+    ev = cli("evaluate", "--run-dir", str(out), "--split", "test", "--task", "examples.digits_task:DigitsTask",
+             timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert set(json.loads((out / "eval.json").read_text())["test"]) == {"mse", "pearson"}
     bench = cli("bench", *BY_MODULE, "--set", "train.micro_batch_size=8", "--steps", "2", "--warmup", "1", "--out",
@@ -56,6 +59,7 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
     from harness.config.run import ConfigError, to_toml
     from harness.tasks import resolve
     from harness.eval.evaluate import evaluate_data, evaluate_run
+    from harness.run.trust import trusting
     from harness.tasks import task_class
 
     run = cached_run("digits-ref", args=BY_FILE)
@@ -63,8 +67,9 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
     rows = sys.modules[task_class(cfg.run.task).__module__]._split(cfg.task.test_samples, cfg.task.length, seed=3)
     data = tmp_path / "digits.txt"
     data.write_text("".join("".join(map(str, r["digits"].tolist())) + "\n" for r in rows) + "12x\n")
-    split = evaluate_run(run.dir, "test")
-    got = evaluate_data(run.dir, data)["digits.txt"]
+    with trusting(task="examples/digits_task.py:DigitsTask"):  # named, as evaluate's --task names it
+        split = evaluate_run(run.dir, "test")
+        got = evaluate_data(run.dir, data)["digits.txt"]
     assert {k: got[k] for k in split} == pytest.approx(split, rel=1e-6)
     assert got["rows_kept"] == 500 and got["skipped"] == "malformed 1"
     lm = tmp_path / "lm"  # the built-in lm task has no reader: refused before its (absent) model is read
@@ -111,7 +116,7 @@ for name in ("a", "b"):
     r = harness.train("examples/digits.toml", sets=["train.max_steps=3", "run.output_dir={tmp_path}/" + name],
                       ds="configs/ds/zero2.json")
     print("RESULT", r["step"], r["mse"])
-model, cfg = harness.load_model("{tmp_path}/b")
+model, cfg = harness.load_model("{tmp_path}/b", task="examples/digits_task.py:DigitsTask")
 print("MODEL", type(model).__name__, cfg.task.length)
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,

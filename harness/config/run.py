@@ -58,6 +58,9 @@ class ModelSection:
                        "AutoModelForCausalLM for lm)")
     zero_init: bool = _f(True, "ZeRO-3 with model.hf: build the model already partitioned over the ranks "
                          "(deepspeed.zero.Init through transformers' HfDeepSpeedConfig) instead of whole on each")
+    trust_remote_code: bool = _f(False, "with model.hf: run the model's own code that its config names (auto_map; "
+                                 "transformers' trust_remote_code): only for a source you trust; without it such a "
+                                 "model is refused in one line")
     hf_tokenizer: bool = _f(True, "with model.hf: its own tokenizer (AutoTokenizer); false: the task's own (bytes for "
                             "lm, the trained SentencePiece model for translation, the residue vocabulary for protein), "
                             "for a model from its config.json (random initialisation) only")
@@ -394,8 +397,9 @@ def _check(r: Resolved) -> None:
     if c.model.d_model % c.model.n_heads:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
                           f"{r.describe('model.n_heads')}")
-    if not c.model.hf and not c.model.hf_tokenizer:
-        raise ConfigError(f"{r.describe('model.hf_tokenizer')} applies to a Hugging Face model (model.hf)")
+    for key in ("model.hf_tokenizer", "model.trust_remote_code"):
+        if not c.model.hf and getattr(c.model, key.split(".")[1]) != getattr(ModelSection, key.split(".")[1]):
+            raise ConfigError(f"{r.describe(key)} applies to a Hugging Face model (model.hf)")
     if c.model.hf:  # the built-in model's sizes mean nothing to a Hugging Face model: its config has its own
         given = _chosen(r, [f"model.{k}" for k in BUILT_IN_MODEL_KEYS])
         if given:

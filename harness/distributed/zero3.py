@@ -58,7 +58,7 @@ def _flat_range(f, key: str, start: int, end: int) -> torch.Tensor:
     return rows[start - first * row:end - first * row]
 
 
-def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
+def load_partitioned(cls, config, source: str, trust_remote_code: bool = False) -> tuple[nn.Module | None, str]:
     """Under ZeRO-3 (inside `zero_init`): the model built partitioned with no initialisation (`deepspeed.zero.Init`
     holds a module's parameters whole only while building it), then each rank copies its own share of every
     parameter from the checkpoint's safetensors files, reading only the rows that hold it, with no collective:
@@ -85,7 +85,7 @@ def load_partitioned(cls, config, source: str) -> tuple[nn.Module | None, str]:
                 part = f.get_slice(key)
                 headers[key] = (tuple(part.get_shape()), part.get_dtype())
     with _weights_left_empty():
-        model = cls.from_config(config)
+        model = cls.from_config(config, trust_remote_code=trust_remote_code)
     own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
     why = agreed(_unloadable(model, own, headers))
     if why:

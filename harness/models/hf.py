@@ -70,8 +70,12 @@ def load_config(cfg: RunConfig):
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     source, _ = _config_source(cfg.model.hf)
     try:
-        return transformers.AutoConfig.from_pretrained(source)
+        return transformers.AutoConfig.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):  # transformers' own message is a paragraph: the key to set, in one line
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own (auto_map), which "
+                              f"runs when the model loads; set model.trust_remote_code = true only if you trust "
+                              f"its source") from None
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0]}") from None
 
 
@@ -88,15 +92,15 @@ def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
     torch.manual_seed(cfg.train.seed)  # a from-config model's initial weights: the same on every rank
     load_own_share = PARTITIONED_LOADER.get()
     if has_weights and not on_meta and load_own_share is not None:
-        model, how = load_own_share(cls, config, source)
+        model, how = load_own_share(cls, config, source, cfg.model.trust_remote_code)
         if model is None:
             how = f"transformers' loader (rank 0 reads the whole checkpoint): {how}"
-            model = cls.from_pretrained(source, config=config)
+            model = cls.from_pretrained(source, config=config, trust_remote_code=cfg.model.trust_remote_code)
         model.harness_loading = how  # said by parallel.build_engine
     elif has_weights and not on_meta:
-        model = cls.from_pretrained(source, config=config)
+        model = cls.from_pretrained(source, config=config, trust_remote_code=cfg.model.trust_remote_code)
     else:
-        model = cls.from_config(config)
+        model = cls.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     return model.train()
 
 
@@ -153,7 +157,7 @@ def tokenizer(cfg: RunConfig):
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     where = tokenizer_dir(cfg)
     try:
-        return transformers.AutoTokenizer.from_pretrained(where)
+        return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({str(e).splitlines()[0]}); "
                           f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None

@@ -123,7 +123,7 @@ def tokenizer(directory: Path) -> Tokenizer | hf.TextTokenizer:
     if (directory / HF_TOKENIZER).is_dir():
         from transformers import AutoTokenizer
 
-        return hf.TextTokenizer(AutoTokenizer.from_pretrained(directory / HF_TOKENIZER),
+        return hf.TextTokenizer(AutoTokenizer.from_pretrained(directory / HF_TOKENIZER, trust_remote_code=False),
                                 read_meta(directory)["decoder_start"])
     return Tokenizer.load(directory / TOKENIZER)
 

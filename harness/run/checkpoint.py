@@ -25,6 +25,7 @@ import torch
 
 from ..config.run import ConfigError, TrainingStopped
 from ..distributed.world import World, all_gather_objects, barrier
+from .trust import checkpoint_reads
 
 LATEST = "latest"
 BEST = "best"
@@ -193,14 +194,15 @@ def to_universal(path: Path, world: World) -> Path:
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, no_strict=False,
                                   inject_missing_state=True)  # the state Megatron adds; DeepSpeed's default
         print(f"converting {path.name} to DeepSpeed's universal checkpoint for this layout: {out}", flush=True)
-        with contextlib.redirect_stdout(io.StringIO()):  # its progress bars and steps
-            ds_to_universal(args)
-        (path.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
-        for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
-            shutil.copy(path / name, work / name)
-        _both_stages(work / "zero" / "optimizer_state.pt")
-        if any(path.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # a ZeRO-3 checkpoint
-            _shaped(work / "zero", path)
+        with checkpoint_reads():  # the source's files and the converted ones: data, not code (trust.py)
+            with contextlib.redirect_stdout(io.StringIO()):  # its progress bars and steps
+                ds_to_universal(args)
+            (path.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
+            for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
+                shutil.copy(path / name, work / name)
+            _both_stages(work / "zero" / "optimizer_state.pt")
+            if any(path.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # a ZeRO-3 checkpoint
+                _shaped(work / "zero", path)
         # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
         # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
         for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -217,11 +219,11 @@ def _both_stages(path: Path) -> None:
     """ds_to_universal writes the optimizer's global state as the source's stage has it; ZeRO-3's loader wants the
     step and param groups under optimizer_state_dict (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3),
     ZeRO-1/2's at the top: give it both, so a checkpoint of either stage loads into the other."""
-    sd = torch.load(path, weights_only=False)
+    sd = torch.load(path)
     inner = sd.get("optimizer_state_dict")
     if inner is None:
         steps = list(path.parent.glob("*/step.pt"))
-        step = torch.load(steps[0], weights_only=False) if steps else 0
+        step = torch.load(steps[0]) if steps else 0
         sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
     else:
         sd.setdefault("param_groups", inner["param_groups"])
@@ -239,13 +241,13 @@ def _shaped(zero: Path, source: Path) -> None:
     loader reads either form), the shapes from the source's model states."""
     shapes: dict[str, Any] = {}
     for states in source.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
-        for group in torch.load(states, weights_only=False)["param_shapes"]:
+        for group in torch.load(states)["param_shapes"]:
             shapes.update(group)
-    step = torch.load(zero / "optimizer_state.pt", weights_only=False)["optimizer_state_dict"]["state"][0]["step"]
+    step = torch.load(zero / "optimizer_state.pt")["optimizer_state_dict"]["state"][0]["step"]
     for name, shape in shapes.items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             file = zero / name / f"{key}.pt"
-            flat = torch.load(file, weights_only=False)
+            flat = torch.load(file)
             if torch.is_tensor(flat):
                 torch.save({"param": flat.view(shape), "cat_dim": 0}, file)
         if not (zero / name / "step.pt").exists():
@@ -260,7 +262,7 @@ def _after_universal_load(engine, path: Path) -> None:
     place once per sub-group each step: the bias correction runs ahead, and the losses drift (3e-5 one step after a
     resume, 3e-3 four steps later, on the test's model). Each param group's own values as saved; each state its own
     step."""
-    saved = torch.load(path / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
+    saved = torch.load(path / "zero" / "optimizer_state.pt")["param_groups"]
     inner = engine.optimizer.optimizer
     if len(saved) == len(inner.param_groups):
         for group, old in zip(inner.param_groups, saved):
@@ -340,12 +342,13 @@ def load(engine, path: Path, world: World) -> dict[str, Any]:
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
     engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
-    _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
-    if client_state is None:
-        raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
-    if path.name.endswith(UNIVERSAL):
-        _after_universal_load(engine, path)
-    rng = path / f"rng_rank{world.rank:05d}.pt"
-    if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
-        set_rng_state(torch.load(rng, weights_only=False))
+    with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
+        _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+        if client_state is None:
+            raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
+        if path.name.endswith(UNIVERSAL):
+            _after_universal_load(engine, path)
+        rng = path / f"rng_rank{world.rank:05d}.pt"
+        if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
+            set_rng_state(torch.load(rng))
     return client_state

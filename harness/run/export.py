@@ -13,9 +13,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config.run import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig, read_toml
 from ..distributed.world import World
 from ..tasks import resolve
+from .trust import check_run_dir
 
 MODEL_FILE = "model.safetensors"
 
@@ -72,6 +73,7 @@ def run_config(run_dir: str | Path) -> RunConfig:
     from dataclasses import replace
 
     run_dir = Path(run_dir)
+    check_run_dir(run_dir, read_toml(run_dir / "config.toml"))  # before resolving imports the task it names
     cfg = resolve(str(run_dir / "config.toml")).cfg
     if cfg.model.hf and (run_dir / HF_DIR / "config.json").is_file():
         cfg = replace(cfg, model=replace(cfg.model, hf=str(run_dir / HF_DIR)))

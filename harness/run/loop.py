@@ -37,6 +37,7 @@ from .selection import Selection
 from .startup import check_free_space, prepare_run_dir
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
+from .trust import TRUST
 
 
 @torch.no_grad()
@@ -128,7 +129,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         source = checkpoint.to_universal(resume_from, world) if checkpoint.reshape(resume_from, ds) else resume_from
         state = checkpoint.load(engine, source, world)
         start_step, samples_seen = state["step"], state["samples_seen"]
-        say(f"resumed from {resume_from} at step {start_step}")
+        read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
+        say(f"resumed from {resume_from} at step {start_step} (checkpoint read {read})")
         saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
         if saved_lr is not None:  # e.g. lowered after a non-finite stop
             say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config.run import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig, read_toml
 from ..data.batches import eval_batches
 from ..data.tokenizer import PAD
 from ..distributed.world import launched_rank
@@ -217,7 +217,7 @@ class ProteinTask:
         if p.init_from and not all((Path(p.init_from) / f).is_file() for f in ("config.toml", "model.safetensors")):
             raise ConfigError(f"protein.init_from = {p.init_from!r}: not a finished run directory (it needs "
                               f"config.toml and model.safetensors)")
-        if p.init_from and resolve(str(Path(p.init_from) / "config.toml")).cfg.protein.sites != "all":
+        if p.init_from and source_config(Path(p.init_from)).protein.sites != "all":
             raise ConfigError(f"protein.init_from = {p.init_from!r}: that run read only the sites where its training "
                               f"sequences differ (protein.sites), so its positions are not residue positions")
 
@@ -445,13 +445,20 @@ def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
             if k != "sequences"} | {"ridge_alpha": alpha}
 
 
+def source_config(run_dir: Path) -> RunConfig:
+    """protein.init_from's run config, checked to be a protein run before it is resolved (resolving imports the task
+    it names: a run directory from elsewhere must not run code)."""
+    task = read_toml(run_dir / "config.toml").get("run", {}).get("task", "lm")
+    if task != "protein":
+        raise ConfigError(f"protein.init_from = {str(run_dir)!r} is a {task!r} run, not a protein run")
+    return resolve(str(run_dir / "config.toml")).cfg
+
+
 def init_from(model: Encoder, cfg: RunConfig, run_dir: Path) -> tuple[list[str], list[str]]:
     """Copy another protein run's exported weights into `model` where names match; returns (loaded, fresh)."""
     from safetensors.torch import load_file
 
-    source_cfg = resolve(str(run_dir / "config.toml")).cfg
-    if source_cfg.run.task != "protein":
-        raise ConfigError(f"protein.init_from = {str(run_dir)!r} is a {source_cfg.run.task!r} run, not a protein run")
+    source_cfg = source_config(run_dir)
     theirs = load_file(str(run_dir / "model.safetensors"))
     # Residue ids depend on the vocabulary each run prepared: match embedding (and mlm output) rows by piece.
     ours_tok, their_tok = prep.tokenizer(prep.prepare(cfg)), prep.tokenizer(prep.prepare(source_cfg))
