@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing")
     _common(p)
     p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
+    p.add_argument("--ds-json", action="store_true", help="print only the resolved DeepSpeed config in full (\"auto\" "
+                   "filled, the optimizer and DeepSpeed scheduler included), for another tool")
     p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
                    help="accelerate's mixed_precision to check against (default: $ACCELERATE_MIXED_PRECISION or no)")
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="also estimate on paper the memory per GPU, step "
@@ -261,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             from .plan.render import render
 
             plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
+            if args.ds_json:
+                from .plan.render import ds_json
+
+                print(ds_json(plan))
+                return 0
             print(render(plan))
             if args.gpus_per_node is not None:
                 from .bench.scaling import render_scaling

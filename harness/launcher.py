@@ -71,7 +71,26 @@ def launch_settings(accelerate_args: list[str]) -> dict:
     ds = saved.get("deepspeed_config") or {}
     return {"num_processes": args.num_processes or saved.get("num_processes") or 1,
             "mixed_precision": (args.mixed_precision or saved.get("mixed_precision") or "no").lower(),
-            "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file")}
+            "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file"),
+            "env": _deepspeed_env(args)}
+
+
+def _deepspeed_env(args) -> dict[str, str]:
+    """The ACCELERATE_* variables of DeepSpeed that accelerate will give each rank (its config file's deepspeed_config
+    and its --use_deepspeed/--zero_stage/... flags), computed by accelerate's own code as `accelerate launch` does
+    (accelerate/commands/launch.py, `launch_command`); {} where the launch does not use DeepSpeed."""
+    from accelerate.commands.launch import _validate_launch_command
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    try:
+        args, defaults, _ = _validate_launch_command(args)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"harness launch: accelerate launch refuses its settings: {e}") from None
+    if not args.use_deepspeed:
+        return {}
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config.keys() if defaults else [])
+    _, env = prepare_deepspeed_cmd_env(args)
+    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
 
 
 def check(train_args: list[str], settings: dict, parse) -> None:
@@ -81,16 +100,19 @@ def check(train_args: list[str], settings: dict, parse) -> None:
     from .run.startup import preflight
 
     args = parse(train_args)
-    before = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if settings["deepspeed_config_file"]:  # as accelerate will export it to the ranks
-        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = settings["deepspeed_config_file"]
+    exported = dict(settings.get("env", {}))  # as accelerate will export them to the ranks
+    if settings["deepspeed_config_file"]:
+        exported["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = settings["deepspeed_config_file"]
+    before = {k: os.environ.get(k) for k in exported}
+    os.environ.update(exported)
     try:
         plan = make_plan(args.run, args.set, args.ds, settings["num_processes"], settings["mixed_precision"])
     finally:
-        if before is None:
-            os.environ.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
-        else:
-            os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
     preflight(plan, args.resume, args.overwrite)

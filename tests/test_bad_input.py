@@ -106,7 +106,11 @@ CASES = [
     ("ds-micro-batch-contradicts", [], None, {"train_micro_batch_size_per_gpu": 3},
      "contradicts train.micro_batch_size"),
     ("ds-unknown-key", [], None, {"zero_optimisation": {"stage": 1}}, "did you mean `zero_optimization`"),
-    ("ds-scheduler", [], None, {"scheduler": {"type": "WarmupLR"}}, "`scheduler`"),
+    ("ds-scheduler-unknown", [], None, {"scheduler": {"type": "CosineAnnealing"}}, "scheduler.type = 'CosineAnnealing'"),
+    ("ds-scheduler-auto-unfillable", [], None, {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto"}}},
+     "scheduler.params.cycle_min_lr = \"auto\""),
+    ("ds-optimizer-not-deepspeed", [], None, {"optimizer": {"type": "Adamax"}}, "is not an optimizer DeepSpeed has"),
+    ("accelerate-contradicts-ds", [], None, {"zero_optimization": {"stage": 2}}, "accelerate zero_stage = 3"),
     ("ds-offload-param-stage-1", [], None, {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}},
      "offload_param"),
     ("ds-offload-stage-0", [], None, {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -142,8 +146,12 @@ def no_process_group(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, corpus, no_process_group, capsys):
+def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, corpus, no_process_group, capsys,
+                                                              monkeypatch):
     name, extra, run_text, ds_text, expected = case
+    if name.startswith("accelerate-"):  # as `accelerate launch --use_deepspeed --zero_stage 3` tells each rank
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     args = ["train", S, f"data.path={json.dumps(str(corpus))}", S, f"run.output_dir={json.dumps(str(tmp_path / 'r'))}"]
     if not any(a.startswith(("train.max_steps", "train.epochs")) for a in extra) and run_text is None:
         args += TWO_STEPS

@@ -1,8 +1,10 @@
 """Resolve a DeepSpeed JSON config against the run config.
 
-The DeepSpeed file owns the strategy: ZeRO stage, offload, precision, loss scaling, parallelism.
+The DeepSpeed file owns the strategy: ZeRO stage, offload, precision, loss scaling, parallelism (without a file:
+accelerate's DeepSpeed settings, `accelerate.py`, else plain data parallel in fp32).
 The run file owns the numbers of the run: batch sizes, accumulation, learning rate, clipping.
-A run-owned value in the DeepSpeed file is "auto" (filled here) or must equal the run's value.
+A run-owned value in the DeepSpeed file is "auto" (filled here) or must equal the run's value (the optimizer's and
+scheduler's may also replace a run default: `ds_optim.py`).
 A contradiction is an error naming the key, both values and where each came from.
 How the world is split (data x tensor x pipeline) is read from the same file by `layout.py`.
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import accelerate
+from .ds_optim import Sections, resolve_sections
 from .layout import Layout, resolve_layout
 from .run import ConfigError, Resolved, flatten, read_file
 
@@ -43,12 +47,11 @@ RUN_OWNED = {
     "train_batch_size": "train.global_batch_size",
     "gradient_clipping": "train.grad_clip",
 }
-OPTIMIZER_PARAMS = {"lr": "optimizer.lr", "eps": "optimizer.eps", "weight_decay": "optimizer.weight_decay"}
 
 
 @dataclass(frozen=True)
 class DSResolved:
-    config: dict[str, Any]      # what goes to deepspeed.initialize (no optimizer/scheduler sections)
+    config: dict[str, Any]      # what goes to deepspeed.initialize (its optimizer and scheduler: `sections`)
     source: dict[str, str]      # dotted DeepSpeed key -> where its value came from
     layout: Layout
     precision: str              # "fp32" | "bf16" | "fp16"
@@ -59,6 +62,8 @@ class DSResolved:
     global_batch_size: int
     loop_clips: float = 0.0     # > 0: the loop clips to this itself (DeepSpeed's gradient_clipping is then 0)
     autocast: bool = False      # bf16 as torch autocast over fp32 weights (`AUTOCAST`), not DeepSpeed's bf16 wrapper
+    sections: Sections = dataclasses.field(default_factory=Sections)  # its optimizer and scheduler sections
+    origin: str = "harness default"  # where the strategy came from: the --ds file, accelerate's config, the default
 
     @property
     def loop_norms(self) -> bool:
@@ -73,10 +78,25 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return read_file(path, "DeepSpeed config", json.loads, json.JSONDecodeError, "JSON")
 
 
-def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precision: str = "no") -> DSResolved:
-    """`accel_precision` is accelerate's mixed_precision ("no", "fp16", "bf16") for this launch."""
-    label = f"ds file {ds_file}" if ds_file else "harness default"
-    ds = copy.deepcopy(read_json(ds_file) if ds_file else DEFAULT_DS)
+def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precision: str = "no",
+               accel: dict[str, str] | None = None) -> DSResolved:
+    """`accel_precision` is accelerate's mixed_precision ("no", "fp16", "bf16") for this launch; `accel` its
+    DeepSpeed settings (`accelerate.settings`, read from this process's environment when None): the strategy where
+    no DeepSpeed file is named, else checked against it."""
+    given = accelerate.settings() if accel is None else accel
+    if ds_file:
+        label, ds = f"ds file {ds_file}", read_json(ds_file)
+        if not isinstance(ds.get("zero_optimization", {}), dict):
+            raise ConfigError(f"zero_optimization ({label}) must be an object")
+        against = accelerate.contradictions(ds, given)
+        if against:
+            raise ConfigError(f"{label} contradicts the {accelerate.describe(given)}: {'; '.join(against)}; "
+                              f"name the strategy in one of them")
+    elif accelerate.strategy(given):
+        label, ds = accelerate.describe(given), accelerate.strategy(given)
+    else:
+        label, ds = "harness default", DEFAULT_DS
+    ds = copy.deepcopy(ds)
     source = {k: label for k in flatten(ds)}
     c = run.cfg
 
@@ -85,9 +105,6 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
             close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
-    if "scheduler" in ds:
-        raise ConfigError(f"`scheduler` ({label}): the learning-rate schedule belongs to the run file "
-                          f"([schedule] kind/warmup_steps/min_lr_ratio); remove the section")
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")
@@ -125,11 +142,12 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     for ds_key, (value, origin) in run_values.items():
         _fill(ds, source, ds_key, value, origin, RUN_OWNED[ds_key], label)
 
-    if "optimizer" in ds:
-        _check_optimizer(ds.pop("optimizer"), run, label)
-        for k in list(source):
-            if k.startswith("optimizer."):
-                del source[k]
+    from_accelerate = [(f"accelerate {name}", value, key, accelerate.describe(given))
+                       for name, (key, value) in accelerate.run_values(given).items()]
+    sections = resolve_sections(ds, run, label, from_accelerate)  # optimizer, scheduler: the harness builds them
+    for k in list(source):
+        if k.startswith(("optimizer.", "scheduler.")):
+            del source[k]
 
     precision = _resolve_precision(ds, source, label, accel_precision)
     offload_opt = _offload_device(zero.get("offload_optimizer")) not in ("none", None)
@@ -143,6 +161,10 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         # the harness's tests show its ZeRO-1 losses equal one process's.
         ds["zero_allow_untested_optimizer"] = True
         source["zero_allow_untested_optimizer"] = f"derived: {run.describe('optimizer.name')}"
+    if offload_opt and sections.switches.get("torch_adam"):
+        raise ConfigError(f"optimizer.params.torch_adam with zero_optimization.offload_optimizer ({label}): offloaded "
+                          f"states are stepped by DeepSpeed's CPU Adam (torch's would need "
+                          f"zero_force_ds_cpu_optimizer = false); drop one")
     if offload_opt and c.optimizer.name != "adamw":
         raise ConfigError(f"zero_optimization.offload_optimizer ({label}) runs DeepSpeed's CPU Adam, not "
                           f"{run.describe('optimizer.name')}: use optimizer.name = \"adamw\" or a config without "
@@ -167,13 +189,33 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         source["timers.throughput.enabled"] = "harness default: it synchronizes the device twice a step"
     autocast, precision = _autocast(ds, source, precision, stage, layout, label)
     resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
-                          micro * accum * layout.dp_size, autocast=autocast)
+                          micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label)
     if resolved.loop_norms and ds["gradient_clipping"]:
         resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
         ds["gradient_clipping"] = 0.0
         source["gradient_clipping"] += ("; clipped by the harness loop, which computes the norm ZeRO-0 in fp32 (or bf16 "
                                         "by autocast) keeps none of")
     return resolved
+
+
+ZERO_AUTO = {  # zero_optimization keys HF Trainer and accelerate fill from the model's width (hidden x hidden ...)
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def fill_zero_auto(ds: DSResolved, hidden: int) -> None:
+    """The zero_optimization values given as "auto", filled from the model's width as HF Trainer fills them
+    (transformers/integrations/deepspeed.py, `trainer_config_finalize`)."""
+    zero = ds.config.get("zero_optimization", {})
+    for key, rule in ZERO_AUTO.items():
+        if zero.get(key) == "auto" and not hidden:
+            raise ConfigError(f"zero_optimization.{key} = \"auto\" ({ds.origin}): the model's config names no width "
+                              f"(hidden_size or d_model) to fill it from; give a value")
+        if zero.get(key) == "auto":
+            zero[key] = rule(hidden)
+            ds.source[f"zero_optimization.{key}"] = f"auto <- the model's width {hidden} (as HF Trainer fills it)"
 
 
 def _fill(ds, source, ds_key, value, origin, run_key, label):
@@ -252,35 +294,6 @@ def _offload_device(section: Any) -> str | None:
     return section.get("device", "none") if isinstance(section, dict) else None
 
 
-DS_OPTIMIZER_TYPES = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}  # DeepSpeed's type -> optimizer.name
-
-
-def _check_optimizer(opt: Any, run: Resolved, label: str) -> None:
-    """Accept the optimizer section accelerate users keep in their DeepSpeed files, if it agrees with the run."""
-    kind = str(opt.get("type", "")).lower() if isinstance(opt, dict) else ""
-    o = run.cfg.optimizer
-    if DS_OPTIMIZER_TYPES.get(kind) != o.name:
-        raise ConfigError(f"optimizer.type = {opt.get('type') if isinstance(opt, dict) else opt!r} ({label}) "
-                          f"contradicts {run.describe('optimizer.name')}: the run file's [optimizer] builds the "
-                          f"optimizer; remove the section, or name the same one (AdamW or SGD) with \"auto\" params")
-    params = opt.get("params", {})
-    names = {**OPTIMIZER_PARAMS, **({"momentum": "optimizer.momentum", "nesterov": "optimizer.nesterov"}
-                                    if o.name == "sgd" else {"betas": "optimizer.beta1/beta2"})}
-    if o.name == "sgd":
-        names.pop("eps")
-    run_values = {k: getattr(o, v.split('.')[1]) for k, v in names.items() if k != "betas"}
-    run_values.update({"betas": [o.beta1, o.beta2]} if "betas" in names else {})
-    for key, value in params.items():
-        if key not in run_values:
-            raise ConfigError(f"optimizer.params.{key} ({label}) is not a parameter the harness sets for "
-                              f"{o.name}; remove it")
-        if value != "auto" and value != run_values[key]:
-            run_key = names[key]
-            origin = run.source.get(run_key, run.source["optimizer.beta1"])
-            raise ConfigError(f"optimizer.params.{key} = {value!r} ({label}) contradicts {run_key} = "
-                              f"{run_values[key]!r} ({origin}); set it to \"auto\" or make them agree")
-
-
 def gpu_has_bf16() -> bool:
     import torch
 
@@ -293,6 +306,8 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
                           f"use 'no' and choose the precision in the DeepSpeed config")
     if "bfloat16" in ds:  # DeepSpeed's old spelling
         ds.setdefault("bf16", ds.pop("bfloat16"))
+        for key in [k for k in source if k.startswith("bfloat16.")]:
+            source["bf16." + key.split(".", 1)[1]] = f"{source.pop(key)} (as bfloat16)"
     enabled = {}
     for name in ("fp16", "bf16"):
         section = ds.get(name)

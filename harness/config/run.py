@@ -265,6 +265,18 @@ class Resolved:
     def is_set(self, key: str) -> bool:
         return self.source[key] != "default"
 
+    def adopting(self, values: dict[str, tuple[Any, str]]) -> Resolved:
+        """This config with `values` (key -> (value, where it came from)) taken from elsewhere: a DeepSpeed file's
+        explicit settings where the run keeps its defaults. Checked again as a whole."""
+        cfg = self.cfg
+        for key, (value, origin) in values.items():
+            section, name = key.split(".")
+            value = _coerce(key, value, origin, SECTIONS)
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+        resolved = Resolved(cfg, {**self.source, **{k: origin for k, (_, origin) in values.items()}})
+        _check(resolved)
+        return resolved
+
     @property
     def buckets(self) -> tuple[int, ...]:
         return length_buckets(self.cfg)

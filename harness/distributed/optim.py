@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule, both owned by the run file."""
+"""The optimizer and the learning-rate schedule: the run file's, or what a DeepSpeed file's sections name."""
 from __future__ import annotations
 
 import contextlib
@@ -26,10 +26,12 @@ def lr_factor(step: int, total: int, s: ScheduleSection) -> float:
     return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
 
 
-def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps: int):
+def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps: int, sections=None):
     """AdamW or SGD with momentum, without weight decay on biases and norm weights (1-d tensors). AdamW: with ZeRO
     optimizer offload the states live in CPU memory and DeepSpeed's vectorised CPU Adam does the update; on a GPU,
-    DeepSpeed's fused Adam does it, and on a CPU torch's fused AdamW."""
+    DeepSpeed's fused Adam does it, and on a CPU torch's fused AdamW. A DeepSpeed file's sections (`sections`,
+    config/ds_optim.py) may ask for Adam with L2 decay (`adam_w_mode` false), torch's Adam on a GPU (`torch_adam`)
+    and one of DeepSpeed's schedulers instead of the run file's."""
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optimizer
     ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partitioned parameter is 1-d
@@ -37,32 +39,40 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
               {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    switches = sections.switches if sections else {}
+    decoupled = switches.get("adam_w_mode", True)  # False: Adam with L2 decay, as DeepSpeed's Adam then steps
+    torch_adam = torch.optim.AdamW if decoupled else torch.optim.Adam
     if o.name == "sgd":  # offload refused by the plan: DeepSpeed's offload runs its CPU Adam only
         optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
     elif offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    elif torch.cuda.is_available():
-        optimizer = _fused_adamw(groups, kwargs)
+        optimizer = DeepSpeedCPUAdam(groups, adamw_mode=decoupled, **kwargs)
+    elif torch.cuda.is_available() and not switches.get("torch_adam"):
+        optimizer = _fused_adamw(groups, kwargs, decoupled)
     else:  # one kernel for every parameter, not a loop of them (and no per-parameter step count read on the host)
-        optimizer = torch.optim.AdamW(groups, fused=True, **kwargs)
+        optimizer = torch_adam(groups, fused=True, **kwargs)
+    if sections and sections.scheduler:  # DeepSpeed's own class, as DeepSpeed would build it from the file
+        from deepspeed.runtime import lr_schedules
+
+        params = {k: total_steps if v == "auto" else v for k, v in sections.scheduler["params"].items()}
+        return optimizer, getattr(lr_schedules, sections.scheduler["type"])(optimizer, **params)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
     return optimizer, schedule
 
 
-def _fused_adamw(groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
+def _fused_adamw(groups: list[dict], kwargs: dict, decoupled: bool = True) -> torch.optim.Optimizer:
     """DeepSpeed's fused (multi-tensor) AdamW on the GPU; PyTorch's fused AdamW if DeepSpeed's kernel cannot be
     built here (it compiles on first use with the CUDA toolkit's nvcc)."""
     try:
         from deepspeed.ops.adam import FusedAdam
 
         with deepspeed_arch_list():
-            return FusedAdam(groups, adam_w_mode=True, **kwargs)
+            return FusedAdam(groups, adam_w_mode=decoupled, **kwargs)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the other fused kernel
         warnings.warn(f"DeepSpeed's FusedAdam is not available ({str(e).splitlines()[0][:200]}); using "
                       f"torch.optim.AdamW(fused=True)")
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+        return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups, fused=True, **kwargs)
 
 
 @contextlib.contextmanager
@@ -86,6 +96,8 @@ def follow_config_lr(schedule, lr: float) -> float | None:
     """After a resume: the learning rate of the run config, not the checkpoint's. DeepSpeed restores the schedule's
     state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved).
     Sets the base lr and the lr of the resumed step itself; returns the saved base lr if it differed, else None."""
+    if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):  # DeepSpeed's scheduler: its own state
+        return None
     saved = schedule.base_lrs[0]
     if all(b == lr for b in schedule.base_lrs):
         return None

@@ -97,7 +97,8 @@ def build_engine(plan, world: World, total_steps: int):
         compiler = compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
-    optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps)
+    optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps,
+                                          plan.ds.sections)
     import_muon_lazily()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                            config=plan.ds.config)

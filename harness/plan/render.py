@@ -80,15 +80,42 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def optimizer_section(plan: Plan) -> dict:
+    """The optimizer the harness builds, as a DeepSpeed `optimizer` section."""
+    o, switches = plan.run.cfg.optimizer, plan.ds.sections.switches
+    if o.name == "sgd":
+        return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov,
+                                          "weight_decay": o.weight_decay}}
+    return {"type": "AdamW" if switches.get("adam_w_mode", True) else "Adam",
+            "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
+                       "adam_w_mode": switches.get("adam_w_mode", True), "torch_adam": switches.get("torch_adam",
+                                                                                                   False)}}
+
+
+def ds_json(plan: Plan) -> str:
+    """`harness plan --ds-json`: the DeepSpeed config in full, "auto" filled, with the optimizer the harness builds and
+    DeepSpeed's scheduler where the file names one (the run file's own schedule has no DeepSpeed section; a total
+    step count known only once the data is read stays "auto"), for another tool to take."""
+    config = {**plan.ds.config, "optimizer": optimizer_section(plan)}
+    if plan.ds.sections.scheduler:
+        config["scheduler"] = plan.ds.sections.scheduler
+    return json.dumps(config, indent=2)
+
+
 def render(plan: Plan) -> str:
     run, ds = plan.run, plan.ds
     lines = ["# run config (defaults < run file < command line)"]
     for key, value in flatten(run.cfg.to_dict()).items():
         lines.append(f"{key:32} = {json.dumps(value):24} # {run.source[key]}")
     lines.append("")
-    lines.append("# DeepSpeed config (as passed to deepspeed.initialize)")
+    lines.append(f"# DeepSpeed config (as passed to deepspeed.initialize), the strategy from the {ds.origin}")
     for key, value in flatten(ds.config).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.source.get(key, 'DeepSpeed default')}")
+    sched = ds.sections.scheduler
+    lines.append(f"# optimizer and schedule, built by the harness: {optimizer_section(plan)['type']}, "
+                 f"{'DeepSpeed ' + sched['type'] if sched else 'the run file [schedule] ' + run.cfg.schedule.kind}")
+    for key, value in flatten({"scheduler": sched} if sched else {}).items():
+        lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")
     model = meta_model(plan)
     n = sum(p.numel() for p in model.parameters())
     layout_lines, per_rank = parallel_lines(plan, model)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.ds import DSResolved, resolve_ds
+from ..config.ds import DSResolved, fill_zero_auto, resolve_ds
 from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
@@ -53,8 +53,15 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
         why = check_compile("cuda" if torch.cuda.is_available() else "cpu")
         if why:
             raise ConfigError(f"{run.describe('train.compile')}: {why}; set it to false")
-    ds = resolve_ds(run, ds_file_arg(ds_file), world_size or launched_world_size(),
-                    accel_precision or accelerate_mixed_precision())
+    ds_args = (ds_file_arg(ds_file), world_size or launched_world_size(), accel_precision or accelerate_mixed_precision())
+    ds = resolve_ds(run, *ds_args)
+    if ds.sections.adopt:  # the DeepSpeed file's explicit optimizer and schedule values, where the run keeps defaults
+        run = run.adopting(ds.sections.adopt)
+        ds = resolve_ds(run, *ds_args)
+    if any(v == "auto" for v in ds.config.get("zero_optimization", {}).values()):
+        hf = load_config(run.cfg) if run.cfg.model.hf else None
+        fill_zero_auto(ds, (getattr(hf, "hidden_size", None) or getattr(hf, "d_model", None)) if hf else
+                       run.cfg.model.d_model)
     if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
         raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
                           f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")

@@ -134,7 +134,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
         if saved_lr is not None:  # e.g. lowered after a non-finite stop
             say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "
-                f"{start_step + 1}; lr there {schedule.get_last_lr()[0]:.3g}")
+                f"{start_step + 1}; lr there {schedule.optimizer.param_groups[0]['lr']:.3g}")
     ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(t, state.get("selection"))  # train.select_best; None when off
     if selection and selection.value is not None:
@@ -151,7 +151,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     say(f"harness: task {cfg.run.task}, {type(meta_model).__name__} of {n_params:,} parameters "
         f"(FLOPs: {flops.method}) | world {world.world_size} "
         f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
-        f"{' (autocast)' if ds.autocast else ''}{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''} | "
+        f"{' (autocast)' if ds.autocast else ''}{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''}"
+        f" (strategy: {ds.origin}) | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
     if build_peaks[0]["host"] is not None:
@@ -188,7 +189,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
         mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
         samples_seen += ds.global_batch_size
-        result, loader_wait = steps.run(step + 1, schedule.get_last_lr()[0], samples_seen, watch.signal or 0, mark)
+        lr = schedule.optimizer.param_groups[0]["lr"]  # what this step uses (DeepSpeed's OneCycle keeps no last lr)
+        result, loader_wait = steps.run(step + 1, lr, samples_seen, watch.signal or 0, mark)
         step += 1
         beat.step = step
         if traced:  # before anything only some steps do: a step that syncs (a span of its own, `Steps`)

@@ -1,0 +1,180 @@
+"""A DeepSpeed file's `optimizer` and `scheduler` sections, taken as HF Trainer and accelerate users keep them.
+
+- "auto" is filled from the run file, as HF Trainer fills it from its training arguments: the optimizer's lr, betas,
+  eps, weight_decay (SGD: momentum, nesterov); the scheduler's peak and minimum lr, warmup and total steps.
+- An explicit value where the run file keeps its default is adopted: the run trains with it, and `harness plan`
+  says it came from the DeepSpeed file. An explicit value that contradicts a run-file value the user set is refused,
+  every mismatch in one line (key, JSON value, run-file value and where it came from), as HF Trainer refuses them.
+- The optimizer the section names is built by the harness as DeepSpeed would build it: Adam (decoupled weight decay
+  unless `adam_w_mode` is false: Adam with L2), AdamW, SGD; `torch_adam` takes torch's implementation instead of
+  DeepSpeed's fused kernel. The scheduler is DeepSpeed's own class (WarmupLR, WarmupDecayLR, WarmupCosineLR,
+  OneCycle, LRRangeTest), built with the filled parameters (`distributed/optim.py`), so its curve is DeepSpeed's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .run import ConfigError, Resolved
+
+# optimizer.type (lower case) -> (the run's optimizer.name, adam_w_mode's default); DeepSpeed's names
+OPTIMIZERS = {"adam": ("adamw", True), "adamw": ("adamw", True), "sgd": ("sgd", None)}
+DEEPSPEED_ONLY = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam", "zerooneadam",
+                  "onebitlamb")  # DeepSpeed's other optimizers: types it has, which the harness does not build
+ADAM_PARAMS = {"lr": "optimizer.lr", "betas": "optimizer.beta1/beta2", "eps": "optimizer.eps",
+               "weight_decay": "optimizer.weight_decay"}
+SGD_PARAMS = {"lr": "optimizer.lr", "momentum": "optimizer.momentum", "nesterov": "optimizer.nesterov",
+              "weight_decay": "optimizer.weight_decay"}
+SWITCHES = ("adam_w_mode", "torch_adam")  # DeepSpeed's own switches of its Adam, honoured
+
+TOTAL = "the run's total steps (train.max_steps, or train.epochs x steps per epoch)"
+# scheduler type -> {param: the run key that fills "auto" (TOTAL: filled when the engine is built), or None}
+SCHEDULERS = {
+    "WarmupLR": {"warmup_min_lr": "0", "warmup_max_lr": "optimizer.lr", "warmup_num_steps": "schedule.warmup_steps",
+                 "warmup_type": None},
+    "WarmupDecayLR": {"warmup_min_lr": "0", "warmup_max_lr": "optimizer.lr",
+                      "warmup_num_steps": "schedule.warmup_steps", "total_num_steps": TOTAL, "warmup_type": None},
+    "WarmupCosineLR": {"warmup_min_ratio": "0", "warmup_num_steps": "schedule.warmup_steps",
+                       "cos_min_ratio": "schedule.min_lr_ratio", "total_num_steps": TOTAL, "warmup_type": None},
+    "OneCycle": {"cycle_max_lr": "optimizer.lr", **{k: None for k in (
+        "cycle_min_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
+        "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+        "decay_mom_rate")}},
+    "LRRangeTest": {"lr_range_test_min_lr": "optimizer.lr", **{k: None for k in (
+        "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase")}},
+}
+
+
+@dataclass
+class Sections:
+    """What the two sections resolved to: the run keys to adopt, the harness's optimizer switches, DeepSpeed's
+    scheduler (type and filled parameters; TOTAL ones still "auto") and the sources of the filled values."""
+    adopt: dict[str, tuple[Any, str]] = field(default_factory=dict)  # run key -> (value, where it came from)
+    switches: dict[str, bool] = field(default_factory=dict)          # adam_w_mode, torch_adam
+    scheduler: dict[str, Any] | None = None                          # {"type": ..., "params": {...}}
+    source: dict[str, str] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+
+    def take(self, key: str, value: Any, run: Resolved, run_key: str, label: str) -> Any:
+        """A section's `key` against the run's `run_key`: "auto" is the run's value; an explicit one is adopted
+        where the run keeps its default, refused where the user set another."""
+        mine = _run_value(run, run_key)
+        if value == "auto":
+            self.source[key] = f"auto <- {run_key} ({_run_source(run, run_key)})"
+            return mine
+        if value == mine:
+            return value
+        if any(run.is_set(k) for k in _run_keys(run_key)):
+            self.mismatches.append(f"{key} = {value!r} vs {run_key} = {mine!r} ({_run_source(run, run_key)})")
+        else:
+            for k, v in zip(_run_keys(run_key), value if run_key == "optimizer.beta1/beta2" else [value]):
+                self.adopt[k] = (v, f"{key} ({label})")
+        return value
+
+
+def _run_keys(run_key: str) -> list[str]:
+    return ["optimizer.beta1", "optimizer.beta2"] if run_key == "optimizer.beta1/beta2" else [run_key]
+
+
+def _run_value(run: Resolved, run_key: str) -> Any:
+    values = [getattr(getattr(run.cfg, k.split(".")[0]), k.split(".")[1]) for k in _run_keys(run_key)]
+    return values if run_key == "optimizer.beta1/beta2" else values[0]
+
+
+def _run_source(run: Resolved, run_key: str) -> str:
+    return run.source[_run_keys(run_key)[0]]
+
+
+def resolve_sections(ds: dict, run: Resolved, label: str, others: list[tuple[str, Any, str, str]] = ()) -> Sections:
+    """Take `optimizer` and `scheduler` out of `ds` (the harness builds both), checked and filled; `others`: more
+    values from outside the run file, (key, value, run key, where from), taken the same way (accelerate's)."""
+    out = Sections()
+    for key, value, run_key, where in others:
+        out.take(key, value, run, run_key, where)
+    if "optimizer" in ds:
+        _optimizer(ds.pop("optimizer"), run, label, out)
+    if "scheduler" in ds:
+        _scheduler(ds.pop("scheduler"), run, label, out)
+    if out.mismatches:
+        raise ConfigError(f"the DeepSpeed settings ({', '.join(dict.fromkeys([label, *(o[3] for o in others)]))}) "
+                          f"contradict the run config: {'; '.join(out.mismatches)}; set each to \"auto\", make them "
+                          f"agree, or drop the run-file value")
+    return out
+
+
+def _optimizer(opt: Any, run: Resolved, label: str, out: Sections) -> None:
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+        raise ConfigError(f"optimizer ({label}) must be an object with a \"type\", e.g. {{\"type\": \"AdamW\", "
+                          f"\"params\": {{\"lr\": \"auto\"}}}}")
+    kind = opt["type"].lower()
+    if kind not in OPTIMIZERS:
+        has = "is one of DeepSpeed's optimizers the harness does not build" if kind in DEEPSPEED_ONLY else \
+            "is not an optimizer DeepSpeed has"
+        raise ConfigError(f"optimizer.type = {opt['type']!r} ({label}) {has}; the harness builds Adam, AdamW and SGD")
+    name, adam_w = OPTIMIZERS[kind]
+    out.take("optimizer.type", name, run, "optimizer.name", label)
+    params = opt.get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"optimizer.params ({label}) must be an object")
+    names = SGD_PARAMS if name == "sgd" else ADAM_PARAMS
+    for key, value in params.items():
+        if key in SWITCHES and name == "adamw":
+            if not isinstance(value, bool):
+                raise ConfigError(f"optimizer.params.{key} = {value!r} ({label}) must be true or false")
+            out.switches[key] = value
+            continue
+        if key not in names:
+            known = ", ".join([*names, *(SWITCHES if name == "adamw" else ())])
+            raise ConfigError(f"optimizer.params.{key} ({label}) is not a parameter the harness honours for "
+                              f"{opt['type']} ({known}); remove it")
+        if key == "betas" and value != "auto" and (not isinstance(value, list) or len(value) != 2):
+            raise ConfigError(f"optimizer.params.betas = {value!r} ({label}) must be two numbers or \"auto\"")
+        out.take(f"optimizer.params.{key}", value, run, names[key], label)
+    if kind == "adamw":
+        out.switches["adam_w_mode"] = True  # DeepSpeed: AdamW is always decoupled
+    elif adam_w is not None:
+        out.switches.setdefault("adam_w_mode", adam_w)
+
+
+def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:
+    if not isinstance(section, dict) or section.get("type") not in SCHEDULERS:
+        given = section.get("type") if isinstance(section, dict) else section
+        raise ConfigError(f"scheduler.type = {given!r} ({label}) is not a DeepSpeed scheduler: "
+                          f"{', '.join(SCHEDULERS)}")
+    kind, known = section["type"], SCHEDULERS[section["type"]]
+    given = [k for k in ("schedule.kind",) if run.is_set(k)]
+    if given:
+        raise ConfigError(f"scheduler ({label}) runs DeepSpeed's {kind}, but {run.describe('schedule.kind')} names "
+                          f"the harness's own: keep one")
+    params = dict(section.get("params", {}))
+    for key, value in params.items():
+        if key not in known:
+            raise ConfigError(f"scheduler.params.{key} ({label}) is not a parameter of DeepSpeed's {kind} "
+                              f"({', '.join(known)})")
+        fills = known[key]
+        if fills == TOTAL:
+            if value == "auto" and run.cfg.train.max_steps:
+                params[key] = run.cfg.train.max_steps
+                out.source[f"scheduler.params.{key}"] = f"auto <- {run.describe('train.max_steps')}"
+            elif value == "auto":
+                out.source[f"scheduler.params.{key}"] = f"auto <- {TOTAL}, once the data is read"
+            continue
+        if fills is None or fills == "0":
+            if value == "auto" and fills is None:
+                raise ConfigError(f"scheduler.params.{key} = \"auto\" ({label}): nothing in the run config fills it "
+                                  f"for {kind}; give a value")
+            if value == "auto":
+                params[key] = 0.0
+                out.source[f"scheduler.params.{key}"] = "auto <- 0"
+            continue
+        params[key] = out.take(f"scheduler.params.{key}", value, run, fills, label)
+    for key, fills in known.items():  # DeepSpeed's class has no default for the total: the run's
+        if key not in params and fills == TOTAL:
+            params[key] = run.cfg.train.max_steps or "auto"
+            out.source[f"scheduler.params.{key}"] = f"not given: {TOTAL}"
+    steps = params.get("warmup_num_steps")
+    if isinstance(steps, int) and steps < 1:
+        raise ConfigError(f"scheduler.params.warmup_num_steps = {steps} ({label}; "
+                          f"{out.source.get('scheduler.params.warmup_num_steps', 'given')}): DeepSpeed's {kind} needs "
+                          f"at least one warmup step; set schedule.warmup_steps or the parameter")
+    out.scheduler = {"type": kind, "params": params}

@@ -1,0 +1,185 @@
+"""DeepSpeed and accelerate configs as users already have them (config/ds_optim.py, config/accelerate.py): the five
+shapes HF Trainer's and accelerate's DeepSpeed files take (written here, not copied) plan and train; "auto" is filled
+from the run file, an explicit value adopted where the run keeps its default and refused, every mismatch in one
+line, where the user set another; DeepSpeed's schedulers run their own curve, step by step; accelerate's DeepSpeed
+settings are the strategy when no --ds is named, and train what the same --ds file trains."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import LAUNCH, ROOT, TINY, _env, command, harness
+
+from harness.config.ds import resolve_ds
+from harness.config.run import ConfigError
+from harness.plan.resolve import make_plan
+from harness.tasks import resolve
+
+AUTO_BATCH = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+ADAMW_AUTO = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}
+DECAY = {"type": "WarmupDecayLR", "params": {**WARMUP["params"], "total_num_steps": "auto"}}
+PRECISION_AUTO = {"fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                           "hysteresis": 2, "min_loss_scale": 1}, "bf16": {"enabled": "auto"}}
+Z3_AUTO = {"overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+           "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+           "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+           "stage3_gather_16bit_weights_on_model_save": True}
+OFFLOAD = {"device": "cpu", "pin_memory": True}
+SHAPES = {  # the shapes of the files HF Trainer's DeepSpeed tests and accelerate's templates use
+    "zero1": {**PRECISION_AUTO, "optimizer": ADAMW_AUTO, "scheduler": WARMUP, **AUTO_BATCH,
+              "zero_optimization": {"stage": 1}},
+    "zero2_offload": {**PRECISION_AUTO, "optimizer": ADAMW_AUTO, "scheduler": DECAY, **AUTO_BATCH,
+                      "zero_optimization": {"stage": 2, "offload_optimizer": OFFLOAD, "allgather_partitions": True,
+                                            "allgather_bucket_size": 2e8, "overlap_comm": True,
+                                            "reduce_scatter": True, "reduce_bucket_size": "auto",
+                                            "contiguous_gradients": True}},
+    "zero3": {**PRECISION_AUTO, "optimizer": ADAMW_AUTO, "scheduler": WARMUP, **AUTO_BATCH,
+              "zero_optimization": {"stage": 3, **Z3_AUTO}},
+    "zero3_bf16_offload": {"bf16": {"enabled": True}, "optimizer": ADAMW_AUTO, "scheduler": DECAY, **AUTO_BATCH,
+                           "zero_optimization": {"stage": 3, "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD,
+                                                 **Z3_AUTO}},
+    "zero3_offload_fp16": {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+                           "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                    "weight_decay": "auto", "torch_adam": False,
+                                                                    "adam_w_mode": True}},
+                           "scheduler": DECAY, **AUTO_BATCH,
+                           "zero_optimization": {"stage": 3, "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD,
+                                                 "stage3_gather_fp16_weights_on_model_save": True, **{
+                                                     k: v for k, v in Z3_AUTO.items()
+                                                     if k != "stage3_gather_16bit_weights_on_model_save"}}},
+}
+SETS = ["train.max_steps=8", "schedule.warmup_steps=3", "optimizer.lr=0.002"]
+BASE = [s for s in TINY if not s.startswith(("optimizer.", "schedule."))]  # the optimizer at its defaults
+
+
+def write(tmp_path, name: str, config: dict) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_shape_plans_with_auto_filled_from_the_run(name, tmp_path):
+    plan = make_plan(None, [*TINY, *SETS], write(tmp_path, name, SHAPES[name]), 1)
+    ds, zero = plan.ds, plan.ds.config["zero_optimization"]
+    assert ds.config["gradient_accumulation_steps"] == 1 and ds.config["gradient_clipping"] == 1.0
+    assert "auto" not in json.dumps(ds.config)  # every "auto" filled, the model's width included (d_model 32)
+    if "reduce_bucket_size" in SHAPES[name]["zero_optimization"]:
+        assert zero["reduce_bucket_size"] == 32 * 32
+    sched = ds.sections.scheduler
+    assert sched["params"]["warmup_max_lr"] == 0.002 and sched["params"]["warmup_num_steps"] == 3
+    if sched["type"] == "WarmupDecayLR":
+        assert sched["params"]["total_num_steps"] == 8
+
+
+def lrs_of(scheduler_cls, params: dict, steps: int, lr: float) -> list[float]:
+    """The learning rate each optimizer step uses under DeepSpeed's class, on an optimizer of its own."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched, out = scheduler_cls(opt, **params), []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("section", [
+    DECAY,
+    {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
+                                          "cos_min_ratio": "auto", "warmup_type": "linear"}},
+    {"type": "OneCycle", "params": {"cycle_min_lr": 0.0005, "cycle_max_lr": "auto", "cycle_first_step_size": 3,
+                                    "cycle_momentum": False}},
+], ids=lambda s: s["type"])
+def test_deepspeed_schedulers_train_their_own_curve_step_by_step(section, tmp_path, corpus):
+    from deepspeed.runtime import lr_schedules
+
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": OFFLOAD} if section is DECAY else {"stage": 0},
+          "optimizer": ADAMW_AUTO, "scheduler": section}
+    run = harness(tmp_path / "run", corpus, ds=write(tmp_path, "ds", ds), sets=SETS)
+    filled = {**section["params"]}
+    for key, value in filled.items():
+        if value == "auto":
+            filled[key] = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.002, "warmup_num_steps": 3, "total_num_steps": 8,
+                           "cos_min_ratio": 0.1, "cycle_max_lr": 0.002}[key]
+    expected = lrs_of(getattr(lr_schedules, section["type"]), filled, 8, 0.002)
+    assert [m["lr"] for m in run.metrics] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert run.losses[8] < run.losses[1]
+
+
+def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_one_line(tmp_path):
+    ds = write(tmp_path, "ds", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.8, 0.99],
+                                                                           "weight_decay": 0.01}},
+                                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}})
+    plan = make_plan(None, BASE, ds, 1)
+    o = plan.run.cfg.optimizer
+    assert (o.lr, o.beta1, o.beta2, o.weight_decay) == (5e-4, 0.8, 0.99, 0.01)
+    assert plan.run.source["optimizer.lr"].startswith("optimizer.params.lr (ds file")
+    with pytest.raises(ConfigError) as e:
+        make_plan(None, [*BASE, "optimizer.lr=0.001", "optimizer.weight_decay=0.0", "schedule.warmup_steps=2"], ds, 1)
+    line = str(e.value)
+    assert "\n" not in line
+    for mismatch in ("optimizer.params.lr = 0.0005 vs optimizer.lr = 0.001 (command line)",
+                     "optimizer.params.weight_decay = 0.01 vs optimizer.weight_decay = 0.0 (command line)",
+                     "scheduler.params.warmup_num_steps = 7 vs schedule.warmup_steps = 2 (command line)"):
+        assert mismatch in line, line
+
+
+def test_adam_w_mode_and_torch_adam_build_what_deepspeed_would():
+    from harness.config.ds_optim import Sections
+    from harness.distributed.optim import build_optimizer
+
+    cfg = resolve(None, ["train.max_steps=3"]).cfg
+    model = torch.nn.Linear(4, 4)
+    for switches, kind in (({"adam_w_mode": False}, torch.optim.Adam), ({"adam_w_mode": True}, torch.optim.AdamW),
+                           ({"torch_adam": True}, torch.optim.AdamW)):
+        optimizer, _ = build_optimizer(model, cfg, False, 3, Sections(switches=switches))
+        assert type(optimizer) is kind
+    assert optimizer.param_groups[0]["weight_decay"] == cfg.optimizer.weight_decay  # decay groups kept
+
+
+def test_accelerate_settings_are_the_strategy_and_must_agree_with_a_ds_file(tmp_path):
+    run = resolve(None, ["train.max_steps=3", "train.grad_accum_steps=2"])
+    given = {"zero_stage": "3", "offload_optimizer_device": "cpu", "zero3_init_flag": "true"}
+    ds = resolve_ds(run, None, 1, accel=given)
+    assert (ds.zero_stage, ds.offload_optimizer, ds.offload_params) == (3, True, False)
+    assert ds.origin == "accelerate config (zero_stage=3, offload_optimizer_device=cpu, zero3_init_flag=true)"
+    assert resolve_ds(run, None, 1, accel={}).origin == "harness default"
+    zero2 = str(ROOT / "configs" / "ds" / "zero2.json")
+    with pytest.raises(ConfigError, match="zero_optimization.stage = 2 vs accelerate zero_stage = 3"):
+        resolve_ds(run, zero2, 1, accel=given)
+    with pytest.raises(ConfigError, match="accelerate gradient_accumulation_steps = 4 vs train.grad_accum_steps = 2"):
+        resolve_ds(run, None, 1, accel={"zero_stage": "2", "gradient_accumulation_steps": "4"})
+    adopted = make_plan(None, ["train.max_steps=3"], None, 1)  # no accelerate settings in this process: the default
+    assert adopted.ds.origin == "harness default"
+
+
+def test_an_accelerate_config_and_its_flags_train_what_the_ds_file_trains(tmp_path, corpus):
+    """`accelerate config`'s DeepSpeed ZeRO-3 (no --ds), and `--zero_stage 3` on the command line: ZeRO-3, said in
+    the start line, with the losses of --ds configs/ds/zero3.json; an accelerate stage against a --ds file: exit 2
+    before any process starts."""
+    yaml = tmp_path / "accelerate.yaml"
+    yaml.write_text((LAUNCH / "cpu_2proc.yaml").read_text().replace(
+        "deepspeed_multinode_launcher: standard", "deepspeed_multinode_launcher: standard\n  zero_stage: 3"))
+    sets = ["train.micro_batch_size=2", "train.max_steps=4"]
+    ref = harness(tmp_path / "ref", corpus, nproc=2, ds="zero3.json", sets=sets)
+
+    def front(out, *accelerate, ds=None):
+        cmd = command(out, corpus, nproc=2, ds=ds, sets=sets, front=True)
+        i = cmd.index("launch") + 1
+        cmd[i:i + 4] = ["--config_file", str(accelerate[0]), *accelerate[1:]]
+        return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+    by_file = front(tmp_path / "file", yaml)
+    by_flags = front(tmp_path / "flags", LAUNCH / "cpu_2proc.yaml", "--num_processes", "2", "--zero_stage", "3")
+    for proc, out in ((by_file, "file"), (by_flags, "flags")):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "ZeRO-3 fp32 (strategy: accelerate config (zero_stage=3" in proc.stdout
+        losses = [json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        assert losses == pytest.approx(list(ref.losses.values()), rel=1e-5)
+    refused = front(tmp_path / "refused", yaml, ds="zero2.json")
+    assert refused.returncode == 2 and "accelerate zero_stage = 3" in refused.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "refused").exists()
