@@ -109,7 +109,7 @@ CASES = [
     ("ds-scheduler-unknown", [], None, {"scheduler": {"type": "CosineAnnealing"}}, "scheduler.type = 'CosineAnnealing'"),
     ("ds-scheduler-auto-unfillable", [], None, {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto"}}},
      "scheduler.params.cycle_min_lr = \"auto\""),
-    ("ds-optimizer-not-deepspeed", [], None, {"optimizer": {"type": "Adamax"}}, "is not an optimizer DeepSpeed has"),
+    ("ds-optimizer-not-deepspeed", [], None, {"optimizer": {"type": "Adamx"}}, "is not an optimizer DeepSpeed has"),
     ("accelerate-contradicts-ds", [], None, {"zero_optimization": {"stage": 2}}, "accelerate zero_stage = 3"),
     ("ds-offload-param-stage-1", [], None, {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}},
      "offload_param"),

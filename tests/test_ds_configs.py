@@ -183,3 +183,29 @@ def test_an_accelerate_config_and_its_flags_train_what_the_ds_file_trains(tmp_pa
     refused = front(tmp_path / "refused", yaml, ds="zero2.json")
     assert refused.returncode == 2 and "accelerate zero_stage = 3" in refused.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "refused").exists()
+
+
+def test_deepspeed_builds_its_other_optimizers_where_it_can(tmp_path, corpus):
+    """Adagrad (torch's, built by DeepSpeed from the section) trains with the run's parameter groups and schedule;
+    what DeepSpeed cannot build or train here is refused in one line before launch."""
+    adagrad = {"type": "Adagrad", "params": {"lr": "auto", "weight_decay": "auto", "eps": "auto"}}
+    run = harness(tmp_path / "run", corpus, ds=write(tmp_path, "ada", {"optimizer": adagrad}), sets=SETS)
+    written = json.loads((run.dir / "ds_config.json").read_text())  # the run directory's resolved config, in full
+    assert written["optimizer"] == {"type": "Adagrad", "params": {"lr": 0.002, "weight_decay": 0.1, "eps": 1e-8}}
+    assert run.metrics[0]["lr"] == pytest.approx(0.002 / 3)  # the run's lr, through the run's warmup
+    assert run.losses[8] < run.losses[1]
+    for optimizer, zero, message in (
+            ({"type": "Lamb"}, {"stage": 0}, "its kernel (FusedLambBuilder) has no build for the cpu accelerator"),
+            (adagrad, {"stage": 2}, "torch's Adagrad under ZeRO-2 fails inside DeepSpeed"),
+            ({"type": "Rprop", "params": {"weight_decay": 0.1}}, {"stage": 0}, "not a parameter of torch.optim.Rprop"),
+            ({"type": "Muon"}, {"stage": 0}, "one of DeepSpeed's optimizers the harness does not build")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            make_plan(None, BASE, write(tmp_path, "o", {"optimizer": optimizer, "zero_optimization": zero}), 1)
+
+
+def test_config_wins_deepspeed_takes_the_file_s_values_over_the_user_s(tmp_path):
+    ds = write(tmp_path, "ds", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}})
+    with pytest.raises(ConfigError, match="run.config_wins"):
+        make_plan(None, [*BASE, "optimizer.lr=0.001"], ds, 1)
+    plan = make_plan(None, [*BASE, "optimizer.lr=0.001", 'run.config_wins="deepspeed"'], ds, 1)
+    assert plan.run.cfg.optimizer.lr == 5e-4

@@ -156,7 +156,7 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         raise ConfigError(f"zero_optimization.offload_param ({label}) needs ZeRO stage 3, got stage {stage}")
     if offload_opt and stage == 0:
         raise ConfigError(f"zero_optimization.offload_optimizer ({label}) needs ZeRO stage 1, 2 or 3, got stage 0")
-    if c.optimizer.name != "adamw" and stage > 0 and "zero_allow_untested_optimizer" not in ds:
+    if (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0 and "zero_allow_untested_optimizer" not in ds:
         # DeepSpeed lists the optimizers it tested with ZeRO (Adam family, Lamb, ...); SGD is not among them, and
         # the harness's tests show its ZeRO-1 losses equal one process's.
         ds["zero_allow_untested_optimizer"] = True

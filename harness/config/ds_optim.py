@@ -7,7 +7,9 @@
   every mismatch in one line (key, JSON value, run-file value and where it came from), as HF Trainer refuses them.
 - The optimizer the section names is built by the harness as DeepSpeed would build it: Adam (decoupled weight decay
   unless `adam_w_mode` is false: Adam with L2), AdamW, SGD; `torch_adam` takes torch's implementation instead of
-  DeepSpeed's fused kernel. The scheduler is DeepSpeed's own class (WarmupLR, WarmupDecayLR, WarmupCosineLR,
+  DeepSpeed's fused kernel. DeepSpeed's other optimizers (Adagrad, Lamb, Lion, MuAdam, ...) and torch.optim classes
+  by name are built by DeepSpeed from the section, where this machine can build them (refused in one line
+  otherwise); the harness's parameter groups (no decay on biases and norms) and schedule go with them. The scheduler is DeepSpeed's own class (WarmupLR, WarmupDecayLR, WarmupCosineLR,
   OneCycle, LRRangeTest), built with the filled parameters (`distributed/optim.py`), so its curve is DeepSpeed's.
 """
 from __future__ import annotations
@@ -19,8 +21,10 @@ from .run import ConfigError, Resolved
 
 # optimizer.type (lower case) -> (the run's optimizer.name, adam_w_mode's default); DeepSpeed's names
 OPTIMIZERS = {"adam": ("adamw", True), "adamw": ("adamw", True), "sgd": ("sgd", None)}
-DEEPSPEED_ONLY = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam", "zerooneadam",
-                  "onebitlamb")  # DeepSpeed's other optimizers: types it has, which the harness does not build
+NOT_BUILT = ("muon",)  # DeepSpeed's Muon tags parameters itself and splits them in two optimizers: not taken here
+# what fills "auto" in the params of an optimizer DeepSpeed builds (its others, or a torch.optim class by name)
+FILLABLE = {"lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "betas": "optimizer.beta1/beta2",
+            "eps": "optimizer.eps", "momentum": "optimizer.momentum"}
 ADAM_PARAMS = {"lr": "optimizer.lr", "betas": "optimizer.beta1/beta2", "eps": "optimizer.eps",
                "weight_decay": "optimizer.weight_decay"}
 SGD_PARAMS = {"lr": "optimizer.lr", "momentum": "optimizer.momentum", "nesterov": "optimizer.nesterov",
@@ -52,6 +56,7 @@ class Sections:
     adopt: dict[str, tuple[Any, str]] = field(default_factory=dict)  # run key -> (value, where it came from)
     switches: dict[str, bool] = field(default_factory=dict)          # adam_w_mode, torch_adam
     scheduler: dict[str, Any] | None = None                          # {"type": ..., "params": {...}}
+    optimizer: dict[str, Any] | None = None  # an optimizer section DeepSpeed builds (not Adam, AdamW, SGD), filled
     source: dict[str, str] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
 
@@ -64,7 +69,7 @@ class Sections:
             return mine
         if value == mine:
             return value
-        if any(run.is_set(k) for k in _run_keys(run_key)):
+        if any(run.is_set(k) for k in _run_keys(run_key)) and run.cfg.run.config_wins != "deepspeed":
             self.mismatches.append(f"{key} = {value!r} vs {run_key} = {mine!r} ({_run_source(run, run_key)})")
         else:
             for k, v in zip(_run_keys(run_key), value if run_key == "optimizer.beta1/beta2" else [value]):
@@ -92,25 +97,27 @@ def resolve_sections(ds: dict, run: Resolved, label: str, others: list[tuple[str
     for key, value, run_key, where in others:
         out.take(key, value, run, run_key, where)
     if "optimizer" in ds:
-        _optimizer(ds.pop("optimizer"), run, label, out)
+        zero = ds.get("zero_optimization") or {}
+        offload = isinstance(zero.get("offload_optimizer"), dict) and \
+            zero["offload_optimizer"].get("device", "none") != "none"
+        _optimizer(ds.pop("optimizer"), run, label, out, offload, zero.get("stage", 0))
     if "scheduler" in ds:
         _scheduler(ds.pop("scheduler"), run, label, out)
     if out.mismatches:
         raise ConfigError(f"the DeepSpeed settings ({', '.join(dict.fromkeys([label, *(o[3] for o in others)]))}) "
                           f"contradict the run config: {'; '.join(out.mismatches)}; set each to \"auto\", make them "
-                          f"agree, or drop the run-file value")
+                          f"agree, drop the run-file value, or set run.config_wins = \"deepspeed\"")
     return out
 
 
-def _optimizer(opt: Any, run: Resolved, label: str, out: Sections) -> None:
+def _optimizer(opt: Any, run: Resolved, label: str, out: Sections, offload: bool, stage: int) -> None:
     if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
         raise ConfigError(f"optimizer ({label}) must be an object with a \"type\", e.g. {{\"type\": \"AdamW\", "
                           f"\"params\": {{\"lr\": \"auto\"}}}}")
     kind = opt["type"].lower()
     if kind not in OPTIMIZERS:
-        has = "is one of DeepSpeed's optimizers the harness does not build" if kind in DEEPSPEED_ONLY else \
-            "is not an optimizer DeepSpeed has"
-        raise ConfigError(f"optimizer.type = {opt['type']!r} ({label}) {has}; the harness builds Adam, AdamW and SGD")
+        _deepspeed_builds(opt, run, label, out, offload, stage)
+        return
     name, adam_w = OPTIMIZERS[kind]
     out.take("optimizer.type", name, run, "optimizer.name", label)
     params = opt.get("params", {})
@@ -134,6 +141,70 @@ def _optimizer(opt: Any, run: Resolved, label: str, out: Sections) -> None:
         out.switches["adam_w_mode"] = True  # DeepSpeed: AdamW is always decoupled
     elif adam_w is not None:
         out.switches.setdefault("adam_w_mode", adam_w)
+
+
+def _deepspeed_builds(opt: dict, run: Resolved, label: str, out: Sections, offload: bool, stage: int) -> None:
+    """An optimizer DeepSpeed builds itself from the section (deepspeed/runtime/engine.py,
+    `_configure_basic_optimizer`): one of its own (Adagrad, Lamb, Lion, MuAdam, ...) or any torch.optim class by
+    name, where this machine can build it; "auto" parameters filled from the run file."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    kind, name = opt["type"].lower(), opt["type"]
+    torch_class = getattr(torch.optim, name, None)
+    if kind in NOT_BUILT or (kind not in DEEPSPEED_OPTIMIZERS and not (
+            isinstance(torch_class, type) and issubclass(torch_class, torch.optim.Optimizer))):
+        has = "is one of DeepSpeed's optimizers the harness does not build" if kind in NOT_BUILT else \
+            "is not an optimizer DeepSpeed has (its own, or a torch.optim class by name)"
+        raise ConfigError(f"optimizer.type = {name!r} ({label}) {has}")
+    why = _cannot_build(kind, offload, stage)
+    if why:
+        raise ConfigError(f"optimizer.type = {name!r} ({label}): DeepSpeed cannot train it here: {why}")
+    params = dict(opt.get("params", {}))
+    if torch_class is not None and kind not in DEEPSPEED_OPTIMIZERS:  # torch's class takes what its signature says
+        import inspect
+
+        takes = set(inspect.signature(torch_class).parameters) - {"self", "params"}
+        unknown = sorted(set(params) - takes)
+        if unknown:
+            raise ConfigError(f"optimizer.params.{unknown[0]} ({label}) is not a parameter of torch.optim.{name} "
+                              f"({', '.join(sorted(takes))})")
+    for key, value in params.items():
+        if key in FILLABLE:
+            params[key] = out.take(f"optimizer.params.{key}", value, run, FILLABLE[key], label)
+        elif value == "auto":
+            raise ConfigError(f"optimizer.params.{key} = \"auto\" ({label}): nothing in the run config fills it for "
+                              f"{name}; give a value")
+    params.setdefault("lr", run.cfg.optimizer.lr)
+    out.optimizer = {"type": name, "params": params}
+
+
+def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:
+    """Why DeepSpeed cannot build its optimizer `kind` here (a kernel this machine cannot compile, a package not
+    installed, a combination it fails on), or None."""
+    import importlib.util
+
+    if kind == "adagrad" and stage in (1, 2, 3) and not offload:
+        # torch.optim.Adagrad under ZeRO: IndexError in stage_1_and_2.py `_get_flat_partition_unpadded` (and in
+        # stage 3) at the first step with DeepSpeed 0.19.8; with optimizer offload its CPU Adagrad trains
+        return f"torch's Adagrad under ZeRO-{stage} fails inside DeepSpeed at its first step; use ZeRO-0, or " \
+               f"zero_optimization.offload_optimizer (DeepSpeed's CPU Adagrad)"
+
+    if kind.startswith("mu") and importlib.util.find_spec("mup") is None:
+        return "its mu-P optimizers need the `mup` package (pip install mup)"
+    builders = {("lamb", False): "FusedLambBuilder", ("lamb", True): "FusedLambBuilder",
+                ("lion", False): "FusedLionBuilder", ("lion", True): "CPULionBuilder",
+                ("adagrad", True): "CPUAdagradBuilder"}
+    builder = builders.get((kind, offload))
+    if builder is None:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    made = get_accelerator().create_op_builder(builder)  # this accelerator's builder of the kernel, if it has one
+    if made is None or type(made).__name__ == "NotImplementedBuilder" or not made.is_compatible(verbose=False):
+        return (f"its kernel ({builder}) has no build for the {get_accelerator().device_name()} accelerator "
+                f"(the fused ones need a GPU)")
+    return None
 
 
 def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:

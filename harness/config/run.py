@@ -41,6 +41,10 @@ class RunSection:
     task: str = _f("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
     output_dir: str = _f("runs/run", "the run directory: config, metrics, checkpoints and the exported model")
     name: str = _f("", "run name for the tracker; empty means the run directory's name")
+    config_wins: str = _f("run", "where a DeepSpeed file's optimizer or scheduler section (or accelerate's "
+                          "accumulation and clipping) and a run-config value you set differ: `run` refuses the run, "
+                          "listing every mismatch; `deepspeed` takes the DeepSpeed value (an explicit DeepSpeed value "
+                          "always replaces a run default)", ("run", "deepspeed"))
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,7 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
     DeepSpeed's fused Adam does it, and on a CPU torch's fused AdamW. A DeepSpeed file's sections (`sections`,
     config/ds_optim.py) may ask for Adam with L2 decay (`adam_w_mode` false), torch's Adam on a GPU (`torch_adam`)
     and one of DeepSpeed's schedulers instead of the run file's."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    o = cfg.optimizer
-    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partitioned parameter is 1-d
-    groups = [{"params": [p for p in params if ndim(p) >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same
+    o, groups = cfg.optimizer, param_groups(model, cfg)
     kwargs = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     switches = sections.switches if sections else {}
     decoupled = switches.get("adam_w_mode", True)  # False: Adam with L2 decay, as DeepSpeed's Adam then steps
@@ -52,13 +47,27 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
         optimizer = _fused_adamw(groups, kwargs, decoupled)
     else:  # one kernel for every parameter, not a loop of them (and no per-parameter step count read on the host)
         optimizer = torch_adam(groups, fused=True, **kwargs)
-    if sections and sections.scheduler:  # DeepSpeed's own class, as DeepSpeed would build it from the file
+    return optimizer, make_schedule(optimizer, cfg, total_steps, sections)
+
+
+def param_groups(model: nn.Module, cfg: RunConfig) -> list[dict]:
+    """The trainable parameters in two groups: weight decay on matrices, none on biases and norm weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731 - a ZeRO-3 partitioned parameter is 1-d
+    groups = [{"params": [p for p in params if ndim(p) >= 2], "weight_decay": cfg.optimizer.weight_decay},
+              {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # DeepSpeed drops empty groups; the schedule must see the same
+
+
+def make_schedule(optimizer, cfg: RunConfig, total_steps: int, sections=None):
+    """The run file's schedule over `optimizer`, or DeepSpeed's scheduler class where the DeepSpeed file names one,
+    built with its filled parameters as DeepSpeed would build it from the file."""
+    if sections and sections.scheduler:
         from deepspeed.runtime import lr_schedules
 
         params = {k: total_steps if v == "auto" else v for k, v in sections.scheduler["params"].items()}
-        return optimizer, getattr(lr_schedules, sections.scheduler["type"])(optimizer, **params)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
-    return optimizer, schedule
+        return getattr(lr_schedules, sections.scheduler["type"])(optimizer, **params)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
 
 
 def _fused_adamw(groups: list[dict], kwargs: dict, decoupled: bool = True) -> torch.optim.Optimizer:

@@ -65,7 +65,7 @@ def build_engine(plan, world: World, total_steps: int):
     """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
     import deepspeed
 
-    from .optim import build_optimizer
+    from .optim import build_optimizer, make_schedule, param_groups
 
     cfg = plan.run.cfg
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
@@ -97,11 +97,17 @@ def build_engine(plan, world: World, total_steps: int):
         compiler = compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
-    optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps,
-                                          plan.ds.sections)
     import_muon_lazily()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=plan.ds.config)
+    sections = plan.ds.sections
+    if sections.optimizer:  # one of DeepSpeed's other optimizers (or torch's, by name): DeepSpeed builds it
+        engine, _, _, schedule = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, plan.run.cfg),
+            lr_scheduler=lambda opt: make_schedule(opt, plan.run.cfg, total_steps, sections),
+            config={**plan.ds.config, "optimizer": sections.optimizer})
+    else:
+        optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps, sections)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                               config=plan.ds.config)
     _check_groups(engine, world)
     engine.harness_build_peak = built  # read by the loop: what building it took on this rank
     if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1:

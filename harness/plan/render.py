@@ -83,6 +83,8 @@ def _gib(n: int) -> str:
 def optimizer_section(plan: Plan) -> dict:
     """The optimizer the harness builds, as a DeepSpeed `optimizer` section."""
     o, switches = plan.run.cfg.optimizer, plan.ds.sections.switches
+    if plan.ds.sections.optimizer:  # built by DeepSpeed from the file's section
+        return plan.ds.sections.optimizer
     if o.name == "sgd":
         return {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov,
                                           "weight_decay": o.weight_decay}}
@@ -112,7 +114,8 @@ def render(plan: Plan) -> str:
     for key, value in flatten(ds.config).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.source.get(key, 'DeepSpeed default')}")
     sched = ds.sections.scheduler
-    lines.append(f"# optimizer and schedule, built by the harness: {optimizer_section(plan)['type']}, "
+    builder = "DeepSpeed" if ds.sections.optimizer else "the harness"
+    lines.append(f"# optimizer and schedule: {optimizer_section(plan)['type']} (built by {builder}), "
                  f"{'DeepSpeed ' + sched['type'] if sched else 'the run file [schedule] ' + run.cfg.schedule.kind}")
     for key, value in flatten({"scheduler": sched} if sched else {}).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")

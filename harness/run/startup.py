@@ -6,7 +6,6 @@ in `harness/distributed/parallel.py`.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -218,5 +217,9 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
             if changed:
                 print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
         saved.write_text(to_toml(plan.run.cfg))
-        (plan.run_dir / "ds_config.json").write_text(json.dumps(plan.ds.config, indent=2) + "\n")
+        from ..plan.render import (
+            ds_json,  # in full: the optimizer and scheduler the run trains with too
+        )
+
+        (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
     return held
