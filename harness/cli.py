@@ -137,7 +137,8 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="draw runs' curves into one PNG (training loss, learning rate, validation loss, "
                         "the task's metric), each run a line")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    pl.add_argument("--out", required=True, metavar="FILE.png")
+    pl.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png for one run; for several, "
+                    "compare.png beside the first run directory")
     r = sub.add_parser("results", help="regenerate the GPU table of docs/benchmarks.md from results/gpu/*/suite.json")
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
@@ -250,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {export_hf(args.run_dir, args.hf)}")
             return 0
         if args.command == "plot":
-            from .run.plots import plot
+            from .run.plots import default_out, plot
 
-            print(f"wrote {plot(args.run_dirs, args.out)}")
+            print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs))}")
             return 0
         if args.command in ("evaluate", "translate"):
             with trusting(task=args.task, run_dir=args.trust_run_dir):

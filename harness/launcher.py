@@ -69,7 +69,11 @@ def launch_settings(accelerate_args: list[str]) -> dict:
             raise ConfigError(f"harness launch: --config_file {file}: no such file")
         saved = load_config_from_file(file).to_dict()
     ds = saved.get("deepspeed_config") or {}
-    return {"num_processes": args.num_processes or saved.get("num_processes") or 1,
+    processes = args.num_processes if args.num_processes is not None else saved.get("num_processes", 1)
+    if not isinstance(processes, int) or processes < 1:  # accelerate would start torchrun with it and fail inside
+        where = "--num_processes" if args.num_processes is not None else f"num_processes in {file}"
+        raise ConfigError(f"harness launch: {where} = {processes}: must be 1 or more (the processes on each machine)")
+    return {"num_processes": processes,
             "mixed_precision": (args.mixed_precision or saved.get("mixed_precision") or "no").lower(),
             "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file"),
             "env": _deepspeed_env(args)}

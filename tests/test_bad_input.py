@@ -130,6 +130,7 @@ CASES = [
     ("data-whitespace", [S, "data.path=@blank.jsonl"], None, None, "blank.jsonl: the file holds only whitespace"),
     ("data-header-only", [S, "data.path=@header.csv"], None, None, "header.csv: only a header (text, label)"),
     ("data-no-column", [S, "data.path=@columns.csv"], None, None, "columns.csv: no column 'text'"),
+    ("data-a-directory", [S, "data.path=@DIR"], None, None, "data.path is a directory (a.txt); name one file"),
     ("data-unknown-suffix", [S, "data.path=@rows.xml"], None, None, "rows.xml: cannot tell the format"),
     ("output-dir-under-a-file", [S, "run.output_dir=@rows.xml"], None, None, "rows.xml is a file, not a directory"),
 ]
@@ -166,7 +167,11 @@ def test_bad_input_exits_2_naming_it_before_any_process_group(case, tmp_path, co
     for i, arg in enumerate(extra):  # data.path=@NAME: a file of FILES written for the case (a run directory under it)
         if "=@" in arg:
             key, file_name = arg.split("=@")
-            (tmp_path / file_name).write_bytes(FILES[file_name])
+            if file_name == "DIR":  # a directory of text files
+                (tmp_path / file_name).mkdir()
+                (tmp_path / file_name / "a.txt").write_text("some text\n")
+            else:
+                (tmp_path / file_name).write_bytes(FILES[file_name])
             path = tmp_path / file_name / ("run" if key == "run.output_dir" else "")
             extra = [*extra[:i], f"{key}={json.dumps(str(path))}", *extra[i + 1:]]
     assert main(args + extra) == 2
@@ -180,3 +185,24 @@ def test_the_table_is_wide_and_its_trap_is_real(tmp_path, corpus, no_process_gro
     with pytest.raises(AssertionError, match="process group was started"):  # good input gets that far
         main(["train", S, f"data.path={json.dumps(str(corpus))}", S,
               f"run.output_dir={json.dumps(str(tmp_path / 'r'))}", *TWO_STEPS])
+
+
+def test_sizes_in_messages_are_in_the_unit_that_shows_them():
+    from harness.run.startup import size
+
+    assert (size(512), size(3 * 2**20), size(5.5 * 2**30)) == ("512 bytes", "3.0 MiB", "5.5 GiB")  # not "0.0 GiB"
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_an_accelerate_config_with_no_processes_is_one_line_before_launch(count, tmp_path):
+    from conftest import LAUNCH
+
+    from harness.config.run import ConfigError
+    from harness.launcher import launch_settings
+
+    yaml = tmp_path / "accelerate.yaml"
+    yaml.write_text((LAUNCH / "cpu_2proc.yaml").read_text().replace("num_processes: 2", f"num_processes: {count}"))
+    with pytest.raises(ConfigError, match=f"num_processes in {yaml} = {count}: must be 1 or more"):
+        launch_settings(["--config_file", str(yaml)])
+    with pytest.raises(ConfigError, match=f"--num_processes = {count}: must be 1 or more"):
+        launch_settings(["--config_file", str(LAUNCH / "cpu_2proc.yaml"), "--num_processes", str(count)])

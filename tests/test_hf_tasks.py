@@ -74,6 +74,9 @@ def test_hf_esm_classifies_proteins_under_partitioned_zero3_resumes_exactly_and_
     assert_losses_close(two3.losses, ref.losses, FP32_TOL)
     assert two3.evals[-1]["accuracy"] == pytest.approx(ref.evals[-1]["accuracy"])
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(two3.dir / "hf").eval()
+    classes = json.loads((two3.dir / "data" / "meta.json").read_text())["classes"]
+    assert theirs.config.id2label == {i: str(c) for i, c in enumerate(classes)}  # pipeline() prints real labels
+    assert "LABEL_0" not in theirs.config.id2label.values()
     tok = transformers.AutoTokenizer.from_pretrained(two3.dir / "hf")
     ids = torch.tensor([tok("MKTAYIAKQR")["input_ids"]])  # <cls> residues <eos>, as the harness feeds them
     with pytest.MonkeyPatch.context() as mp:

@@ -107,3 +107,26 @@ def test_task_sections_belong_to_their_task(tmp_path):
     saved.write_text(to_toml(resolve(None, ["train.max_steps=1"]).cfg))
     assert resolve(str(saved)).cfg.run.task == "lm" and "[prices]" not in saved.read_text()
     assert json.dumps(cfg.to_dict())  # serialisable for the trackers
+
+
+def test_auroc_by_ranks_equals_every_pair_compared_and_scales():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 20, (300,), generator=g).float()  # many ties
+    labels = torch.rand(300, generator=g) < 0.3
+    pos, neg = scores[labels], scores[~labels]
+    pairs = ((pos[:, None] > neg[None, :]).double().sum() + 0.5 * (pos[:, None] == neg[None, :]).double().sum())
+    assert metrics.auroc(scores, labels) == pytest.approx((pairs / (len(pos) * len(neg))).item(), abs=1e-12)
+    big = torch.rand(200_000, generator=g)  # positives x negatives would be 10^10 comparisons
+    assert metrics.auroc(big, big > 0.5) == 1.0
+
+
+def test_the_run_directory_s_config_reads_back_whatever_its_strings_hold(tmp_path):
+    import tomllib
+
+    odd = "tab\there, bell \x07, quote \" and backslash \\ and a newline\nand unicode é"
+    cfg = resolve(None, ["train.max_steps=1", f"run.name={json.dumps(odd)}", "train.grad_clip=0.5",
+                         'data.length_buckets="32,64,128"']).cfg
+    text = to_toml(cfg)
+    assert tomllib.loads(text) == cfg.to_dict()  # every field, as it was
+    (tmp_path / "config.toml").write_text(text)
+    assert resolve(str(tmp_path / "config.toml")).cfg == cfg

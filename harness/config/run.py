@@ -493,19 +493,8 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def to_toml(cfg: RunConfig) -> str:
-    """The resolved config as a run file that `harness train --run` accepts as is."""
-    lines = []
-    for section, body in cfg.to_dict().items():
-        lines.append(f"[{section}]")
-        for k, v in body.items():
-            lines.append(f"{k} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved config as a run file that `harness train --run` accepts as is (written by tomli-w: any string,
+    control characters included, reads back as it was)."""
+    import tomli_w
 
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
+    return tomli_w.dumps(cfg.to_dict())

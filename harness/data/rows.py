@@ -59,6 +59,11 @@ def check_paths(d: DataSection) -> None:
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
         if path and not path.startswith("hub:"):
             p = Path(path)
+            if p.is_dir():  # the lm task reads one file (the case studies read their own directory layouts)
+                files = sorted(f.name for f in p.iterdir() if f.is_file())[:3]
+                raise ConfigError(f"{path}: {key} is a directory ({', '.join(files) or 'empty'}"
+                                  f"{', ...' if len(files) == 3 else ''}); name one file of text, json or csv "
+                                  f"(join several into one)")
             if not p.is_file():
                 raise ConfigError(f"{path}: {key} not found")
             try:

@@ -116,6 +116,14 @@ def _bytes_on_disk(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+def size(n: float) -> str:
+    """Bytes in the unit that shows them (a small run on a small tmpfs is not "0.0 GiB needs 0.0 GiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
 def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None) -> str | None:
     """Why the file system of the run directory cannot hold this run's checkpoints and export, or None: the checkpoints
     it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less the
@@ -139,13 +147,12 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
     if free >= need + convert:
         return None
-    gib = 2 ** 30
-    return (f"{plan.run.describe('run.output_dir')}: {free / gib:,.1f} GiB free on its file system; this run needs "
-            f"about {(need + convert) / gib:,.1f} GiB: {count} checkpoints (train.keep_checkpoints = "
+    return (f"{plan.run.describe('run.output_dir')}: {size(free)} free on its file system; this run needs "
+            f"about {size(need + convert)}: {count} checkpoints (train.keep_checkpoints = "
             f"{t.keep_checkpoints}, one more while the next is written{', the best' if t.select_best else ''}) of "
             f"{n_params:,} parameters x {per} bytes ({parts}), and the exported model"
             f"{', less the checkpoints already there' if held else ''}"
-            f"{f', and {convert / gib:,.1f} GiB to convert {resume_from.name} for the new layout' if convert else ''}."
+            f"{f', and {size(convert)} to convert {resume_from.name} for the new layout' if convert else ''}."
             f" Free space, lower train.keep_checkpoints or choose another run.output_dir")
 
 
@@ -194,6 +201,7 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
     configs; an --overwrite clears the old run first. Collective: a lock taken meanwhile by another run is refused
     on every rank."""
     from ..distributed.world import all_gather_objects
+    from ..plan.render import ds_json
     from .lock import Lock
 
     held, error = None, None
@@ -217,9 +225,6 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
             if changed:
                 print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
         saved.write_text(to_toml(plan.run.cfg))
-        from ..plan.render import (
-            ds_json,  # in full: the optimizer and scheduler the run trains with too
-        )
-
+        # in full: the optimizer and scheduler the run trains with too
         (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
     return held

@@ -247,7 +247,11 @@ class ProteinTask:
         if m.hf:  # on the prepared residue ids: that vocabulary and its special ids
             ids = {} if hf.own_tokenizer(cfg) else dict(vocab_size=vocab, pad_token_id=PAD, mask_token_id=(
                 prep.tokenizer(directory).piece_id("<mask>")))
-            return hf.build(cfg, HF_CLASSES[objective], **ids, **({} if objective == "mlm" else {"num_labels": n_out}))
+            names = {"classify": [str(c) for c in meta["classes"]], "residue": list(prep.STATES)}.get(objective)
+            labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}} \
+                if names else {}  # the export's pipeline() prints the data's class names, not LABEL_0
+            return hf.build(cfg, HF_CLASSES[objective], **ids, **labels,
+                            **({} if objective == "mlm" else {"num_labels": n_out}))
         positions = len(meta["sites"]["columns"]) if meta.get("sites") else cfg.data.seq_len
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=positions + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
