@@ -92,8 +92,8 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         if against:
             raise ConfigError(f"{label} contradicts the {accelerate.describe(given)}: {'; '.join(against)}; "
                               f"name the strategy in one of them")
-    elif accelerate.strategy(given):
-        label, ds = accelerate.describe(given), accelerate.strategy(given)
+    elif wanted := accelerate.strategy(given):
+        label, ds = accelerate.describe(given), wanted
     else:
         label, ds = "harness default", DEFAULT_DS
     ds = copy.deepcopy(ds)
@@ -144,14 +144,15 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
 
     from_accelerate = [(f"accelerate {name}", value, key, accelerate.describe(given))
                        for name, (key, value) in accelerate.run_values(given).items()]
-    sections = resolve_sections(ds, run, label, from_accelerate)  # optimizer, scheduler: the harness builds them
+    offload_opt = _offload_device(zero.get("offload_optimizer")) not in ("none", None)
+    offload_par = _offload_device(zero.get("offload_param")) not in ("none", None)
+    # optimizer, scheduler: the harness builds them (or has DeepSpeed build its others)
+    sections = resolve_sections(ds, run, label, offload_opt, stage, from_accelerate)
     for k in list(source):
         if k.startswith(("optimizer.", "scheduler.")):
             del source[k]
 
     precision = _resolve_precision(ds, source, label, accel_precision)
-    offload_opt = _offload_device(zero.get("offload_optimizer")) not in ("none", None)
-    offload_par = _offload_device(zero.get("offload_param")) not in ("none", None)
     if offload_par and stage != 3:
         raise ConfigError(f"zero_optimization.offload_param ({label}) needs ZeRO stage 3, got stage {stage}")
     if offload_opt and stage == 0:

@@ -9,8 +9,9 @@
   unless `adam_w_mode` is false: Adam with L2), AdamW, SGD; `torch_adam` takes torch's implementation instead of
   DeepSpeed's fused kernel. DeepSpeed's other optimizers (Adagrad, Lamb, Lion, MuAdam, ...) and torch.optim classes
   by name are built by DeepSpeed from the section, where this machine can build them (refused in one line
-  otherwise); the harness's parameter groups (no decay on biases and norms) and schedule go with them. The scheduler is DeepSpeed's own class (WarmupLR, WarmupDecayLR, WarmupCosineLR,
-  OneCycle, LRRangeTest), built with the filled parameters (`distributed/optim.py`), so its curve is DeepSpeed's.
+  otherwise); the harness's parameter groups (no decay on biases and norms) and schedule go with them. The
+  scheduler is DeepSpeed's own class (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest), built with the
+  filled parameters (`distributed/optim.py`), so its curve is DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ SCHEDULERS = {
 @dataclass
 class Sections:
     """What the two sections resolved to: the run keys to adopt, the harness's optimizer switches, DeepSpeed's
-    scheduler (type and filled parameters; TOTAL ones still "auto") and the sources of the filled values."""
+    scheduler (type and filled parameters; a total still "auto" where only the data can tell it) and the sources
+    of the filled values."""
     adopt: dict[str, tuple[Any, str]] = field(default_factory=dict)  # run key -> (value, where it came from)
     switches: dict[str, bool] = field(default_factory=dict)          # adam_w_mode, torch_adam
     scheduler: dict[str, Any] | None = None                          # {"type": ..., "params": {...}}
@@ -90,17 +92,16 @@ def _run_source(run: Resolved, run_key: str) -> str:
     return run.source[_run_keys(run_key)[0]]
 
 
-def resolve_sections(ds: dict, run: Resolved, label: str, others: list[tuple[str, Any, str, str]] = ()) -> Sections:
-    """Take `optimizer` and `scheduler` out of `ds` (the harness builds both), checked and filled; `others`: more
-    values from outside the run file, (key, value, run key, where from), taken the same way (accelerate's)."""
+def resolve_sections(ds: dict, run: Resolved, label: str, offload: bool, stage: int,
+                     others: list[tuple[str, Any, str, str]] = ()) -> Sections:
+    """Take `optimizer` and `scheduler` out of `ds` (the harness builds both), checked and filled, for a run at ZeRO
+    `stage` with or without optimizer `offload`; `others`: more values from outside the run file, (key, value, run
+    key, where from), taken the same way (accelerate's)."""
     out = Sections()
     for key, value, run_key, where in others:
         out.take(key, value, run, run_key, where)
     if "optimizer" in ds:
-        zero = ds.get("zero_optimization") or {}
-        offload = isinstance(zero.get("offload_optimizer"), dict) and \
-            zero["offload_optimizer"].get("device", "none") != "none"
-        _optimizer(ds.pop("optimizer"), run, label, out, offload, zero.get("stage", 0))
+        _optimizer(ds.pop("optimizer"), run, label, out, offload, stage)
     if "scheduler" in ds:
         _scheduler(ds.pop("scheduler"), run, label, out)
     if out.mismatches:
@@ -189,7 +190,6 @@ def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:
         # stage 3) at the first step with DeepSpeed 0.19.8; with optimizer offload its CPU Adagrad trains
         return f"torch's Adagrad under ZeRO-{stage} fails inside DeepSpeed at its first step; use ZeRO-0, or " \
                f"zero_optimization.offload_optimizer (DeepSpeed's CPU Adagrad)"
-
     if kind.startswith("mu") and importlib.util.find_spec("mup") is None:
         return "its mu-P optimizers need the `mup` package (pip install mup)"
     builders = {("lamb", False): "FusedLambBuilder", ("lamb", True): "FusedLambBuilder",

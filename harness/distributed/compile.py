@@ -9,7 +9,7 @@ infra/parallelize.py, `apply_compile`), not the whole model at once.
   parameter fetch, its gradient hooks) run eagerly around it, with communication where it always was.
 - Shapes do not recompile every step: without `data.length_buckets` the lengths are dynamic from the first compile
   (`dynamic=True`: one graph for every length); with buckets, each batch is padded to one of a few lengths
-  (`data/batches.py`, `padded_to_buckets`) and each length compiles once, static (what CUDA graphs need).
+  (`data/batches.py`, `BucketedCollate`) and each length compiles once, static (what CUDA graphs need).
 - Training calls only: evaluation and decoding (grad off, a length per decoded token) run the block eagerly.
 - A block class that cannot compile (a graph break under fullgraph, a backend failure) runs eagerly from its first
   call, with one line naming it and why; nothing else changes.
@@ -48,8 +48,9 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class BlockCompiler:
-    """One compiled function per block class, its failure shared: the first block of a class that cannot compile
-    says so once and every block of the class runs eagerly."""
+    """Each block's forward wrapped in its own torch.compile (blocks of one class reuse one graph from torch's cache),
+    their failure shared by class: the first block of a class that cannot compile says so once and every block of
+    the class runs eagerly."""
 
     def __init__(self, dynamic: bool, say: Say):
         self.dynamic, self.say = dynamic, say
@@ -83,10 +84,10 @@ class BlockCompiler:
                  f"{type(e).__name__}: {reason[:200]}")
 
 
-def compile_blocks(model: nn.Module, buckets: tuple[int, ...], say: Say) -> BlockCompiler | None:
+def compile_blocks(model: nn.Module, buckets: tuple[int, ...], say: Say) -> None:
     """Compile `model`'s repeated blocks in place (see the module's docstring): static shapes, one compile per
-    bucket, with `buckets`; dynamic lengths without. None when it has none (a model with no repeated layers is
-    compiled whole, graph breaks allowed, said in one line)."""
+    bucket, with `buckets`; dynamic lengths without. A model with no repeated layers is compiled whole, graph breaks
+    allowed, said in one line."""
     dynamic = not buckets
     # each static shape is a compile of the same code: torch's limit (8) must not cut the buckets short
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 2)
@@ -96,10 +97,9 @@ def compile_blocks(model: nn.Module, buckets: tuple[int, ...], say: Say) -> Bloc
         say(f"train.compile: {type(model).__name__} has no repeated blocks (an nn.ModuleList of one layer class); "
             f"its forward is compiled whole")
         model.forward = torch.compile(model.forward, dynamic=dynamic)
-        return None
+        return
     for name, block in blocks:
         compiler.wrap(name, block)
-    return compiler
 
 
 class CompileWatch:

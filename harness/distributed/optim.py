@@ -44,7 +44,7 @@ def build_optimizer(model: nn.Module, cfg: RunConfig, offload: bool, total_steps
 
         optimizer = DeepSpeedCPUAdam(groups, adamw_mode=decoupled, **kwargs)
     elif torch.cuda.is_available() and not switches.get("torch_adam"):
-        optimizer = _fused_adamw(groups, kwargs, decoupled)
+        optimizer = _fused_adamw(groups, kwargs, decoupled, torch_adam)
     else:  # one kernel for every parameter, not a loop of them (and no per-parameter step count read on the host)
         optimizer = torch_adam(groups, fused=True, **kwargs)
     return optimizer, make_schedule(optimizer, cfg, total_steps, sections)
@@ -70,9 +70,9 @@ def make_schedule(optimizer, cfg: RunConfig, total_steps: int, sections=None):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
 
 
-def _fused_adamw(groups: list[dict], kwargs: dict, decoupled: bool = True) -> torch.optim.Optimizer:
+def _fused_adamw(groups: list[dict], kwargs: dict, decoupled: bool, fallback: type) -> torch.optim.Optimizer:
     """DeepSpeed's fused (multi-tensor) AdamW on the GPU; PyTorch's fused AdamW if DeepSpeed's kernel cannot be
-    built here (it compiles on first use with the CUDA toolkit's nvcc)."""
+    built here (it compiles on first use with the CUDA toolkit's nvcc): `fallback`, AdamW or Adam as `decoupled`."""
     try:
         from deepspeed.ops.adam import FusedAdam
 
@@ -81,7 +81,7 @@ def _fused_adamw(groups: list[dict], kwargs: dict, decoupled: bool = True) -> to
     except Exception as e:  # noqa: BLE001 - any build failure means: use the other fused kernel
         warnings.warn(f"DeepSpeed's FusedAdam is not available ({str(e).splitlines()[0][:200]}); using "
                       f"torch.optim.AdamW(fused=True)")
-        return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups, fused=True, **kwargs)
+        return fallback(groups, fused=True, **kwargs)
 
 
 @contextlib.contextmanager

@@ -90,11 +90,10 @@ def build_engine(plan, world: World, total_steps: int):
     layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
     if plan.run.cfg.train.activation_checkpointing:
         checkpoint_blocks(model)
-    compiler = None
     if plan.run.cfg.train.compile:  # torchtitan's order: checkpointing, then compile, then sharding (ZeRO below)
         from .compile import compile_blocks
 
-        compiler = compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
+        compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
     import_muon_lazily()
@@ -120,7 +119,6 @@ def build_engine(plan, world: World, total_steps: int):
         # meets, 0.1 to 3 s each, on the host (the multi-second steps of the first GPU suite's translation model);
         # FlashAttention and the memory-efficient kernel need none. See modelscope/FunASR#3704.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    engine.harness_compiler = compiler
     return engine, schedule
 
 

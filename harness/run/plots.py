@@ -51,7 +51,7 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     """Where `harness plot` draws without --out: one run's own curves.png (what the run drew at its end), or
     compare.png beside the first of several."""
     first = Path(run_dirs[0])
-    return first / "curves.png" if len(run_dirs) == 1 else first.parent / "compare.png"
+    return first / PLOT_FILE if len(run_dirs) == 1 else first.parent / "compare.png"
 
 
 def plot(run_dirs: list[str | Path], out: str | Path) -> Path:

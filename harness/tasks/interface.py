@@ -29,8 +29,8 @@ class Task(Protocol):
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
     Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
     batches), `pad_values` (the batch's (B, length) tensors and their padding value: `data.length_buckets` pads
-    them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`, `store` and
-    `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
+    them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`,
+    `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
     `items` names what `count` counts, for the progress bar's rate (default "items").
     The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
     harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
