@@ -130,6 +130,17 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all; an "
                    "unknown name is refused with the list); in the same --out their results replace those recipes' "
                    "earlier ones and the others stay")
+    b.add_argument("--seeds", metavar="S,...", help="instead of timing: train every configuration to its end once "
+                   "per seed (train.seed) and score it with evaluate; report each seed, the mean and the sd of "
+                   "--metric beside --baseline (writes OUT/seeds.json and seeds.md; see harness/bench/seeds.py)")
+    b.add_argument("--metric", help="--seeds: the evaluation's figure to report (default: the run's "
+                   "train.select_best)")
+    b.add_argument("--baseline", help="--seeds: a figure the evaluation prints beside the model's to compare with, "
+                   "e.g. ridge_spearman")
+    b.add_argument("--split", default="test", choices=["validation", "test"], help="--seeds: the split scored "
+                   "(default test)")
+    b.add_argument("--threads", type=int, help="--seeds on a CPU: threads per process (default: its share of the "
+                   "cores); the report states it")
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     _run_dir(ex)
@@ -223,6 +234,17 @@ def main(argv: list[str] | None = None) -> int:
 
                 args.proxy_timeout = args.timeout
                 return 1 if run_proxy(args)["failed"] else 0
+            seeds_only = [f"--{k}" for k in ("metric", "baseline", "threads") if getattr(args, k) is not None]
+            if seeds_only and not args.seeds:
+                raise ConfigError(f"{', '.join(seeds_only)} belong to --seeds")
+            if args.seeds:
+                if args.suite or args.overhead or args.largest:
+                    raise ConfigError("--seeds trains whole runs: not with --suite, --overhead or --largest")
+                from .bench.seeds import run_seeds
+
+                args.out = args.out or "bench/seeds"
+                failed = sum(e["failed"] for e in run_seeds(args)["configs"])
+                return 1 if failed else 0
             if args.suite:
                 from .bench.suite import run_suite
 

@@ -164,7 +164,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
 def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     run = harness(tmp_path / "a", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.eval_every=2",
                                                 "train.eval_batches=1", "train.save_every=3"])
-    per_epoch = int(run.proc.stdout.split(" per epoch)")[0].rsplit("(", 1)[1])
+    per_epoch = int(run.proc.stdout.split(" per epoch;")[0].rsplit("(", 1)[1])
     steps = math.ceil(0.01 * per_epoch)
     assert steps > 3, per_epoch  # room for a checkpoint at 3 and steps after it
     assert f"steps 0->{steps} " in run.proc.stdout and len(run.metrics) == steps

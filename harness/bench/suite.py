@@ -393,7 +393,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
                   ["--overwrite"] if smoke else ["--overwrite", "--stop-at", str(probe)], budget)
     if proc.returncode != 0:
         return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr)}
-    planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch\)", proc.stdout + proc.stderr)
+    planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch", proc.stdout + proc.stderr)
     recipe_steps = int(planned.group(2)) if planned else None
     if smoke and planned:  # the recipe's own length, from its run file and the steps per epoch just printed
         from ..tasks import resolve

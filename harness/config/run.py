@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from . import cadence
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -101,9 +103,11 @@ class TrainSection:
                                 "micro_batch_size * grad_accum_steps * data-parallel size")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables clipping")
     log_every: int = _f(10, "write metrics every N steps")
-    eval_every: int = _f(0, "evaluate every N steps (and always at the end); 0 means only at the end")
+    eval_every: int | str = _f(0, "evaluate every N steps (and always at the end), or \"0.5 epochs\" or \"20 per run\" "
+                               "(see harness/config/cadence.py); 0 means only at the end")
     eval_batches: int = _f(0, "micro-batches per rank per evaluation; 0 means the whole validation set")
-    save_every: int = _f(0, "checkpoint every N steps (and always at the end); 0 means only at the end")
+    save_every: int | str = _f(0, "checkpoint every N steps (and always at the end), or \"1 epoch\" or \"5 per run\"; "
+                               "0 means only at the end")
     keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep (and the best, with select_best)")
     select_best: str = _f("", "keep the checkpoint with the best validation value of this metric and export it "
                           "instead of the last: `loss` (or `val_loss`) or any metric the task's evaluation reports "
@@ -112,8 +116,9 @@ class TrainSection:
     select_mode: str = _f("auto", "whether lower or higher select_best is better; auto = min for loss, perplexity, "
                           "mse, mae, rmse, nll, bits_per_byte, error and names starting or ending with one of them "
                           "(price_mse, ...), max for any other", ("auto", "min", "max"))
-    early_stopping_patience: int = _f(0, "stop after this many evaluations in a row without improvement of "
-                                      "select_best (needs select_best and eval_every); 0 = off")
+    early_stopping_patience: int | str = _f(0, "stop after this many evaluations in a row without improvement of "
+                                            "select_best (needs select_best and eval_every), or \"3 epochs\" (the "
+                                            "evaluations that cover them); 0 = off")
     seed: int = _f(0, "seed for model init, data order and dropout")
     max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or an update "
                                   "skipped for a non-finite gradient (in fp16: once the loss scale is at its minimum)")
@@ -184,12 +189,23 @@ class ProteinSection:
     sites: str = _f("all", "classify and regress with the built-in encoder: the model reads every residue, or only "
                     "the positions where the training sequences differ (a mutational library of one length, e.g. "
                     "FLIP GB1's four sites; the ridge baseline uses the same)", ("all", "varying"))
+    blend: str = _f("none", "regress with the built-in encoder: `ridge` makes the model's prediction a mix of the "
+                    "encoder's and the ridge baseline's (fitted on the training split before training, kept in the "
+                    "model): the encoder trains alone, and at the last evaluation (at each, when train.select_best "
+                    "names a field metric such as spearman) the ridge share is chosen from 0, 0.25, 0.5, 0.75 by "
+                    "validation Spearman (ties: the smaller), kept with the checkpoint and the export; the recipe "
+                    "that holds its own at a few hundred variants", ("none", "ridge"))
     mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
     init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
     mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "
                             "this many times, each copy with its own fixed mask (so an epoch is that many passes)")
     test_fraction: float = _f(0.1, "share of the distinct sequences held out for test when the source has no "
                               "test split (validation takes data.val_fraction)")
+    train_subsample: int = _f(0, "keep this many rows of the training and validation splits together (each stays in "
+                              "its split; the test split is untouched), drawn by protein.subsample_seed: a low-N "
+                              "study on a large set (the ridge baseline fits the same rows); 0 = all")
+    subsample_seed: int = _f(0, "seed of protein.train_subsample's draw (apart from train.seed, so seeds of one "
+                             "subsample train on the same rows)")
     sequence_field: str = _f("sequence", "column (csv/jsonl/hub) holding the amino-acid sequence")
     label_field: str = _f("label", "column holding the label: a class (classify), one state letter per residue "
                           "(residue) or a number (regress); in a fasta header, `label=VALUE`; a FLIP csv "
@@ -305,10 +321,10 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
         value = float(value)
     if key == "data.length_buckets" and isinstance(value, list):  # a TOML list of lengths
         value = ",".join(map(str, value))
-    if get_origin(expected) is not None:  # no generic fields yet; keep the check honest if one is added
-        expected = get_args(expected)[0]
-    if type(value) is not expected:
-        raise ConfigError(f"{key} must be {expected.__name__}, got {type(value).__name__} {value!r} ({origin})")
+    allowed = get_args(expected) if get_origin(expected) is not None else (expected,)  # int | str: a cadence
+    if type(value) not in allowed:
+        raise ConfigError(f"{key} must be {' or '.join(a.__name__ for a in allowed)}, got {type(value).__name__} "
+                          f"{value!r} ({origin})")
     if expected is float and not math.isfinite(value):  # TOML has nan and inf literals
         raise ConfigError(f"{key} must be a finite number, got {value!r} ({origin})")
     choices = all_keys(sections)[key].metadata.get("choices")
@@ -391,10 +407,10 @@ def resolve(run_file: str | None, overrides: list[str], task_ref) -> Resolved:
 POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
             "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
             "data.max_row_chars", "optimizer.eps", "train.collective_timeout_s")
-NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_every", "train.eval_batches",
-                "train.save_every", "train.grad_clip", "train.epochs", "model.d_ff", "model.vocab_size",
-                "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay", "data.num_workers", "data.bucket",
-                "train.profile_step", "train.early_stopping_patience", "train.seed")
+NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_batches", "train.grad_clip", "train.epochs",
+                "model.d_ff", "model.vocab_size", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
+                "data.num_workers", "data.bucket", "train.profile_step", "train.seed", "protein.train_subsample",
+                "protein.subsample_seed")  # the cadences (train.eval_every, ...) are checked by config/cadence.py
 BELOW_ONE = ("model.dropout", "data.val_fraction", "optimizer.beta1", "optimizer.beta2", "optimizer.momentum")  # [0, 1)
 UP_TO_ONE = ("schedule.min_lr_ratio",)  # [0, 1]
 
@@ -409,6 +425,12 @@ def _check(r: Resolved) -> None:
         if v < 0 or (key in BELOW_ONE and v >= 1) or (key in UP_TO_ONE and v > 1):
             bound = "must be >= 0" if key in NON_NEGATIVE else f"must be in [0, 1{')' if key in BELOW_ONE else ']'}"
             raise ConfigError(f"{r.describe(key)} {bound}")
+    every = {}
+    for key in cadence.UNITS:  # steps, epochs or a count per run: the forms are checked now, the steps at launch
+        try:
+            every[key] = cadence.parse(key, getattr(c.train, key.split(".")[1]))
+        except ValueError as e:
+            raise ConfigError(f"{e} ({r.source[key]})") from None
     _check_buckets(r)
     if c.model.d_model % c.model.n_heads:
         raise ConfigError(f"model.n_heads must divide model.d_model: {r.describe('model.d_model')}, "
@@ -432,7 +454,7 @@ def _check(r: Resolved) -> None:
         given = _chosen(r, ["train.select_mode", "train.early_stopping_patience"])
         if given:
             raise ConfigError(f"{'; '.join(given)} needs train.select_best, the metric to select by (e.g. \"loss\")")
-    elif c.train.early_stopping_patience and not c.train.eval_every:
+    elif every["train.early_stopping_patience"].amount and not every["train.eval_every"].amount:
         raise ConfigError(f"{r.describe('train.early_stopping_patience')} counts evaluations, but "
                           f"{r.describe('train.eval_every')} evaluates only at the end")
     if c.train.max_steps and c.train.epochs:

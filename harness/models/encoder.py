@@ -8,6 +8,9 @@ Embedding -> pre-layer-norm blocks (non-causal self-attention; padded keys maske
 Pooling (`pooling`) is the mean of the real positions, or "attention": a learned score per position (`pool_score`),
 softmax over the real positions, and the weighted sum, which lets the head look at the few positions that matter
 (e.g. the four mutated sites of a fitness landscape, where a mean drowns them in 260 identical ones).
+With `ridge` (regress only) the model also holds a linear model on one-hot tokens, `ridge_table` (a weight per position
+and token id, the intercept on <cls>), and its share `ridge_mix`: buffers, not trained. Training sees the head's
+prediction alone; in eval mode the prediction is (1 - ridge_mix) * head + ridge_mix * linear (`protein.blend`).
 Each head has its own parameter name (`mlm_head`, `cls_head`, `residue_head`), so weights trained with one
 objective load into a model with another by name: the shared encoder is taken and the new head starts fresh.
 """
@@ -29,7 +32,7 @@ POOLED = ("classify", "regress")  # heads over the mean of the real positions
 class Encoder(nn.Module):
     """Token ids (B, T) and a bool mask (B, T) (True = real token, False = padding) -> the head's output."""
 
-    def __init__(self, cfg: TransformerConfig, head: str, n_out: int, pooling: str = "mean"):
+    def __init__(self, cfg: TransformerConfig, head: str, n_out: int, pooling: str = "mean", ridge: bool = False):
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"head {head!r} is not one of {', '.join(HEADS)}")
@@ -45,12 +48,25 @@ class Encoder(nn.Module):
         if pooling == "attention" and head in POOLED:
             self.pool_score = nn.Linear(cfg.d_model, 1)
         self.apply(init_weights)
+        if ridge:  # a linear model on one-hot tokens to mix with the head's prediction (`protein.blend`)
+            if head != "regress":
+                raise ValueError(f"a ridge blend is for the regress head, not {head!r}")
+            self.register_buffer("ridge_table", torch.zeros(cfg.max_seq_len * cfg.vocab_size))  # (position, id)
+            self.register_buffer("ridge_mix", torch.zeros(()))  # its share of the prediction in eval mode
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x, _ = _embed(self, (ids, mask))  # (B, T, C)
         for block in self.blocks:
             x, _ = _block(block, (x, mask))
-        return _out(self.head, self, (x, mask))
+        out = _out(self.head, self, (x, mask))
+        if hasattr(self, "ridge_table") and not self.training and self.ridge_mix:  # trained alone, mixed when used
+            out = out + self.ridge_mix * (self.ridge(ids, mask) - out)
+        return out
+
+    def ridge(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The linear model's prediction (B, 1): its weight for each real position's token, summed."""
+        cells = ids + torch.arange(ids.shape[1], device=ids.device) * self.cfg.vocab_size  # (B, T)
+        return (self.ridge_table[cells] * mask).sum(1, keepdim=True).to(self.ridge_mix.dtype)
 
     def forward_flops(self, ids: torch.Tensor, mask: torch.Tensor) -> float:
         """Analytic FLOPs of `forward(ids, mask)` over the real (unpadded) positions (see `flops.py`)."""

@@ -96,6 +96,9 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
         raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
                           f"which a pipeline needs (the list of layers it cuts into stages; see "
                           f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
+    if ds.layout.pp_size > 1 and hasattr(model, "ridge_table"):  # models/encoder.py: mixed at the output
+        raise ConfigError(f"{run.describe('protein.blend')}: the linear part reads the token ids, which a pipeline's "
+                          f"last stage does not see; use a DeepSpeed config without a pipeline section")
     if ds.layout.tp_size > 1 and (layer_specs(ds.config) or not run.cfg.model.hf) and \
             not tp_split_params([n for n, _ in model.named_parameters()], ds.config):
         raise ConfigError(f"tensor_parallel.partition_config.layer_specs match no parameter of {run.describe('run.task')}'s "

@@ -29,6 +29,9 @@ with SPLIT_SEED, not train.seed: every run is scored on the same test set), so c
 The residue-level SentencePiece vocabulary (one id per residue, plus <mask> and <cls>) is trained on the kept
 training sequences only; regression values are z-scored with the kept training values' mean and standard
 deviation (meta["values"]), which the task undoes when it reports.
+With `protein.train_subsample = N` only N of the kept training and validation rows stay, each in its split (drawn by
+`protein.subsample_seed`; counted as not_sampled), before the sites, the vocabulary and the value statistics are
+found: a low-N study sees only its N rows; the test split stays whole.
 Class labels that look like measurements (every one a number and some not whole, or more than MAX_CLASSES
 distinct numbers) are refused for classify with a line pointing to regress.
 """
@@ -120,7 +123,8 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
             "val_path": identity(d.val_path), "labels": label_kind(cfg),
             "seq_len": None if p.sites == "varying" else d.seq_len,  # with sites nothing is cut
             "val_fraction": d.val_fraction, "test_fraction": p.test_fraction,
-            "fields": [p.sequence_field, p.label_field], "sites": p.sites}
+            "fields": [p.sequence_field, p.label_field], "sites": p.sites,
+            **({"subsample": [p.train_subsample, p.subsample_seed]} if p.train_subsample else {})}
 
 
 def prepare(cfg: RunConfig) -> Path:
@@ -322,6 +326,8 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     counts, kept = deduplicate(cleaned, kind)
     if kind == "residue":
         fit(counts, kept, seq_len)
+    if cfg.protein.train_subsample:
+        subsample(counts, kept, cfg.protein.train_subsample, cfg.protein.subsample_seed)
     if not kept["train"]:
         raise ConfigError(f"{cfg.data.path or 'the default data'}: no training sequence survived cleaning: "
                           f"{counts['train']}")
@@ -345,6 +351,24 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     return {"counts": counts, "labels": kind, "classes": classes, "values": values, "vocab_size": tok.vocab_size,
             "sites": sites,
             "residues": {s: sum(len(q) for q, _ in kept[s]) for s in SPLITS}, **info}
+
+
+def subsample(counts: dict[str, dict], kept: dict[str, list], n: int, seed: int) -> None:
+    """Keep n of the training and validation rows together (protein.train_subsample), each in its own split."""
+    pool = [(split, i) for split in ("train", "validation") for i in range(len(kept[split]))]
+    if n > len(pool):
+        raise ConfigError(f"protein.train_subsample = {n} is more than the {len(pool):,} training and validation rows "
+                          f"that survived cleaning ({len(kept['train']):,} + {len(kept['validation']):,})")
+    chosen = set(random.Random(seed).sample(pool, n))
+    for split in ("train", "validation"):
+        rows = kept[split]
+        kept[split] = [r for i, r in enumerate(rows) if (split, i) in chosen]
+        dropped = len(rows) - len(kept[split])
+        if dropped:  # the draw takes kept rows: counted out of the kept statuses (ok first; rows keep no status)
+            counts[split]["not_sampled"] = dropped
+        for status in KEPT:
+            take = min(dropped, counts[split].get(status, 0))
+            counts[split][status], dropped = counts[split].get(status, 0) - take, dropped - take
 
 
 def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[str, int], list[Path]]:

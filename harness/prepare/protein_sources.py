@@ -54,7 +54,7 @@ def read_source(cfg: RunConfig) -> tuple[dict[str, list[Row]], dict[str, Any]]:
     elif kind == "flip":
         splits = _read_flip(Path(d.path))
     elif kind == "hub":
-        splits = _read_hub(d.path[4:], p.sequence_field, p.label_field)
+        splits = _read_hub(d.path[4:], p.sequence_field, p.label_field, labelled=p.objective != "mlm")
     else:
         rows, info = _read_file(d.path, cfg)
         sets = info.pop("sets", None)
@@ -88,10 +88,16 @@ def file_format(path: str) -> str:
 
 def _read_file(path: str, cfg: RunConfig) -> tuple[list[Row], dict[str, Any]]:
     p, fmt = cfg.protein, file_format(path)
+    labelled = p.objective != "mlm"
     if fmt in ("csv", "tsv"):
-        return _read_csv(Path(path), p.sequence_field, p.label_field, delimiter="\t" if fmt == "tsv" else ",")
+        return _read_csv(Path(path), p.sequence_field, p.label_field, delimiter="\t" if fmt == "tsv" else ",",
+                         labelled=labelled)
     if fmt == "fasta":
-        return [(seq, fields.get(p.label_field), None, "") for _, fields, seq in _fasta(_lines(Path(path)))], {}
+        rows = [(seq, fields.get(p.label_field), None, "") for _, fields, seq in _fasta(_lines(Path(path)))]
+        if labelled and rows and all(r[1] is None for r in rows):
+            raise ConfigError(f"{path}: no header holds {p.label_field}=VALUE (protein.label_field), which "
+                              f"protein.objective = {p.objective!r} needs")
+        return rows, {}
     rows = []
     for line in _lines(Path(path)):
         if not line.strip():
@@ -101,12 +107,16 @@ def _read_file(path: str, cfg: RunConfig) -> tuple[list[Row], dict[str, Any]]:
             rows.append((obj.get(p.sequence_field), obj.get(p.label_field), obj.get("resolved"), ""))
         except (json.JSONDecodeError, AttributeError):
             rows.append((None, None, None, "malformed"))
+    if labelled and any(r[3] == "" for r in rows) and all(r[1] is None for r in rows):
+        raise ConfigError(f"{path}: no line has the field {p.label_field!r} (protein.label_field), which "
+                          f"protein.objective = {p.objective!r} needs")
     return rows, {}
 
 
 def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ",",
-              count_line: bool = False) -> tuple[list[Row], dict[str, Any]]:
-    """A header line naming the columns, or modlamp's count line "N,FEATURES,CLASS0,CLASS1" then "SEQ, LABEL" rows."""
+              count_line: bool = False, labelled: bool = False) -> tuple[list[Row], dict[str, Any]]:
+    """A header line naming the columns, or modlamp's count line "N,FEATURES,CLASS0,CLASS1" then "SEQ, LABEL" rows.
+    `labelled`: the objective needs a label, so a header without its column is refused."""
     lines = [line for line in _lines(path) if line.strip()]
     if not lines:
         return [], {}
@@ -126,6 +136,9 @@ def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ","
     flip = {"set", "target"} <= set(head)
     if flip and label_field not in head:
         label_field = "target"
+    if labelled and label_field not in head:
+        raise ConfigError(f"{path}: no column {label_field!r} (protein.label_field), which the objective needs; "
+                          f"the header is {head}")
     si, li = head.index(seq_field), head.index(label_field) if label_field in head else None
     ri = head.index("resolved") if "resolved" in head else None
     rows = [(r[si], r[li] if li is not None else None, r[ri] if ri is not None else None, "")
@@ -188,7 +201,7 @@ def _read_flip(directory: Path) -> dict[str, list[Row]]:
     return splits
 
 
-def _read_hub(name: str, seq_field: str, label_field: str) -> dict[str, list[Row]]:
+def _read_hub(name: str, seq_field: str, label_field: str, labelled: bool = False) -> dict[str, list[Row]]:
     import datasets
 
     try:
@@ -203,6 +216,9 @@ def _read_hub(name: str, seq_field: str, label_field: str) -> dict[str, list[Row
             ds = dd[found]
             if seq_field not in ds.column_names:
                 raise ConfigError(f"hub:{name}: no column {seq_field!r}; columns are {ds.column_names}")
+            if labelled and label_field not in ds.column_names:
+                raise ConfigError(f"hub:{name}: no column {label_field!r} (protein.label_field), which the objective "
+                                  f"needs; columns are {ds.column_names}")
             labels = ds[label_field] if label_field in ds.column_names else [None] * len(ds)
             splits[split] = [(s, lab, None, "") for s, lab in zip(ds[seq_field], labels)]
     if "train" not in splits:

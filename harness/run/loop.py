@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import cadence
 from ..config.run import (  # raised here, caught by the CLI
     ConfigError,
     Preempted,
@@ -108,6 +109,10 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                         lengths=task.lengths(data.train) if cfg.data.bucket else None)
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    try:  # epochs and counts per run become steps now that the data's size is known
+        every = cadence.resolve(t, steps_per_epoch, max_steps, plan.run.describe)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
@@ -136,7 +141,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
             say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "
                 f"{start_step + 1}; lr there {schedule.optimizer.param_groups[0]['lr']:.3g}")
     ckpts = plan.run_dir / "checkpoints"
-    selection = Selection.start(t, state.get("selection"))  # train.select_best; None when off
+    selection = Selection.start(t, every.patience, state.get("selection"))  # train.select_best; None when off
     if selection and selection.value is not None:
         checkpoint.adopt_best(ckpts, selection.step, resume_from.parent, world)
     if world.is_main:
@@ -154,7 +159,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         f"{' (autocast)' if ds.autocast else ''}{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''}"
         f" (strategy: {ds.origin}) | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
-        f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch) | run dir {plan.run_dir}")
+        f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch; {every.describe(steps_per_epoch)}) | "
+        f"run dir {plan.run_dir}")
     if build_peaks[0]["host"] is not None:
         def mib(key: str) -> str:
             return " / ".join(f"{p[key] / 2**20:,.1f}" for p in build_peaks) + " MiB"
@@ -195,8 +201,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         beat.step = step
         if traced:  # before anything only some steps do: a step that syncs (a span of its own, `Steps`)
             progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
-        evaluating = t.eval_every and step % t.eval_every == 0 and step < max_steps
-        saving = t.save_every and step % t.save_every == 0
+        evaluating = every.eval_steps and step % every.eval_steps == 0 and step < max_steps
+        saving = every.save_steps and step % every.save_steps == 0
         if evaluating or saving or step == stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
         if ledger.give_up:

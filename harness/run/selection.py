@@ -45,11 +45,12 @@ class Selection:
     stopped_at: int = 0       # the step the run stopped early at; 0 while it goes on
 
     @classmethod
-    def start(cls, t: TrainSection, saved: dict | None) -> Selection | None:
-        """None when `select_best` is off; else the state saved in a checkpoint, when it selected the same thing."""
+    def start(cls, t: TrainSection, patience: int, saved: dict | None) -> Selection | None:
+        """None when `select_best` is off; else the state saved in a checkpoint, when it selected the same thing.
+        `patience`: train.early_stopping_patience in evaluations (`config.cadence`)."""
         if not t.select_best:
             return None
-        fresh = cls(metric_key(t.select_best), direction(t.select_best, t.select_mode), t.early_stopping_patience)
+        fresh = cls(metric_key(t.select_best), direction(t.select_best, t.select_mode), patience)
         if not saved or (saved["metric"], saved["mode"]) != (fresh.metric, fresh.mode):
             return fresh
         s = cls(fresh.metric, fresh.mode, fresh.patience, saved["value"], saved["step"], saved["since"])

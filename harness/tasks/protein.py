@@ -34,6 +34,7 @@ the run's stored vocabulary, classes and value statistics; `evaluate(..., data=.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ N_STATES = len(prep.STATES)
 HF_CLASSES = {"mlm": "AutoModelForMaskedLM", "classify": "AutoModelForSequenceClassification",
               "residue": "AutoModelForTokenClassification", "regress": "AutoModelForSequenceClassification"}
 RIDGE_ALPHAS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
+RIDGE_MIX = (0.0, 0.25, 0.5, 0.75)  # protein.blend's choices: the encoder keeps a share (1.0 is the baseline alone)
 RIDGE_MAX_SIZE = 8000  # the ridge baseline solves a min(rows, features)-square system; beyond this it is skipped
 
 
@@ -210,6 +212,8 @@ class ProteinTask:
         if p.sites != "all" and (cfg.model.hf or p.init_from or p.objective not in ("classify", "regress")):
             raise ConfigError(f"protein.sites = {p.sites!r} is for classify and regress with a built-in encoder "
                               f"trained from scratch (a pre-trained model needs whole sequences); use 'all'")
+        if p.blend != "none" and (cfg.model.hf or p.objective != "regress"):
+            raise ConfigError(f"protein.blend = {p.blend!r} is for objective 'regress' with the built-in encoder")
         if not 0 < p.mask_prob < 1:
             raise ConfigError(f"protein.mask_prob = {p.mask_prob}: must be between 0 and 1")
         if p.mask_variants < 1:
@@ -255,7 +259,10 @@ class ProteinTask:
         positions = len(meta["sites"]["columns"]) if meta.get("sites") else cfg.data.seq_len
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=positions + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
-                                          dropout=m.dropout), objective, n_out, cfg.protein.pooling)
+                                          dropout=m.dropout), objective, n_out, cfg.protein.pooling,
+                        ridge=cfg.protein.blend == "ridge")
+        if cfg.protein.blend == "ridge" and not next(model.parameters()).is_meta:
+            load_ridge(model, directory, scale(meta), self._bind(cfg).cls_id)
         source = Path(cfg.protein.init_from)
         # `check` requires the source before training; a finished run rebuilt by `harness evaluate` after the
         # source was deleted skips it (its own exported weights replace these anyway).
@@ -352,6 +359,10 @@ class ProteinTask:
         batches, steps = eval_batches(len(samples), cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
         was_training = model.training
         model.eval()
+        blended = getattr(model, "module", model)  # protein.blend: the encoder's own predictions first, then the mix
+        choose = in_training and split == "validation" and hasattr(blended, "ridge_mix")
+        if choose:
+            blended.ridge_mix.zero_()
         mine = []
         for i in tqdm(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
             real = i < len(batches)
@@ -360,13 +371,24 @@ class ProteinTask:
             logits = hf.logits(model(batch["ids"], batch["mask"])).float()  # every rank calls the model `steps` times
             if real:
                 mine += _per_sample(logits, batch)
+                if choose:  # the linear model's prediction beside the encoder's
+                    linear = blended.ridge(batch["ids"], batch["mask"]).squeeze(-1).tolist()
+                    mine[-len(linear):] = [(p, y, r) for (p, y), r in zip(mine[-len(linear):], linear)]
         model.train(was_training)
         outputs = [o for rank in world.gather(mine) for o in rank]  # sync point
+        extra = {}
+        if choose:  # every rank holds every output: the same choice everywhere
+            w = choose_mix([o[0] for o in outputs], [o[2] for o in outputs], [o[1] for o in outputs])
+            blended.ridge_mix.fill_(w)
+            outputs = [(p + w * (r - p), y) for p, y, r in outputs]
+            # the loss the loop measured before this choice, again for the mix the model now predicts with
+            extra = {"loss": sum((p - y) ** 2 for p, y in outputs) / len(outputs), "ridge_mix": w}
         if cfg.protein.objective != "regress":
             windowed = {"chains_in_windows": float(samples.windowed)} if samples.spans else {}
             return {**_field_metrics(cfg.protein.objective, outputs), **windowed}
         mean, std = samples.scale
         metrics = regression_metrics([mean + std * p for p, _ in outputs], [mean + std * y for _, y in outputs])
+        metrics |= extra or ({"ridge_mix": blended.ridge_mix.item()} if hasattr(blended, "ridge_mix") else {})
         return metrics if in_training or data is not None else {**metrics, **ridge_baseline(self.prepare(cfg), split)}
 
 
@@ -426,27 +448,80 @@ def one_hot(rows, length: int, vocab_size: int) -> torch.Tensor:
     return out.flatten(1)
 
 
-def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
-    """Ridge regression on one-hot residues (the features that vary in training), fitted on the training split,
-    its penalty picked from RIDGE_ALPHAS by validation MSE (train's own when there is none), scored on `split`."""
-    train, val, test = (prep.load(directory, s) for s in ("train", "validation", split))
+@dataclass
+class RidgeFit:
+    """Ridge regression on one-hot residues: `weights` (length, vocab) per position and residue id (0 for a residue
+    constant in training), `intercept`, on the data's own scale; the penalty `alpha` picked by validation MSE."""
+    weights: torch.Tensor
+    intercept: float
+    alpha: float
+
+    def predict(self, rows) -> torch.Tensor:
+        length, vocab = self.weights.shape
+        return one_hot(rows, length, vocab).double() @ self.weights.flatten() + self.intercept
+
+
+def ridge_fit(directory: Path) -> RidgeFit | str:
+    """The ridge baseline fitted on the training split, its penalty picked from RIDGE_ALPHAS by validation MSE
+    (train's own when there is none); a sentence instead when the system is too large to solve."""
+    train, val = prep.load(directory, "train"), prep.load(directory, "validation")
     length, vocab = max(len(r) for r in train["ids"]), read_meta(directory)["vocab_size"]
     x = one_hot(train, length, vocab)
     keep = x.std(0) > 0  # a column constant in training carries nothing the intercept does not
     x = x[:, keep]
     if min(x.shape) > RIDGE_MAX_SIZE:
-        return {"ridge_baseline": f"skipped: {x.shape[0]} rows x {x.shape[1]} features is too large to solve"}
+        return f"skipped: {x.shape[0]} rows x {x.shape[1]} features is too large to solve"
     y = torch.tensor(train["value"])
     vx, vy = (one_hot(val, length, vocab)[:, keep], torch.tensor(val["value"])) if len(val) else (x, y)
 
-    def predict(w, features):
-        return features.double() @ w[:-1] + w[-1]
+    def fit(w: torch.Tensor) -> RidgeFit:
+        full = torch.zeros(length * vocab, dtype=torch.float64)
+        full[keep] = w[:-1]
+        return RidgeFit(full.view(length, vocab), w[-1].item(), 0.0)
 
-    fits = dict(zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS)))
-    alpha = min(fits, key=lambda a: (predict(fits[a], vx) - vy).pow(2).mean().item())
-    pred = predict(fits[alpha], one_hot(test, length, vocab)[:, keep])
+    fits = {a: fit(w) for a, w in zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS))}
+    mse = {a: (f.weights.flatten()[keep] @ vx.double().T + f.intercept - vy).pow(2).mean().item()
+           for a, f in fits.items()}
+    alpha = min(mse, key=mse.get)
+    return dataclasses.replace(fits[alpha], alpha=alpha)
+
+
+@torch.no_grad()
+def load_ridge(model: Encoder, directory: Path, stats: tuple[float, float], cls_id: int) -> None:
+    """protein.blend = "ridge": the ridge fit on the z-scored targets the model learns, as the model's `ridge_table`
+    (residue positions 0.. are the model's 1.., after <cls>, which carries the intercept). A finished run's stored
+    data (`harness evaluate --data`) has no training split: its exported weights hold the table."""
+    if not len(prep.load(directory, "train")):
+        return
+    fitted = ridge_fit(directory)
+    if isinstance(fitted, str):
+        raise ConfigError(f"protein.blend = 'ridge': the ridge fit is {fitted}")
+    mean, std = stats
+    vocab = model.cfg.vocab_size
+    table = torch.zeros(model.cfg.max_seq_len, vocab, dtype=torch.float64)
+    length, width = fitted.weights.shape
+    table[1:1 + length, :width] = fitted.weights / std
+    table[0, cls_id] = (fitted.intercept - mean) / std
+    model.ridge_table.copy_(table.flatten())
+
+
+def choose_mix(net: list[float], linear: list[float], target: list[float]) -> float:
+    """The ridge share of RIDGE_MIX whose mix has the highest Spearman on these (validation) rows; ties: the smaller."""
+    def score(w: float) -> float:
+        return spearman([n + w * (r - n) for n, r in zip(net, linear)], target)
+
+    return max(RIDGE_MIX, key=lambda w: (score(w), -w))
+
+
+def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
+    """The ridge fit (`ridge_fit`) scored on `split`: ridge_spearman, ridge_mse, ... and ridge_alpha."""
+    fitted = ridge_fit(directory)
+    if isinstance(fitted, str):
+        return {"ridge_baseline": fitted}
+    test = prep.load(directory, split)
+    pred = fitted.predict(test)
     return {f"ridge_{k}": v for k, v in regression_metrics(pred.tolist(), test["value"]).items()
-            if k != "sequences"} | {"ridge_alpha": alpha}
+            if k != "sequences"} | {"ridge_alpha": fitted.alpha}
 
 
 def source_config(run_dir: Path) -> RunConfig:
