@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, val_loss_of_export
 from harness.run import checkpoint
 from harness.config.run import ConfigError
+from harness.tasks import get_task as resolve_task
 
 STEPS = ["train.max_steps=8", "train.save_every=2", "train.keep_checkpoints=2", "model.dropout=0.1"]
 
@@ -56,6 +57,15 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     assert (first.dir / "metrics.jsonl").read_text() == before
     harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--overwrite"])
     assert len((first.dir / "metrics.jsonl").read_text().splitlines()) == 3
+    # `harness evaluate` on a task without a field evaluation of its own (lm): its mean loss and metrics, as the
+    # loop's last validation gave them; a split it does not build is one line
+    from harness.eval.evaluate import evaluate_run
+
+    scored, last = evaluate_run(first.dir, "validation"), first.evals[-1]
+    assert scored["loss"] == pytest.approx(last["loss"], abs=1e-5) and scored["perplexity"] == pytest.approx(
+        last["perplexity"], rel=1e-5) and scored[getattr(resolve_task("lm"), "items", "items")] > 0, (scored, last)
+    with pytest.raises(ConfigError, match="task 'lm' builds no test split .* score --split validation"):
+        evaluate_run(first.dir, "test")
 
 
 def test_zero3_export_loads_into_a_plain_model_with_the_same_outputs(cached_run, tmp_path):
@@ -175,6 +185,40 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert "at step 3" in other.proc.stdout
     assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
     assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
+    assert "| CPU threads 1 (OMP_NUM_THREADS) |" in run.proc.stdout  # the tests' launcher environment sets it
+    # --resume auto on the finished run: said, and nothing evaluated, exported or logged again
+    sets = ["train.max_steps=0", "train.epochs=0.01", "train.eval_every=2", "train.eval_batches=1",
+            "train.save_every=3"]
+    evals, export = (run.dir / "eval.jsonl").read_text(), (run.dir / "model.safetensors").stat().st_mtime_ns
+    done = harness(tmp_path / "a", corpus, sets=sets, args=["--resume", "auto"])
+    assert f"the run finished at step {steps} of {steps}" in done.proc.stdout and "nothing to do" in done.proc.stdout
+    assert (run.dir / "eval.jsonl").read_text() == evals
+    assert (run.dir / "model.safetensors").stat().st_mtime_ns == export
+    # another model size: refused before anything loads or is written, naming the setting
+    saved = (run.dir / "config.toml").read_text()
+    wider = harness(tmp_path / "a", corpus, sets=[*sets, "model.d_model=64"], args=["--resume", "auto"], check=False)
+    assert wider.proc.returncode == 2, wider.proc.stderr[-2000:]
+    line = wider.proc.stderr.strip().splitlines()[-1]
+    assert "its model is not this run's (model.d_model 32 there, 64 here (command line); parameters " in line, line
+    assert (run.dir / "config.toml").read_text() == saved and (run.dir / "eval.jsonl").read_text() == evals
+
+
+def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    from harness.distributed.world import cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        assert cpu_threads() == "1 (6 CPUs this process may use, 4 ranks on the node)" and torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert cpu_threads() == "6 (6 CPUs this process may use, 1 rank on the node)"
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        assert cpu_threads() == "3 (OMP_NUM_THREADS)"
+    finally:
+        torch.set_num_threads(before)
 
 
 BEST = ["train.max_steps=12", "train.eval_every=1", "train.save_every=1", "train.keep_checkpoints=2",

@@ -84,3 +84,14 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert main(["plot", str(run.dir)]) == 0 and png.read_bytes()[:4] == b"\x89PNG"  # no --out: the run's own
     assert main(["plot", str(run.dir), str(other)]) == 0  # several: beside the first
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    # the step select_best chose and the baselines evaluated beside the metric (a price run's, written here)
+    priced = tmp_path / "priced"
+    shutil.copytree(run.dir, priced)
+    (priced / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 3, "loss": 0.5, "mse": 0.4, "persistence_mse": 0.45, "period_1_persistence_mse": 9.0},
+        {"step": 6, "loss": 0.4, "mse": 0.3, "persistence_mse": 0.44})))
+    (priced / "best.json").write_text(json.dumps({"metric": "mse", "step": 6}, indent=2))
+    marked = {p["title"]: p for p in curves([priced])}
+    assert marked["validation mse"]["best"] == {"priced": 6} and marked["validation loss"]["best"] == {"priced": 6}
+    assert marked["validation mse"]["baselines"] == {"persistence": 0.44} and marked["training loss"]["best"] == {}
+    assert main(["plot", str(priced)]) == 0 and (priced / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"

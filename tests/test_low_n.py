@@ -32,13 +32,16 @@ def test_cadences_in_steps_epochs_and_counts_per_run():
     describe = lambda key: f"{key} = ..."  # noqa: E731
     assert cadence.resolve(train(200), 7, 140, describe) == cadence.Every(200, 0, 0)
     assert cadence.resolve(train("1 epoch", "2 epochs", "3 epochs"), 7, 140, describe) == cadence.Every(7, 14, 3)
-    assert cadence.resolve(train("0.5 epochs", patience=4), 7, 140, describe) == cadence.Every(4, 0, 4)  # round(3.5)
+    assert cadence.resolve(train("0.5 epochs", patience=4), 7, 140, describe) == cadence.Every(4, 0, 4)  # 3.5 up
+    assert cadence.resolve(train("0.5 epochs"), 5, 140, describe).eval_steps == 3  # 2.5 up, not to even
     assert cadence.resolve(train("20 per run", "5 per run"), 7, 140, describe) == cadence.Every(7, 28, 0)
+    assert cadence.resolve(train("20 per run"), 7, 110, describe).eval_steps == 6  # 18 evaluations, not 22
+    assert cadence.resolve(train("61 per run"), 3, 60, describe).eval_steps == 1  # more than the steps: each step
     assert cadence.resolve(train("10 steps", patience="25 epochs"), 2, 40, describe).patience == 5  # ceil(50 / 10)
     with pytest.raises(ValueError, match=r'train.eval_every = \.\.\. comes to 0 steps .* give at least "0.333 epochs"'):
         cadence.resolve(train("0.1 epochs"), 3, 60, describe)
-    with pytest.raises(ValueError, match=r'train.save_every = \.\.\. comes to 0 steps .* at most "60 per run"'):
-        cadence.resolve(train(0, "61 per run"), 3, 60, describe)
+    with pytest.raises(ValueError, match=r'train.save_every = \.\.\. comes to 0 steps .* at least "0.333 epochs"'):
+        cadence.resolve(train(0, "0.1 epochs"), 3, 60, describe)
     for key, value, message in (("train.eval_every", "2 weeks", 'must be 200 or "0.5 epochs" or "20 per run"'),
                                 ("train.eval_every", "1.5 steps", "steps come whole"),
                                 ("train.early_stopping_patience", "2 per run", 'must be 5 or "0.5 epochs"'),
@@ -121,6 +124,9 @@ def test_the_blend_is_the_ridge_fit_at_share_one_and_the_encoder_at_zero(tmp_pat
     assert choose_mix([3.0, 2.0, 1.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.75  # the encoder has it backwards
     assert choose_mix([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [1.0, 2.0, 3.0]) == 0.0
     assert choose_mix([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.0  # a tie: the smaller share
+    assert choose_mix([1.0, 1.0, 1.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.25  # a constant encoder ranks nothing
+    with pytest.raises(ConfigError, match="select by spearman, pearson, mse or mae"):
+        task.check(config(path, 'protein.blend="ridge"', 'train.select_best="loss"'))
     with pytest.raises(ConfigError, match="protein.blend = 'ridge' is for objective 'regress'"):
         task.check(config(path, 'protein.blend="ridge"', 'protein.objective="classify"'))
 

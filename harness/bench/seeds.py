@@ -20,7 +20,7 @@ import torch
 
 from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
-from ..run.selection import direction
+from ..run.selection import direction, metric_key
 from .device import cpu_threads
 from .sweep import (
     Config,
@@ -72,8 +72,8 @@ def train_and_score(config: Config, run_file: str | None, sets: list[str], seed:
         torch.set_num_threads(threads)
     try:
         return evaluate_run(run_dir, split)
-    except ConfigError as e:
-        return {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - one seed's failure is reported with the others, not the sweep's end
+        return {"error": f"evaluate: {type(e).__name__}: {e}"}
     finally:
         torch.set_num_threads(before)
 
@@ -84,7 +84,7 @@ def run_seeds(args) -> dict:
     configs = grid([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
                    args.mixed_precision.split(","), args.vary)
     plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any training
-    metric = args.metric or next(iter(plans.values())).run.cfg.train.select_best
+    metric = metric_key(args.metric or next(iter(plans.values())).run.cfg.train.select_best)
     if not metric:
         raise ConfigError("--seeds needs --metric (the evaluation's figure to report, e.g. spearman) where the run "
                           "file sets no train.select_best")
@@ -97,6 +97,8 @@ def run_seeds(args) -> dict:
         print(f"[{i + 1}/{total}] {c.name} seed {seed}", flush=True)
         scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split, threads,
                                  args.timeout)
+        if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
+            scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
         if "error" in scored:
             print(f"  failed: {scored['error']}", flush=True)
         else:
@@ -107,14 +109,17 @@ def run_seeds(args) -> dict:
             entry = {"name": c.name, "sets": list(c.sets), "runs": []}
             result["configs"].append(entry)
         entry["runs"].append({"seed": seed, **scored})
-    for entry in result["configs"]:
         entry.update(summarise(entry["runs"], metric, args.baseline))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SEEDS_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    (out / "seeds.md").write_text(markdown(result) + "\n")
+        write(result, out)  # after every seed: a sweep cut short keeps what it measured
     print(markdown(result))
     print(f"wrote {out / SEEDS_FILE}, {out / 'seeds.md'}")
     return result
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SEEDS_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    (out / "seeds.md").write_text(markdown(result) + "\n")
 
 
 def summarise(runs: list[dict], metric: str, baseline: str | None) -> dict:

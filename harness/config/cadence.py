@@ -70,11 +70,11 @@ def resolve(train, steps_per_epoch: int, max_steps: int, describe) -> Every:
         c = parse(key, getattr(train, key.split(".")[1]))
         if c.amount == 0:
             return 0
-        n = {"steps": c.amount, "epochs": round(c.amount * steps_per_epoch),
-             "per run": max_steps // c.amount}[c.unit]
-        if n < 1:
+        n = {"steps": c.amount, "epochs": math.floor(c.amount * steps_per_epoch + 0.5),  # halves up
+             "per run": math.ceil(max_steps / c.amount)}[c.unit]  # at most that many times
+        if n < 1:  # a share of an epoch below half a step
             raise ValueError(f"{describe(key)} comes to 0 steps in this run ({steps_per_epoch} steps per epoch, "
-                             f"{max_steps} in all); {_fewest(c.unit, steps_per_epoch, max_steps)}")
+                             f"{max_steps} in all); give at least \"{1 / steps_per_epoch:.3g} epochs\" (one step)")
         return int(n)
 
     eval_steps, save_steps = steps("train.eval_every"), steps("train.save_every")
@@ -84,9 +84,3 @@ def resolve(train, steps_per_epoch: int, max_steps: int, describe) -> Every:
         math.ceil(c.amount * steps_per_epoch / eval_steps) if c.amount and eval_steps else 0
     return Every(eval_steps, save_steps, patience)
 
-
-def _fewest(unit: str, steps_per_epoch: int, max_steps: int) -> str:
-    """What gives one step: the smallest share of an epoch, the most times per run."""
-    if unit == "epochs":
-        return f'give at least "{1 / steps_per_epoch:.3g} epochs" (one step)'
-    return f'give at most "{max_steps} per run" (one a step)'

@@ -193,8 +193,9 @@ class ProteinSection:
                     "encoder's and the ridge baseline's (fitted on the training split before training, kept in the "
                     "model): the encoder trains alone, and at the last evaluation (at each, when train.select_best "
                     "names a field metric such as spearman) the ridge share is chosen from 0, 0.25, 0.5, 0.75 by "
-                    "validation Spearman (ties: the smaller), kept with the checkpoint and the export; the recipe "
-                    "that holds its own at a few hundred variants", ("none", "ridge"))
+                    "validation Spearman (ties: the smaller), kept in the export (and in checkpoints saved after the "
+                    "evaluation that chose it); needs validation rows; the recipe that holds its own at a few "
+                    "hundred variants", ("none", "ridge"))
     mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
     init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
     mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "

@@ -32,6 +32,19 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def cpu_threads() -> str:
+    """Set this process's torch threads and say how they were chosen: OMP_NUM_THREADS where set (by the user or a
+    launcher: accelerate gives each CPU rank 1), else the CPUs this process may use (sched_getaffinity: a SLURM job's
+    or taskset's share, not the whole machine) divided among the ranks on this node (LOCAL_WORLD_SIZE)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"{torch.get_num_threads()} (OMP_NUM_THREADS)"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(max(1, usable // local))
+    cpus, ranks = f"{usable} CPU{'s' * (usable != 1)}", f"{local} rank{'s' * (local > 1)}"
+    return f"{torch.get_num_threads()} ({cpus} this process may use, {ranks} on the node)"
+
+
 def accelerate_mixed_precision() -> str:
     """What `accelerate launch` was told (yaml `mixed_precision` or --mixed_precision); "no" without accelerate."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()

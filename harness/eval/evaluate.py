@@ -37,9 +37,6 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None) -> tu
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
                           f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
-    if not hasattr(task, "evaluate"):
-        raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no field evaluation; its validation loss is in "
-                          f"{run_dir / 'eval.jsonl'}")
     if periods is not None:  # `--periods K`: rolling-origin periods, for this evaluation only
         if cfg.run.task != "prices":
             raise ConfigError(f"--periods {periods}: rolling-origin periods score price forecasts; {run_dir} is a "
@@ -77,9 +74,38 @@ def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None) ->
                               f"the run; score a test file with `harness evaluate --run-dir {run_dir} --data PATH`, "
                               f"which uses the stored ones")
     model = _model(run_dir, task)
-    metrics = task.evaluate(model, cfg, split, single_world(next(model.parameters()).device))
+    world = single_world(next(model.parameters()).device)
+    if hasattr(task, "evaluate"):
+        metrics = task.evaluate(model, cfg, split, world)
+    else:  # the task's own figures from the mean loss, on the split its build_data gives
+        data = task.build_data(cfg)
+        samples = {"validation": data.val, "test": getattr(data, "test", None)}[split]
+        if samples is None:
+            raise ConfigError(f"{run_dir}: task {cfg.run.task!r} builds no test split (its build_data gives training "
+                              f"and validation data): score --split validation, or new data with --data")
+        metrics = loss_metrics(task, model, cfg, samples, world)
     _record(run_dir, {split: metrics})
     return metrics
+
+
+@torch.no_grad()
+def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float]:
+    """For a task without a field evaluation of its own (`evaluate`): the mean loss over every sample and the task's
+    `metrics(mean loss)`, as the training loop's validation reports them, and how many items they count."""
+    from tqdm.auto import tqdm
+
+    from ..data.batches import eval_batches
+    from ..run.step import to_device
+
+    batches, _ = eval_batches(len(samples), cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
+    total, count = 0.0, 0
+    for index in tqdm(batches, desc="scoring", leave=False):
+        batch = to_device(task.collate([samples[j] for j in index]), world.device)
+        total += float(task.loss(model, batch))
+        count += int(task.count(batch))
+    if not count:
+        raise ConfigError(f"nothing to score: the data holds no {getattr(task, 'items', 'items')}")
+    return {**task.metrics(total / count), getattr(task, "items", "items"): float(count)}
 
 
 def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None,
@@ -110,7 +136,8 @@ def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None
         kept, skipped, noted = _rows(part)
         if not kept:
             raise ConfigError(f"{path}: no row to score survived cleaning ({_counts(part.counts)})")
-        metrics = task.evaluate(model, cfg, key, world, data=part.data)
+        metrics = task.evaluate(model, cfg, key, world, data=part.data) if hasattr(task, "evaluate") else \
+            loss_metrics(task, model, cfg, part.data, world)
         results[key] = {"data": ", ".join(map(str, part.files)), "data_sha256": checksum(part.files), **metrics,
                         "rows_kept": kept, "rows_skipped": sum(skipped.values()),
                         **({"skipped": _counts(skipped)} if skipped else {}),

@@ -4,6 +4,7 @@ everything else (data, loss normalisation, logging, checkpoints, resume, export)
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import sys
@@ -26,12 +27,12 @@ from ..distributed.parallel import (
     pipeline_loss_sum,
     release,
 )
-from ..distributed.world import World, all_gather_objects, all_reduce
+from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads
 from ..models.flops import ForwardFlops
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from . import checkpoint, profiling
-from .export import export_model
+from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_timeout
 from .preemption import Watch
 from .selection import Selection
@@ -93,6 +94,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
     t = cfg.train
     say = print if world.is_main else (lambda *a, **k: None)
+    threads = cpu_threads()  # before anything computes: a shared CPU's share, not torch's guess of the machine
 
     import datasets
     from accelerate import PartialState
@@ -142,6 +144,15 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                 f"{start_step + 1}; lr there {schedule.optimizer.param_groups[0]['lr']:.3g}")
     ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(t, every.patience, state.get("selection"))  # train.select_best; None when off
+    done = resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at))
+    if all_gather_objects(done and (plan.run_dir / MODEL_FILE).is_file() if world.is_main else None)[0]:
+        # --resume auto on a finished run: nothing to train, evaluate or export again
+        last = (plan.run_dir / "eval.jsonl").read_text().splitlines()[-1:] if world.is_main else []
+        say(f"{plan.run_dir}: the run finished at step {start_step} of {max_steps} and exported "
+            f"{plan.run_dir / MODEL_FILE}; nothing to do (raise train.max_steps or train.epochs to train on, "
+            f"--overwrite to train again)")
+        return {"step": start_step, **(json.loads(last[0]) if last else {}),
+                **({"best": selection.state()} if selection else {})}
     if selection and selection.value is not None:
         checkpoint.adopt_best(ckpts, selection.step, resume_from.parent, world)
     if world.is_main:
@@ -160,7 +171,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         f" (strategy: {ds.origin}) | "
         f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
         f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch; {every.describe(steps_per_epoch)}) | "
-        f"run dir {plan.run_dir}")
+        f"CPU threads {threads} | run dir {plan.run_dir}")
     if build_peaks[0]["host"] is not None:
         def mib(key: str) -> str:
             return " / ".join(f"{p[key] / 2**20:,.1f}" for p in build_peaks) + " MiB"

@@ -4,6 +4,9 @@
 Four panels against the optimizer step: the training loss and the learning rate (`metrics.jsonl`), the validation
 loss and the task's own metric (`eval.jsonl`: BLEU, Q3, accuracy, MSE... whichever the run's evaluations hold,
 the first of `METRICS` found, else the first other figure). An evaluation made only at the end is one marked point.
+Every line is in the legend, a single run's too. The validation panels mark the step `train.select_best` chose
+(RUN/best.json) with a dotted line; the metric's panel draws the baselines the evaluations report beside it (the
+figure `NAME_METRIC`, e.g. persistence_mse, copy_source_bleu) as dashed lines at their last value.
 """
 from __future__ import annotations
 
@@ -36,14 +39,23 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
         panels.append((f"validation {metric}", metric, 2))
     out = []
     for title, key, source in panels:
-        lines = {}
+        lines, best, baselines = {}, {}, {}
         for run_dir, metrics, evals in runs:
+            name = run_dir.name if len(runs) == 1 else str(run_dir)
             rows = metrics if source == 1 else evals
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if points:
-                lines[run_dir.name if len(runs) == 1 else str(run_dir)] = points
+                lines[name] = points
+            chosen = json.loads((run_dir / "best.json").read_text()) if source == 2 and \
+                (run_dir / "best.json").is_file() else {}
+            if isinstance(chosen.get("step"), int):
+                best[name] = chosen["step"]
+            if source == 2 and key == metric:
+                for k, v in (evals[-1] if evals else {}).items():
+                    if k.endswith(f"_{metric}") and not k.startswith("period_") and isinstance(v, (int, float)):
+                        baselines[f"{k[:-len(metric) - 1]}{'' if len(runs) == 1 else f' ({name})'}"] = v
         if lines:
-            out.append({"title": title, "lines": lines})
+            out.append({"title": title, "key": key, "lines": lines, "best": best, "baselines": baselines})
     return out
 
 
@@ -72,10 +84,15 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
         for label, points in panel["lines"].items():
             steps, values = zip(*points)
             ax.plot(steps, values, marker="o" if len(points) < 3 else None, label=label)
+        for label, step in panel["best"].items():
+            ax.axvline(step, linestyle=":", color="gray", label=f"best, step {step}" + (
+                f" ({label})" if len(panel["best"]) > 1 else ""))
+        for label, value in panel["baselines"].items():
+            ax.axhline(value, linestyle="--", linewidth=1, color="black", alpha=0.6, label=f"{label}: {value:.4g}")
         ax.set_title(panel["title"])
         ax.set_xlabel("step")
-        if len(panel["lines"]) > 1:
-            ax.legend(fontsize="small")
+        ax.set_ylabel(panel["key"] if panel["key"] != "lr" else "learning rate")
+        ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()

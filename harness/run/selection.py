@@ -81,7 +81,8 @@ class Selection:
 
     def why_stopped(self) -> str:
         return (f"no improvement of validation {self.metric} ({self.mode}) in {self.since} evaluations "
-                f"(train.early_stopping_patience = {self.patience}); best {self.value:.6g} at step {self.step}")
+                f"(train.early_stopping_patience: {self.patience} evaluations); best {self.value:.6g} at step "
+                f"{self.step}")
 
     def record(self, run_dir: Path) -> None:
         """RUN/best.json (rank 0): what was selected, where, and why the run stopped early if it did."""

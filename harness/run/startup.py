@@ -156,6 +156,45 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
             f" Free space, lower train.keep_checkpoints or choose another run.output_dir")
 
 
+def check_same_model(plan: Plan, found: Path) -> None:
+    """A checkpoint resumes only into the model it was saved from: the saving run's config (RUN/config.toml beside
+    RUN/checkpoints/) and this one build models compared by parameter name and shape on the meta device, before
+    anything is loaded or written. Refused in one line naming the settings that differ."""
+    import dataclasses
+
+    import torch
+
+    from .export import run_config
+    from .trust import TRUST, trusting
+
+    source = found.parent.parent
+    if found.parent.name != "checkpoints" or not (source / "config.toml").is_file():
+        return  # a checkpoint without its run's config: DeepSpeed's load is the check
+    ours, raw = plan.run.cfg, read_toml(source / "config.toml")
+    if raw.get("run", {}).get("task") != ours.run.task:
+        raise ConfigError(f"--resume {found}: saved by a {raw.get('run', {}).get('task')!r} run, but "
+                          f"{plan.run.describe('run.task')}")
+    # the task is this run's own (the user named it), and remote model code only where this run trusts it too
+    trust = dataclasses.replace(TRUST.get(), task=ours.run.task, run_dir=TRUST.get().run_dir or (
+        ours.model.trust_remote_code and raw.get("model", {}).get("trust_remote_code") is True))
+    with trusting(**dataclasses.asdict(trust)):
+        theirs = run_config(source)
+    with torch.device("meta"):
+        shapes = [{n: tuple(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]
+    if shapes[0] == shapes[1]:
+        return
+    old, new = flatten(theirs.to_dict()), flatten(ours.to_dict())
+    shaping = ("model.", f"{ours.run.task}.", "data.seq_len", "data.path", "data.vocab")
+    keys = [f"{k} {old.get(k)!r} there, {new[k]!r} here ({plan.run.source.get(k, 'default')})" for k in new
+            if k.startswith(shaping) and old.get(k) != new[k]]
+    differ = [f"{n} {shapes[0].get(n)} -> {shapes[1].get(n)}" for n in sorted(shapes[0].keys() | shapes[1].keys())
+              if shapes[0].get(n) != shapes[1].get(n)]
+    raise ConfigError(f"--resume {found}: its model is not this run's ({'; '.join(keys) or 'the data it was built for'}"
+                      f"; parameters {', '.join(differ[:3])}{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}"
+                      f"): resume with the settings it was saved with, or start a new run (--overwrite, or another "
+                      f"run.output_dir)")
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     check_build_locks()
@@ -181,6 +220,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     if resume:
         if found is not None:
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
+            check_same_model(plan, found)
     elif run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "

@@ -19,6 +19,7 @@ class TaskData:
     train: Any          # a map-style dataset of samples
     val: Any
     summary: DataSummary | None = None  # what was read and dropped; None: the harness says the sizes
+    test: Any = None    # held out for `harness evaluate --split test` by a task without its own `evaluate`
 
 
 class Task(Protocol):
@@ -29,7 +30,8 @@ class Task(Protocol):
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
     Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
     batches), `pad_values` (the batch's (B, length) tensors and their padding value: `data.length_buckets` pads
-    them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`), `prepare`,
+    them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`; without it,
+    the mean loss and `metrics` of the split: validation, or `TaskData.test` for test), `prepare`,
     `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
     `items` names what `count` counts, for the progress bar's rate (default "items").
     The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the

@@ -214,6 +214,10 @@ class ProteinTask:
                               f"trained from scratch (a pre-trained model needs whole sequences); use 'all'")
         if p.blend != "none" and (cfg.model.hf or p.objective != "regress"):
             raise ConfigError(f"protein.blend = {p.blend!r} is for objective 'regress' with the built-in encoder")
+        if p.blend != "none" and cfg.train.select_best in ("loss", "val_loss"):
+            raise ConfigError(f"protein.blend = {p.blend!r} chooses the ridge share at the field evaluation, which "
+                              f"train.select_best = {cfg.train.select_best!r} does not run at each evaluation: select "
+                              f"by spearman, pearson, mse or mae")
         if not 0 < p.mask_prob < 1:
             raise ConfigError(f"protein.mask_prob = {p.mask_prob}: must be between 0 and 1")
         if p.mask_variants < 1:
@@ -493,6 +497,9 @@ def load_ridge(model: Encoder, directory: Path, stats: tuple[float, float], cls_
     data (`harness evaluate --data`) has no training split: its exported weights hold the table."""
     if not len(prep.load(directory, "train")):
         return
+    if not len(prep.load(directory, "validation")):
+        raise ConfigError("protein.blend = 'ridge' chooses its share (and the ridge penalty) on the validation split, "
+                          "which is empty here: give the data validation rows (data.val_fraction, data.val_path)")
     fitted = ridge_fit(directory)
     if isinstance(fitted, str):
         raise ConfigError(f"protein.blend = 'ridge': the ridge fit is {fitted}")
@@ -507,8 +514,9 @@ def load_ridge(model: Encoder, directory: Path, stats: tuple[float, float], cls_
 
 def choose_mix(net: list[float], linear: list[float], target: list[float]) -> float:
     """The ridge share of RIDGE_MIX whose mix has the highest Spearman on these (validation) rows; ties: the smaller."""
-    def score(w: float) -> float:
-        return spearman([n + w * (r - n) for n, r in zip(net, linear)], target)
+    def score(w: float) -> float:  # a constant prediction has no rank correlation (nan): the worst, not a tie
+        rho = spearman([n + w * (r - n) for n, r in zip(net, linear)], target)
+        return rho if math.isfinite(rho) else -math.inf
 
     return max(RIDGE_MIX, key=lambda w: (score(w), -w))
 
@@ -545,6 +553,8 @@ def init_from(model: Encoder, cfg: RunConfig, run_dir: Path) -> tuple[list[str],
     state, loaded, fresh = model.state_dict(), [], []
     for name, own in state.items():
         src = theirs.get(name)
+        if name.startswith("ridge_"):  # protein.blend: this run's own fit, on its own rows and ids
+            continue
         if src is None or src.dim() != own.dim() or src.shape[1:] != own.shape[1:]:
             fresh.append(name)
         elif name in ("tok_emb.weight", "mlm_head.weight", "mlm_head.bias"):
