@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import shutil
 import subprocess
@@ -66,6 +67,11 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
         last["perplexity"], rel=1e-5) and scored[getattr(resolve_task("lm"), "items", "items")] > 0, (scored, last)
     with pytest.raises(ConfigError, match="task 'lm' builds no test split .* score --split validation"):
         evaluate_run(first.dir, "test")
+    # --resume auto where the run saved nothing (its checkpoints gone here): said, and trained from step 0
+    shutil.rmtree(first.dir / "checkpoints")
+    again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])
+    assert "holds no checkpoint (its run stopped before it saved one); starting from step 0" in again.proc.stdout
+    assert [m["step"] for m in again.metrics] == [1, 2, 3]
 
 
 def test_zero3_export_loads_into_a_plain_model_with_the_same_outputs(cached_run, tmp_path):
@@ -99,6 +105,35 @@ def test_run_directory_is_readable(cached_run):
     from harness.tasks import resolve
 
     assert resolve(str(run.dir / "config.toml")).cfg.train.max_steps == 6
+
+
+def test_metrics_the_disk_cannot_hold_stop_the_run_with_exit_3_and_its_checkpoint_kept(tmp_path, corpus):
+    """The disk fills while a metrics record is appended (RLIMIT_FSIZE as below, reached by metrics.jsonl first: its
+    first record padded to just under the limit): one line, exit 3, `latest` unchanged and resumable."""
+    out = tmp_path / "run"
+    sets = ["train.save_every=2"]
+    harness(out, corpus, sets=sets, args=["--stop-at", "2"])
+    limit = 2 * 2**20  # the tiny model's checkpoint files are far smaller
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    pad = json.dumps({**json.loads(rows[0]), "pad": ""})
+    rows[0] = json.dumps({**json.loads(rows[0]), "pad": "x" * (limit - 400 - len(pad) - len(rows[1]))})
+    (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run(command(out, corpus, sets=sets, args=["--resume", "auto"]), cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    assert full.returncode == 3, full.stderr[-3000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert re.match(rf"harness: error: {re.escape(str(out / 'metrics.jsonl'))}: a record of step [345] could not be "
+                    rf"written \(File too large; [\d.]+ GiB free there\)", line), line
+    assert line.endswith("the run stops, its last checkpoint kept: make room and continue with --resume auto"), line
+    assert "Traceback" not in full.stderr
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[1:2]))  # room made
+    resumed = harness(out, corpus, sets=sets, args=["--resume", "auto"])
+    assert max(resumed.losses) == 6 and (out / "model.safetensors").exists()
 
 
 def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_on_the_last_complete_one(tmp_path, corpus):
@@ -168,6 +203,11 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
     assert (run.dir / "checkpoints" / f"step_{first_bad - 1:08d}.bad").is_dir()  # kept, never resumed from
     assert checkpoint.resume_target(run.dir / "checkpoints").name == latest
     assert not (run.dir / "model.safetensors").exists()
+    # resumed with a sane learning rate: once a good checkpoint passes the bad one's step, the bad one goes
+    harness(tmp_path / "run", corpus, ds="zero0.json", args=["--resume", "auto"],
+            sets=[f"train.max_steps={first_bad}", "train.save_every=1", "optimizer.lr=1e-3", "train.grad_clip=0.0",
+                  "schedule.warmup_steps=1000", "schedule.kind=\"constant\"", "train.keep_checkpoints=40"])
+    assert not list((run.dir / "checkpoints").glob("*.bad"))
     shutil.rmtree(run.dir)
 
 
@@ -290,8 +330,11 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_or_refuses_never_resta
     assert checkpoint.rewind_latest(root, 2) is None and not (root / "latest").exists()
     with pytest.raises(ConfigError, match=r"step_00000004.bad, step_00000008.bad .*weights gone bad.*--overwrite"):
         checkpoint.resume_target(root)
+    (root / checkpoint.step_name(8)).mkdir()  # a second non-finite stop past step 8: its copy replaces the first
+    (root / checkpoint.step_name(8) / "second").touch()
+    assert checkpoint.rewind_latest(root, 2) is None and (root / "step_00000008.bad" / "second").is_file()
     for bad in root.glob("*.bad"):
-        bad.rmdir()
+        shutil.rmtree(bad)
     (root / "latest").write_text("step_00000020\n")
     with pytest.raises(ConfigError, match="names step_00000020; found: no complete checkpoint"):
         checkpoint.resume_target(root)

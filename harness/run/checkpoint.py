@@ -29,7 +29,8 @@ from .trust import checkpoint_reads
 
 LATEST = "latest"
 BEST = "best"
-BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop): never resumed from
+BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop): never resumed from, removed once a
+# good checkpoint at a later step is saved
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
 LAYOUT = "layout.json"
 LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "zero_stage", "offload_optimizer", "offload_params")
@@ -81,7 +82,10 @@ def rewind_latest(root: Path, max_step: int) -> Path | None:
     checkpoints after it are renamed `step_N.bad`, so no resume ever takes them (`resume_target` names them)."""
     good = [p for p in complete(root) if step_of(p) <= max_step]
     for bad in [p for p in complete(root) if step_of(p) > max_step]:
-        os.replace(bad, bad.with_name(bad.name + BAD))
+        aside = bad.with_name(bad.name + BAD)
+        if aside.exists():  # set aside by an earlier non-finite stop at the same step: the newer one replaces it
+            shutil.rmtree(aside)
+        os.replace(bad, aside)
     if good:
         _write_atomic(root / LATEST, good[-1].name + "\n")
     elif (root / LATEST).exists():
@@ -312,6 +316,9 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
             if best is None or old.name != step_name(best):
                 shutil.rmtree(old, ignore_errors=True)
                 shutil.rmtree(old.with_name(old.name + UNIVERSAL), ignore_errors=True)
+        for bad in root.glob(f"step_*{BAD}"):  # weights gone bad at a step this run has now passed with good ones
+            if step_of(bad) <= step:
+                shutil.rmtree(bad, ignore_errors=True)
     barrier()
     return final
 

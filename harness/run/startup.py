@@ -217,6 +217,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
                               f"checkpoints/ folder, or a step_* checkpoint)")
     elif resume == "auto":
         found = checkpoint.resume_target(run_dir / "checkpoints")
+        if found is None and (run_dir / "metrics.jsonl").is_file() and launched_rank() == 0:
+            print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
+                  f"starting from step 0", flush=True)
     if resume:
         if found is not None:
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here

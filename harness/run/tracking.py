@@ -7,14 +7,16 @@ waits on the network.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import netrc
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..config.run import RunConfig, flatten
+from ..config.run import RunConfig, TrainingStopped, flatten
 
 
 def wandb_has_key() -> bool:
@@ -56,9 +58,19 @@ class Tracker:
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
             return
-        if file not in self.files:
-            self.files[file] = (self.run_dir / file).open("a", buffering=1)
-        self.files[file].write(json.dumps(record) + "\n")
+        try:
+            if file not in self.files:
+                self.files[file] = (self.run_dir / file).open("a", buffering=1)
+            self.files[file].write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk (or a quota, a file-size limit): the run cannot keep its record
+            stream = self.files.pop(file, None)
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+            free = shutil.disk_usage(self.run_dir).free / 2**30
+            raise TrainingStopped(f"{self.run_dir / file}: a record of step {record.get('step')} could not be "
+                                  f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops, its last "
+                                  f"checkpoint kept: make room and continue with --resume auto") from None
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
             values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
@@ -66,7 +78,8 @@ class Tracker:
 
     def close(self) -> None:
         for f in self.files.values():
-            f.close()
+            with contextlib.suppress(OSError):  # a write that failed is said where it failed (`log`)
+                f.close()
         self.files.clear()
         if self.backend is not None:
             self.backend.finish()
