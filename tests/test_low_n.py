@@ -131,7 +131,7 @@ def test_the_blend_is_the_ridge_fit_at_share_one_and_the_encoder_at_zero(tmp_pat
         task.check(config(path, 'protein.blend="ridge"', 'protein.objective="classify"'))
 
 
-def test_seed_summaries_report_every_seed_against_the_baseline():
+def test_seed_summaries_report_every_seed_against_the_baseline(capsys):
     runs = [{"seed": 0, "spearman": 0.60, "ridge_spearman": 0.55}, {"seed": 1, "spearman": 0.50,
                                                                      "ridge_spearman": 0.55},
             {"seed": 2, "error": "boom"}]
@@ -147,6 +147,12 @@ def test_seed_summaries_report_every_seed_against_the_baseline():
     for bad in ("0,0", "a,b", "-1"):
         with pytest.raises(ConfigError, match="--seeds"):
             seeds_of(bad)
+    from harness.cli import main
+
+    for argv, message in ((["--metric", "spearman"], "--metric belong to --seeds"),
+                          (["--seeds", "0,1", "--overhead"], "--seeds trains whole runs: not with --suite")):
+        assert main(["bench", *argv]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_bench_seeds_trains_and_scores_every_seed(tmp_path):

@@ -6,6 +6,7 @@ does with a large matrix product today.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -50,18 +51,25 @@ def cpu_threads(max_nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, max_nproc))
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Within: `threads` torch threads (a CPU process's share of the cores); as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measured_peak(precision: str, n: int | None = None, repeats: int = 5, threads: int | None = None) -> float:
     """FLOP/s of an n x n x n matrix product in `precision` on this device: the median of `repeats` timed
     products after a warm-up (CUDA events on a GPU), on random data (zeros can run faster). On a CPU, with
     `threads` threads (one process's share of the cores)."""
     cuda = torch.cuda.is_available()
     if not cuda and threads:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             return measured_peak(precision, n, repeats)
-        finally:
-            torch.set_num_threads(before)
     n = n or (8192 if cuda else 1024)
     dtype, device = DTYPES[precision], "cuda" if cuda else "cpu"
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)

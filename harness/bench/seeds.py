@@ -9,7 +9,7 @@ deviation, and how many seeds beat the baseline. Nothing is chosen here: every s
 """
 from __future__ import annotations
 
-import itertools
+import contextlib
 import json
 import statistics
 import subprocess
@@ -21,7 +21,7 @@ import torch
 from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
 from ..run.selection import direction, metric_key
-from .device import cpu_threads
+from .device import cpu_threads, torch_threads
 from .sweep import (
     Config,
     as_text,
@@ -67,15 +67,11 @@ def train_and_score(config: Config, run_file: str | None, sets: list[str], seed:
         return {"error": f"timed out after {timeout} s: {last_error(as_text(e.stdout) + as_text(e.stderr))}"}
     if proc.returncode:
         return {"error": last_error(proc.stdout + proc.stderr)}
-    before = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(threads)
     try:
-        return evaluate_run(run_dir, split)
+        with contextlib.nullcontext() if torch.cuda.is_available() else torch_threads(threads):
+            return evaluate_run(run_dir, split)
     except Exception as e:  # noqa: BLE001 - one seed's failure is reported with the others, not the sweep's end
         return {"error": f"evaluate: {type(e).__name__}: {e}"}
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_seeds(args) -> dict:
@@ -92,25 +88,25 @@ def run_seeds(args) -> dict:
     out = Path(args.out)
     result = {"run_file": args.run, "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
               "baseline": args.baseline, "threads_per_process": threads, "configs": []}
-    total = len(configs) * len(seeds)
-    for i, (c, seed) in enumerate(itertools.product(configs, seeds)):
-        print(f"[{i + 1}/{total}] {c.name} seed {seed}", flush=True)
-        scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split, threads,
-                                 args.timeout)
-        if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
-            scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
-        if "error" in scored:
-            print(f"  failed: {scored['error']}", flush=True)
-        else:
-            print(f"  {metric} {scored[metric]:.4f}" + (f", {args.baseline} {scored[args.baseline]:.4f}"
-                                                       if args.baseline in scored else ""), flush=True)
-        entry = next((e for e in result["configs"] if e["name"] == c.name), None)
-        if entry is None:
-            entry = {"name": c.name, "sets": list(c.sets), "runs": []}
-            result["configs"].append(entry)
-        entry["runs"].append({"seed": seed, **scored})
-        entry.update(summarise(entry["runs"], metric, args.baseline))
-        write(result, out)  # after every seed: a sweep cut short keeps what it measured
+    total, done = len(configs) * len(seeds), 0
+    for c in configs:
+        entry = {"name": c.name, "sets": list(c.sets), "runs": []}
+        result["configs"].append(entry)
+        for seed in seeds:
+            done += 1
+            print(f"[{done}/{total}] {c.name} seed {seed}", flush=True)
+            scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split,
+                                     threads, args.timeout)
+            if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
+                scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
+            if "error" in scored:
+                print(f"  failed: {scored['error']}", flush=True)
+            else:
+                print(f"  {metric} {scored[metric]:.4f}" + (f", {args.baseline} {scored[args.baseline]:.4f}"
+                                                           if args.baseline in scored else ""), flush=True)
+            entry["runs"].append({"seed": seed, **scored})
+            entry.update(summarise(entry["runs"], metric, args.baseline))
+            write(result, out)  # after every seed: a sweep cut short keeps what it measured
     print(markdown(result))
     print(f"wrote {out / SEEDS_FILE}, {out / 'seeds.md'}")
     return result

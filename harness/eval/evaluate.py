@@ -88,21 +88,13 @@ def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None) ->
     return metrics
 
 
-@torch.no_grad()
 def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float]:
     """For a task without a field evaluation of its own (`evaluate`): the mean loss over every sample and the task's
-    `metrics(mean loss)`, as the training loop's validation reports them, and how many items they count."""
-    from tqdm.auto import tqdm
+    `metrics(mean loss)`, as the training loop's validation reports them (`run.loop.loss_sum`), and how many items
+    they count."""
+    from ..run.loop import loss_sum
 
-    from ..data.batches import eval_batches
-    from ..run.step import to_device
-
-    batches, _ = eval_batches(len(samples), cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
-    total, count = 0.0, 0
-    for index in tqdm(batches, desc="scoring", leave=False):
-        batch = to_device(task.collate([samples[j] for j in index]), world.device)
-        total += float(task.loss(model, batch))
-        count += int(task.count(batch))
+    total, count = loss_sum(model, task, samples, world, cfg.train.micro_batch_size, desc="scoring")
     if not count:
         raise ConfigError(f"nothing to score: the data holds no {getattr(task, 'items', 'items')}")
     return {**task.metrics(total / count), getattr(task, "items", "items"): float(count)}

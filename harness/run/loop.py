@@ -43,16 +43,20 @@ from .trust import TRUST
 
 
 @torch.no_grad()
-def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
-    """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
-    cfg, task = plan.run.cfg, plan.task
-    batches, steps = eval_batches(len(val), cfg.train.micro_batch_size, world.dp_rank, world.dp_size,
-                                  cfg.train.eval_batches)
+def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None
+             ) -> tuple[float, int]:
+    """The summed loss and the items it counts over `samples` (each once, whatever the world size; the first `limit`
+    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0."""
+    batches, steps = eval_batches(len(samples), micro, world.dp_rank, world.dp_size, limit)
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)
+    was_training = engine.training
     engine.eval()
-    for i in range(steps):
+    if desc:
+        from tqdm.auto import tqdm
+    shown = tqdm(range(steps), desc=desc, leave=False, disable=not world.is_main) if desc else range(steps)
+    for i in shown:
         real = i < len(batches)
-        batch = to_device(task.collate([val[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
+        batch = to_device(task.collate([samples[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
                           world.device)
         # Every rank runs `steps` forwards: ZeRO-3 gathers weights, tensor parallelism all-reduces, collectively.
         if world.pp_size > 1:  # the data-parallel mean of the ranks' sums (a rank's repeated batch counts 0),
@@ -61,9 +65,16 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
             totals[0] += task.loss(engine, batch).double()
         if real:
             totals[1] += task.count(batch)
-    engine.train()
+    engine.train(was_training)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
-    return task.metrics((totals[0] / totals[1]).item()) if totals[1] else {}
+    return totals[0].item(), int(totals[1].item())
+
+
+def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
+    """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
+    t = plan.run.cfg.train
+    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches)
+    return plan.task.metrics(total / count) if count else {}
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
@@ -144,10 +155,12 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
                 f"{start_step + 1}; lr there {schedule.optimizer.param_groups[0]['lr']:.3g}")
     ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(t, every.patience, state.get("selection"))  # train.select_best; None when off
+    # the same on every rank (the checkpoint's state); rank 0's view of the export decides
     done = resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at))
-    if all_gather_objects(done and (plan.run_dir / MODEL_FILE).is_file() if world.is_main else None)[0]:
+    if done and all_gather_objects((plan.run_dir / MODEL_FILE).is_file() if world.is_main else None)[0]:
         # --resume auto on a finished run: nothing to train, evaluate or export again
-        last = (plan.run_dir / "eval.jsonl").read_text().splitlines()[-1:] if world.is_main else []
+        evals = plan.run_dir / "eval.jsonl"
+        last = evals.read_text().splitlines()[-1:] if world.is_main and evals.is_file() else []
         say(f"{plan.run_dir}: the run finished at step {start_step} of {max_steps} and exported "
             f"{plan.run_dir / MODEL_FILE}; nothing to do (raise train.max_steps or train.epochs to train on, "
             f"--overwrite to train again)")

@@ -160,8 +160,6 @@ def check_same_model(plan: Plan, found: Path) -> None:
     """A checkpoint resumes only into the model it was saved from: the saving run's config (RUN/config.toml beside
     RUN/checkpoints/) and this one build models compared by parameter name and shape on the meta device, before
     anything is loaded or written. Refused in one line naming the settings that differ."""
-    import dataclasses
-
     import torch
 
     from .export import run_config
@@ -175,9 +173,9 @@ def check_same_model(plan: Plan, found: Path) -> None:
         raise ConfigError(f"--resume {found}: saved by a {raw.get('run', {}).get('task')!r} run, but "
                           f"{plan.run.describe('run.task')}")
     # the task is this run's own (the user named it), and remote model code only where this run trusts it too
-    trust = dataclasses.replace(TRUST.get(), task=ours.run.task, run_dir=TRUST.get().run_dir or (
-        ours.model.trust_remote_code and raw.get("model", {}).get("trust_remote_code") is True))
-    with trusting(**dataclasses.asdict(trust)):
+    now = TRUST.get()
+    with trusting(checkpoint=now.checkpoint, task=ours.run.task, run_dir=now.run_dir or (
+            ours.model.trust_remote_code and raw.get("model", {}).get("trust_remote_code") is True)):
         theirs = run_config(source)
     with torch.device("meta"):
         shapes = [{n: tuple(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]

@@ -34,7 +34,6 @@ the run's stored vocabulary, classes and value statistics; `evaluate(..., data=.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -478,16 +477,11 @@ def ridge_fit(directory: Path) -> RidgeFit | str:
     y = torch.tensor(train["value"])
     vx, vy = (one_hot(val, length, vocab)[:, keep], torch.tensor(val["value"])) if len(val) else (x, y)
 
-    def fit(w: torch.Tensor) -> RidgeFit:
-        full = torch.zeros(length * vocab, dtype=torch.float64)
-        full[keep] = w[:-1]
-        return RidgeFit(full.view(length, vocab), w[-1].item(), 0.0)
-
-    fits = {a: fit(w) for a, w in zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS))}
-    mse = {a: (f.weights.flatten()[keep] @ vx.double().T + f.intercept - vy).pow(2).mean().item()
-           for a, f in fits.items()}
-    alpha = min(mse, key=mse.get)
-    return dataclasses.replace(fits[alpha], alpha=alpha)
+    fits = dict(zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS)))  # weights of the kept columns, intercept last
+    alpha = min(fits, key=lambda a: (vx.double() @ fits[a][:-1] + fits[a][-1] - vy).pow(2).mean().item())
+    weights = torch.zeros(length * vocab, dtype=torch.float64)
+    weights[keep] = fits[alpha][:-1]
+    return RidgeFit(weights.view(length, vocab), fits[alpha][-1].item(), alpha)
 
 
 @torch.no_grad()
