@@ -102,12 +102,13 @@ def parser() -> argparse.ArgumentParser:
                    "harness against a hand-written DeepSpeed loop (same engine and config) and a plain PyTorch loop, "
                    "on the same model and batches; writes OUT/overhead.json and overhead.md")
     b.add_argument("--rounds", type=int, default=2, help="alternations of the three programs for --overhead")
-    b.add_argument("--largest", choices=["n_layers", "d_model"], help="also find, per configuration, the largest "
-                   "model (by this size) that trains within the memory budget")
+    b.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, the "
+                   "largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains within "
+                   "the memory budget")
     b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
                    "GPU: the card's memory)")
-    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers or units of "
-                   "n_heads x 8 of width")
+    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers, units of "
+                   "n_heads x 8 of width, or units of 64 positions")
     b.add_argument("--proxy", action="store_true", help="instead of timing: count what a step asks of a GPU (aten "
                    "ops, kernel launches, host syncs, collectives), harness against plain PyTorch, for each speed-suite "
                    "model at toy width under each ZeRO stage and precision, on this CPU (harness/bench/proxy.py); "

@@ -81,8 +81,9 @@ def launch_settings(accelerate_args: list[str]) -> dict:
 
 def _deepspeed_env(args) -> dict[str, str]:
     """The ACCELERATE_* variables of DeepSpeed that accelerate will give each rank (its config file's deepspeed_config
-    and its --use_deepspeed/--zero_stage/... flags), computed by accelerate's own code as `accelerate launch` does
-    (accelerate/commands/launch.py, `launch_command`); {} where the launch does not use DeepSpeed."""
+    and its --use_deepspeed/--zero_stage/... flags) and its PARALLELISM_CONFIG_* ones (--use_parallelism_config),
+    computed by accelerate's own code as `accelerate launch` does (accelerate/commands/launch.py, `launch_command`);
+    {} where the launch uses neither."""
     from accelerate.commands.launch import _validate_launch_command
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
@@ -90,11 +91,15 @@ def _deepspeed_env(args) -> dict[str, str]:
         args, defaults, _ = _validate_launch_command(args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"harness launch: accelerate launch refuses its settings: {e}") from None
-    if not args.use_deepspeed:
-        return {}
-    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config.keys() if defaults else [])
-    _, env = prepare_deepspeed_cmd_env(args)
-    return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+    env = {}
+    if getattr(args, "use_parallelism_config", False):  # its sequence-parallel size (config/accelerate.py)
+        from accelerate.utils.launch import prepare_extend_env_parallelism_config
+
+        env = prepare_extend_env_parallelism_config(args, {})
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config.keys() if defaults else [])
+        env.update(prepare_deepspeed_cmd_env(args)[1])
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
 
 
 def check(train_args: list[str], settings: dict, parse) -> None:

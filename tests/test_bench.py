@@ -42,6 +42,7 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
         assert e["tokens_per_s"] > 0 and e["mfu_table"] is None  # no CPU datasheet
         assert 0 < mfu < 1 or (e["mfu_measured"] is None and mfu > 1)
         assert e["peak_mem_bytes"] > 0 and e["padding"] == 0.0 and e["params"] == 42_880
+        assert e["activation_bytes"] > 0  # rank 0's first micro-batch: per rank, the same at 1 and 2 processes
         assert e["peak_flops_measured"] > 1e8  # measured beside the configuration, its MFU's denominator
         assert mfu == pytest.approx(e["model_flops_per_s"] / (e["peak_flops_measured"] * e["nproc"]))
     # every step trains the same shapes: its FLOPs are the analytic count of its global batch

@@ -181,7 +181,7 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
     def ledger(log_every: int, stop: int, max_nonfinite: int = 2) -> Ledger:
         logged.clear(), written.clear()
         progress = type("Bar", (), {"write": lambda self, s: written.append(s), "set_postfix": lambda *a, **k: None})
-        world = type("World", (), {"replicas": 1, "device": torch.device("cpu"), "is_main": True})
+        world = type("World", (), {"replicas": 1, "loss_replicas": 1, "device": torch.device("cpu"), "is_main": True})
         return Ledger(type("Tracker", (), {"log": lambda self, r: logged.append(r)})(), progress(),
                       type("Train", (), {"log_every": log_every, "max_nonfinite_steps": max_nonfinite}), stop,
                       steps_per_epoch=4, flops=type("Flops", (), {"method": "analytic"}), fixed={}, items="tokens",

@@ -75,6 +75,10 @@ def bounded(e: dict, key: str) -> str:
     return "invalid (>100%)" if key in e.get("invalid", {}) else _num(e.get(key), ".1%" if "mfu" in key else ".0%")
 
 
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
 def _per_rank(values) -> str:
     """What building the model took at its peak on each rank ("-" where not measured)."""
     if not values or None in values:
@@ -88,19 +92,21 @@ def markdown(result: dict) -> str:
              f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
              f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "
-             "| MFU table | MFU measured | peak mem/rank | building the model: host, per rank | padding | speedup (x) | efficiency |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| MFU table | MFU measured | peak mem/rank | activations (rank 0) | building the model: host, per rank | padding "
+             "| speedup (x) | efficiency |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in result["configs"]:
         if e["status"] != "ok":
             lines.append(f"| {e['name']} | {e['layout']} | {e['precision']} | {e.get('params', 0):,} | "
-                         f"**{e['status']}**: {e['error'][:80]} |  |  |  |  |  |  |  |  |  |  |")
+                         f"**{e['status']}**: {e['error'][:80]} |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         s = e["step_s"]
         lines.append(
             f"| {e['name']} | {e['layout']} | {e['precision']} | {e['params']:,} | {s['median']:.4f} "
             f"({s['p10']:.4f}-{s['p90']:.4f}) | {e['tokens_per_s']:,.0f} | {e['samples_per_s']:,.1f} | "
             f"{e['model_flops_per_s'] / 1e12:.3f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} "
-            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_per_rank(e.get('build_peak_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
+            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_mib(e.get('activation_bytes'))} "
+            f"| {_per_rank(e.get('build_peak_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
             f"{bounded(e, 'scaling_efficiency')} |")
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())
@@ -116,10 +122,17 @@ def markdown(result: dict) -> str:
         o = result["overhead"]
         lines += ["", f"Harness overhead against a plain PyTorch loop on the same model and batches: "
                       f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s)."]
+    if any(e.get("activation_bytes") for e in result["configs"]):
+        lines += ["", "Activations: the bytes the first micro-batch's forward keeps for backward on rank 0 (autograd's "
+                      "saved tensors, each storage once, parameters not counted): measured, on any device."]
     for e in result.get("largest", []):
-        lines.append(f"Largest model for {e['name']} within {e['budget_bytes'] / 2**30:.1f} GiB per rank: "
-                     f"{e['params']:,} parameters ({e['key']} = {e['value']}"
-                     f"{', the --largest-max cap: larger may fit' if e['capped'] else ''}).")
+        cap = ", the --largest-max cap: larger may fit" if e["capped"] else ""
+        if e["key"] == "data.seq_len":
+            lines.append(f"Longest sequence for {e['name']} within {e['budget_bytes'] / 2**30:.2f} GiB per rank: "
+                         f"data.seq_len = {e['value']}{cap}.")
+        else:
+            lines.append(f"Largest model for {e['name']} within {e['budget_bytes'] / 2**30:.1f} GiB per rank: "
+                         f"{e['params']:,} parameters ({e['key']} = {e['value']}{cap}).")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
 Optional studies in the same run (so their variants share the machine's state):
 - `--overhead`: instead of the sweep's table, each configuration's harness against the hand-written DeepSpeed
   loop and a plain PyTorch loop (`overhead.py`).
-- `--largest n_layers|d_model`: for each configuration, the largest model it trains, found by doubling that
-  size and then bisecting, each try a 2-step run that must exit cleanly within `--memory-budget-gb` of device
+- `--largest n_layers|d_model|seq_len`: for each configuration, the largest model it trains (or the longest
+  sequence, `data.seq_len` in steps of 64: with a sequence-parallel config, how far the split reaches), found by
+  doubling that size and then bisecting, each try a 2-step run that must exit cleanly within `--memory-budget-gb` of device
   memory per rank (on a GPU, the card's memory by default; on a CPU, required: there, offloaded states share
   the same RAM, so offload reaches no further).
 """
@@ -24,6 +25,8 @@ from ..run.startup import check_build_locks
 from . import device, overhead, report
 from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
 
+SEQ_UNIT = 64  # --largest seq_len searches multiples of this
+
 
 def run_bench(args) -> dict:
     sets = list(args.set)
@@ -31,8 +34,8 @@ def run_bench(args) -> dict:
                    args.mixed_precision.split(","), args.vary)
     fitting = [c for c in configs if c.nproc % model_parallel_size(c.ds) == 0]  # tp2 on 1 process: not a config
     for c in [c for c in configs if c not in fitting]:
-        print(f"skipped {c.name}: its tensor x pipeline size {model_parallel_size(c.ds)} needs a multiple of it "
-              f"in processes", flush=True)
+        print(f"skipped {c.name}: its tensor x pipeline x sequence size {model_parallel_size(c.ds)} needs a multiple of "
+              f"it in processes", flush=True)
     if not fitting:
         raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
     configs = fitting
@@ -55,7 +58,7 @@ def run_bench(args) -> dict:
         result["configs"].append({**entry, "params": count_params(plans[c]), "peak_flops_measured": peak})
     report.derive(result["configs"], result["device"])
     if args.largest:
-        result["largest"] = [largest(c, args, sets, out) for c in configs]
+        result["largest"] = [largest(c, args, sets, out, measured) for c, measured in zip(configs, result["configs"])]
     for path in report.write(result, out):
         print(f"wrote {path}")
     print(report.markdown(result))
@@ -109,12 +112,15 @@ def predicted_size(plan_of, budget_bytes: float, host_bytes: float) -> int:
     return max(1, int(k))
 
 
-def largest(config: Config, args, sets: list[str], out: Path) -> dict:
+def largest(config: Config, args, sets: list[str], out: Path, measured: dict | None = None) -> dict:
     """`args.resolution` (relative, default exact) and `args.deadline` (time.monotonic(), default none) bound the
-    search: past the deadline no try starts, and the result is then a lower bound (`stopped_by_budget`)."""
-    key = f"model.{args.largest}"
+    search: past the deadline no try starts, and the result is then a lower bound (`stopped_by_budget`). `measured`:
+    the sweep's entry for `config`, which stands for the try of the configuration's own size (its run had at least
+    the try's 2 steps), instead of a second launch."""
+    key = "data.seq_len" if args.largest == "seq_len" else f"model.{args.largest}"
     plan = plan_for(config, args.run, sets)
-    unit = 1 if args.largest == "n_layers" else plan.run.cfg.model.n_heads * 8  # widths that split into heads
+    # widths that split into heads; lengths that split over sequence-parallel ranks (up to 64)
+    unit = {"n_layers": 1, "d_model": plan.run.cfg.model.n_heads * 8, "seq_len": SEQ_UNIT}[args.largest]
     budget = (args.memory_budget_gb * 2**30 if args.memory_budget_gb
               else torch.cuda.get_device_properties(0).total_memory)
     deadline, resolution = getattr(args, "deadline", None), getattr(args, "resolution", 0.0)
@@ -123,7 +129,13 @@ def largest(config: Config, args, sets: list[str], out: Path) -> dict:
     def trial(k: int) -> Config:
         return replace(config, sets=(*config.sets, f"{key}={k * unit}"))
 
+    own = plan.run.cfg.data.seq_len if args.largest == "seq_len" else getattr(plan.run.cfg.model, args.largest)
+
     def fits(k: int) -> bool:
+        if measured and measured.get("status") == "ok" and k * unit == own:
+            tried[own] = {"status": "ok", "peak_mem_bytes": measured["peak_mem_bytes"],
+                          "params": measured.get("params"), "error": None}
+            return measured["peak_mem_bytes"] <= budget
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left < 10:
             stopped.append(k)
@@ -141,8 +153,9 @@ def largest(config: Config, args, sets: list[str], out: Path) -> dict:
         return entry["status"] == "ok" and entry["peak_mem_bytes"] <= budget
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    start = predicted_size(lambda k: plan_for(trial(k), args.run, sets), budget, host) if resolution else \
-        max(1, getattr(plan.run.cfg.model, args.largest) // unit)
+    start = predicted_size(lambda k: plan_for(trial(k), args.run, sets), budget, host) \
+        if resolution and args.largest != "seq_len" else \
+        max(1, own // unit)
     k = largest_fitting(fits, min(start, args.largest_max), args.largest_max, resolution)
     best = tried.get(k * unit, {})
     return {"name": config.name, "key": key, "value": k * unit, "params": best.get("params", 0),

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from ..config.ds import DSResolved, model_state_bytes
 from ..config.layout import Layout
 from ..config.run import ConfigError, read_file
+from ..plan.render import GPU_MEMORY_GIB
 from .device import PEAK_TFLOPS
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _gpu(name: str, memory_gib: int) -> GPU:  # the peak rates are bench's datas
     return GPU(PEAK_TFLOPS[name]["bf16"] * 1e12, PEAK_TFLOPS[name]["fp32"] * 1e12, memory_gib * 2**30)
 
 
-GPUS = {"H100": _gpu("H100", 80), "H200": _gpu("H200", 141)}  # SXM datasheets
+GPUS = {name: _gpu(name, gib) for name, gib in GPU_MEMORY_GIB.items()}
 DEFAULT_GPU = "H100"
 
 

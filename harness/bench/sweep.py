@@ -59,10 +59,11 @@ def grid(ds_files: list[str], nprocs: list[int], precisions: list[str], varies: 
 
 
 def model_parallel_size(ds: str) -> int:
-    """Tensor x pipeline size named in a DeepSpeed file: the process counts it can run on are its multiples."""
+    """Tensor x pipeline x sequence size named in a DeepSpeed file: the process counts it can run on are its
+    multiples."""
     cfg = json.loads(Path(ds).read_text())
     tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
-    return tp * (cfg.get("pipeline") or {}).get("stages", 1)
+    return tp * (cfg.get("pipeline") or {}).get("stages", 1) * (cfg.get("sequence_parallel_size") or 1)
 
 
 def ds_path(name: str) -> str:
@@ -183,5 +184,6 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
             "compile_s": sum(r["compile_s"] for r in records) if "compile_s" in records[0] else None,
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in timed),
             "build_peak_bytes": timed[-1].get("build_peak_bytes"), "log": os.path.relpath(log, out),
+            "activation_bytes": timed[-1].get("activation_bytes"),  # rank 0's first micro-batch, kept for backward
             **({"profile": json.loads((run_dir / PROFILE_FILE).read_text())}
                if profile and (run_dir / PROFILE_FILE).is_file() else {})}

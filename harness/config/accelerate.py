@@ -23,6 +23,10 @@ ENV = {
     "ACCELERATE_GRADIENT_CLIPPING": "gradient_clipping",
     "ACCELERATE_DEEPSPEED_ZERO3_INIT": "zero3_init_flag",
 }
+# accelerate's parallelism_config (`accelerate launch --use_parallelism_config --parallelism_config_sp_size N`, or
+# its config file's parallelism_config): PARALLELISM_CONFIG_* variable -> its name; sizes of 1 are off
+PARALLELISM_ENV = {"PARALLELISM_CONFIG_SP_SIZE": "sp_size", "PARALLELISM_CONFIG_SP_BACKEND": "sp_backend",
+                   "PARALLELISM_CONFIG_CP_SIZE": "cp_size", "PARALLELISM_CONFIG_TP_SIZE": "tp_size"}
 # settings that are run-file numbers, not strategy: accelerate name -> run key
 RUN_KEYS = {"gradient_accumulation_steps": "train.grad_accum_steps", "gradient_clipping": "train.grad_clip",
             "zero3_init_flag": "model.zero_init"}
@@ -31,9 +35,16 @@ RUN_KEYS = {"gradient_accumulation_steps": "train.grad_accum_steps", "gradient_c
 def settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """accelerate's DeepSpeed settings for this launch ({} without DeepSpeed or without any set)."""
     env = os.environ if env is None else env
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return {}
-    return {name: env[var] for var, name in ENV.items() if env.get(var) not in (None, "")}
+    out = {}
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        out = {name: env[var] for var, name in ENV.items() if env.get(var) not in (None, "")}
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        sizes = {name: env[var] for var, name in PARALLELISM_ENV.items()
+                 if name.endswith("_size") and env.get(var) not in (None, "", "1")}
+        if "sp_size" in sizes:
+            sizes["sp_backend"] = env.get("PARALLELISM_CONFIG_SP_BACKEND") or "deepspeed"
+        out.update(sizes)
+    return out
 
 
 def describe(given: dict[str, str]) -> str:
@@ -56,7 +67,34 @@ def strategy(given: dict[str, str]) -> dict[str, Any]:
             zero[key] = {"device": device}
     if "zero3_save_16bit_model" in given:
         zero["stage3_gather_16bit_weights_on_model_save"] = _bool(given, "zero3_save_16bit_model")
-    return {"zero_optimization": zero} if zero else {}
+    out: dict[str, Any] = {"zero_optimization": zero} if zero else {}
+    sp = sequence_parallel(given)
+    if sp:
+        out["sequence_parallel_size"] = sp
+    return out
+
+
+def sequence_parallel(given: dict[str, str]) -> int | None:
+    """The sequence-parallel size accelerate's parallelism_config names (None: none); its other sizes refused with
+    the harness's way to say them."""
+    if "cp_size" in given:
+        raise ConfigError(f"accelerate parallelism_config cp_size = {given['cp_size']} is context parallelism through "
+                          f"FSDP2, which the harness does not run; its sequence parallelism is DeepSpeed's Ulysses: "
+                          f"--parallelism_config_sp_size N, or \"sequence_parallel_size\": N in the DeepSpeed file")
+    if "tp_size" in given:
+        raise ConfigError(f"accelerate parallelism_config tp_size = {given['tp_size']}: the harness's tensor "
+                          f"parallelism is DeepSpeed's AutoTP, named in the DeepSpeed file (\"tensor_parallel\": "
+                          f"{{\"autotp_size\": N, ...}}, configs/ds/tp2_zero1.json)")
+    if "sp_size" not in given:
+        return None
+    if given.get("sp_backend", "deepspeed") != "deepspeed":
+        raise ConfigError(f"accelerate parallelism_config sp_backend = {given['sp_backend']!r}: the harness runs "
+                          f"DeepSpeed's Ulysses (sp_backend deepspeed)")
+    try:
+        return int(given["sp_size"])
+    except ValueError:
+        raise ConfigError(f"accelerate parallelism_config sp_size = {given['sp_size']!r} is not a whole number") \
+            from None
 
 
 def run_values(given: dict[str, str]) -> dict[str, tuple[str, Any]]:
@@ -85,6 +123,10 @@ def contradictions(ds: dict[str, Any], given: dict[str, str]) -> list[str]:
     """Where a --ds file and accelerate's strategy settings disagree: one entry each."""
     zero, mine = ds.get("zero_optimization", {}), strategy(given).get("zero_optimization", {})
     out = []
+    sp = sequence_parallel(given)
+    if sp is not None and ds.get("sequence_parallel_size", 1) != sp:
+        out.append(f"sequence_parallel_size = {ds.get('sequence_parallel_size', 1)} vs accelerate parallelism_config "
+                   f"sp_size = {sp}")
     if "stage" in mine and zero.get("stage", 0) != mine["stage"]:
         out.append(f"zero_optimization.stage = {zero.get('stage', 0)} vs accelerate zero_stage = {mine['stage']}")
     for key, name in (("offload_optimizer", "offload_optimizer_device"), ("offload_param", "offload_param_device")):

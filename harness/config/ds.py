@@ -39,6 +39,7 @@ KNOWN_KEYS = {
     "disable_allgather", "use_data_before_expert_parallelism", "timers", "nebula", "hybrid_engine",
     "weight_quantization", "sparse_gradients", "graph_harvesting", "use_node_local_storage", "load_universal",
     "eigenvalue", "progressive_layer_drop", "quantize_training", "mics_shard_size", "zenflow",
+    "sequence_parallel_size",
 }
 # Batch keys and clipping: DeepSpeed key -> run key.
 RUN_OWNED = {
@@ -238,7 +239,7 @@ TYPES = {"train_batch_size": ("int", "auto"), "train_micro_batch_size_per_gpu": 
          "fp16.loss_scale": ("number",), "fp16.initial_scale_power": ("int",), "fp16.loss_scale_window": ("int",),
          "fp16.hysteresis": ("int",), "fp16.min_loss_scale": ("number",), "pipeline.stages": ("int",),
          "pipeline.micro_batches": ("int", "auto"), "pipeline.activation_checkpoint_interval": ("int",),
-         "tensor_parallel.autotp_size": ("int",)}
+         "tensor_parallel.autotp_size": ("int",), "sequence_parallel_size": ("int",)}
 
 
 WORDS = {"int": "an integer", "number": "a number", "bool": "true or false", "auto": "\"auto\""}
@@ -379,7 +380,8 @@ def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:
     2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, m, v) bytes per
     parameter; in fp32 4 + 4 + 8. Stage 1 shards the optimizer part, 2 also the gradients, 3 also the weights.
     Offloaded parts move from "device" to "cpu". Activations and buffers are not included."""
-    n, mixed = ds.layout.dp_size, ds.precision != "fp32" and not ds.autocast  # autocast: fp32 weights and grads
+    # ZeRO partitions over the data x sequence ranks; autocast keeps fp32 weights and gradients
+    n, mixed = ds.layout.dp_size * ds.layout.sp_size, ds.precision != "fp32" and not ds.autocast
     w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     s = ds.zero_stage
     weights = w / n if s >= 3 else w

@@ -1,4 +1,4 @@
-"""How the world is split, as the DeepSpeed JSON names it: data x tensor x pipeline = world size.
+"""How the world is split, as the DeepSpeed JSON names it: data x sequence x tensor x pipeline = world size.
 
 Model parallelism is named in the DeepSpeed file:
 - `"tensor_parallel": {"autotp_size": N, "partition_config": {"layer_specs": [...]}}`: DeepSpeed's AutoTP
@@ -12,6 +12,8 @@ Model parallelism is named in the DeepSpeed file:
     use_reentrant                    DeepSpeed's checkpoint variant; false (the default here) handles the
                                      integer token ids that enter the first stage
   plus DeepSpeed's own `pipe_partitioned` / `grad_partitioned`.
+- `"sequence_parallel_size": N`: each sequence split over N ranks by positions (Ulysses; `distributed/sequence.py`),
+  data parallel over world / N; the harness's own models, and a Hugging Face model of the lm task.
 Combinations DeepSpeed 0.19 does not support are refused here, before any process starts.
 """
 from __future__ import annotations
@@ -39,11 +41,14 @@ class Layout:
     dp_size: int
     tp_size: int = 1
     pp_size: int = 1
+    sp_size: int = 1                        # sequence parallel (Ulysses): ranks one sequence is split over
     partition: str = "parameters"           # pipeline only
     checkpoint_interval: int = 0            # pipeline only: activation checkpointing every N layers
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's data-parallel rank, tensor-parallel rank and pipeline stage."""
+        """This rank's data-parallel rank, tensor-parallel rank and pipeline stage (and sequence rank)."""
+        if self.sp_size > 1:  # DeepSpeed's parallel_state_sp: ranks sp*i .. sp*i + sp - 1 split data shard i
+            return {"dp_rank": rank // self.sp_size, "tp_rank": 0, "stage": 0, "sp_rank": rank % self.sp_size}
         if self.tp_size > 1:
             return {"dp_rank": rank // self.tp_size, "tp_rank": rank % self.tp_size, "stage": 0}
         if self.pp_size > 1:
@@ -51,7 +56,9 @@ class Layout:
         return {"dp_rank": rank, "tp_rank": 0, "stage": 0}
 
     def describe(self) -> str:
-        return (f"data {self.dp_size} x tensor {self.tp_size} x pipeline {self.pp_size} = world {self.world_size}")
+        sequence = f" x sequence {self.sp_size}" if self.sp_size > 1 else ""
+        return (f"data {self.dp_size}{sequence} x tensor {self.tp_size} x pipeline {self.pp_size} = world "
+                f"{self.world_size}")
 
 
 def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage: int,
@@ -88,6 +95,11 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
         pipe.setdefault("use_reentrant", False)  # reentrant checkpointing needs a float input to the first stage
         source.setdefault("pipeline.use_reentrant", "harness default")
 
+    sp = ds.get("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+        raise ConfigError(f"sequence_parallel_size = {sp!r} ({label}) must be a whole number >= 1")
+    if sp > 1:
+        _check_sequence_parallel(ds, sp, tp, pp, world_size, run, label)
     if tp > 1 and pp > 1:
         raise ConfigError(f"tensor_parallel.autotp_size = {tp} and pipeline.stages = {pp} ({label}): DeepSpeed 0.19 "
                           f"cannot combine AutoTP with pipeline parallelism (AutoTP replaces the pipeline grid's "
@@ -109,9 +121,39 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
     if pp > c.model.n_layers:
         raise ConfigError(f"pipeline.stages = {pp} ({label}) is more than {run.describe('model.n_layers')}: "
                           f"every stage needs at least one Transformer block; use fewer stages")
-    layout = Layout(world_size=world_size, dp_size=world_size // (tp * pp), tp_size=tp, pp_size=pp,
+    layout = Layout(world_size=world_size, dp_size=world_size // (tp * pp * sp), tp_size=tp, pp_size=pp, sp_size=sp,
                     partition=partition, checkpoint_interval=interval)
     return layout, (micro_batches if pp > 1 and micro_batches != "auto" else None)
+
+
+def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: int, run: Resolved,
+                             label: str) -> None:
+    """What Ulysses sequence parallelism needs of the world and the model, before any process starts."""
+    c, key = run.cfg, f"sequence_parallel_size = {sp} ({label})"
+    if tp > 1 or pp > 1:
+        other = "tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages"
+        raise ConfigError(f"{key} with {other} = {max(tp, pp)}: the harness splits the world into data x sequence "
+                          f"ranks only (DeepSpeed's parallel_state_sp groups); drop one of them")
+    if world_size % sp:
+        raise ConfigError(f"{key} does not divide the world size {world_size}; launch a multiple of {sp} processes "
+                          f"(accelerate launch --num_processes N; harness plan --world-size N)")
+    if c.model.hf and c.run.task != "lm":
+        raise ConfigError(f"{key} with model.hf = {c.model.hf!r} and run.task = {c.run.task!r}: DeepSpeed's Hugging "
+                          f"Face path drops the attention mask, so it takes causal language models without padding "
+                          f"(the lm task); train this task's own model, or without sequence parallelism")
+    if not c.model.hf and c.model.n_heads % sp:
+        raise ConfigError(f"{key} must divide {run.describe('model.n_heads')}: each rank attends with n_heads / {sp} "
+                          f"heads over the whole sequence")
+    if c.train.compile:
+        raise ConfigError(f"{key} with {run.describe('train.compile')}: compiled blocks around Ulysses' "
+                          f"all-to-all are not yet checked against one process; set train.compile=false")
+    given = ds.get("train_batch_size")
+    per_step = c.train.micro_batch_size * c.train.grad_accum_steps
+    if isinstance(given, int) and not isinstance(given, bool) and given == per_step * world_size and \
+            not c.train.global_batch_size:
+        raise ConfigError(f"train_batch_size = {given} ({label}) counts the sequence-parallel ranks: the {sp} ranks "
+                          f"that split a sequence read one batch, so it is micro x accumulation x (world / {sp}) "
+                          f"= {per_step * world_size // sp}; or leave it \"auto\"")
 
 
 def _tensor_parallel(ds: dict, label: str, hf: bool = False) -> int:

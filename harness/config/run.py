@@ -125,6 +125,9 @@ class TrainSection:
     activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
                                         "pass instead of storing them: less memory, about a third more compute "
                                         "(pipelines use pipeline.activation_checkpoint_interval instead)")
+    loss_chunk: int = _f(0, "the lm's own model: positions per chunk of its output projection and loss, so the "
+                         "logits (B x T x vocab, and their fp32 copy for the loss) never exist whole: each chunk's "
+                         "are recomputed in the backward pass (the same loss); 0 = all positions at once")
     compile: bool = _f(False, "compile each Transformer block with torch.compile (fullgraph; blocks of one class "
                        "share one graph; lengths dynamic, or static per data.length_buckets): the steps that "
                        "compile are slow, their compile seconds are logged apart (metrics compile_s), not in "
@@ -411,7 +414,7 @@ POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every
 NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_batches", "train.grad_clip", "train.epochs",
                 "model.d_ff", "model.vocab_size", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
                 "data.num_workers", "data.bucket", "train.profile_step", "train.seed", "protein.train_subsample",
-                "protein.subsample_seed")  # the cadences (train.eval_every, ...) are checked by config/cadence.py
+                "protein.subsample_seed", "train.loss_chunk")  # the cadences (train.eval_every, ...) are checked by config/cadence.py
 BELOW_ONE = ("model.dropout", "data.val_fraction", "optimizer.beta1", "optimizer.beta2", "optimizer.momentum")  # [0, 1)
 UP_TO_ONE = ("schedule.min_lr_ratio",)  # [0, 1]
 

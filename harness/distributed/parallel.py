@@ -26,6 +26,7 @@ from torch import nn
 
 from ..models.pipeline import SharedUse
 from .memory import allocation_peak
+from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
 
 MUON = "deepspeed.runtime.zero.muon.original_muon"
@@ -96,20 +97,29 @@ def build_engine(plan, world: World, total_steps: int):
         compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
+    undo = hf_ulysses(model, world) if layout.sp_size > 1 and cfg.model.hf else None
     import_muon_lazily()
     sections = plan.ds.sections
+    # Sequence parallel: DeepSpeed's Ulysses groups as the mpu (made by world.init_world), so ZeRO partitions and
+    # reduces over data x sequence ranks (runtime/sequence_parallel/parallel_state_sp.py)
+    mpu = {"mpu": importlib.import_module("deepspeed.runtime.sequence_parallel.parallel_state_sp")} \
+        if layout.sp_size > 1 else {}
     if sections.optimizer:  # one of DeepSpeed's other optimizers (or torch's, by name): DeepSpeed builds it
         engine, _, _, schedule = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, plan.run.cfg),
             lr_scheduler=lambda opt: make_schedule(opt, plan.run.cfg, total_steps, sections),
-            config={**plan.ds.config, "optimizer": sections.optimizer})
+            config={**plan.ds.config, "optimizer": sections.optimizer}, **mpu)
     else:
         optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps, sections)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                               config=plan.ds.config)
+                                               config=plan.ds.config, **mpu)
     _check_groups(engine, world)
     engine.harness_build_peak = built  # read by the loop: what building it took on this rank
-    if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1:
+    engine.harness_split = ulysses(world, plan.ds.zero_stage)  # sequence parallel: the loop splits batches by it
+    engine.harness_undo = undo  # a Hugging Face model's attention, wrapped by DeepSpeed process-wide
+    if engine.harness_split:  # the weights are drawn; now each rank of a sequence group draws its own dropout masks
+        torch.manual_seed(cfg.train.seed + 7919 * world.sp_rank)  # (one stream would repeat a mask in every chunk)
+    if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1 and layout.sp_size == 1:
         # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
         engine.enable_backward_allreduce = False
@@ -127,6 +137,9 @@ def release(engine) -> None:
     every process group in reference cycles that pass through C++, which the collector cannot see; engine.destroy
     removes the hooks, so `world.close_world` can free the groups (and join their threads) while the interpreter is
     still whole. Never raises: it runs on the way out of a failed run too, where the first error is the one to see."""
+    undo = getattr(engine, "harness_undo", None)
+    if undo:
+        undo()
     try:
         engine.destroy()
     except Exception as e:  # noqa: BLE001
@@ -343,6 +356,10 @@ def _check_groups(engine, world: World) -> None:
     """The data shards the loop reads must be the ones DeepSpeed averages gradients over."""
     if world.pp_size > 1:
         got = {"dp_rank": engine.grid.data_parallel_id, "stage": engine.stage_id}
+    elif world.sp_size > 1:
+        from deepspeed.utils import groups
+
+        got = {"sp_rank": groups._get_sequence_parallel_rank()}
     elif world.tp_size > 1:
         from deepspeed.utils import groups
 

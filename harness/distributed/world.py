@@ -74,6 +74,8 @@ class World:
     tp_size: int = 1
     stage: int = 0        # pipeline stage
     pp_size: int = 1
+    sp_rank: int = 0      # which chunk of each sequence's positions (sequence parallel)
+    sp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -81,13 +83,20 @@ class World:
 
     @property
     def replicas(self) -> int:
-        """Ranks that read the same batch: world / data-parallel size (tensor-parallel peers or stages)."""
+        """Ranks that read the same batch: world / data-parallel size (tensor-parallel peers, stages or the ranks
+        that split its sequences)."""
         return self.world_size // self.dp_size
+
+    @property
+    def loss_replicas(self) -> int:
+        """Ranks that compute the same loss: `replicas` but the sequence ranks (each sums over its own positions)."""
+        return self.replicas // self.sp_size
 
     def gather(self, obj) -> list:
         """Every data-parallel rank's `obj` (picklable), in data-parallel order, on every rank; a sync point.
-        Of the ranks that read the same batch (tensor-parallel peers, pipeline stages) only the first counts."""
-        first = self.tp_rank == 0 and self.stage == 0
+        Of the ranks that read the same batch (tensor-parallel peers, pipeline stages, sequence ranks) only the first
+        counts."""
+        first = self.tp_rank == 0 and self.stage == 0 and self.sp_rank == 0
         return [o for lead, o in all_gather_objects((first, obj)) if lead]
 
 
@@ -136,8 +145,13 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
         layout = Layout(world_size=world_size, dp_size=world_size)
     if layout.world_size != world_size:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
+    if layout.sp_size > 1:  # DeepSpeed's Ulysses groups (distributed/sequence.py), handed to it as the mpu
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        parallel_state_sp.initialize_sequence_parallel(layout.sp_size)
     return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
-                 dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, **layout.coords(rank))
+                 dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, sp_size=layout.sp_size,
+                 **layout.coords(rank))
 
 
 def _default_group_timeout(timeout: datetime.timedelta | None) -> None:
@@ -165,6 +179,9 @@ def close_world() -> None:
     from accelerate.state import PartialState
 
     ds_comm.cdb = None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    parallel_state_sp._release_sequence_parallel_groups()
     for name, value in list(vars(ds_groups).items()):  # its cached groups (world, data, model, tensor, expert)
         if name.startswith("_") and name.isupper() and isinstance(value, dict):
             value.clear()

@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import flops
+from . import flops, sequence
 from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
@@ -60,7 +60,8 @@ class Encoder(nn.Module):
             x, _ = _block(block, (x, mask))
         out = _out(self.head, self, (x, mask))
         if hasattr(self, "ridge_table") and not self.training and self.ridge_mix:  # trained alone, mixed when used
-            out = out + self.ridge_mix * (self.ridge(ids, mask) - out)
+            rows = sequence.rows  # the pooled output's rows, over every position under sequence parallelism
+            out = out + self.ridge_mix * (self.ridge(rows(sequence.whole(ids)), rows(sequence.whole(mask))) - out)
         return out
 
     def ridge(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,8 @@ def _out(kind: str, m, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     """Final norm and the head of `kind`."""
     x, mask = inputs
     x = m.ln_f(x)  # (B, T, C)
-    if kind in POOLED:
+    if kind in POOLED:  # under sequence parallelism: this rank's rows, over every position
+        x, mask = sequence.rows_of(x), sequence.rows(sequence.whole(mask))
         w = mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
         if hasattr(m, "pool_score"):  # softmax of a learned score over the real positions
             w = m.pool_score(x).masked_fill(~mask.unsqueeze(-1), float("-inf")).softmax(1)
@@ -102,12 +104,15 @@ def _out(kind: str, m, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
 
 def _embed(m, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids, mask = inputs
-    pos = torch.arange(ids.shape[1], device=ids.device)
+    start = sequence.offset(ids.shape[1])  # this rank's first position under sequence parallelism, else 0
+    # padding that evens a sequence out for the split may run past the table: masked keys, ignored outputs
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device).clamp(max=m.pos_emb.num_embeddings - 1)
     return m.drop(m.tok_emb(ids) + m.pos_emb(pos)), mask  # (B, T, C), (B, T)
 
 
 def _block(block: Block, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     # Keys that are padding are never attended to, so a real position's output does not depend on how much
-    # padding follows it. mask[:, None, None, :] is (B, 1, 1, T): broadcast over heads and queries.
+    # padding follows it. mask[:, None, None, :] is (B, 1, 1, T): broadcast over heads and queries (every key's,
+    # under sequence parallelism).
     x, mask = inputs
-    return block(x, mask=mask[:, None, None, :]), mask
+    return block(x, mask=sequence.whole(mask)[:, None, None, :]), mask

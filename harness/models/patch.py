@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import flops
+from . import flops, sequence
 from .pipeline import PipeLayer
 from .transformer import Block, TransformerConfig, init_weights
 
@@ -58,7 +58,9 @@ class PatchEmbedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(patches.shape[1], device=patches.device)
+        patches = sequence.own_positions(patches)  # sequence parallel: this rank's patches (every rank cuts them all)
+        start = sequence.offset(patches.shape[1])
+        pos = torch.arange(start, start + patches.shape[1], device=patches.device)
         return self.drop(self.value(patches) + self.pos_emb(pos))  # (B*C, N, d)
 
 
@@ -139,7 +141,19 @@ def _pipeline_patches(cfg: PatchConfig, m, x: torch.Tensor) -> tuple[torch.Tenso
 def _forecast(cfg: PatchConfig, m, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Tokens (B*C, N, d) -> forecasts (B, H, C) on the inputs' scale."""
     h, centre, std = inputs
+    if sequence.current() is not None:  # sequence parallel: this rank's windows, over every patch
+        h, centre, std = _own_windows(h, centre, std)
     B, C = centre.shape[0], centre.shape[2]
     y = m.head(h).float()  # (B*C, H)
     y = y.view(B, C, cfg.horizon).transpose(1, 2)  # (B, H, C)
     return y * std + centre  # undo the instance normalisation
+
+
+def _own_windows(h: torch.Tensor, centre: torch.Tensor, std: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tokens (B*C, N_local, d) and statistics (B, 1, C) -> this rank's windows' tokens over every patch and their
+    statistics: the flatten head maps all patches of a window at once."""
+    B, C = centre.shape[0], centre.shape[2]
+    d = h.shape[-1]
+    by_window = h.unflatten(0, (B, C)).transpose(1, 2).flatten(2)  # (B, N_local, C*d): positions on dim 1
+    h = sequence.rows_of(by_window).unflatten(2, (C, d)).transpose(1, 2).flatten(0, 1)  # (B_own*C, N, d)
+    return h, sequence.rows(centre), sequence.rows(std)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flops
+from . import flops, sequence
 from .pipeline import PipeLayer, SharedUse
 from .transformer import Attention, Block, TransformerConfig
 
@@ -133,16 +133,16 @@ class Seq2Seq(nn.Module):
 
     def _encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         src_mask = src != self.cfg.pad_id  # (B, S), True = real token
-        attend = src_mask[:, None, None, :]  # (B, 1, 1, S): every query may attend to real keys only
-        x = self._embed(src)  # (B, S, C)
+        attend = sequence.whole(src_mask)[:, None, None, :]  # (B, 1, 1, S): every query may attend to real keys only
+        x = self._embed(src, sequence.offset(src.shape[1]))  # (B, S, C); sequence parallel: this rank's positions
         for block in self.encoder:
             x = block(x, mask=attend)
         return self.enc_norm(x), src_mask
 
     def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
                 keep: torch.Tensor | None) -> torch.Tensor:
-        x = self._embed(tgt_in)  # (B, T, C)
-        attend = src_mask[:, None, None, :]
+        x = self._embed(tgt_in, sequence.offset(tgt_in.shape[1]))  # (B, T, C)
+        attend = sequence.whole(src_mask)[:, None, None, :]
         for block in self.decoder:
             x = block(x, causal=True, memory=memory, memory_mask=attend)
         # Every position, padding too: gathering the N positions the loss reads (x[keep]) would spare the padding's

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flops
+from . import flops, sequence
 from .pipeline import PipeLayer
 
 
@@ -29,7 +29,8 @@ class TransformerConfig:
 
 
 class Attention(nn.Module):
-    """Multi-head attention over `x` (self-attention) or over `kv` (cross-attention), fused by SDPA."""
+    """Multi-head attention over `x` (self-attention) or over `kv` (cross-attention), fused by SDPA. Under sequence
+    parallelism `x`, `kv` hold this rank's positions and `mask` covers every key (`sequence.py`)."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
         super().__init__()
@@ -47,12 +48,14 @@ class Attention(nn.Module):
         # (tensor parallel) simply sees fewer local heads.
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k, v = (p(kv).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.k_proj, self.v_proj))
-        if causal and mask is not None:  # SDPA takes one or the other: fold causality into the mask
-            T, S = q.shape[-2], k.shape[-2]
-            mask = mask & torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
-            causal = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+
+        def core(q, k, v, mask=mask, causal=causal):  # over every position (sequence parallel: after the all-to-all)
+            if causal and mask is not None:  # SDPA takes one or the other: fold causality into the mask
+                T, S = q.shape[-2], k.shape[-2]
+                mask, causal = mask & torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+        y = sequence.attend(q, k, v, core)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, C)
 
 
@@ -108,11 +111,15 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(init_weights)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """Logits (B, T, vocab); with `targets` (B, T) the summed cross-entropy instead, computed `chunk` positions
+        at a time (0: at once) so that the logits never exist whole (`chunked_loss`)."""
         x = _embed(self, ids)  # (B, T, C)
         for block in self.blocks:
             x = block(x, causal=True)
-        return _head(self, x)  # (B, T, vocab)
+        if targets is None:
+            return _head(self, x)  # (B, T, vocab)
+        return chunked_loss(lambda h: _head(self, h), x, targets, chunk)
 
     def forward_flops(self, ids: torch.Tensor) -> float:
         """Analytic FLOPs of `forward(ids)` (see `flops.py`)."""
@@ -126,9 +133,28 @@ class TransformerLM(nn.Module):
                 PipeLayer(_head, ln_f=self.ln_f, head=self.head)]
 
 
+def chunked_loss(head, x: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The summed cross-entropy of head(x) (B, T, vocab) against targets (B, T), over `chunk` positions at a time (0:
+    all): in training each chunk is checkpointed, so its logits and their fp32 copy live only while it is computed,
+    in the forward pass and again in the backward (Liger's and ALST's tiled loss; one more head matmul per chunk)."""
+    flat, t = x.flatten(0, 1), targets.flatten()
+    chunk = chunk or len(flat)
+    if chunk >= len(flat) or not torch.is_grad_enabled():
+        return sum(_chunk_loss(head, flat[i:i + chunk], t[i:i + chunk]) for i in range(0, len(flat), chunk))
+    from torch.utils.checkpoint import checkpoint
+
+    return sum(checkpoint(_chunk_loss, head, flat[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+               for i in range(0, len(flat), chunk))
+
+
+def _chunk_loss(head, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), t, reduction="sum")
+
+
 # Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
 def _embed(m, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(ids.shape[1], device=ids.device)
+    start = sequence.offset(ids.shape[1])  # this rank's first position under sequence parallelism, else 0
+    pos = torch.arange(start, start + ids.shape[1], device=ids.device)
     return m.drop(m.tok_emb(ids) + m.pos_emb(pos))  # (B, T, C)
 
 

@@ -12,6 +12,7 @@ from ..distributed.parallel import pipeline_partition
 from .resolve import Plan
 
 MAX_RANKS_SHOWN = 16
+GPU_MEMORY_GIB = {"H100": 80, "H200": 141}  # SXM datasheets: the GPUs the estimates know
 
 
 def meta_model(plan: Plan) -> torch.nn.Module:
@@ -68,12 +69,66 @@ def parallel_lines(plan: Plan, model: torch.nn.Module) -> tuple[list[str], int]:
         for r in range(layout.world_size):
             c = layout.coords(r)
             holds[r] = f"stage {c['stage']}, data shard {c['dp_rank']}"
+    if layout.sp_size > 1:
+        lines += sequence_lines(plan, model)
+        for r in range(layout.world_size):
+            c = layout.coords(r)
+            holds[r] = f"data shard {c['dp_rank']}, positions {c['sp_rank']} of {layout.sp_size} of each sequence"
     if holds:
         shown = list(holds.items())[:MAX_RANKS_SHOWN]
         lines += [f"  rank {r}: {what}" for r, what in shown]
         if len(holds) > len(shown):
             lines.append(f"  ... ({len(holds) - len(shown)} more ranks, same pattern)")
     return lines, per_rank
+
+
+def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int) -> float:
+    """Activations of one micro-batch on one rank, on paper: Korthikanti et al. (2022) 34 x T x B x d_model bytes per
+    layer in 16-bit, doubled in fp32 (no recomputation; d_ff = 4 d_model; attention scores not stored, as in flash
+    attention), with activation checkpointing 2 x T x B x d_model per layer plus one layer's 34; and the logits with
+    their fp32 copy and gradient for the loss (B x T x vocab x (2 or 4 + 8), a chunk of train.loss_chunk positions
+    where set). T is the positions per rank: positions / sp."""
+    c, ds = plan.run.cfg, plan.ds
+    b = 4 if ds.precision == "fp32" or ds.autocast else 2
+    B, T, C, L = c.train.micro_batch_size, positions / sp, c.model.d_model, c.model.n_layers
+    per_layer = 34 * T * B * C * b / 2
+    blocks = 2 * T * B * C * b * L + per_layer if c.train.activation_checkpointing else per_layer * L
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", 0)
+    logit_positions = min(c.train.loss_chunk, B * T) if c.train.loss_chunk else B * T
+    return blocks + logit_positions * vocab * (b + 8)
+
+
+def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
+    """What sequence parallelism splits, the activations per rank with and without it, and the longest sequence that
+    fits the GPUs the scaling estimate knows, on paper."""
+    ds, c, sp = plan.ds, plan.run.cfg, plan.ds.layout.sp_size
+    fixed = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
+    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
+    sizes = [n for n in (1, 2, 4, 8) if c.model.n_heads % n == 0]
+    lines = [f"sequence parallel: each sequence split over {sp} ranks by positions (DeepSpeed Ulysses: an all-to-all "
+             f"of q, k, v before each attention and one after it, each rank attending over every position with "
+             f"n_heads / {sp} heads); every rank holds the whole model, ZeRO partitions over data x sequence = "
+             f"{ds.layout.dp_size * sp} ranks",
+             f"activations per rank, one micro-batch of {c.train.micro_batch_size} x {fixed} positions (on paper: "
+             f"Korthikanti et al. 34 T B d_model per layer in 16-bit, the loss's logits B T vocab x (2|4 + 8)): "
+             + ", ".join(f"SP={n} {_gib(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
+    for name, gib in GPU_MEMORY_GIB.items():
+        longest = {n: _longest(lambda t, n=n: states + activation_bytes(plan, model, t, n) <= gib * 2**30, 64 * n)
+                   for n in sizes}
+        lines.append(f"longest sequence that fits an {name} ({gib} GiB, model states "
+                     f"{_gib(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
+    return lines
+
+
+def _longest(fits, step: int) -> int:
+    """The largest multiple of `step` with fits() (0 if none), for a fits() true up to some length and false after."""
+    good, bad = 0, step
+    while fits(bad):
+        good, bad = bad, bad * 2
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 def _gib(n: int) -> str:
@@ -125,7 +180,8 @@ def render(plan: Plan) -> str:
     mem = model_state_bytes(per_rank, ds)
     lines += [
         "",
-        f"world size {ds.layout.world_size} (data parallel {ds.layout.dp_size}); ZeRO stage {ds.zero_stage}, "
+        f"world size {ds.layout.world_size} (data parallel {ds.layout.dp_size}"
+        f"{f', sequence parallel {ds.layout.sp_size}' if ds.layout.sp_size > 1 else ''}); ZeRO stage {ds.zero_stage}, "
         f"{ds.precision}{' (torch autocast over fp32 weights)' if ds.autocast else ''}, "
         f"optimizer offload {'on' if ds.offload_optimizer else 'off'}, "
         f"parameter offload {'on' if ds.offload_params else 'off'}",

@@ -14,6 +14,7 @@ from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
 from ..models.hf import load_config
+from ..models.transformer import Attention
 from ..tasks import Task, get_task, resolve
 
 
@@ -41,6 +42,9 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
     check_selection(run, task)
+    if run.cfg.train.loss_chunk and not hasattr(task, "loss_chunk"):
+        raise ConfigError(f"{run.describe('train.loss_chunk')}: task {run.cfg.run.task!r} computes its loss whole "
+                          f"(the chunked loss is the lm task's); set it to 0")
     if run.cfg.data.bucket and not hasattr(task, "lengths"):
         raise ConfigError(f"{run.describe('data.bucket')}: task {run.cfg.run.task!r} has samples of one length; "
                           f"bucketing them changes nothing, set it to 0")
@@ -71,6 +75,8 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
                           f"compiles whole; use ZeRO-0/1/2 or set train.compile=false")
     if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
         check_model_parallel(run, ds, task)
+    if ds.layout.sp_size > 1:
+        check_sequence_parallel(run, ds, task)
     return Plan(run, ds, task, Path(run.cfg.run.output_dir))
 
 
@@ -106,6 +112,32 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
                           f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")
 
 
+
+
+def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
+    """What sequence parallelism needs of the task (how its batches split) and its model (attention the harness
+    splits: `models/transformer.py`'s), checked on the model's meta-device twin."""
+    sp, name = ds.layout.sp_size, run.describe("run.task")
+    key = f"sequence_parallel_size = {sp} ({ds.origin})"
+    if not hasattr(task, "sequence_split"):
+        raise ConfigError(f"{key}: {name} does not say how its batches split over positions (sequence_split(); see "
+                          f"harness/tasks/lm.py); train without sequence parallelism")
+    if hasattr(task, "sequence_length"):
+        n, keys = task.sequence_length(run.cfg)
+        if n % sp:
+            raise ConfigError(f"{key} must divide the {n} positions of each sample "
+                              f"({', '.join(run.describe(k) for k in keys)}): each rank holds n / {sp} of them")
+    if run.cfg.model.hf:  # DeepSpeed's HF path (distributed/sequence.py, hf_ulysses): the heads split
+        config = load_config(run.cfg).get_text_config()
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int) and heads % sp:
+            raise ConfigError(f"{key} must divide num_attention_heads = {heads} of {run.describe('model.hf')}")
+        return
+    with torch.device("meta"):
+        model = task.build_model(run.cfg)
+    if not any(isinstance(m, Attention) for m in model.modules()):
+        raise ConfigError(f"{key}: {name}'s model ({type(model).__name__}) has no attention the harness can split "
+                          f"(harness.models.transformer.Attention); train without sequence parallelism")
 
 
 def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:

@@ -33,7 +33,7 @@ BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop
 # good checkpoint at a later step is saved
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
 LAYOUT = "layout.json"
-LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "zero_stage", "offload_optimizer", "offload_params")
+LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "sp_size", "zero_stage", "offload_optimizer", "offload_params")
 
 
 def step_name(step: int) -> str:
@@ -123,7 +123,8 @@ def resume_target(root: Path) -> Path | None:
 def layout_of(ds) -> dict[str, Any]:
     """What a checkpoint's partitioning depends on, from a `config.ds.DSResolved` (written as layout.json)."""
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
-            "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer, "offload_params": ds.offload_params,
+            "sp_size": ds.layout.sp_size, "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer,
+            "offload_params": ds.offload_params,
             "weights": _weights(ds.precision, ds.autocast)}
 
 
@@ -145,7 +146,8 @@ def _saved_weights(path: Path) -> str | None:
 
 def _describe(layout: dict[str, Any]) -> str:
     offload = [k.removeprefix("offload_") for k in ("offload_optimizer", "offload_params") if layout.get(k)]
-    return (f"data {layout['dp_size']} x tensor {layout['tp_size']} x pipeline {layout['pp_size']}, ZeRO-"
+    sequence = f" x sequence {layout['sp_size']}" if layout.get("sp_size", 1) > 1 else ""
+    return (f"data {layout['dp_size']}{sequence} x tensor {layout['tp_size']} x pipeline {layout['pp_size']}, ZeRO-"
             f"{layout['zero_stage']}{' offload ' + '+'.join(offload) if offload else ''}")
 
 
@@ -159,6 +161,7 @@ def reshape(path: Path, ds) -> bool:
     except (OSError, ValueError):
         return False
     new = layout_of(ds)
+    saved.setdefault("sp_size", 1)  # saved before sequence parallelism
     if "weights" not in saved and (weights := _saved_weights(path)):
         saved["weights"] = weights  # layout.json written before it recorded the weights
     if saved == new:
@@ -170,12 +173,13 @@ def reshape(path: Path, ds) -> bool:
         raise ConfigError(f"--resume: {path} holds its ZeRO-0 weights as {saved['weights']}; this run as "
                           f"{new['weights']} (bf16 under ZeRO-0 runs as torch autocast over fp32 weights), and neither "
                           f"loads as the other: {fix}")
-    convert = saved["zero_stage"] != 0 and \
-        (saved["dp_size"], saved["zero_stage"]) != (new["dp_size"], new["zero_stage"])
+    # ZeRO partitions over the data x sequence ranks (distributed/sequence.py)
+    convert = saved["zero_stage"] != 0 and (saved["dp_size"] * saved["sp_size"], saved["zero_stage"]) != \
+        (new["dp_size"] * new["sp_size"], new["zero_stage"])
     if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
             0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"]:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
-                          f"harness resumes a checkpoint on another data-parallel size or ZeRO stage 1-3 (and any "
+                          f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 (and any "
                           f"offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
                           f"parallel size, or between ZeRO-0 and ZeRO. Resume with the saved layout")
     return convert

@@ -28,6 +28,7 @@ from ..distributed.parallel import (
     release,
 )
 from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads
+from ..models import sequence
 from ..models.flops import ForwardFlops
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
@@ -58,13 +59,18 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
         real = i < len(batches)
         batch = to_device(task.collate([samples[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
                           world.device)
+        if real and world.sp_rank == 0:  # the sequence ranks split one batch: counted once
+            totals[1] += task.count(batch)
+        if split := getattr(engine, "harness_split", None):  # each sequence rank sums its own positions
+            batch = split.batch(task, batch)
         # Every rank runs `steps` forwards: ZeRO-3 gathers weights, tensor parallelism all-reduces, collectively.
         if world.pp_size > 1:  # the data-parallel mean of the ranks' sums (a rank's repeated batch counts 0),
             totals[0] += pipeline_loss_sum(engine, task, batch, real).double()  # the same on every rank
-        elif real:
-            totals[0] += task.loss(engine, batch).double()
-        if real:
-            totals[1] += task.count(batch)
+        else:
+            with sequence.split_over(split):  # a forward with collectives (the all-to-all): every rank, every batch
+                loss = task.loss(engine, batch).double()
+            if real:
+                totals[0] += loss
     engine.train(was_training)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return totals[0].item(), int(totals[1].item())
@@ -176,7 +182,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
 
     model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
-        (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "")
+        (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "") + \
+        (f", sequence parallel {world.sp_size}" if world.sp_size > 1 else "")
     say(f"harness: task {cfg.run.task}, {type(meta_model).__name__} of {n_params:,} parameters "
         f"(FLOPs: {flops.method}) | world {world.world_size} "
         f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"

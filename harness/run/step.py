@@ -5,6 +5,7 @@ span's batches ahead and counting their work), `Span` (one collective for a span
 the overhead study's hand-written loop (`harness/bench/reference.py`) both run steps through these."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..distributed.world import (
     host_to_device,
     to_host_later,
 )
+from ..models import sequence
 from ..models.flops import TRAIN_FACTOR, ForwardFlops
 from ..plan.resolve import Plan
 from . import profiling
@@ -71,8 +73,9 @@ class Span:
     (`Ledger.carry`)]. On a GPU nothing here waits for the device: host values go up from pinned memory, and the
     rows come down behind the gather (`to_host_later`)."""
 
-    def __init__(self, works: list[list[float]], signal: int, step_s: float, carry: torch.Tensor, world: World):
-        self.world = world
+    def __init__(self, works: list[list[float]], signal: int, step_s: float, carry: torch.Tensor, world: World,
+                 factor: int = 1):
+        self.world, self.factor = world, factor  # factor: sequence parallel under ZeRO-3 (`Ulysses.loss_factor`)
         head = torch.tensor([float(signal), step_s, *(w for work in works for w in work)], dtype=torch.float64)
         self.out, self.pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
         self.gathered, self.rows = None, None
@@ -86,9 +89,10 @@ class Span:
                 self.pending.wait()
             self.gathered = self.out.view(world.world_size, -1)
             self.rows = to_host_later(self.gathered)
-        # Ranks that read the same batch (tensor-parallel peers, pipeline stages) each count it: hence replicas.
+        # Ranks that read the same batch (tensor-parallel peers, pipeline stages, sequence ranks) each count it:
+        # hence replicas.
         items = self.gathered[:, HEAD + i * WORK].sum() / world.replicas
-        return (world.dp_size * accum / items).float()
+        return (world.dp_size * accum * self.factor / items).float()
 
 
 class Ledger:
@@ -163,7 +167,8 @@ class Ledger:
             r.peak_mem = int(max(f[1] for f in ranks))
             r.grad_norm = ranks[0][3] if ranks[0][2] else None  # global: every rank's is the same
             # a step without items (a 0/0 loss) is a non-finite step
-            r.loss = sum(f[4] for f in ranks) / self.world.replicas / work[0] if work[0] else math.nan
+            # each loss sum counted by the ranks that compute it (the sequence ranks sum their own positions)
+            r.loss = sum(f[4] for f in ranks) / self.world.loss_replicas / work[0] if work[0] else math.nan
         if self.give_up:  # the run stops at the step that gave up: reads after it are not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
@@ -220,6 +225,7 @@ class Steps:
         self.ready = max(1, PREFETCH * workers // plan.ds.grad_accum_steps) if workers else MAX_SPAN  # steps' worth
         self.ahead: list[tuple[list[dict[str, torch.Tensor]], float]] = []  # the span's batches, with their fetch's s
         self.span, self.index, self.span_start = None, 0, (0, 0.0)  # (step, time) the last span began
+        self.split = getattr(engine, "harness_split", None)  # sequence parallel (`distributed/sequence.py`)
 
     def run(self, step: int, lr: float, samples_seen: int, stop_signal: int = 0,
             mark=profiling.unmarked) -> tuple[StepResult, float]:
@@ -230,7 +236,12 @@ class Steps:
         cpu_batches, loader_wait = self.ahead.pop(0)
         with mark("to device"):
             batches = [to_device(b, self.world.device) for b in cpu_batches]
-        result = train_step(self.engine, self.plan, batches, self.world, self.span, self.index, mark)
+            if self.split:  # sequence parallel: this rank's positions of each batch
+                batches = [self.split.batch(self.plan.task, b) for b in batches]
+        saved = {} if "activation_bytes" not in self.ledger.fixed and self.world.pp_size == 1 else None
+        result = train_step(self.engine, self.plan, batches, self.world, self.span, self.index, mark, saved)
+        if saved is not None:  # this run's first step: what its first micro-batch kept for backward on rank 0
+            self.ledger.fixed["activation_bytes"] = saved.get("bytes")
         result.rows = self.span.rows if first else None
         self.index += 1
         with mark("progress bar"):
@@ -253,7 +264,8 @@ class Steps:
             with mark("count work"):
                 works.append(step_work(self.plan.task, self.flops, cpu_batches))  # on the host: no device sync
         with mark("step collective"):
-            self.span = Span(works, stop_signal, step_s, self.ledger.carry(), self.world)
+            self.span = Span(works, stop_signal, step_s, self.ledger.carry(), self.world,
+                             self.split.loss_factor if self.split else 1)
         self.index, self.span_start = 0, (step, now)
 
 
@@ -269,12 +281,13 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World, span: Span,
-               index: int, mark=profiling.unmarked) -> StepResult:
+               index: int, mark=profiling.unmarked, saved: dict | None = None) -> StepResult:
     """One optimizer step over this rank's micro-batches, step `index` of `span`; gradients averaged over ranks by
     DeepSpeed. `mark` names the parts of the step for a traced one (`profiling.StepProfile.section`). The loss
     normaliser comes from the span's collective (`Span.loss_scale`: its first step waits for it before its first
     backward, so the first forward hides it). This step's figures (peak memory, gradient norm, loss sum) are
-    returned to be carried by the next span's collective; a pipeline's are read at once."""
+    returned to be carried by the next span's collective; a pipeline's are read at once. `saved` (not a pipeline):
+    given a dict, the bytes the first micro-batch's forward keeps for backward are set in it (`saved_bytes`)."""
     task, accum = plan.task, len(micro_batches)
 
     def loss_scale() -> torch.Tensor:
@@ -282,7 +295,6 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
             return span.loss_scale(index, accum)
 
     skipped_before = engine.skipped_steps
-    grad_norm = None
     if world.pp_size > 1:
         scale = loss_scale()
         with mark("engine"):
@@ -294,24 +306,8 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
             step_loss, peak = torch.cat([step_loss, peak]).tolist()  # sync point
         mine = None
     else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
-        for i, batch in enumerate(micro_batches):
-            with mark("engine"):
-                loss = task.loss(engine, batch)
-            scale = loss_scale() if i == 0 else scale
-            with mark("engine"):
-                engine.backward(loss * scale)
-            if plan.ds.loop_norms and i == accum - 1:  # gradients are all-reduced in the boundary backward
-                with mark("grad norm"):
-                    grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
-                        engine.module.parameters(), plan.ds.loop_clips or float("inf"))
-            with mark("engine"):
-                engine.step()  # steps the optimizer and schedule only at the accumulation boundary
-            loss_sum += loss.detach().double()
-        with mark("grad norm"):
-            if grad_norm is None:
-                grad_norm = engine.get_global_grad_norm()  # a float, a tensor, or None
-            mine = _figures(world, grad_norm, loss_sum)
+        with sequence.split_over(engine.harness_split):  # backward too: checkpointed blocks run their forward again
+            grad_norm, mine = _micro_steps(engine, plan, micro_batches, world, loss_scale, mark, saved)
     fp16 = plan.ds.precision == "fp16"
     result = StepResult(None, mine, engine.skipped_steps > skipped_before, engine.skipped_steps,
                         float(engine.optimizer.loss_scale) if fp16 else None)
@@ -320,6 +316,54 @@ def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]],
         result.loss, result.peak_mem = step_loss, int(peak)
         result.grad_norm = None if norm is None else float(norm)
     return result
+
+
+def _micro_steps(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World, loss_scale,
+                 mark, saved: dict | None = None) -> tuple:
+    """Forward, backward and DeepSpeed's step over each micro-batch (not a pipeline): (the gradient norm if the loop
+    computed it, else DeepSpeed's; this step's figures)."""
+    task, accum, grad_norm, scale = plan.task, len(micro_batches), None, None
+    loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
+    for i, batch in enumerate(micro_batches):
+        with mark("engine"), saved_bytes(saved if i == 0 else None):
+            loss = task.loss(engine, batch)
+        scale = loss_scale() if scale is None else scale
+        with mark("engine"):
+            engine.backward(loss * scale)
+        if plan.ds.loop_norms and i == accum - 1:  # gradients are all-reduced in the boundary backward
+            with mark("grad norm"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(  # max_norm inf: the norm only, nothing clipped
+                    engine.module.parameters(), plan.ds.loop_clips or float("inf"))
+        with mark("engine"):
+            engine.step()  # steps the optimizer and schedule only at the accumulation boundary
+        loss_sum += loss.detach().double()
+    with mark("grad norm"):
+        if grad_norm is None:
+            grad_norm = engine.get_global_grad_norm()  # a float, a tensor, or None
+        return grad_norm, _figures(world, grad_norm, loss_sum)
+
+
+@contextlib.contextmanager
+def saved_bytes(out: dict | None):
+    """With a dict: the bytes of the tensors autograd keeps for backward during the block, set as out["bytes"] (each
+    storage once, parameters not counted): the activation memory of a forward pass, measured (not estimated), the
+    same on a CPU as on a GPU. Without one: nothing."""
+    if out is None:
+        yield
+        return
+    seen: set[int] = set()
+    out["bytes"] = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out["bytes"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 def _figures(world: World, grad_norm, loss_sum: torch.Tensor) -> torch.Tensor:

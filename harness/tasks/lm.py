@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..config.run import ConfigError, RunConfig
 from ..data.rows import DataSummary, check_paths, keep, load_rows
-from ..models import hf
+from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM
 from ..prepare import cache_dir
 from .interface import TaskData
@@ -40,21 +40,28 @@ class LanguageModelTask:
     HF_CLASS = "AutoModelForCausalLM"
     items = "tokens"
     byte_level = True  # until a run names a Hugging Face model
+    loss_chunk = 0  # train.loss_chunk, set by build_model
+    hf_model = False  # a Hugging Face model (model.hf), set by build_model
 
     def check(self, cfg: RunConfig) -> None:
         check_paths(cfg.data)
         if cfg.model.hf:
             hf.check(cfg, self.HF_CLASS)
+            if cfg.train.loss_chunk:
+                raise ConfigError(f"train.loss_chunk = {cfg.train.loss_chunk}: the chunked loss is the lm's own "
+                                  f"model's; a Hugging Face model (model.hf) computes its own logits; set it to 0")
         elif cfg.model.vocab_size not in (0, BYTE_VOCAB):
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the lm task is byte-level; use 0 or 256")
 
     def build_model(self, cfg: RunConfig):
         m = cfg.model
+        self.hf_model = bool(m.hf)
         if m.hf:
             self.byte_level = not hf.own_tokenizer(cfg)
             byte_ids = dict(vocab_size=BYTE_VOCAB, pad_token_id=None, bos_token_id=None, eos_token_id=None)
             return hf.build(cfg, self.HF_CLASS, use_cache=False,  # no key/value cache while training
                             **({} if hf.own_tokenizer(cfg) else byte_ids))
+        self.loss_chunk = cfg.train.loss_chunk
         return TransformerLM(TransformerConfig(vocab_size=BYTE_VOCAB, max_seq_len=cfg.data.seq_len,
                                                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
@@ -104,6 +111,14 @@ class LanguageModelTask:
         ids = torch.stack([s["ids"] for s in samples])  # (B, T + 1)
         return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
 
+    def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Sequence parallelism: inputs and targets split by positions."""
+        return {"inputs": "positions", "targets": "positions"}
+
+    def sequence_length(self, cfg: RunConfig) -> tuple[int, tuple[str, ...]]:
+        """The positions of every sample and the key that sets them."""
+        return cfg.data.seq_len, ("data.seq_len",)
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
 
@@ -115,6 +130,13 @@ class LanguageModelTask:
         return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), reduction="sum")
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.loss_chunk:  # the model sums the loss itself, a chunk of positions at a time (train.loss_chunk)
+            return model(batch["inputs"], batch["targets"], self.loss_chunk)
+        ids = batch["inputs"]
+        if self.hf_model and sequence.current() is not None:  # split (DeepSpeed's HF Ulysses): this rank's global positions
+            start = sequence.offset(ids.shape[1])
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand_as(ids)
+            return self.loss_from(model(ids, position_ids=positions), batch)
         return self.loss_from(model(*self.inputs(batch)), batch)
 
     def metrics(self, mean_loss: float) -> dict[str, float]:

@@ -97,6 +97,17 @@ class PricesTask:
         return {"x": torch.stack([s["x"] for s in samples]),   # (B, L, C)
                 "y": torch.stack([s["y"] for s in samples])}   # (B, H, C)
 
+    def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Sequence parallelism: every rank reads whole windows and keeps its patches (models/patch.py); the
+        forecasts, one per window, by rows."""
+        return {"y": "rows"}
+
+    def sequence_length(self, cfg: RunConfig) -> tuple[int, tuple[str, ...]]:
+        """The positions of every sample (the window's patches) and the keys that set them."""
+        p = cfg.prices
+        return PatchConfig(lookback=p.lookback, patch_len=p.patch_len, stride=p.stride).n_patches, \
+            ("prices.lookback", "prices.patch_len", "prices.stride")
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["y"].numel()  # B * horizon * C predicted values
 

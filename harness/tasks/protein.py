@@ -316,6 +316,10 @@ class ProteinTask:
         objective has one a residue (mlm, residue)."""
         return {"ids": self.pad, "mask": False, "targets": IGNORE}
 
+    def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Sequence parallelism: the (B, T) tensors split by positions, one label or value per sequence by rows."""
+        return {"ids": "positions", "mask": "positions", "targets": "positions", "labels": "rows", "values": "rows"}
+
     def padding(self, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(real, padded) positions of the batch."""
         return int(batch["mask"].sum()), batch["mask"].numel()

@@ -119,6 +119,10 @@ class TranslationTask:
         """The batch's (B, length) tensors and what pads them (`data.length_buckets`)."""
         return {"src": self.pad, "tgt_in": self.pad, "tgt_out": self.pad}
 
+    def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Sequence parallelism: source and target split by positions (the model's own, not Hugging Face's)."""
+        return {"src": "positions", "tgt_in": "positions", "tgt_out": "positions"}
+
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["tgt_out"] != self.pad).sum())
 
