@@ -55,13 +55,14 @@ def cases() -> dict[str, Case]:
                      {"inputs": "positions", "targets": "positions"}, {},
                      lambda b: (b["inputs"],),
                      lambda y, b: F.cross_entropy(y.flatten(0, 1), b["targets"].flatten(), reduction="sum"))
-    # encoder: 13 positions (padded to 14 to split), sequences of unequal length
+    # encoder: 13 positions, as many as its position table (padded to 14 to split: past the table), sequences of
+    # unequal length
     ids = padded([13, 9, 4], 13, 40, g)
     mask = ids != PAD
     targets = torch.where(mask & (torch.rand(ids.shape, generator=g) < 0.5), ids, torch.full_like(ids, IGNORE))
     pads = {"ids": PAD, "mask": False, "targets": IGNORE}
     split = {"ids": "positions", "mask": "positions", "targets": "positions", "labels": "rows", "values": "rows"}
-    enc = TransformerConfig(vocab_size=40, max_seq_len=14, d_model=16, n_layers=2, n_heads=4, d_ff=32)
+    enc = TransformerConfig(vocab_size=40, max_seq_len=13, d_model=16, n_layers=2, n_heads=4, d_ff=32)
     out["protein mlm"] = Case(Encoder(enc, "mlm", 40), {"ids": ids, "mask": mask, "targets": targets}, split, pads,
                               lambda b: (b["ids"], b["mask"]),
                               lambda y, b: F.cross_entropy(y.flatten(0, 1), b["targets"].flatten(), reduction="sum"))

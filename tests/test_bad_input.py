@@ -90,7 +90,7 @@ CASES = [
     ("run-file-missing", ["--run", "/nonexistent/run.toml"], None, None, "/nonexistent/run.toml"),
     # the DeepSpeed config: types as DeepSpeed reads them, ranges, contradictions
     ("ds-stage-string", [], None, {"zero_optimization": {"stage": "2"}}, "zero_optimization.stage = \"2\""),
-    ("ds-stage-out-of-range", [], None, {"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+    ("ds-stage-out-of-range", [], None, {"zero_optimization": {"stage": 5}}, "should be 0, 1, 2 or 3"),
     ("ds-zero-key-typo", [], None, {"zero_optimization": {"stag": 2}}, "did you mean `stage`"),
     ("ds-switch-string", [], None, {"zero_optimization": {"stage": 2, "overlap_comm": "true"}},
      "zero_optimization.overlap_comm = \"true\""),

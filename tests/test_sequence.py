@@ -176,6 +176,12 @@ def test_the_accelerate_way_names_the_same_split(tmp_path):
     assert ring.returncode == 2 and "cp_size = 2 is context parallelism through FSDP2" in ring.stderr
 
 
+def test_the_overhead_study_refuses_sequence_parallel_configurations(tmp_path):
+    proc = cli("bench", "--overhead", "--ds", "sp2_zero0", "--nproc", "2", "--set", "train.max_steps=2", "--out",
+               str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--overhead with sequence parallelism (sp2_zero0 x2)" in proc.stderr, proc.stderr
+
+
 def _sp(tmp_path, sp=2, **keys) -> str:
     cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": 0}, **keys}
     return write(tmp_path, "sp.json", json.dumps(cfg))
@@ -217,6 +223,8 @@ class Flat(Unsaid):
     ({"sp": 2, "train_batch_size": 16}, 2, ["train.micro_batch_size=8"], "train_batch_size = 16 (ds file SP) counts "
      "the sequence-parallel ranks"),
     ({"sp": 0}, 2, [], "sequence_parallel_size = 0 (ds file SP) must be a whole number >= 1"),
+    ({"sp": 2, "zero_optimization": {"stage": 3, "reduce_scatter": False}}, 2, [],
+     "with zero_optimization.reduce_scatter = false under ZeRO-3"),
     ({"sp": 2}, 2, ["train.compile=true"], "with train.compile = True"),
     ({"sp": 2}, 2, ['run.task="prices"', "prices.lookback=36", "prices.patch_len=8", "prices.stride=4"],
      "must divide the 9 positions of each sample (prices.lookback = 36"),

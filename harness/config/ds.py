@@ -270,6 +270,17 @@ def _check_types(ds: dict, label: str) -> None:
             raise ConfigError(f"{key} = {value} ({label}) must be >= 0")
 
 
+def choices_once(message: str) -> str:
+    """A pydantic message listing an enum's values, each once: DeepSpeed's ZeRO stage enum has two names for 3, and
+    pydantic says "Input should be 0, 1, 2, 3 or 3"."""
+    head, sep, listed = message.partition("Input should be ")
+    if not sep:
+        return message
+    *rest, last = listed.split(" or ")
+    values = list(dict.fromkeys([v for part in rest for v in part.split(", ")] + [last]))
+    return head + sep + (", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0])
+
+
 def _validate_zero(zero: dict, label: str) -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
@@ -284,7 +295,7 @@ def _validate_zero(zero: dict, label: str) -> None:
             names = list(DeepSpeedZeroConfig.model_fields)
             close = difflib.get_close_matches(str(err["loc"][-1]), names, n=1, cutoff=0.6)
             hint = f"; did you mean `{close[0]}`?" if close else ""
-        raise ConfigError(f"{key} ({label}): {err['msg']}{hint}") from None
+        raise ConfigError(f"{key} ({label}): {choices_once(err['msg'])}{hint}") from None
     for key, value in zero.items():  # DeepSpeed read a string as a number or a switch: the harness would not
         if isinstance(value, str) and value != "auto" and not isinstance(getattr(checked, key, value), str):
             kind = _kind(getattr(checked, key))

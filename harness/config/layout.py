@@ -99,7 +99,7 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         raise ConfigError(f"sequence_parallel_size = {sp!r} ({label}) must be a whole number >= 1")
     if sp > 1:
-        _check_sequence_parallel(ds, sp, tp, pp, world_size, run, label)
+        _check_sequence_parallel(ds, sp, tp, pp, world_size, stage, run, label)
     if tp > 1 and pp > 1:
         raise ConfigError(f"tensor_parallel.autotp_size = {tp} and pipeline.stages = {pp} ({label}): DeepSpeed 0.19 "
                           f"cannot combine AutoTP with pipeline parallelism (AutoTP replaces the pipeline grid's "
@@ -126,7 +126,7 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
     return layout, (micro_batches if pp > 1 and micro_batches != "auto" else None)
 
 
-def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: int, run: Resolved,
+def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: int, stage: int, run: Resolved,
                              label: str) -> None:
     """What Ulysses sequence parallelism needs of the world and the model, before any process starts."""
     c, key = run.cfg, f"sequence_parallel_size = {sp} ({label})"
@@ -144,6 +144,10 @@ def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: in
     if not c.model.hf and c.model.n_heads % sp:
         raise ConfigError(f"{key} must divide {run.describe('model.n_heads')}: each rank attends with n_heads / {sp} "
                           f"heads over the whole sequence")
+    if stage == 3 and (ds.get("zero_optimization") or {}).get("reduce_scatter", True) is False:
+        raise ConfigError(f"{key} with zero_optimization.reduce_scatter = false under ZeRO-3 ({label}): DeepSpeed "
+                          f"0.19 then divides a bucket's gradients by the data-parallel size or by data x sequence "
+                          f"depending on the bucket's size (stage3.py), so no one loss scale is right; remove the key")
     if c.train.compile:
         raise ConfigError(f"{key} with {run.describe('train.compile')}: compiled blocks around Ulysses' "
                           f"all-to-all are not yet checked against one process; set train.compile=false")

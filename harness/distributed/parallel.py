@@ -97,7 +97,6 @@ def build_engine(plan, world: World, total_steps: int):
         compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
-    undo = hf_ulysses(model, world) if layout.sp_size > 1 and cfg.model.hf else None
     import_muon_lazily()
     sections = plan.ds.sections
     # Sequence parallel: DeepSpeed's Ulysses groups as the mpu (made by world.init_world), so ZeRO partitions and
@@ -116,7 +115,6 @@ def build_engine(plan, world: World, total_steps: int):
     _check_groups(engine, world)
     engine.harness_build_peak = built  # read by the loop: what building it took on this rank
     engine.harness_split = ulysses(world, plan.ds.zero_stage)  # sequence parallel: the loop splits batches by it
-    engine.harness_undo = undo  # a Hugging Face model's attention, wrapped by DeepSpeed process-wide
     if engine.harness_split:  # the weights are drawn; now each rank of a sequence group draws its own dropout masks
         torch.manual_seed(cfg.train.seed + 7919 * world.sp_rank)  # (one stream would repeat a mask in every chunk)
     if plan.ds.zero_stage == 0 and layout.dp_size == 1 and layout.pp_size == 1 and layout.sp_size == 1:
@@ -129,6 +127,9 @@ def build_engine(plan, world: World, total_steps: int):
         # meets, 0.1 to 3 s each, on the host (the multi-second steps of the first GPU suite's translation model);
         # FlashAttention and the memory-efficient kernel need none. See modelscope/FunASR#3704.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    # Last, so that `release` (registered once this returns) undoes it: a Hugging Face model's attention function,
+    # wrapped process-wide in transformers' table
+    engine.harness_undo = hf_ulysses(engine.module, world) if layout.sp_size > 1 and cfg.model.hf else None
     return engine, schedule
 
 

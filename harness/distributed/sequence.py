@@ -11,7 +11,8 @@ own padding values first), the keys it names as rows (one value per sequence) ar
 Normalisation (checked against one process in tests/test_sequence.py): every rank's loss is the sum over its own
 positions (or rows), the loop divides by the global count; DeepSpeed sums the gradients over the sequence ranks and
 averages over the data ranks under ZeRO 0-2 (stage_1_and_2.py divides by dp x sp / sp), but averages over both
-under ZeRO-3, so there the loss is multiplied by the size (`loss_factor`).
+under ZeRO-3 (its reduce-scatter path, `__avg_scatter_grads`; `reduce_scatter: false` is refused, config/layout.py),
+so there the loss is multiplied by the size (`loss_factor`).
 """
 from __future__ import annotations
 
@@ -160,7 +161,8 @@ def hf_ulysses(model, world) -> Callable[[], None]:
             by_batch[batch] = UlyssesSPAttentionHF(
                 attn=core, batch_size=batch, attn_head_count=config.num_attention_heads,
                 attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-                kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
+                kv_head_count=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                num_hidden_layers=config.num_hidden_layers,
                 process_group=group, seq_length_is_variable=True)
             by_batch[batch].core_attn_implementation = kind
         return by_batch[batch](module, query, key, value, None, *args, **kwargs)

@@ -55,13 +55,16 @@ class Encoder(nn.Module):
             self.register_buffer("ridge_mix", torch.zeros(()))  # its share of the prediction in eval mode
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x, _ = _embed(self, (ids, mask))  # (B, T, C)
+        x, keys = _embed(self, (ids, mask))  # (B, T, C); the mask over every position under sequence parallelism
         for block in self.blocks:
-            x, _ = _block(block, (x, mask))
-        out = _out(self.head, self, (x, mask))
+            x, _ = _block(block, (x, keys))
+        out = _out(self.head, self, (x, keys))
         if hasattr(self, "ridge_table") and not self.training and self.ridge_mix:  # trained alone, mixed when used
-            rows = sequence.rows  # the pooled output's rows, over every position under sequence parallelism
-            out = out + self.ridge_mix * (self.ridge(rows(sequence.whole(ids)), rows(sequence.whole(mask))) - out)
+            # the pooled output's rows, over every position under sequence parallelism (less the padding that evened
+            # the split, which may run past the table)
+            rows = sequence.rows
+            ids, mask = rows(sequence.whole(ids))[:, :self.cfg.max_seq_len], rows(keys)[:, :self.cfg.max_seq_len]
+            out = out + self.ridge_mix * (self.ridge(ids, mask) - out)
         return out
 
     def ridge(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +96,7 @@ def _out(kind: str, m, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     x, mask = inputs
     x = m.ln_f(x)  # (B, T, C)
     if kind in POOLED:  # under sequence parallelism: this rank's rows, over every position
-        x, mask = sequence.rows_of(x), sequence.rows(sequence.whole(mask))
+        x, mask = sequence.rows_of(x), sequence.rows(mask)
         w = mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
         if hasattr(m, "pool_score"):  # softmax of a learned score over the real positions
             w = m.pool_score(x).masked_fill(~mask.unsqueeze(-1), float("-inf")).softmax(1)
@@ -107,12 +110,12 @@ def _embed(m, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
     start = sequence.offset(ids.shape[1])  # this rank's first position under sequence parallelism, else 0
     # padding that evens a sequence out for the split may run past the table: masked keys, ignored outputs
     pos = torch.arange(start, start + ids.shape[1], device=ids.device).clamp(max=m.pos_emb.num_embeddings - 1)
-    return m.drop(m.tok_emb(ids) + m.pos_emb(pos)), mask  # (B, T, C), (B, T)
+    # the mask travels whole (every position's, under sequence parallelism): the keys every block masks
+    return m.drop(m.tok_emb(ids) + m.pos_emb(pos)), sequence.whole(mask)  # (B, T, C), (B, T)
 
 
 def _block(block: Block, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     # Keys that are padding are never attended to, so a real position's output does not depend on how much
-    # padding follows it. mask[:, None, None, :] is (B, 1, 1, T): broadcast over heads and queries (every key's,
-    # under sequence parallelism).
+    # padding follows it. mask[:, None, None, :] is (B, 1, 1, T): broadcast over heads and queries.
     x, mask = inputs
-    return block(x, mask=sequence.whole(mask)[:, None, None, :]), mask
+    return block(x, mask=mask[:, None, None, :]), mask

@@ -85,14 +85,15 @@ def parallel_lines(plan: Plan, model: torch.nn.Module) -> tuple[list[str], int]:
 def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int) -> float:
     """Activations of one micro-batch on one rank, on paper: Korthikanti et al. (2022) 34 x T x B x d_model bytes per
     layer in 16-bit, doubled in fp32 (no recomputation; d_ff = 4 d_model; attention scores not stored, as in flash
-    attention), with activation checkpointing 2 x T x B x d_model per layer plus one layer's 34; and the logits with
+    attention), with activation checkpointing each layer's input (2 x T x B x d_model in 16-bit) plus one layer's 34;
+    and the logits with
     their fp32 copy and gradient for the loss (B x T x vocab x (2 or 4 + 8), a chunk of train.loss_chunk positions
     where set). T is the positions per rank: positions / sp."""
     c, ds = plan.run.cfg, plan.ds
     b = 4 if ds.precision == "fp32" or ds.autocast else 2
     B, T, C, L = c.train.micro_batch_size, positions / sp, c.model.d_model, c.model.n_layers
     per_layer = 34 * T * B * C * b / 2
-    blocks = 2 * T * B * C * b * L + per_layer if c.train.activation_checkpointing else per_layer * L
+    blocks = T * B * C * b * L + per_layer if c.train.activation_checkpointing else per_layer * L
     vocab = getattr(getattr(model, "cfg", None), "vocab_size", 0)
     logit_positions = min(c.train.loss_chunk, B * T) if c.train.loss_chunk else B * T
     return blocks + logit_positions * vocab * (b + 8)

@@ -130,8 +130,12 @@ def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
     if run.cfg.model.hf:  # DeepSpeed's HF path (distributed/sequence.py, hf_ulysses): the heads split
         config = load_config(run.cfg).get_text_config()
         heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
         if isinstance(heads, int) and heads % sp:
             raise ConfigError(f"{key} must divide num_attention_heads = {heads} of {run.describe('model.hf')}")
+        if isinstance(kv, int) and kv % sp and sp % kv:  # DeepSpeed splits the key/value heads or replicates them
+            raise ConfigError(f"{key} and num_key_value_heads = {kv} of {run.describe('model.hf')}: one must divide "
+                              f"the other")
         return
     with torch.device("meta"):
         model = task.build_model(run.cfg)

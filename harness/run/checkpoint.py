@@ -347,6 +347,15 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     barrier()
 
 
+def _saved_sp_size(path: Path) -> int:
+    """The sequence-parallel size a checkpoint (or the one a universal conversion was made from) was saved with."""
+    try:
+        saved = json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return 1
+    return saved.get("sp_size", 1)
+
+
 def load(engine, path: Path, world: World) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state. A
     step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has."""
@@ -362,4 +371,8 @@ def load(engine, path: Path, world: World) -> dict[str, Any]:
         rng = path / f"rng_rank{world.rank:05d}.pt"
         if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
             set_rng_state(torch.load(rng))
+            if world.sp_size > 1 and _saved_sp_size(path) != world.sp_size:
+                # saved by ranks whose streams were one (data parallel): each rank of a sequence group draws its own
+                # dropout masks again (parallel.build_engine)
+                torch.manual_seed(int(torch.randint(2**31, ())) + 7919 * world.sp_rank)
     return client_state

@@ -135,7 +135,8 @@ class LanguageModelTask:
         ids = batch["inputs"]
         if self.hf_model and sequence.current() is not None:  # split (DeepSpeed's HF Ulysses): this rank's global positions
             start = sequence.offset(ids.shape[1])
-            positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand_as(ids)
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).repeat(len(ids), 1)  # NCCL
+            # gathers them (DeepSpeed's wrapper): a contiguous tensor, not an expanded view
             return self.loss_from(model(ids, position_ids=positions), batch)
         return self.loss_from(model(*self.inputs(batch)), batch)
 
