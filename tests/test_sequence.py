@@ -28,6 +28,14 @@ FP32_TOL = 1e-5
 TP = json.loads((DS / "tp2_zero1.json").read_text())["tensor_parallel"]
 
 
+def report(name: str, two, one) -> None:
+    """The agreement with one process, printed (`-s` shows it): README's figures come from these lines."""
+    steps = max(abs(two.losses[s] - one.losses[s]) / abs(one.losses[s]) for s in one.losses)
+    val = abs(two.evals[-1]["loss"] - one.evals[-1]["loss"]) / abs(one.evals[-1]["loss"])
+    print(f"\n{name}: SP=2 vs one process over {len(one.losses)} steps, largest relative difference of a step's loss "
+          f"{steps:.1e}, of the validation loss {val:.1e}")
+
+
 def probe(env: dict | None = None) -> dict[str, dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,6 +66,7 @@ def test_lm_split_over_two_ranks_trains_as_one_process(cached_run):
                      sets=["train.save_every=2", "train.keep_checkpoints=4"])
     assert "(data parallel 1, sequence parallel 2)" in two.proc.stdout
     assert_losses_close(two.losses, ref.losses, FP32_TOL)
+    report("lm (sp2_zero3.json)", two, ref)
     assert abs(two.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
     assert abs(val_loss_of_export(two.dir) - ref.evals[-1]["loss"]) < 1e-5
     # what the forward keeps for backward, measured on rank 0 (autograd's saved tensors): about half
@@ -70,6 +79,14 @@ def test_the_chunked_loss_gives_the_same_losses_and_keeps_fewer_bytes(cached_run
     chunked = cached_run("chunked", ds="zero0.json", sets=["train.loss_chunk=24"])
     assert_losses_close(chunked.losses, ref.losses, 1e-6)
     assert chunked.metrics[0]["activation_bytes"] < ref.metrics[0]["activation_bytes"]
+
+
+def test_the_chunked_loss_is_the_lm_s_own_model_s(tmp_path):
+    out = plan("--set", "train.max_steps=2", "--set", 'run.task="prices"', "--set", "train.loss_chunk=8")
+    assert out.returncode == 2 and "train.loss_chunk = 8 (command line): task 'prices' computes its loss whole" \
+        in out.stderr, out.stderr
+    out = plan("--set", "train.max_steps=2", "--set", "train.loss_chunk=-1")
+    assert out.returncode == 2 and "train.loss_chunk = -1 (command line) must be >= 0" in out.stderr, out.stderr
 
 
 def test_bench_finds_the_longest_sequence_split_over_two_ranks(tmp_path, corpus):
@@ -98,6 +115,7 @@ def test_a_hugging_face_lm_split_by_deepspeeds_hf_path_trains_as_one_process(cac
     two = cached_run("hf-sp2_zero3", nproc=2, ds="sp2_zero3.json", sets=sets, base=TINY_RUN)
     assert "LlamaForCausalLM" in two.proc.stdout and "sequence parallel 2" in two.proc.stdout
     assert_losses_close(two.losses, ref.losses, FP32_TOL)
+    report("tiny Hugging Face Llama (sp2_zero3.json)", two, ref)
     assert abs(two.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
 
 
@@ -159,6 +177,7 @@ def test_each_case_study_split_over_two_ranks_trains_as_one_process(task, config
     two = harness(tmp_path / "two", data, env=env, nproc=2, ds=config, sets=sets, base=[])
     assert "sequence parallel 2" in two.proc.stdout
     assert_losses_close(two.losses, one.losses, FP32_TOL)
+    report(f"{task} ({config})", two, one)
     assert abs(two.evals[-1]["loss"] - one.evals[-1]["loss"]) < 1e-5
 
 

@@ -194,8 +194,8 @@ def check(configs: list[Config]) -> None:
         raise ConfigError("--overhead compares programs, not run-config values: leave out --vary")
     split = [c.name for c in configs if json.loads(Path(c.ds).read_text()).get("sequence_parallel_size", 1) > 1]
     if split:
-        raise ConfigError(f"--overhead with sequence parallelism ({', '.join(split)}): the hand-written loops it compares "
-                          f"with do not split sequences; time those configurations with the sweep instead")
+        raise ConfigError(f"--overhead with sequence parallelism ({', '.join(split)}): the hand-written loops it "
+                          f"compares with do not split sequences; time those configurations with the sweep instead")
 
 
 def markdown(result: dict) -> str:

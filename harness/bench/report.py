@@ -92,8 +92,8 @@ def markdown(result: dict) -> str:
              f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
              f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "
-             "| MFU table | MFU measured | peak mem/rank | activations (rank 0) | building the model: host, per rank | padding "
-             "| speedup (x) | efficiency |",
+             "| MFU table | MFU measured | peak mem/rank | activations (rank 0) | building the model: host, per rank "
+             "| padding | speedup (x) | efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in result["configs"]:
         if e["status"] != "ok":

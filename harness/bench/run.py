@@ -5,9 +5,9 @@ Optional studies in the same run (so their variants share the machine's state):
   loop and a plain PyTorch loop (`overhead.py`).
 - `--largest n_layers|d_model|seq_len`: for each configuration, the largest model it trains (or the longest
   sequence, `data.seq_len` in steps of 64: with a sequence-parallel config, how far the split reaches), found by
-  doubling that size and then bisecting, each try a 2-step run that must exit cleanly within `--memory-budget-gb` of device
-  memory per rank (on a GPU, the card's memory by default; on a CPU, required: there, offloaded states share
-  the same RAM, so offload reaches no further).
+  doubling that size and then bisecting (`plan.render.largest_fitting`), each try a 2-step run that must exit
+  cleanly within `--memory-budget-gb` of device memory per rank (on a GPU, the card's memory by default; on a CPU,
+  required: there, offloaded states share the same RAM, so offload reaches no further).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from ..config.ds import model_state_bytes
 from ..config.run import ConfigError
-from ..plan.render import count_params
+from ..plan.render import count_params, largest_fitting
 from ..run.startup import check_build_locks
 from . import device, overhead, report
 from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
@@ -34,8 +34,8 @@ def run_bench(args) -> dict:
                    args.mixed_precision.split(","), args.vary)
     fitting = [c for c in configs if c.nproc % model_parallel_size(c.ds) == 0]  # tp2 on 1 process: not a config
     for c in [c for c in configs if c not in fitting]:
-        print(f"skipped {c.name}: its tensor x pipeline x sequence size {model_parallel_size(c.ds)} needs a multiple of "
-              f"it in processes", flush=True)
+        print(f"skipped {c.name}: its tensor x pipeline x sequence size {model_parallel_size(c.ds)} needs a "
+              f"multiple of it in processes", flush=True)
     if not fitting:
         raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
     configs = fitting
@@ -80,22 +80,6 @@ def run_overhead(args, plans: dict, sets: list[str]) -> dict:
         print(f"wrote {path}")
     print(overhead.markdown(result))
     return result
-
-
-def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:
-    """The largest k in 1..cap with fits(k) (0 if none), for a fits() that is true up to some k and false after:
-    grow from `start` until a failure (doubling; by 1 + resolution when a resolution is given), then bisect
-    between the last success and the first failure until they are within `resolution` of the success."""
-    good, bad, k = 0, cap + 1, start
-    while k <= cap:
-        if not fits(k):
-            bad = k
-            break
-        good, k = k, max(k + 1, int(k * (1 + resolution))) if resolution else k * 2
-    while bad - good > max(1, good * resolution):
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
 
 
 def predicted_size(plan_of, budget_bytes: float, host_bytes: float) -> int:

@@ -121,9 +121,10 @@ def _bool(given: dict[str, str], name: str) -> bool:
 
 def contradictions(ds: dict[str, Any], given: dict[str, str]) -> list[str]:
     """Where a --ds file and accelerate's strategy settings disagree: one entry each."""
-    zero, mine = ds.get("zero_optimization", {}), strategy(given).get("zero_optimization", {})
+    wanted = strategy(given)
+    zero, mine = ds.get("zero_optimization", {}), wanted.get("zero_optimization", {})
     out = []
-    sp = sequence_parallel(given)
+    sp = wanted.get("sequence_parallel_size")
     if sp is not None and ds.get("sequence_parallel_size", 1) != sp:
         out.append(f"sequence_parallel_size = {ds.get('sequence_parallel_size', 1)} vs accelerate parallelism_config "
                    f"sp_size = {sp}")

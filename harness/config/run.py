@@ -414,7 +414,8 @@ POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every
 NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_batches", "train.grad_clip", "train.epochs",
                 "model.d_ff", "model.vocab_size", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
                 "data.num_workers", "data.bucket", "train.profile_step", "train.seed", "protein.train_subsample",
-                "protein.subsample_seed", "train.loss_chunk")  # the cadences (train.eval_every, ...) are checked by config/cadence.py
+                "protein.subsample_seed", "train.loss_chunk")
+# the cadences (train.eval_every, ...) are checked by config/cadence.py
 BELOW_ONE = ("model.dropout", "data.val_fraction", "optimizer.beta1", "optimizer.beta2", "optimizer.momentum")  # [0, 1)
 UP_TO_ONE = ("schedule.min_lr_ratio",)  # [0, 1]
 

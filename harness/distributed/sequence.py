@@ -2,11 +2,12 @@
 
 The process groups are DeepSpeed's own (`deepspeed.runtime.sequence_parallel.parallel_state_sp`, the ALST recipe's
 `mpu`): ranks sp*i .. sp*i + sp - 1 split one data shard's sequences, and ZeRO partitions and reduces over the whole
-world. Attention is Ulysses' (deepspeed/sequence/layer.py, `DistributedAttention`): an all-to-all turns each rank's
-positions of every head into every position of its heads, the attention runs whole, and a second all-to-all turns it
-back. The models' side of it is `models/sequence.py`; this module provides the split (`Ulysses`) and cuts a batch
-(`Ulysses.batch`): the keys a task names as positions are chunked (padded to a multiple of the size with the task's
-own padding values first), the keys it names as rows (one value per sequence) are split by rows, the rest stay whole.
+world. Attention is Ulysses' (deepspeed/sequence/layer.py, `DistributedAttention`): an all-to-all (DeepSpeed's own
+differentiable one, `_dim_zero_all_to_all`) turns each rank's positions of every head into every position of its
+heads, the attention runs whole, and a second all-to-all turns it back. The models' side of it is
+`models/sequence.py`; this module provides the split (`Ulysses`) and cuts a batch (`Ulysses.batch`): the keys a task
+names as positions are chunked (padded to a multiple of the size with the task's own padding values first), the keys
+it names as rows (one value per sequence) are split by rows, the rest stay whole.
 
 Normalisation (checked against one process in tests/test_sequence.py): every rank's loss is the sum over its own
 positions (or rows), the loop divides by the global count; DeepSpeed sums the gradients over the sequence ranks and
@@ -24,25 +25,6 @@ import torch.distributed as dist
 POSITIONS, ROWS = "positions", "rows"
 
 
-class _AllToAll(torch.autograd.Function):
-    """x (size, ...): x[i] goes to rank i, and the result's [i] came from rank i; the gradient goes back alike."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted tensor's strides
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 class _RowsOf(torch.autograd.Function):
     """(B, T_local, ...) on each rank -> this rank's rows over every position (B_own, T, ...). Backward: each rank's
     gradient for its rows, summed over the ranks, gives each its positions' gradient for every row."""
@@ -50,7 +32,7 @@ class _RowsOf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, split: "Ulysses") -> torch.Tensor:
         ctx.split, ctx.shape = split, x.shape
-        full = split.gather(x.detach())
+        full = split.whole(x.detach())
         ctx.rows = _row_range(full.shape[0], split.rank, split.size)
         return full[ctx.rows[0]:ctx.rows[1]]
 
@@ -61,6 +43,14 @@ class _RowsOf(torch.autograd.Function):
         full[ctx.rows[0]:ctx.rows[1]] = grad
         dist.all_reduce(full, group=split.group)
         return full[:, split.rank * T_local:(split.rank + 1) * T_local].contiguous(), None
+
+
+def _all_to_all(group, x: torch.Tensor) -> torch.Tensor:
+    """x (size, ...): x[i] goes to rank i, and the result's [i] came from rank i; differentiable (the gradient goes
+    back the same way) and traceable by torch.compile: DeepSpeed's operator."""
+    from deepspeed.sequence.layer import _dim_zero_all_to_all
+
+    return _dim_zero_all_to_all(group, x)
 
 
 def _row_range(n: int, rank: int, size: int) -> tuple[int, int]:
@@ -74,6 +64,9 @@ class Ulysses:
     """The split of this rank's sequences over its sequence-parallel group (`models.sequence.Split`)."""
 
     def __init__(self, group, rank: int, size: int, zero_stage: int):
+        from deepspeed.sequence.layer import register_all_to_all_group
+
+        register_all_to_all_group(group)  # DeepSpeed's all-to-all finds its group by name
         self.group, self.rank, self.size = group, rank, size
         self.loss_factor = size if zero_stage == 3 else 1  # see the module's docstring
 
@@ -86,25 +79,23 @@ class Ulysses:
         """(B, nh, T_local, hs) -> (B, nh / size, T, hs): send head group i to rank i, receive its positions."""
         B, nh, T, hs = t.shape
         parts = t.view(B, self.size, nh // self.size, T, hs).transpose(0, 1)  # (size, B, nh/size, T_local, hs)
-        got = _AllToAll.apply(parts, self.group)  # [j]: rank j's positions of my head group
+        got = _all_to_all(self.group, parts)  # [j]: rank j's positions of my head group
         return got.permute(1, 2, 0, 3, 4).reshape(B, nh // self.size, self.size * T, hs)
 
     def _heads_to_positions_back(self, y: torch.Tensor) -> torch.Tensor:
         """(B, nh / size, T, hs) -> (B, nh, T_local, hs): the inverse of `_positions`."""
         B, h, T, hs = y.shape
         parts = y.view(B, h, self.size, T // self.size, hs).permute(2, 0, 1, 3, 4)  # (size, B, h, T_local, hs)
-        got = _AllToAll.apply(parts, self.group)  # [j]: head group j of my positions
+        got = _all_to_all(self.group, parts)  # [j]: head group j of my positions
         return got.transpose(0, 1).reshape(B, h * self.size, T // self.size, hs)
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's (B, T_local, ...) joined along positions, no gradient."""
         send = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool collectives
         parts = [torch.empty_like(send) for _ in range(self.size)]
         dist.all_gather(parts, send.contiguous(), group=self.group)
         full = torch.cat(parts, 1)
         return full.bool() if t.dtype == torch.bool else full
-
-    whole = gather
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         return _RowsOf.apply(x, self)

@@ -86,9 +86,8 @@ def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int
     """Activations of one micro-batch on one rank, on paper: Korthikanti et al. (2022) 34 x T x B x d_model bytes per
     layer in 16-bit, doubled in fp32 (no recomputation; d_ff = 4 d_model; attention scores not stored, as in flash
     attention), with activation checkpointing each layer's input (2 x T x B x d_model in 16-bit) plus one layer's 34;
-    and the logits with
-    their fp32 copy and gradient for the loss (B x T x vocab x (2 or 4 + 8), a chunk of train.loss_chunk positions
-    where set). T is the positions per rank: positions / sp."""
+    and the logits with their fp32 copy and gradient for the loss (B x T x vocab x (2 or 4 + 8), a chunk of
+    train.loss_chunk positions where set). T is the positions per rank: positions / sp."""
     c, ds = plan.run.cfg, plan.ds
     b = 4 if ds.precision == "fp32" or ds.autocast else 2
     B, T, C, L = c.train.micro_batch_size, positions / sp, c.model.d_model, c.model.n_layers
@@ -114,20 +113,27 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
              f"Korthikanti et al. 34 T B d_model per layer in 16-bit, the loss's logits B T vocab x (2|4 + 8)): "
              + ", ".join(f"SP={n} {_gib(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
     for name, gib in GPU_MEMORY_GIB.items():
-        longest = {n: _longest(lambda t, n=n: states + activation_bytes(plan, model, t, n) <= gib * 2**30, 64 * n)
-                   for n in sizes}
+        # in steps of 64 x SP positions: the search `harness bench --largest` runs with real tries
+        longest = {n: 64 * n * largest_fitting(
+            lambda k, n=n: states + activation_bytes(plan, model, 64 * n * k, n) <= gib * 2**30, 1, 2**30)
+            for n in sizes}
         lines.append(f"longest sequence that fits an {name} ({gib} GiB, model states "
                      f"{_gib(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
     return lines
 
 
-def _longest(fits, step: int) -> int:
-    """The largest multiple of `step` with fits() (0 if none), for a fits() true up to some length and false after."""
-    good, bad = 0, step
-    while fits(bad):
-        good, bad = bad, bad * 2
-    while bad - good > step:
-        mid = (good + bad) // 2 // step * step
+def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:
+    """The largest k in 1..cap with fits(k) (0 if none), for a fits() that is true up to some k and false after:
+    grow from `start` until a failure (doubling; by 1 + resolution when a resolution is given), then bisect
+    between the last success and the first failure until they are within `resolution` of the success."""
+    good, bad, k = 0, cap + 1, start
+    while k <= cap:
+        if not fits(k):
+            bad = k
+            break
+        good, k = k, max(k + 1, int(k * (1 + resolution))) if resolution else k * 2
+    while bad - good > max(1, good * resolution):
+        mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good
 

@@ -151,14 +151,21 @@ def _describe(layout: dict[str, Any]) -> str:
             f"{layout['zero_stage']}{' offload ' + '+'.join(offload) if offload else ''}")
 
 
+def saved_layout(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's layout.json (a universal conversion's: the one it was made from); None where there is none."""
+    try:
+        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / LAYOUT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def reshape(path: Path, ds) -> bool:
     """Before launch: whether resuming checkpoint `path` under `ds` needs the universal conversion (another data-
     parallel size or ZeRO stage). Raises ConfigError, naming both layouts, for a change it cannot make: another
     tensor- or pipeline-parallel size, or between ZeRO-0 and a ZeRO stage. A checkpoint without layout.json
     (saved before it existed) is loaded as it is."""
-    try:
-        saved = json.loads((path / LAYOUT).read_text())
-    except (OSError, ValueError):
+    saved = saved_layout(path)
+    if saved is None:
         return False
     new = layout_of(ds)
     saved.setdefault("sp_size", 1)  # saved before sequence parallelism
@@ -179,8 +186,8 @@ def reshape(path: Path, ds) -> bool:
     if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
             0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"]:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
-                          f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 (and any "
-                          f"offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
+                          f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 "
+                          f"(and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
                           f"parallel size, or between ZeRO-0 and ZeRO. Resume with the saved layout")
     return convert
 
@@ -347,15 +354,6 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     barrier()
 
 
-def _saved_sp_size(path: Path) -> int:
-    """The sequence-parallel size a checkpoint (or the one a universal conversion was made from) was saved with."""
-    try:
-        saved = json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / LAYOUT).read_text())
-    except (OSError, ValueError):
-        return 1
-    return saved.get("sp_size", 1)
-
-
 def load(engine, path: Path, world: World) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state. A
     step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has."""
@@ -371,7 +369,7 @@ def load(engine, path: Path, world: World) -> dict[str, Any]:
         rng = path / f"rng_rank{world.rank:05d}.pt"
         if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
             set_rng_state(torch.load(rng))
-            if world.sp_size > 1 and _saved_sp_size(path) != world.sp_size:
+            if world.sp_size > 1 and (saved_layout(path) or {}).get("sp_size", 1) != world.sp_size:
                 # saved by ranks whose streams were one (data parallel): each rank of a sequence group draws its own
                 # dropout masks again (parallel.build_engine)
                 torch.manual_seed(int(torch.randint(2**31, ())) + 7919 * world.sp_rank)

@@ -240,7 +240,7 @@ class Steps:
                 batches = [self.split.batch(self.plan.task, b) for b in batches]
         saved = {} if "activation_bytes" not in self.ledger.fixed and self.world.pp_size == 1 else None
         result = train_step(self.engine, self.plan, batches, self.world, self.span, self.index, mark, saved)
-        if saved is not None:  # this run's first step: what its first micro-batch kept for backward (rank 0's is logged)
+        if saved is not None:  # the run's first step: what its first micro-batch kept for backward (rank 0's logged)
             self.ledger.fixed["activation_bytes"] = saved.get("bytes")
         result.rows = self.span.rows if first else None
         self.index += 1

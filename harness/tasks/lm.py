@@ -133,10 +133,9 @@ class LanguageModelTask:
         if self.loss_chunk:  # the model sums the loss itself, a chunk of positions at a time (train.loss_chunk)
             return model(batch["inputs"], batch["targets"], self.loss_chunk)
         ids = batch["inputs"]
-        if self.hf_model and sequence.current() is not None:  # split (DeepSpeed's HF Ulysses): this rank's global positions
-            start = sequence.offset(ids.shape[1])
-            positions = torch.arange(start, start + ids.shape[1], device=ids.device).repeat(len(ids), 1)  # NCCL
-            # gathers them (DeepSpeed's wrapper): a contiguous tensor, not an expanded view
+        if self.hf_model and sequence.current() is not None:  # split by DeepSpeed's HF Ulysses: global positions,
+            start = sequence.offset(ids.shape[1])  # contiguous (its wrapper all-gathers them; NCCL takes no views)
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).repeat(len(ids), 1)
             return self.loss_from(model(ids, position_ids=positions), batch)
         return self.loss_from(model(*self.inputs(batch)), batch)
 
