@@ -59,21 +59,22 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     from .config.run import ConfigError
     from .distributed.world import barrier, close_world, init_world
     from .run.loop import train as run_training
-    from .run.startup import preflight
+    from .run.startup import preflight, watching_build_locks
     from .run.trust import trusting
 
     p = plan(run, sets, ds, task)
     resume_from = preflight(p, resume, overwrite)
     if stop_at is not None and stop_at <= 0:
         raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
-    world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
-    try:
-        with trusting(checkpoint=trust_checkpoint):
-            result = run_training(p, world, resume_from, overwrite, stop_at)
-        barrier()  # every rank is done before any tears down its connections
-        return result
-    finally:
-        close_world()
+    with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's
+        world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
+        try:
+            with trusting(checkpoint=trust_checkpoint):
+                result = run_training(p, world, resume_from, overwrite, stop_at)
+            barrier()  # every rank is done before any tears down its connections
+            return result
+        finally:
+            close_world()
 
 
 def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None,

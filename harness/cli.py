@@ -307,12 +307,12 @@ def main(argv: list[str] | None = None) -> int:
         train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
               trust_checkpoint=args.trust_checkpoint)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
-        from .launcher import report
+        from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED
 
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else \
             EXIT_HUNG if isinstance(e, RankHung) else EXIT_PREEMPTED
-        if is_main:
+        if is_main and not under_launcher():  # `harness launch` prints it once for the whole job
             print(f"harness: {'' if code == EXIT_PREEMPTED else 'error: '}{e}", file=sys.stderr)
         return report(code, str(e))
     return 0

@@ -10,8 +10,8 @@ found, and torchrun reports any non-zero rank as its multi-line ChildFailedError
 script cannot tell bad input from a crash from a preemption.
 
 - The checks run here, without a process group: the plan for the launch's world size, precision and DeepSpeed
-  file (`plan.resolve.make_plan`), and this machine and run directory (`run.startup.preflight`). Bad input prints one line
-  and exits 2 before any rank starts.
+  file (`plan.resolve.make_plan`), and this machine and run directory (`run.startup.preflight`). Bad input prints
+  one line and exits 2 before any rank starts.
 - The ranks report how they ended to a file this process names (STATUS_ENV). A stop that every rank makes
   together (a non-finite loss, a signal) then exits 0 under torchrun, so it prints no failure report, and
   `harness launch` exits with the code the file gives.
@@ -19,16 +19,25 @@ script cannot tell bad input from a crash from a preemption.
   a terminal's Ctrl-C reaches it only through here): the ranks finish their step and save a checkpoint
   (`preemption.py`) with no launcher deadline. A signal sent to torchrun itself also reaches the ranks, but
   torchrun kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (default 30).
+- How the job ended is one line (`ending`): the ranks' own report where they made one (which the ranks leave to
+  this process to print), else torchrun's root cause read from its failure report (a rank killed by a signal,
+  or one that failed on its own). torchrun's tracebacks, its failure report and the ranks' tracebacks from the
+  moment the job started failing are held back from the terminal (`Relay`) and kept, with everything else the
+  job wrote to stderr, in `RUN/launch.log`; only a failure nobody explained shows the ranks' tracebacks.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +45,7 @@ from .config.run import ConfigError
 from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
 STATUS_ENV = "HARNESS_STATUS_FILE"
+TTY_ENV = "HARNESS_STDERR_TTY"  # the ranks' stderr is this process's pipe; their progress bar draws as on a terminal
 COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: safe to exit 0 under torchrun
 
 
@@ -73,7 +83,7 @@ def launch_settings(accelerate_args: list[str]) -> dict:
     if not isinstance(processes, int) or processes < 1:  # accelerate would start torchrun with it and fail inside
         where = "--num_processes" if args.num_processes is not None else f"num_processes in {file}"
         raise ConfigError(f"harness launch: {where} = {processes}: must be 1 or more (the processes on each machine)")
-    return {"num_processes": processes,
+    return {"num_processes": processes, "machine_rank": int(args.machine_rank or saved.get("machine_rank") or 0),
             "mixed_precision": (args.mixed_precision or saved.get("mixed_precision") or "no").lower(),
             "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file"),
             "env": _deepspeed_env(args)}
@@ -102,7 +112,7 @@ def _deepspeed_env(args) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
 
 
-def check(train_args: list[str], settings: dict, parse) -> None:
+def check(train_args: list[str], settings: dict, parse):
     """Everything `harness train` checks before its process group, for this launch's world; `parse` reads `harness
     train`'s arguments as the command line does (the CLI's parser, which owns them)."""
     from .plan.resolve import make_plan
@@ -125,6 +135,7 @@ def check(train_args: list[str], settings: dict, parse) -> None:
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
     preflight(plan, args.resume, args.overwrite)
+    return plan
 
 
 def descendants(pid: int) -> list[int]:
@@ -147,16 +158,24 @@ def descendants(pid: int) -> list[int]:
 def main(argv: list[str], parse) -> int:
     """`harness launch ARGV`; `parse` reads `harness train`'s arguments (the CLI's parser, which owns them)."""
     accelerate_args, train_args = split_argv(argv)
-    check(train_args, launch_settings(accelerate_args), parse)
+    settings = launch_settings(accelerate_args)
+    plan = check(train_args, settings, parse)
     fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
     os.close(fd)
     env = {**os.environ, STATUS_ENV: status,
            # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
            "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
+    if sys.stderr.isatty():
+        env[TTY_ENV] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "harness", *train_args]
     print(f"harness launch: checks passed; accelerate launch {' '.join(accelerate_args)} -m harness "
           f"{' '.join(train_args)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    fd, captured = tempfile.mkstemp(prefix="harness-launch-", suffix=".log")
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=fd, preexec_fn=_end_with_us)
+    finally:
+        os.close(fd)
+    relay = Relay(Path(captured), sys.stderr.buffer)
 
     def forward(signum, frame) -> None:
         ranks = [p for p in descendants(proc.pid) if _is_rank(p)]
@@ -172,11 +191,29 @@ def main(argv: list[str], parse) -> int:
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+        relay.finish()
     try:
         reported = json.loads(Path(status).read_text() or "{}")
     finally:
         os.unlink(status)
-    return reported.get("code", code)
+    log = relay.save(plan.run_dir, settings["machine_rank"])
+    code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log)
+    if show:
+        sys.stderr.write(show)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _end_with_us() -> None:
+    """In the launcher's child: SIGTERM when this process dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), so torchrun
+    stops its ranks with a checkpoint instead of training on unwatched in a session of its own."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _wait(proc: subprocess.Popen, status: Path, grace_s: float = 5.0) -> int:
@@ -209,6 +246,11 @@ def _is_rank(pid: int) -> bool:
     return b"harness" in argv and b"train" in argv and b"accelerate.commands.launch" not in argv
 
 
+def under_launcher() -> bool:
+    """In a rank: `harness launch` started it, and prints how the job ended (`ending`)."""
+    return bool(os.environ.get(STATUS_ENV))
+
+
 def report(code: int, message: str) -> int:
     """In a rank: record how it ended for `harness launch` (local rank 0 writes) and return its exit code: 0 for a
     stop every rank made together, so torchrun prints no failure report; the code itself otherwise."""
@@ -219,3 +261,170 @@ def report(code: int, message: str) -> int:
     if os.environ.get("LOCAL_RANK", "0") == "0" or not path.read_text():  # local rank 0, or the first to end
         path.write_text(json.dumps({"code": code, "message": message}))
     return 0 if code in COLLECTIVE_STOPS else code
+
+
+# torchrun's log lines (glog: level, date, time, pid, file) and the marks of its own tracebacks
+TORCHRUN_LOG = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/\S+\] ")
+TRACEBACK = b"Traceback (most recent call last):"
+TORCHRUN_FRAMES = (b"torch/distributed/elastic/", b"torch/distributed/launcher/", b"torch/distributed/run.py",
+                   b"accelerate/commands/launch.py")
+
+
+class Relay:
+    """The job's stderr (torchrun's and every rank's), which they write to the file `path`, passed on to ours as it
+    comes. A file, not a pipe: should this process die, the ranks still write (to a closed pipe they would get
+    BrokenPipeError in the middle of saving). From the first traceback or torchrun failure line on, lines are held
+    back instead: the job is ending, and `ending` decides what the user sees. Held lines are let through after
+    `release_s` if the job goes on (a traceback some library printed and survived)."""
+
+    def __init__(self, path: Path, sink, release_s: float = 30.0, every_s: float = 0.05):
+        self.path, self.sink, self.release_s, self.every_s = Path(path), sink, release_s, every_s
+        self.held: list[bytes] = []
+        self.holding_since: float | None = None
+        self._line = b""  # the line being read, its start not yet passed on (it may begin a traceback)
+        self._passing = False  # the line being read was passed on as it came (a progress bar redrawn with \r)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="harness-relay", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        with self.path.open("rb") as source:
+            while True:
+                done = self._done.is_set()  # read once more after the job ended: all it wrote
+                chunk = source.read(1 << 16)
+                if chunk:
+                    self.feed(chunk)
+                elif done:
+                    break
+                else:
+                    self._done.wait(self.every_s)
+        if self._line:
+            self._segment(self._line)
+            self._line = b""
+
+    def finish(self) -> None:
+        """Once the job has ended: relay the rest and stop."""
+        self._done.set()
+        self._thread.join()
+
+    def feed(self, chunk: bytes) -> None:
+        """Pass on, hold or keep `chunk`, in segments ending at a newline or a carriage return (a progress bar
+        redraws its line after each \\r: a segment, shown as it comes)."""
+        if self.holding_since is not None and time.monotonic() - self.holding_since > self.release_s:
+            self._write(b"".join(self.held))
+            self.held, self.holding_since = [], None
+        *segments, self._line = re.split(rb"(?<=[\r\n])", self._line + chunk)
+        for segment in segments:
+            self._segment(segment)
+        if self._line and self.holding_since is None and (self._passing or not _may_begin_failure(self._line)):
+            self._write(self._line)  # its start is known not to begin a failure: shown as it comes
+            self._line, self._passing = b"", True
+
+    def _segment(self, segment: bytes) -> None:
+        if self._passing:  # its start is on the terminal already
+            self._passing = False
+            self._write(segment)
+            return
+        failing = segment.startswith(TRACEBACK) or (TORCHRUN_LOG.match(segment) and (
+            segment[:1] in b"EF" or b"signal" in segment))
+        if segment.startswith(b"harness: ") or (self.holding_since is None and not failing):
+            self._write(segment)
+            return
+        if self.holding_since is None:
+            self.holding_since = time.monotonic()
+        self.held.append(segment)
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            self.sink.write(data)
+            self.sink.flush()
+
+    def held_text(self) -> str:
+        return b"".join(self.held).decode(errors="replace")
+
+    def save(self, run_dir: Path, machine_rank: int) -> Path:
+        """Everything the job wrote to stderr, appended to `RUN/launch.log` (`launch_nodeK.log` on node K > 0) once
+        the run has a directory of its own (its config is written); else the file it was written to stays."""
+        name = "launch.log" if machine_rank == 0 else f"launch_node{machine_rank}.log"
+        if not (run_dir / "config.toml").is_file():
+            return self.path
+        path = run_dir / name
+        with path.open("ab") as out, self.path.open("rb") as kept:
+            out.write(f"=== harness launch on {socket.gethostname()}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      f" ===\n".encode())
+            shutil.copyfileobj(kept, out)
+        self.path.unlink()
+        return path
+
+
+def _may_begin_failure(start: bytes) -> bool:
+    """The start of a line that could still turn out to be a traceback or a torchrun log line."""
+    return TRACEBACK.startswith(start[:len(TRACEBACK)]) or bool(re.match(rb"^[IWEF]\d{0,4}( |$)", start[:6]))
+
+
+def root_cause(held: str) -> dict | None:
+    """torchrun's "Root Cause (first observed failure)" (torch/distributed/elastic/multiprocessing/errors): the rank,
+    its host, pid and exit code (negative: the signal that killed it); None where torchrun reported none."""
+    _, found, cause = held.partition("Root Cause (first observed failure):")
+    fields = dict(re.findall(r"^\s+(host|rank|exitcode)\s+:\s+(.*)$", cause, re.M)) if found else {}
+    if not {"host", "rank", "exitcode"} <= fields.keys():
+        return None
+    exitcode = re.match(r"(-?\d+) \(pid: (\d+)\)", fields["exitcode"])
+    rank = re.match(r"(\d+)", fields["rank"])
+    if not exitcode or not rank:
+        return None
+    return {"rank": int(rank[1]), "host": fields["host"].strip(), "pid": int(exitcode[2]), "code": int(exitcode[1])}
+
+
+def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tuple[int, str | None, str]:
+    """(exit code, the one line to print, the held-back text to show above it) for a job torchrun ended with
+    `code`, whose ranks reported `reported` (may be {}), and whose stderr from its first failure on was `held`."""
+    from .run.checkpoint import latest
+    from .run.heartbeat import EXIT_HUNG
+
+    cause = root_cause(held)
+    killed = cause is not None and cause["code"] < 0
+    if reported and not (killed and reported["code"] == EXIT_HUNG):  # the ranks' own account
+        preempted = reported["code"] == EXIT_PREEMPTED
+        return reported["code"], f"harness: {'' if preempted else 'error: '}{reported['message']}", ""
+    if code == 0:
+        return 0, None, ""
+    saved = latest(run_dir / "checkpoints")
+    resume = (f"latest checkpoint: {saved.name}; continue with --resume auto" if saved else
+              "no checkpoint was saved; --resume auto starts from step 0")
+    if cause is None:  # torchrun itself failed (or was killed): what it wrote is all there is
+        return code, (f"harness: error: the launcher (torchrun) exited with code {code}; {resume}; its output: "
+                      f"{log}"), _without_torchrun(held) or held
+    when = f" after step {_last_step(run_dir)}" if _last_step(run_dir) else " before the first step"
+    who = f"rank {cause['rank']} (pid {cause['pid']} on {cause['host']})"
+    if killed:
+        number = -cause["code"]
+        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+        why = " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+        return EXIT_HUNG, f"harness: error: {who} was killed by {name}{when}{why}; {resume}; every rank's " \
+                          f"output: {log}", ""
+    return code, f"harness: error: {who} failed with exit code {cause['code']}{when}: its error is above; " \
+                 f"{resume}; every rank's output: {log}", _without_torchrun(held)
+
+
+def _last_step(run_dir: Path) -> int:
+    """The last step the run logged (`metrics.jsonl`), 0 for none."""
+    try:
+        with (run_dir / "metrics.jsonl").open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            return json.loads(f.read().splitlines()[-1])["step"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
+def _without_torchrun(held: str) -> str:
+    """The held-back text less torchrun's own: its log lines and its tracebacks (blocks through its frames)."""
+    blocks, kept = re.split(r"(?m)^(?=Traceback \(most recent call last\):|[IWEF]\d{4} \d\d:)", held), []
+    for block in blocks:
+        if TORCHRUN_LOG.match(block.encode()):
+            block = block.split("\n", 1)[1] if "\n" in block else ""
+        if block.startswith("Traceback") and any(f.decode() in block for f in TORCHRUN_FRAMES):
+            continue
+        kept.append(block)
+    return "".join(kept)

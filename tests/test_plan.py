@@ -190,50 +190,83 @@ def test_lr_schedule_warmup_then_decay():
     assert lr_factor(15, 100, isq) == pytest.approx(0.5)
 
 
-def test_a_build_lock_left_by_a_killed_jit_build_is_named_before_launch(tmp_path, corpus):
-    """A DeepSpeed op build killed midway leaves `<op>/lock`; every later start would wait on it forever."""
+def test_a_jit_build_lock_left_by_a_killed_build_is_removed_at_start_or_while_waiting_and_a_wait_is_said(
+        tmp_path, corpus, monkeypatch):
+    """A DeepSpeed op build killed midway leaves `<op>/lock`, and torch's FileBaton would wait on it forever."""
     import os
     import shutil
+    import threading
     import time
     from pathlib import Path
 
-    from harness.run.startup import check_build_locks
+    from torch.utils.file_baton import FileBaton
 
-    lock = tmp_path / "ext" / "py312_cpu" / "deepspeed_shm_comm" / "lock"
+    from harness.run import startup
+    from harness.run.startup import BuildLocks, clear_stale_build_locks, watching_build_locks
+
+    # the extensions folder is this environment's and host's unless TORCH_EXTENSIONS_DIR names one
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    ours = startup.extension_root()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(ours) and ours.name.startswith("env-")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    assert startup.extension_root().parent == ours.parent and startup.extension_root() != ours
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert startup.extension_root() == tmp_path / "ext"
+
+    lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
-    check_build_locks(tmp_path / "ext")  # a fresh lock: a build may be running, wait for it as DeepSpeed does
+    said = []
+    fresh = BuildLocks(tmp_path / "ext", say=said.append)
+    assert fresh.look() == [] and fresh.look(time.time() + 5) == []  # a build may be starting: left alone
     old = time.time() - 600
     os.utime(lock, (old, old))
-    with pytest.raises(ConfigError, match=f"lock {lock} is 10 min old and no compiler runs there.*rm {lock}"):
-        check_build_locks(tmp_path / "ext")
-    # a build still running in the lock's directory (ninja there) is waited for; a compiler elsewhere (another
-    # job's, torch.compile's) does not hide the stale lock
+    # a build running in the lock's directory (ninja there) keeps it; a compiler elsewhere (torch.compile's) does not
     ninja = tmp_path / "bin" / "ninja"
     ninja.parent.mkdir()
     ninja.symlink_to(shutil.which("sleep"))
-    for cwd, waits in ((lock.parent, True), (tmp_path / "bin", False)):
-        build = subprocess.Popen([str(ninja), "30"], cwd=cwd)
-        try:
-            for _ in range(100):  # until the process shows its own name
-                if Path(f"/proc/{build.pid}/cmdline").read_bytes().startswith(str(ninja).encode()):
-                    break
-                time.sleep(0.05)
-            if waits:
-                check_build_locks(tmp_path / "ext")
-            else:
-                with pytest.raises(ConfigError, match="no compiler runs there"):
-                    check_build_locks(tmp_path / "ext")
-        finally:
-            build.kill()
-            build.wait()
+
+    def build(cwd: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([str(ninja), "60"], cwd=cwd)
+        while not Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(str(ninja).encode()):
+            time.sleep(0.02)  # until the process shows its own name
+        return proc
+
+    elsewhere = build(tmp_path / "bin")
+    try:
+        assert clear_stale_build_locks(tmp_path / "ext") == [lock] and not lock.exists()
+    finally:
+        elsewhere.kill()
+    # waiting on another process's live build: said once, then how long; killed midway, its lock goes
+    lock.touch()
+    os.utime(lock, (old, old))
+    builder = build(lock.parent)
+    with watching_build_locks(every_s=0.2, root=tmp_path / "ext", confirm_s=0.5, say_every_s=0.5,
+                              say=said.append):
+        threading.Timer(2.0, builder.kill).start()
+        started = time.time()
+        FileBaton(str(lock)).wait()  # torch's own wait, in the main thread as in a rank
+        waited = time.time() - started
+    builder.wait()
+    assert 2.0 < waited < 10, waited
+    assert said[0] == (f"waiting for another process's JIT build of DeepSpeed's deepspeed_shm_comm op (by pid "
+                       f"{builder.pid}): torch waits until its lock {lock} is gone"), said
+    assert any(x.startswith("still waiting for the build of deepspeed_shm_comm (") for x in said[1:-1]), said
+    assert said[-1].startswith(f"removed {lock}: a JIT build of DeepSpeed's deepspeed_shm_comm op left it "), said
+    # a run started over a stale lock in its folder (this environment's, where its ops are built already) removes
+    # it and trains, saying so
+    lock = ours / "harness_test_op" / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.utime(lock, (old, old))
     out = subprocess.run([sys.executable, "-m", "harness", "train", "--set", "train.max_steps=3", "--set",
                           f"data.path=\"{corpus}\"", "--set", f"run.output_dir=\"{tmp_path / 'run'}\""],
-                         cwd=ROOT, env=_env({"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext" / "py312_cpu")}),
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and f"rm {lock}" in out.stderr  # one line, not a silent wait
-    lock.unlink()
-    check_build_locks(tmp_path / "ext")
+                         cwd=ROOT, env=_env({"TORCH_EXTENSIONS_DIR": None}), capture_output=True, text=True,
+                         timeout=300)
+    shutil.rmtree(lock.parent)
+    assert out.returncode == 0 and f"harness: removed {lock}: a JIT build" in out.stderr, out.stderr[-2000:]
+    assert not lock.exists()
 
 
 @pytest.mark.parametrize("arch,plain", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.0 9.0a+PTX", "8.0 9.0+PTX"),

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
 from harness.launcher import _is_rank, descendants
@@ -25,8 +26,9 @@ def start(out, corpus, **kwargs) -> subprocess.Popen:
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str) -> tuple[Run, float]:
-    """Once the run has logged 3 steps, send `sig` to `who` (rank0, rank1, or top: the process started); wait."""
+def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str, pid: int | None = None) -> tuple[Run, float]:
+    """Once the run has logged 3 steps, send `sig` to `who` (rank0, rank1, or top: the process started), or to
+    `pid`; wait."""
     seen = len(run.metrics)
     deadline = time.time() + 120
     while len(run.metrics) < seen + 3:
@@ -35,7 +37,7 @@ def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str) -> tupl
     ranks = [p for p in descendants(proc.pid) if _is_rank(p)]
     assert len(ranks) == 2, ranks
     sent = time.time()
-    os.kill({"top": proc.pid, "rank0": ranks[0], "rank1": ranks[1]}[who], sig)
+    os.kill(pid or {"top": proc.pid, "rank0": ranks[0], "rank1": ranks[1]}[who], sig)
     out, err = proc.communicate(timeout=120)
     return Run(run.dir, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)), time.time() - sent
 
@@ -108,17 +110,72 @@ def test_harness_launch_exits_2_before_any_rank_starts_and_3_when_updates_keep_b
     assert not (nan.dir / "model.safetensors").exists()
 
 
-def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_naming_it(tmp_path, corpus):
+def one_error(run: Run) -> str:
+    """The job's one line: no traceback, no torchrun report, a single `harness: error:` line, the last one."""
+    err = run.proc.stderr
+    assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("harness: error:")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err[-3000:]
+    return lines[0]
+
+
+def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the_checkpoint_resumes(tmp_path,
+                                                                                                   corpus):
+    """SIGSTOP, then SIGKILL to a rank, SIGTERM to torchrun, SIGKILL to `harness launch`: each leg resumes the last."""
     out = tmp_path / "run"
-    proc = subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", front=True,
-                                    sets=[*LONG, "train.collective_timeout_s=8.0"]), cwd=ROOT,
-                            env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    run, seconds = signal_mid_run(proc, Run(out, None), signal.SIGSTOP, "rank1")
+    sets = [*LONG, "train.collective_timeout_s=8.0", "train.save_every=2"]
+
+    def leg(*args: str) -> subprocess.Popen:
+        return subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", front=True, sets=sets, args=args),
+                                cwd=ROOT, env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    # 1. a stopped rank (SIGSTOP): the others' collective times out, the job ends naming it
+    run, seconds = signal_mid_run(leg(), Run(out, None), signal.SIGSTOP, "rank1")
     assert run.proc.returncode == 4, run.proc.stderr[-3000:]
     assert seconds < 8 + 3 + 20, seconds  # the timeout, torchrun's shutdown, a start-up's worth of slack
-    line = next(x for x in run.proc.stderr.splitlines() if x.startswith("harness: error: rank 0: a collective"))
-    assert "train.collective_timeout_s = 8 s" in line and "stopped answering: rank 1 (pid " in line, line
+    line = one_error(run)
+    assert line.startswith("harness: error: rank 0: a collective got no answer within train.collective_timeout_s "
+                           "= 8 s; stopped answering: rank 1 (pid "), line
+    assert line.endswith(f"latest checkpoint: step_{latest(run):08d}; continue with --resume auto"), line
+    # 2. a rank killed with SIGKILL (the out-of-memory killer): torchrun's root cause, in one line
+    run, _ = signal_mid_run(leg("--resume", "auto"), run, signal.SIGKILL, "rank1")
+    assert run.proc.returncode == 4, run.proc.stderr[-3000:]
+    line = one_error(run)
+    assert " was killed by SIGKILL after step " in line and line.startswith("harness: error: rank 1 (pid "), line
+    assert f"latest checkpoint: step_{latest(run):08d}; continue with --resume auto; every rank's output: " \
+        f"{out / 'launch.log'}" in line, line
+    assert "ChildFailedError" in (out / "launch.log").read_text()  # torchrun's report, kept
+    # 3. SIGTERM to torchrun (the elastic agent) itself: it passes it on, the ranks save and say so in one line
+    agent = leg("--resume", "auto")
+    while [p for p in descendants(agent.pid) if _is_rank(p)] == []:
+        time.sleep(0.05)
+    torchrun = next(p for p in descendants(agent.pid) if b"accelerate.commands.launch" in
+                    (Path(f"/proc/{p}/cmdline").read_bytes()))
+    run, _ = signal_mid_run(agent, run, signal.SIGTERM, "rank1", pid=torchrun)
+    assert run.proc.returncode == EXIT_PREEMPTED, run.proc.stderr[-3000:]
+    assert "Traceback" not in run.proc.stderr and "SignalException" not in run.proc.stderr
+    assert run.proc.stderr.strip().splitlines()[-1].startswith(f"harness: stopped by SIGTERM after step {latest(run)}")
+    # 4. `harness launch` itself killed (SIGKILL): torchrun gets SIGTERM (its parent-death signal) and the ranks,
+    # writing to a file and not a pipe to the dead launcher, stop with a checkpoint
+    before, killed = latest(run), leg("--resume", "auto")
+    wait = time.time() + 120
+    while len(Run(out, None).metrics) < before + 3:
+        assert killed.poll() is None and time.time() < wait, killed.communicate()
+        time.sleep(0.05)
+    ranks = [p for p in descendants(killed.pid) if _is_rank(p)]
+    killed.kill()
+    killed.communicate()
+    sent = time.time()
+    while any(Path(f"/proc/{p}").exists() for p in ranks):  # unwatched, they would train on for minutes
+        assert time.time() < sent + 30, ranks
+        time.sleep(0.1)
+    assert latest(run) > before and Run(out, None).metrics[-1]["step"] == latest(run)  # stopped at its checkpoint
+    # the last checkpoint loads and the run goes on
+    end = latest(run) + 2
+    resumed = harness(out, corpus, nproc=2, ds="zero2.json", sets=sets, args=["--resume", "auto", "--stop-at",
+                                                                              str(end)])
+    assert [m["step"] for m in resumed.metrics] == list(range(1, end + 1))
 
 
 def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrupted_losses(tmp_path, corpus):
@@ -274,3 +331,64 @@ def test_a_span_fetches_what_the_ledger_asks_but_never_past_the_last_step_a_prof
     assert spans(workers=1, accum=2, last=5) == [2, 2, 1]  # 4 micro-batches ready: 2 steps of 2
     assert spans(workers=1, accum=8, last=3) == [1, 1, 1]  # fewer ready than a step: a step at a time
     assert spans(workers=0, accum=1, last=30, starts=(10,), span=6) == [6, 3, 1, 6, 6, 6, 2]  # 10 alone
+
+
+def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_tracebacks_and_reads_torchruns_cause(
+        tmp_path):
+    """`launcher.Relay` on a made-up stream, fed whole and a byte at a time, and `launcher.ending` on what it held:
+    the real streams are the fault tests' above."""
+    import io
+
+    from harness.launcher import Relay, ending
+
+    bar = b"\rtrain:   1%|  | 1/100\rtrain:   2%|  | 2/100"
+    failing = (b"\rW1127 02:42:23.955000 20312 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028]"
+               b" Sending process 20315 closing signal SIGTERM\n"
+               b"harness: rank 0 got SIGTERM: finishing this step\n"
+               b"Traceback (most recent call last):\n  File \"harness/run/loop.py\", line 1, in train\n"
+               b"ValueError: a rank's own error\n"
+               b"Traceback (most recent call last):\n"
+               b"  File \"/x/torch/distributed/launcher/api.py\", line 383, in launch_agent\n"
+               b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+               b"Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-27_02:41:44\n"
+               b"  host      : node7\n  rank      : 3 (local_rank: 1)\n  exitcode  : CODE (pid: 20176)  (SIG)\n")
+    stream = b"harness: task lm\n" + bar + failing
+
+    def relay(chunks: list[bytes], release_s: float = 30.0, pause_s: float = 0.0) -> tuple[bytes, Relay]:
+        written = tmp_path / f"stderr_{len(chunks)}"
+        sink = io.BytesIO()
+        with written.open("wb", buffering=0) as job:
+            r = Relay(written, sink, release_s=release_s, every_s=0.001)
+            for c in chunks:
+                job.write(c)
+                time.sleep(pause_s)
+        r.finish()
+        return sink.getvalue(), r
+
+    whole, r = relay([stream])
+    assert relay([stream[i:i + 1] for i in range(len(stream))], pause_s=0.0005)[0] == whole  # however reads cut it
+    assert whole == b"harness: task lm\n" + bar + b"\rharness: rank 0 got SIGTERM: finishing this step\n", whole
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert r.save(run_dir, 0) == r.path  # not a run directory yet (no config.toml): the file it was written to
+    (run_dir / "config.toml").write_text("")
+    log = r.save(run_dir, 1)
+    assert log == run_dir / "launch_node1.log" and log.read_bytes().endswith(stream) and not r.path.exists()
+    (run_dir / "metrics.jsonl").write_text('{"step": 7}\n{"step": 8}\n')
+    held = r.held_text()
+    code, line, shown = ending(1, {}, held.replace("CODE", "-9"), run_dir, run_dir / "launch.log")
+    assert code == 4 and shown == "", (code, shown)
+    assert line.startswith("harness: error: rank 3 (pid 20176 on node7) was killed by SIGKILL after step 8 (kill "
+                           "-9, or the kernel's out-of-memory killer"), line
+    assert "; no checkpoint was saved; --resume auto starts from step 0" in line, line
+    code, line, shown = ending(1, {}, held.replace("CODE", "1"), run_dir, run_dir / "launch.log")
+    assert code == 1 and "rank 3 (pid 20176 on node7) failed with exit code 1 after step 8: its error is above" in line
+    assert "ValueError: a rank's own error" in shown and "ChildFailedError" not in shown and "W1127" not in shown
+    # the ranks' own report wins, but not over a rank that torchrun saw killed
+    told = {"code": 4, "message": "rank 0: a collective lost its connection to another rank"}
+    assert ending(1, told, held.replace("CODE", "1"), run_dir, run_dir / "x")[:2] == (4, f"harness: error: "
+                                                                                          f"{told['message']}")
+    assert "was killed by SIGKILL" in ending(1, told, held.replace("CODE", "-9"), run_dir, run_dir / "x")[1]
+    # a job that goes on past a traceback some library printed shows it after `release_s`
+    shown, _ = relay([b"Traceback (most recent call last):\nKeyError: 1\n", b"later\n"], release_s=0.0, pause_s=0.2)
+    assert shown == b"Traceback (most recent call last):\nKeyError: 1\nlater\n", shown

@@ -21,7 +21,7 @@ import torch
 from ..config.ds import model_state_bytes
 from ..config.run import ConfigError
 from ..plan.render import count_params, largest_fitting
-from ..run.startup import check_build_locks
+from ..run.startup import clear_stale_build_locks
 from . import device, overhead, report
 from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
 
@@ -44,7 +44,7 @@ def run_bench(args) -> dict:
         return run_overhead(args, plans, sets)
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
-    check_build_locks()
+    clear_stale_build_locks()
     out = Path(args.out)
     precisions = sorted({p.ds.precision for p in plans.values()})
     threads = device.cpu_threads(max(c.nproc for c in configs))  # every process the same share of the cores
@@ -70,7 +70,7 @@ def run_overhead(args, plans: dict, sets: list[str]) -> dict:
     if args.largest:
         raise ConfigError("--overhead and --largest are separate studies: run one at a time")
     overhead.check(list(plans))
-    check_build_locks()
+    clear_stale_build_locks()
     out = Path(args.out)
     precisions = sorted({p.ds.precision for p in plans.values()})
     result = {"schema": report.SCHEMA, "run_file": args.run, "sets": sets,

@@ -44,7 +44,7 @@ import torch
 from ..config.run import ConfigError
 from ..distributed.optim import deepspeed_arch_list
 from ..plan.render import count_params
-from ..run.startup import check_build_locks
+from ..run.startup import clear_stale_build_locks
 from . import device, overhead, report
 from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe
 from .results import suite_markdown
@@ -115,7 +115,7 @@ def run_suite(args) -> dict:
         if missing:
             raise ConfigError(f"--data {data}: no {', '.join(m if '.' in m else m + '/' for m in missing)} in it (the benchmark sets the "
                               f"speed and quality parts read)")
-    check_build_locks()
+    clear_stale_build_locks()
     out = Path(args.out or default_out(args.smoke))
     work = Path(args.work or ROOT / "bench" / "suite-work")  # runs and checkpoints: never under results/
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Hung ranks: a collective that waits longer than `train.collective_timeout_s` ends the job, naming the rank.
+"""Hung and lost ranks: a collective that waits longer than `train.collective_timeout_s`, or whose peer went away,
+ends the job, naming the rank.
 
 A rank that stops answering (SIGSTOP, stuck in I/O, a GPU hang) leaves the others waiting in their next
 collective. The process group is created with that timeout, so they fail after it instead of never. To say which
@@ -60,33 +61,63 @@ class Heartbeat:
 
 
 def is_timeout(error: BaseException) -> bool:
-    """A collective that gave up waiting (gloo: "Timed out waiting ...ms"; NCCL's watchdog: "Watchdog caught
-    collective operation timeout")."""
+    """A collective that gave up waiting (gloo: "Timed out waiting ...ms", or "Application timeout caused pair
+    closure" in an all-gather; NCCL's watchdog: "Watchdog caught collective operation timeout")."""
     text = str(error).lower()
-    return "timed out" in text or ("timeout" in text and "collective" in text)
+    return "timed out" in text or "application timeout" in text or ("timeout" in text and "collective" in text)
 
 
-def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float) -> RankHung:
-    """The error to raise on rank `me` after a collective timed out: the ranks whose heartbeat went stale or who are
-    behind the others, from their files."""
+def is_lost(error: BaseException) -> bool:
+    """A collective whose peer went away (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL:
+    "remote process exited or there was a network error"): a rank died, or its node did."""
+    text = str(error).lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                   "remote process exited"))
+
+
+def _alive(beat: dict) -> bool | None:
+    """Whether the process a heartbeat names still runs: known on this host only (None elsewhere)."""
+    if beat["host"] != socket.gethostname():
+        return None
+    try:
+        os.kill(beat["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False,
+             saved: str | None = None) -> RankHung:
+    """The error to raise on rank `me` after a collective timed out (or, `lost`, lost its connection to a peer):
+    the ranks whose process is gone, whose heartbeat went stale or who are behind the others, from their files."""
     now, beats = time.time(), {}
     for rank in range(world_size):
         try:
             beats[rank] = json.loads((Path(run_dir) / DIR / f"rank_{rank:05d}.json").read_text())
         except (OSError, ValueError):
             beats[rank] = None
+    gone = [r for r, b in beats.items() if b is not None and _alive(b) is False]
     silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * every_s]
     steps = {r: b["step"] for r, b in beats.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]
-    suspects = sorted(set(silent) | set(behind)) or [r for r in range(world_size) if r != me]
+    suspects = (gone if lost else sorted(set(gone) | set(silent) | set(behind))) or [r for r in range(world_size)
+                                                                                      if r != me]
 
     def say(r: int) -> str:
         b = beats[r]
         if b is None:
             return f"rank {r} (never reported)"
-        return (f"rank {r} (pid {b['pid']} on {b['host']}: last finished step {b['step']}, last heard of "
+        state = "its process is gone; " if r in gone else ""
+        return (f"rank {r} (pid {b['pid']} on {b['host']}: {state}last finished step {b['step']}, last heard of "
                 f"{now - b['time']:.0f} s ago)")
 
+    then = (f"Ending the job; latest checkpoint: {saved}; continue with --resume auto" if saved else
+            "Ending the job; no checkpoint was saved: --resume auto starts from step 0")
+    if lost:
+        return RankHung(f"rank {me}: a collective lost its connection to another rank (a rank that died: killed, out "
+                        f"of memory, or its node went down); {'gone' if gone else 'suspects'}: "
+                        f"{', '.join(say(r) for r in suspects)}. {then}")
     return RankHung(f"rank {me}: a collective got no answer within train.collective_timeout_s = {timeout_s:g} s; "
-                    f"stopped answering: {', '.join(say(r) for r in suspects)}. Ending the job; --resume auto "
-                    f"continues from the last checkpoint")
+                    f"stopped answering: {', '.join(say(r) for r in suspects)}. {then}")

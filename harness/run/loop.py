@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -34,7 +35,7 @@ from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
-from .heartbeat import Heartbeat, diagnose, is_timeout
+from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
 from .preemption import Watch
 from .selection import Selection
 from .startup import check_free_space, prepare_run_dir
@@ -93,12 +94,14 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
         try:
             return _train(plan, world, resume_from, stop_at, watch, beat, teardown)
         except RuntimeError as e:
-            if world.world_size > 1 and is_timeout(e):
+            if world.world_size > 1 and (is_timeout(e) or is_lost(e)):
                 from tqdm.auto import tqdm
 
                 for bar in list(tqdm._instances):  # the progress bar's line ends before the error's
                     bar.close()
-                raise diagnose(plan.run_dir, world.world_size, world.rank, timeout_s, beat.every_s) from None
+                saved = checkpoint.latest(plan.run_dir / "checkpoints")
+                raise diagnose(plan.run_dir, world.world_size, world.rank, timeout_s, beat.every_s,
+                               lost=not is_timeout(e), saved=saved and saved.name) from None
             raise
         finally:
             beat.stop()
@@ -341,6 +344,8 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
 def _progress(world: World, start: int, total: int):
     from tqdm.auto import tqdm
 
+    # a terminal, or `harness launch`'s pipe to one (launcher.TTY_ENV): redrawn every second; a log: every 30 s
+    tty = sys.stderr.isatty() or os.environ.get("HARNESS_STDERR_TTY")
     return tqdm(total=total, initial=start, disable=not world.is_main, desc="train", unit="step",
-                dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0, file=sys.stderr)
+                dynamic_ncols=True, mininterval=1.0 if tty else 30.0, file=sys.stderr)
 

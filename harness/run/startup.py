@@ -6,6 +6,7 @@ in `harness/distributed/parallel.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -33,22 +34,41 @@ def check_device(ds: DSResolved) -> None:
         raise ConfigError(f"bf16 is not supported on this {acc.device_name()}; use an fp16 or fp32 config")
 
 
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+
+
 def extension_root() -> Path:
-    """Where torch (and so DeepSpeed's op builder) JIT-builds C++/CUDA ops: $TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions/<python>_<cuda|cpu>/ (torch.utils.cpp_extension._get_build_directory)."""
+    """Where torch (and so DeepSpeed's op builder) JIT-builds C++/CUDA ops: $TORCH_EXTENSIONS_DIR as the user set
+    it, else a folder of this Python environment and host, which this sets in the variable for this process and the
+    ones it starts: ~/.cache/torch_extensions/<python>_<cuda|cpu>/<environment>-<host>. torch's own default is keyed
+    by the Python and CUDA versions only (torch.utils.cpp_extension._get_build_directory), so two environments on
+    one machine rebuild each other's ops in turn (their build.ninja names different include paths) and each start
+    waits on the other's lock; nodes that share a home directory wait on locks they cannot see are alive."""
+    import hashlib
+    import socket
+    import sys
+
+    if os.environ.get(EXTENSIONS_ENV):
+        return Path(os.environ[EXTENSIONS_ENV])
+    import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    device = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:8]
+    root = Path(get_default_build_root()) / f"{python}_{device}" / f"env-{env}-{socket.gethostname().split('.')[0]}"
+    os.environ[EXTENSIONS_ENV] = str(root)
+    return root
 
 
 COMPILERS = {"ninja", "cc1plus", "nvcc", "cicc", "ptxas", "c++", "g++", "gcc", "clang++"}
 
 
-def compiler_running(where: Path) -> bool:
-    """Whether a compiler or ninja runs in `where` or below it: a JIT build there (torch's cpp_extension runs ninja,
-    and ninja its compilers, in the extension's build directory, the one holding the lock). A compiler elsewhere,
-    e.g. torch.compile's in /tmp, does not count."""
-    where = where.resolve()
+def compilers_in(where: Path) -> list[int]:
+    """The pids of the compilers and ninjas running in `where` or below it: a JIT build there (torch's
+    cpp_extension runs ninja, and ninja its compilers, in the extension's build directory, the one holding the
+    lock). A compiler elsewhere, e.g. torch.compile's in /tmp, does not count."""
+    where, found = where.resolve(), []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv0 = (proc / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
@@ -58,25 +78,124 @@ def compiler_running(where: Path) -> bool:
         except OSError:  # the process ended while we looked, or is not ours to read
             continue
         if cwd == where or where in cwd.parents:
-            return True
-    return False
+            found.append(int(proc.name))
+    return found
 
 
-def check_build_locks(root: Path | None = None, max_age_s: float = 300.0) -> None:
-    """A JIT build killed midway leaves `<extension>/lock` behind, and every later start waits on it forever,
-    silently (torch's FileBaton polls for the file to vanish: pytorch/pytorch#189245; DeepSpeed's hang reports, e.g.
-    deepspeedai/DeepSpeedExamples#302, end in `file_baton.py wait`). Refuse to start instead, naming the file, when
-    a lock is older than `max_age_s` and no compiler runs in its build directory."""
+class BuildLocks:
+    """JIT-build locks seen through repeated `look()`s. torch's FileBaton takes `<extension>/lock` for a build and
+    every other process polls for the file to vanish, silently and forever: a build killed midway leaves it behind
+    (pytorch/pytorch#189245; DeepSpeed's hang reports, e.g. deepspeedai/DeepSpeedExamples#302, end in
+    `file_baton.py wait`). A lock is proven stale, and removed with a line saying so, when it is `min_age_s` old
+    and no compiler ran in its folder in two looks at least `confirm_s` apart (the holder writes its build file and
+    starts ninja within a second of taking it, and releases it as the build ends). Where this process's main
+    thread waits in FileBaton.wait, it says once what it waits for and where, then every `say_every_s` how long."""
+
+    def __init__(self, root: Path | None = None, min_age_s: float = 10.0, confirm_s: float = 3.0,
+                 say_every_s: float = 30.0, say=None):
+        import sys
+
+        self.root = root or extension_root()
+        self.min_age_s, self.confirm_s, self.say_every_s = min_age_s, confirm_s, say_every_s
+        self.say = say or (lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
+        self.idle: dict[Path, float] = {}  # lock -> when a look first found no compiler in its folder
+        self.waiting: tuple[Path, float, float] | None = None  # the lock waited on, since, last said
+
+    def look(self, now: float | None = None) -> list[Path]:
+        """One look at every lock under the root (and the one this process waits on): the stale ones removed."""
+        import time
+
+        now = time.time() if now is None else now
+        locks = {p for p in (*self.root.glob("*/lock"), *self.root.glob("*/*/lock")) if p.is_file()}
+        waited = _waited_lock()
+        if waited is not None:
+            locks.add(waited)
+        cleared = []
+        for lock in sorted(locks):
+            try:
+                age = now - lock.stat().st_mtime
+            except OSError:  # released meanwhile
+                continue
+            builders = compilers_in(lock.parent)
+            if builders:
+                self.idle.pop(lock, None)
+            else:
+                self.idle.setdefault(lock, now)
+            if not builders and age >= self.min_age_s and now - self.idle[lock] >= self.confirm_s:
+                try:
+                    lock.unlink()
+                except FileNotFoundError:
+                    pass
+                else:
+                    self.say(f"removed {lock}: a JIT build of DeepSpeed's {lock.parent.name} op left it "
+                             f"{age:.0f} s ago and no build runs there (one killed midway); it builds again here")
+                cleared.append(lock)
+                self.idle.pop(lock, None)
+            elif lock == waited:
+                self._waits(lock, builders, now)
+        if waited is None:
+            self.waiting = None
+        return cleared
+
+    def _waits(self, lock: Path, builders: list[int], now: float) -> None:
+        if self.waiting is None or self.waiting[0] != lock:
+            who = f"by pid {', '.join(map(str, builders))}" if builders else "with no compiler running yet"
+            self.say(f"waiting for another process's JIT build of DeepSpeed's {lock.parent.name} op ({who}): "
+                     f"torch waits until its lock {lock} is gone")
+            self.waiting = (lock, now, now)
+        elif now - self.waiting[2] >= self.say_every_s:
+            self.say(f"still waiting for the build of {lock.parent.name} ({now - self.waiting[1]:.0f} s; {lock})")
+            self.waiting = (lock, self.waiting[1], now)
+
+
+def _waited_lock() -> Path | None:
+    """The lock this process's main thread waits on in torch's FileBaton.wait, if it does."""
+    import sys
+    import threading
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("file_baton.py"):
+            baton = frame.f_locals.get("self")
+            return Path(baton.lock_file_path) if baton is not None else None
+        frame = frame.f_back
+    return None
+
+
+def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
+    """Before starting: the locks proven stale now (two looks `confirm_s` apart where one is found), removed."""
     import time
 
-    root = root or extension_root()
-    locks = [p for p in (*root.glob("*/lock"), *root.glob("*/*/lock")) if p.is_file()]
-    stale = [p for p in locks if time.time() - p.stat().st_mtime > max_age_s and not compiler_running(p.parent)]
-    if stale:
-        age = (time.time() - stale[0].stat().st_mtime) / 60
-        raise ConfigError(f"a JIT build of DeepSpeed's {stale[0].parent.name} op was killed midway: its lock "
-                          f"{stale[0]} is {age:.0f} min old and no compiler runs there, so every start would wait "
-                          f"on it forever. Remove it (rm {' '.join(map(str, stale))}) and start again")
+    locks = BuildLocks(root)
+    cleared = locks.look()
+    if locks.idle:
+        time.sleep(locks.confirm_s)
+        cleared += locks.look()
+    return cleared
+
+
+@contextlib.contextmanager
+def watching_build_locks(every_s: float = 1.0, **kwargs):
+    """`BuildLocks(**kwargs).look()` every `every_s` from a daemon thread while the block runs (a build may be
+    killed, or another process's may start, after this process looked): the wait says where it is, a stale lock
+    goes."""
+    import threading
+
+    locks, stop = BuildLocks(**kwargs), threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every_s):
+            try:
+                locks.look()
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=run, name="harness-build-locks", daemon=True)
+    thread.start()
+    try:
+        yield locks
+    finally:
+        stop.set()
 
 
 def _nearest_existing(run_dir: Path) -> Path:
@@ -195,7 +314,7 @@ def check_same_model(plan: Plan, found: Path) -> None:
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
-    check_build_locks()
+    clear_stale_build_locks()
     check_device(plan.ds)
     from ..distributed.world import launched_rank
     from . import checkpoint, lock
@@ -268,4 +387,51 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
         saved.write_text(to_toml(plan.run.cfg))
         # in full: the optimizer and scheduler the run trains with too
         (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
+    try:
+        check_shared(plan, world)
+    except ConfigError:
+        if held:
+            held.release()
+        raise
     return held
+
+
+SHARED_WAIT_ENV = "HARNESS_SHARED_WAIT_S"  # how long a node looks for the others' tokens (a slow NFS cache)
+
+
+def check_shared(plan: Plan, world: World) -> None:
+    """Under several nodes, the run directory must be one that every node sees: every node writes checkpoints into
+    it and reads them back on resume, and a node-local folder of the same name would lose them silently. Local rank
+    0 of each node writes a token named by a nonce of rank 0's into `RUN/.nodes/`, then looks for every node's
+    (up to $HARNESS_SHARED_WAIT_S, default 30 s); a node that misses one refuses on every rank. Collective, but
+    only where torchrun says the world spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE)."""
+    import secrets
+    import socket
+    import time
+
+    from ..distributed.world import all_gather_objects, barrier
+
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) >= world.world_size:
+        return
+    node, local0 = os.environ.get("GROUP_RANK") or socket.gethostname(), os.environ.get("LOCAL_RANK", "0") == "0"
+    seen = all_gather_objects((node, secrets.token_hex(8) if world.rank == 0 else None))
+    nodes, nonce = sorted({n for n, _ in seen}, key=str), seen[0][1]
+    folder = plan.run_dir / ".nodes"
+    if local0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{nonce}-{node}").write_text(socket.gethostname())
+    barrier()
+    missing = []
+    if local0:
+        deadline = time.time() + float(os.environ.get(SHARED_WAIT_ENV, "30"))
+        while (missing := [n for n in nodes if not (folder / f"{nonce}-{n}").exists()]) and time.time() < deadline:
+            time.sleep(0.5)
+    problems = [p for p in all_gather_objects((node, socket.gethostname(), missing) if missing else None) if p]
+    if local0:
+        (folder / f"{nonce}-{node}").unlink(missing_ok=True)
+    if problems:
+        node, host, missing = problems[0]
+        raise ConfigError(f"{plan.run.describe('run.output_dir')}: {plan.run_dir.absolute()} is not on storage every "
+                          f"node shares: node {node} ({host}) does not see what node {', '.join(map(str, missing))} "
+                          f"wrote there. Every node writes checkpoints into it and reads them back on resume: put it "
+                          f"on a shared file system (NFS, Lustre, GPFS), the same path on every node")
