@@ -206,3 +206,21 @@ def test_an_accelerate_config_with_no_processes_is_one_line_before_launch(count,
         launch_settings(["--config_file", str(yaml)])
     with pytest.raises(ConfigError, match=f"--num_processes = {count}: must be 1 or more"):
         launch_settings(["--config_file", str(LAUNCH / "cpu_2proc.yaml"), "--num_processes", str(count)])
+
+
+def test_hub_data_out_of_reach_is_the_same_one_line_in_one_process_and_under_harness_launch(tmp_path, corpus):
+    """`data.path = "hub:..."` with no way to the Hub (offline here, as on CI; HF_HUB_OFFLINE=1 makes datasets say so
+    at once instead of after its retries): found by the ranks when they load the data, after launch. `harness
+    launch` prints the line `harness train` gives, once, with no traceback."""
+    from conftest import harness
+
+    sets = ['data.path="hub:nobody/no-such-dataset"']
+    env = {"HF_HUB_OFFLINE": "1"}
+    one = harness(tmp_path / "one", corpus, sets=sets, env=env, check=False)
+    launched = harness(tmp_path / "two", corpus, nproc=2, front=True, sets=sets, env=env, check=False)
+    assert one.proc.returncode == 2 and launched.proc.returncode == 2, launched.proc.stderr[-3000:]
+    line = one.proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("harness: error: hub:nobody/no-such-dataset: cannot load as hub data: "), line
+    err = launched.proc.stderr
+    assert err.strip().splitlines()[-1] == line and err.count("harness: error:") == 1, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err

@@ -106,6 +106,23 @@ def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny
         assert torch.allclose(ours(ids).logits, theirs(ids).logits, atol=1e-6)
 
 
+def test_hf_tensor_parallel_sizes_are_checked_before_launch_and_an_odd_vocabulary_is_not_refused(tiny_llama):
+    from harness.config.run import ConfigError
+    from harness.plan.resolve import check_hf_tensor_parallel
+    from harness.tasks import resolve
+
+    run = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}"])
+    config = transformers.AutoConfig.from_pretrained(tiny_llama)
+    assert config.vocab_size % 2 == 1  # split 2 ways unevenly: the AutoTP test above trains and exports it
+    check_hf_tensor_parallel(run, 2, config)
+    for key, value, message in [("intermediate_size", 63, "must divide intermediate_size = 63"),
+                                ("num_key_value_heads", 3, "must divide num_key_value_heads = 3"),
+                                ("vocab_size", 1, "is more than vocab_size = 1")]:
+        bad = transformers.AutoConfig.from_pretrained(tiny_llama, **{key: value})
+        with pytest.raises(ConfigError, match=f"tensor_parallel.autotp_size = 2 {message} of model.hf = "):
+            check_hf_tensor_parallel(run, 2, bad)
+
+
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
     from harness.config.run import ConfigError
     from harness.tasks import get_task, resolve

@@ -348,9 +348,17 @@ def _tp_full(module: nn.Module, pname: str, param, world: World) -> torch.Tensor
         0 if isinstance(module, LinearLayer) and not isinstance(module, LinearAllreduce) else None
     if dim is None:  # replicated (embeddings, norms, heads, a row layer's bias)
         return local.cpu()
-    parts = [torch.empty_like(local) for _ in range(world.tp_size)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=groups.get_tensor_model_parallel_group())  # sync
-    return torch.cat(parts, dim).cpu()
+    # shards may be uneven: AutoTP splits a size the group does not divide (a vocabulary of 257 on 2 ranks: 129 and
+    # 128; deepspeed/module_inject/tp_shard.py, get_shard_size), and all_gather needs one shape: pad to the largest
+    group = groups.get_tensor_model_parallel_group()
+    sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(world.tp_size)]
+    torch.distributed.all_gather(sizes, torch.tensor([local.shape[dim]], device=local.device), group=group)
+    sizes = [int(n) for n in sizes]
+    pad = [0, 0] * (local.dim() - 1 - dim) + [0, max(sizes) - local.shape[dim]]
+    padded = torch.nn.functional.pad(local, pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world.tp_size)]
+    torch.distributed.all_gather(parts, padded, group=group)  # sync
+    return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim).cpu()
 
 
 def _check_groups(engine, world: World) -> None:

@@ -145,12 +145,18 @@ def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
 
 
 def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:
-    """Each tensor-parallel rank holds 1/tp of a Hugging Face model's heads and MLP width: tp must divide them."""
+    """Each tensor-parallel rank holds 1/tp of a Hugging Face model's heads and MLP width: tp must divide them. The
+    vocabulary need not divide: AutoTP splits the output layer's rows unevenly (257 on 2 ranks: 129 and 128) and the
+    export gathers them so (`distributed.parallel._tp_full`); each rank needs one row at least."""
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value % tp:
             raise ConfigError(f"tensor_parallel.autotp_size = {tp} must divide {key} = {value} of "
                               f"{run.describe('model.hf')}: each rank holds {key} / {tp}")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab < tp:
+        raise ConfigError(f"tensor_parallel.autotp_size = {tp} is more than vocab_size = {vocab} of "
+                          f"{run.describe('model.hf')}: each rank holds a share of the output layer's rows")
 
 
 def metric_key(name: str) -> str:
