@@ -176,6 +176,7 @@ def install(where: Path) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `scontrol show hostnames | head -n 1`: quietly, as the real one
     name, rest = sys.argv[1], sys.argv[2:]
     if name == "install":
         install(Path(rest[0]))
