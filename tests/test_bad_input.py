@@ -4,6 +4,8 @@ trap that fails the test if a case gets that far."""
 from __future__ import annotations
 
 import json
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -224,3 +226,43 @@ def test_hub_data_out_of_reach_is_the_same_one_line_in_one_process_and_under_har
     err = launched.proc.stderr
     assert err.strip().splitlines()[-1] == line and err.count("harness: error:") == 1, err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp_path, corpus, no_process_group,
+                                                                            capsys, monkeypatch):
+    """The GPUs' memory read from nvidia-smi (a fake one here, as the real one prints: 80 GiB H100s and a smaller
+    one hidden by CUDA_VISIBLE_DEVICES); the model states and one micro-batch's activations on paper against it."""
+    from harness.api import plan
+    from harness.run.startup import check_fits, device_memory_bytes
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nprintf '0, 81559\\n1, 81559\\n2, 16384\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert device_memory_bytes() == [81559 * 2**20] * 2
+    base = ["train", S, f"data.path={json.dumps(str(corpus))}", S, f"run.output_dir={json.dumps(str(tmp_path / 'r'))}",
+            *TWO_STEPS, S, "model.d_model=1024", S, "model.n_layers=24", S, "model.n_heads=16", S, "data.seq_len=2048"]
+    big = [*base, S, "train.micro_batch_size=64"]
+    assert main(big) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("harness: error: train.micro_batch_size = 64 (command line) of 2048 positions does not fit "
+                           "one GPU of 79.65 GiB on paper: model states "), line
+    assert "lower train.micro_batch_size" in line and "activations " in line
+    sets = [a for a in base[1:] if a != S]
+    small = plan(None, [*sets, "train.micro_batch_size=4"])
+    assert check_fits(small, 81559 * 2**20) is None  # 4 x 2048 fits; with checkpointing 64 x 2048 does too
+    assert check_fits(plan(None, [*sets, "train.micro_batch_size=64", "train.activation_checkpointing=true"]),
+                      81559 * 2**20) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert device_memory_bytes() == [16384 * 2**20]
+    assert "does not fit one GPU of 16.00 GiB" in check_fits(small, device_memory_bytes()[0])
+    # a bench measures what fits for real (--largest tries sizes until one runs out of memory): no refusal on paper
+    from harness.bench.sweep import env_for
+    from harness.run.startup import FIT_CHECK_ENV
+
+    monkeypatch.setenv(FIT_CHECK_ENV, env_for(SimpleNamespace(mixed_precision="no", nproc=1))[FIT_CHECK_ENV])
+    monkeypatch.setattr(world, "init_world", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("past the checks")))
+    with pytest.raises(RuntimeError, match="past the checks"):
+        main(big)

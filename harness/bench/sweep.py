@@ -23,6 +23,7 @@ import torch
 from ..config.run import ConfigError
 from ..plan.resolve import Plan, make_plan
 from ..run.profiling import PROFILE_FILE
+from ..run.startup import FIT_CHECK_ENV
 from .device import cpu_threads
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
@@ -92,9 +93,10 @@ def launcher(config: Config) -> list[str]:
 
 
 def env_for(config: Config, threads: int | None = None) -> dict[str, str]:
-    """The launch's environment: accelerate's precision, and on a CPU `threads` per process (default: its share
-    of the cores)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision}
+    """The launch's environment: accelerate's precision, no refusal of a batch on paper, and on a CPU `threads` per
+    process (default: its share of the cores)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision,
+           FIT_CHECK_ENV: "0"}  # a bench measures what fits (--largest tries sizes until one runs out of memory)
     if not torch.cuda.is_available():  # the processes share the cores
         env["OMP_NUM_THREADS"] = str(threads or cpu_threads(config.nproc))
     return env

@@ -111,14 +111,14 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
              f"{ds.layout.dp_size * sp} ranks",
              f"activations per rank, one micro-batch of {c.train.micro_batch_size} x {fixed} positions (on paper: "
              f"Korthikanti et al. 34 T B d_model per layer in 16-bit, the loss's logits B T vocab x (2|4 + 8)): "
-             + ", ".join(f"SP={n} {_gib(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
+             + ", ".join(f"SP={n} {size_text(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
     for name, gib in GPU_MEMORY_GIB.items():
         # in steps of 64 x SP positions: the search `harness bench --largest` runs with real tries
         longest = {n: 64 * n * largest_fitting(
             lambda k, n=n: states + activation_bytes(plan, model, 64 * n * k, n) <= gib * 2**30, 1, 2**30)
             for n in sizes}
         lines.append(f"longest sequence that fits an {name} ({gib} GiB, model states "
-                     f"{_gib(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
+                     f"{size_text(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
     return lines
 
 
@@ -138,7 +138,7 @@ def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:
     return good
 
 
-def _gib(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -197,7 +197,7 @@ def render(plan: Plan) -> str:
         f"{ds.grad_accum_steps} x data parallel {ds.layout.dp_size}",
         f"model: {n:,} parameters" + (f", at most {per_rank:,} on one rank" if per_rank != n else ""),
         f"model states per rank (weights, gradients, AdamW; activations not included): "
-        f"device {_gib(mem['device'])}, CPU {_gib(mem['cpu'])}",
+        f"device {size_text(mem['device'])}, CPU {size_text(mem['cpu'])}",
         f"run directory: {plan.run_dir}",
     ]
     return "\n".join(lines)

@@ -351,9 +351,66 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
         )
 
         problem = check_free_space(plan, count_params(plan), found)  # the loop checks ranks started otherwise
+        gpus = device_memory_bytes() if os.environ.get(FIT_CHECK_ENV) != "0" else []
+        problem = problem or (check_fits(plan, min(gpus)) if gpus else None)
         if problem:
             raise ConfigError(problem)
     return found
+
+
+FIT_CHECK_ENV = "HARNESS_FIT_CHECK"  # "0": no refusal on paper (`harness bench` tries sizes for real)
+
+
+def device_memory_bytes() -> list[int]:
+    """The memory of each GPU this process may use, from nvidia-smi (CUDA_VISIBLE_DEVICES applied): no CUDA context
+    in this process, which stays alive beside the ranks under `harness launch`. [] without nvidia-smi."""
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    sizes = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        index, _, mib = line.partition(",")
+        if index.strip().isdigit() and mib.strip().replace(".", "", 1).isdigit():
+            sizes[int(index)] = int(float(mib) * 2**20)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+        return [sizes[int(v)] for v in visible.split(",") if v.strip() and int(v) in sizes]
+    return list(sizes.values())
+
+
+def check_fits(plan: Plan, capacity: int) -> str | None:
+    """The problem, if one micro-batch does not fit a GPU of `capacity` bytes on paper: the model states per rank
+    (`config.ds.model_state_bytes`, after the ZeRO paper) and one micro-batch's activations (`plan.render.
+    activation_bytes`, after Korthikanti et al.) together, before the CUDA context and the allocator's slack. The
+    harness's own models without tensor or pipeline parallelism: the estimates' scope (a Hugging Face model's
+    widths are not the run config's)."""
+    from ..config.ds import model_state_bytes
+    from ..plan.render import activation_bytes, meta_model, size_text
+
+    ds, c = plan.ds, plan.run.cfg
+    if ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
+        return None
+    model = meta_model(plan)
+    positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
+    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
+    acts = activation_bytes(plan, model, positions, ds.layout.sp_size)
+    if states + acts <= capacity:
+        return None
+    return (f"{plan.run.describe('train.micro_batch_size')} of {positions} positions does not fit one GPU of "
+            f"{size_text(capacity)} on paper: model states {size_text(states)} per rank ({ds.precision}, "
+            f"ZeRO-{ds.zero_stage}) "
+            f"+ activations {size_text(acts)} of one micro-batch "
+            f"({'checkpointed' if c.train.activation_checkpointing else 'no recomputation'}); "
+            f"lower train.micro_batch_size (raise train.grad_accum_steps to keep the global batch), set "
+            f"train.activation_checkpointing=true, or shard more (ZeRO-3, sequence_parallel_size); `harness plan` "
+            f"shows the figures")
 
 
 def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrite: bool):
