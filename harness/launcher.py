@@ -172,7 +172,7 @@ def main(argv: list[str], parse) -> int:
           f"{' '.join(train_args)}", flush=True)
     fd, captured = tempfile.mkstemp(prefix="harness-launch-", suffix=".log")
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=fd, preexec_fn=_end_with_us)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=fd, preexec_fn=_ending_with(os.getpid()))
     finally:
         os.close(fd)
     relay = Relay(Path(captured), sys.stderr.buffer)
@@ -194,9 +194,14 @@ def main(argv: list[str], parse) -> int:
         relay.finish()
     try:
         reported = json.loads(Path(status).read_text() or "{}")
+    except ValueError:  # a rank killed while writing it
+        reported = {}
     finally:
         os.unlink(status)
-    log = relay.save(plan.run_dir, settings["machine_rank"])
+    try:
+        log = relay.save(plan.run_dir, settings["machine_rank"])
+    except OSError:  # a full disk, an unwritable run directory: the job's output stays where it was written
+        log = relay.path
     code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log)
     if show:
         sys.stderr.write(show)
@@ -205,15 +210,23 @@ def main(argv: list[str], parse) -> int:
     return code
 
 
-def _end_with_us() -> None:
-    """In the launcher's child: SIGTERM when this process dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), so torchrun
-    stops its ranks with a checkpoint instead of training on unwatched in a session of its own."""
+def _ending_with(parent: int):
+    """A preexec_fn for the launcher's child: SIGTERM when this process dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG), so torchrun stops its ranks with a checkpoint instead of training on unwatched in a session of
+    its own. prctl is looked up here, in the parent: the child between fork and exec may not load libraries."""
     import ctypes
 
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+    def child() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before the call: nothing would tell us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return child
 
 
 def _wait(proc: subprocess.Popen, status: Path, grace_s: float = 5.0) -> int:
@@ -259,7 +272,9 @@ def report(code: int, message: str) -> int:
         return code
     path = Path(status)
     if os.environ.get("LOCAL_RANK", "0") == "0" or not path.read_text():  # local rank 0, or the first to end
-        path.write_text(json.dumps({"code": code, "message": message}))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all: the launcher may read it now
+        tmp.write_text(json.dumps({"code": code, "message": message}))
+        os.replace(tmp, path)
     return 0 if code in COLLECTIVE_STOPS else code
 
 
@@ -281,6 +296,7 @@ class Relay:
         self.path, self.sink, self.release_s, self.every_s = Path(path), sink, release_s, every_s
         self.held: list[bytes] = []
         self.holding_since: float | None = None
+        self.final = False  # a torchrun failure line is held: the job is ending, nothing is let through
         self._line = b""  # the line being read, its start not yet passed on (it may begin a traceback)
         self._passing = False  # the line being read was passed on as it came (a progress bar redrawn with \r)
         self._done = threading.Event()
@@ -310,28 +326,33 @@ class Relay:
     def feed(self, chunk: bytes) -> None:
         """Pass on, hold or keep `chunk`, in segments ending at a newline or a carriage return (a progress bar
         redraws its line after each \\r: a segment, shown as it comes)."""
-        if self.holding_since is not None and time.monotonic() - self.holding_since > self.release_s:
+        if self.holding_since is not None and not self.final and time.monotonic() - self.holding_since > \
+                self.release_s:
             self._write(b"".join(self.held))
             self.held, self.holding_since = [], None
         *segments, self._line = re.split(rb"(?<=[\r\n])", self._line + chunk)
         for segment in segments:
             self._segment(segment)
-        if self._line and self.holding_since is None and (self._passing or not _may_begin_failure(self._line)):
+        if self._line and self.holding_since is None and not _may_begin_failure(self._line):
             self._write(self._line)  # its start is known not to begin a failure: shown as it comes
             self._line, self._passing = b"", True
+        elif self._line and self._passing:  # what follows a progress bar on its line may begin a failure: wait
+            self._passing = False
 
     def _segment(self, segment: bytes) -> None:
-        if self._passing:  # its start is on the terminal already
+        if self._passing:  # its start is on the terminal already (a progress bar's line, never ended)
             self._passing = False
-            self._write(segment)
-            return
-        failing = segment.startswith(TRACEBACK) or (TORCHRUN_LOG.match(segment) and (
-            segment[:1] in b"EF" or b"signal" in segment))
+            if not _failing(segment):
+                self._write(segment)
+                return
+            self._write(b"\n")  # the bar's line ends; what failed is held below
+        failing = _failing(segment)
         if segment.startswith(b"harness: ") or (self.holding_since is None and not failing):
             self._write(segment)
             return
         if self.holding_since is None:
             self.holding_since = time.monotonic()
+        self.final = self.final or bool(TORCHRUN_LOG.match(segment))  # torchrun is ending the job: never let go
         self.held.append(segment)
 
     def _write(self, data: bytes) -> None:
@@ -355,6 +376,12 @@ class Relay:
             shutil.copyfileobj(kept, out)
         self.path.unlink()
         return path
+
+
+def _failing(segment: bytes) -> bool:
+    """A traceback's first line, or torchrun logging an error or the signal it sends (the job is ending)."""
+    return segment.startswith(TRACEBACK) or bool(TORCHRUN_LOG.match(segment) and (segment[:1] in b"EF" or
+                                                                                  b"signal" in segment))
 
 
 def _may_begin_failure(start: bytes) -> bool:
@@ -384,7 +411,9 @@ def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tu
 
     cause = root_cause(held)
     killed = cause is not None and cause["code"] < 0
-    if reported and not (killed and reported["code"] == EXIT_HUNG):  # the ranks' own account
+    # a rank that failed on its own (its code, or a signal) is the cause, not the peers that lost it (their exit 4)
+    own = cause is not None and cause["code"] not in (0, EXIT_HUNG)
+    if reported and not (own and reported["code"] == EXIT_HUNG):  # the ranks' own account
         preempted = reported["code"] == EXIT_PREEMPTED
         return reported["code"], f"harness: {'' if preempted else 'error: '}{reported['message']}", ""
     if code == 0:
@@ -395,27 +424,43 @@ def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tu
     if cause is None:  # torchrun itself failed (or was killed): what it wrote is all there is
         return code, (f"harness: error: the launcher (torchrun) exited with code {code}; {resume}; its output: "
                       f"{log}"), _without_torchrun(held) or held
-    when = f" after step {_last_step(run_dir)}" if _last_step(run_dir) else " before the first step"
+    step = _last_step(run_dir)
+    when = f" after step {step}" if step else " before the first step"
     who = f"rank {cause['rank']} (pid {cause['pid']} on {cause['host']})"
     if killed:
         number = -cause["code"]
-        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
-        why = " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
-        return EXIT_HUNG, f"harness: error: {who} was killed by {name}{when}{why}; {resume}; every rank's " \
-                          f"output: {log}", ""
+        try:
+            name = signal.Signals(number).name
+        except ValueError:  # a real-time signal
+            name = f"signal {number}"
+        if name in ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"):  # ended from outside: the job can go on
+            why = " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+            return EXIT_HUNG, f"harness: error: {who} was killed by {name}{when}{why}; {resume}; every rank's " \
+                              f"output: {log}", ""
+        why = (" (NCCL's watchdog aborts a rank whose collective failed or timed out: see its output)"
+               if name == "SIGABRT" else "")
+        return 1, f"harness: error: {who} crashed with {name}{when}{why}; {resume}; every rank's output: {log}", \
+            _without_torchrun(held)
     return code, f"harness: error: {who} failed with exit code {cause['code']}{when}: its error is above; " \
                  f"{resume}; every rank's output: {log}", _without_torchrun(held)
 
 
 def _last_step(run_dir: Path) -> int:
-    """The last step the run logged (`metrics.jsonl`), 0 for none."""
+    """The last step the run logged (`metrics.jsonl`: the last line that parses, a killed writer's half line
+    skipped), 0 for none."""
     try:
         with (run_dir / "metrics.jsonl").open("rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 65536))
-            return json.loads(f.read().splitlines()[-1])["step"]
-    except (OSError, ValueError, KeyError, IndexError):
+            lines = f.read().splitlines()
+    except OSError:
         return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
 
 
 def _without_torchrun(held: str) -> str:

@@ -50,7 +50,9 @@ class Run:
     @property
     def metrics(self) -> list[dict]:
         path = self.dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        text = path.read_text() if path.exists() else ""
+        lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]  # a line still being written
+        return [json.loads(line) for line in lines]
 
     @property
     def losses(self) -> dict[int, float]:

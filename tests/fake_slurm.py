@@ -8,8 +8,9 @@ $FAKE_SLURM_DIR: job_N.json (the script, its arguments, its pid, each run's exit
 not), srun.log (every srun command line). `sbatch` forks a controller that runs the batch script as slurmctld
 would: in its own session, with SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_CPUS_PER_TASK,
 SLURM_SUBMIT_DIR and SLURM_RESTART_COUNT; once the script ends, a job `scontrol requeue`d meanwhile runs again
-with the count one higher. `scancel` sends SIGTERM to every process of the job, as SLURM does. `srun` forwards
-SIGUSR1, SIGTERM and SIGINT to its tasks and, with --kill-on-bad-exit, kills the others when one fails. Set
+with the count one higher. `scancel` sends SIGTERM to every process of the job, as SLURM does (`--batch
+--signal=SIG`: SIG to the batch script alone). `srun` passes SIGUSR1 and SIGINT to every process of its tasks and
+answers SIGTERM by killing them, as Slurm's srun does; with --kill-on-bad-exit=1 it kills the others when one fails. Set
 FAKE_SLURM_STAGGER_S to start the nodes that many seconds apart.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def directives(script: Path) -> dict[str, str]:
 def sbatch(argv: list[str]) -> int:
     script, args = Path(argv[0]), argv[1:]
     STATE.mkdir(parents=True, exist_ok=True)
-    job = str(10000 + (os.getpid() + 997 * len(list(STATE.glob("job_*.json")))) % 80000)  # its port is one too
+    job = str(10000 + (os.getpid() + 997 * len(list(STATE.glob("job_*.json")))) % 80000)  # its port follows it
     opts = directives(script)
     write_job(job, {"script": str(script.resolve()), "args": args, "cwd": os.getcwd(), "nodes": int(opts["nodes"]),
                     "cpus": opts.get("cpus-per-task", "1"), "runs": [], "requeue": False, "pid": None})
@@ -107,9 +108,11 @@ def srun(argv: list[str]) -> int:
                                                     "SLURM_CPUS_PER_TASK": opts.get("cpus-per-task", "1")}))
 
     def forward(signum, frame) -> None:
+        """As Slurm's srun: SIGTERM kills the step ("forcing job termination": SIGKILL); other signals go to every
+        process of the step (slurmstepd signals its whole container)."""
         for t in tasks:
             if t.poll() is None:
-                t.send_signal(signum)
+                kill_tree(t.pid, signal.SIGKILL if signum == signal.SIGTERM else signum)
 
     for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
@@ -160,10 +163,17 @@ def kill_tree(pid: int, sig: int) -> None:
 
 
 def scancel(argv: list[str]) -> int:
-    """SIGTERM to every process of the job: the batch script and all below it (srun, its tasks, the ranks)."""
-    pid = read_job(argv[0])["pid"]
+    """`scancel JOB`: SIGTERM to every process of the job (the batch script and all below it). `scancel --batch
+    --signal=SIG JOB`: SIG to the batch script alone."""
+    batch = "--batch" in argv
+    sig = next((getattr(signal, f"SIG{a.split('=', 1)[1].removeprefix('SIG')}") for a in argv
+                if a.startswith("--signal=")), signal.SIGTERM)
+    pid = read_job([a for a in argv if not a.startswith("--")][0])["pid"]
     if pid is not None:
-        kill_tree(pid, signal.SIGTERM)
+        if batch:
+            os.kill(pid, sig)
+        else:
+            kill_tree(pid, sig)
     return 0
 
 

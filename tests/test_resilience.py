@@ -125,10 +125,12 @@ def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the
     out = tmp_path / "run"
     sets = [*LONG, "train.collective_timeout_s=8.0", "train.save_every=2"]
 
-    def leg(*args: str) -> subprocess.Popen:
+    def leg(*args: str, shutdown_s: int = 3) -> subprocess.Popen:
+        """torchrun waits `shutdown_s` for the ranks it stops: short where one is stopped or gone, long enough to
+        save where it passes a signal on"""
         return subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", front=True, sets=sets, args=args),
-                                cwd=ROOT, env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                cwd=ROOT, env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s)}),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     # 1. a stopped rank (SIGSTOP): the others' collective times out, the job ends naming it
     run, seconds = signal_mid_run(leg(), Run(out, None), signal.SIGSTOP, "rank1")
@@ -147,7 +149,7 @@ def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the
         f"{out / 'launch.log'}" in line, line
     assert "ChildFailedError" in (out / "launch.log").read_text()  # torchrun's report, kept
     # 3. SIGTERM to torchrun (the elastic agent) itself: it passes it on, the ranks save and say so in one line
-    agent = leg("--resume", "auto")
+    agent = leg("--resume", "auto", shutdown_s=60)
     while [p for p in descendants(agent.pid) if _is_rank(p)] == []:
         time.sleep(0.05)
     torchrun = next(p for p in descendants(agent.pid) if b"accelerate.commands.launch" in
@@ -158,7 +160,7 @@ def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the
     assert run.proc.stderr.strip().splitlines()[-1].startswith(f"harness: stopped by SIGTERM after step {latest(run)}")
     # 4. `harness launch` itself killed (SIGKILL): torchrun gets SIGTERM (its parent-death signal) and the ranks,
     # writing to a file and not a pipe to the dead launcher, stop with a checkpoint
-    before, killed = latest(run), leg("--resume", "auto")
+    before, killed = latest(run), leg("--resume", "auto", shutdown_s=60)
     wait = time.time() + 120
     while len(Run(out, None).metrics) < before + 3:
         assert killed.poll() is None and time.time() < wait, killed.communicate()
@@ -384,11 +386,24 @@ def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_trace
     code, line, shown = ending(1, {}, held.replace("CODE", "1"), run_dir, run_dir / "launch.log")
     assert code == 1 and "rank 3 (pid 20176 on node7) failed with exit code 1 after step 8: its error is above" in line
     assert "ValueError: a rank's own error" in shown and "ChildFailedError" not in shown and "W1127" not in shown
-    # the ranks' own report wins, but not over a rank that torchrun saw killed
+    # the ranks' own report wins, but not the peers' "lost a rank" over the rank that failed on its own or was killed
     told = {"code": 4, "message": "rank 0: a collective lost its connection to another rank"}
-    assert ending(1, told, held.replace("CODE", "1"), run_dir, run_dir / "x")[:2] == (4, f"harness: error: "
+    assert ending(1, told, held.replace("CODE", "4"), run_dir, run_dir / "x")[:2] == (4, f"harness: error: "
                                                                                           f"{told['message']}")
+    assert ending(1, {**told, "code": 3}, held.replace("CODE", "1"), run_dir, run_dir / "x")[0] == 3
+    code, line, shown = ending(1, told, held.replace("CODE", "1"), run_dir, run_dir / "x")
+    assert code == 1 and "failed with exit code 1" in line and "ValueError: a rank's own error" in shown
     assert "was killed by SIGKILL" in ending(1, told, held.replace("CODE", "-9"), run_dir, run_dir / "x")[1]
+    # a crash is not a kill from outside: exit 1, its output shown; a real-time signal has no name
+    code, line, _ = ending(1, {}, held.replace("CODE", "-6"), run_dir, run_dir / "x")
+    assert code == 1 and "crashed with SIGABRT after step 8 (NCCL's watchdog" in line, line
+    assert "crashed with signal 35 after step 8" in ending(1, {}, held.replace("CODE", "-35"), run_dir, run_dir / "x")[1]
+    # a traceback straight after a progress bar (tqdm never ends its line) is held too, the bar's line ended
+    shown, r = relay([bar, b"Traceback (most recent call last):\n", b"  File \"x.py\"\nKeyError: 1\n"], pause_s=0.05)
+    assert shown == bar + b"\n" and r.held_text().startswith("Traceback"), shown
+    # once torchrun reports a failure, nothing held is let go, however long the job takes to end
+    shown, _ = relay([failing, b"later\n"], release_s=0.0, pause_s=0.2)
+    assert b"Traceback" not in shown and b"W1127" not in shown, shown
     # a job that goes on past a traceback some library printed shows it after `release_s`
     shown, _ = relay([b"Traceback (most recent call last):\nKeyError: 1\n", b"later\n"], release_s=0.0, pause_s=0.2)
     assert shown == b"Traceback (most recent call last):\nKeyError: 1\nlater\n", shown

@@ -1,6 +1,7 @@
 """launch/slurm.sbatch end to end under a SLURM of one machine (tests/fake_slurm.py: sbatch, srun, scontrol and
 scancel starting real local processes, two "nodes" on 127.0.0.1): the time limit's warning stops the job with a
-checkpoint and requeues it, a scancel stops it with a checkpoint and does not, and the job resubmitted continues
+checkpoint and requeues it, a `scancel --batch --signal=TERM` stops it with a checkpoint and does not, and the job
+resubmitted continues
 with the losses of an uninterrupted run. Also: a run directory that the nodes do not share is refused before
 training."""
 from __future__ import annotations
@@ -69,9 +70,10 @@ def test_the_sbatch_script_requeues_on_the_time_limits_warning_only_and_the_job_
         stopped = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
         assert f"stopped by SIGUSR1 after step {stopped}" in log(first)
         assert "requeueing job" in log(first)
-        # 2. scancel: SIGTERM to every process of the job; a checkpoint again, exit 75, not requeued
+        # 2. scancel --batch --signal=TERM (the script passes it on as SIGUSR1: srun would kill the step on a
+        # SIGTERM): a checkpoint again, exit 75, not requeued
         wait_for(lambda: running_at(first, 1, stopped))
-        subprocess.run(["scancel", first], env=env, check=True)
+        subprocess.run(["scancel", "--batch", "--signal=TERM", first], env=env, check=True)
         wait_for(lambda: job(first)["pid"] is None and len(job(first)["runs"]) == 2)
         assert job(first)["runs"][1] == {"code": 75, "requeued": False}, log(first)[-3000:]
         assert f"resumed from {out / 'checkpoints' / f'step_{stopped:08d}'}" in log(first)

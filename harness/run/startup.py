@@ -97,7 +97,9 @@ class BuildLocks:
 
         self.root = root or extension_root()
         self.min_age_s, self.confirm_s, self.say_every_s = min_age_s, confirm_s, say_every_s
-        self.say = say or (lambda line: print(f"harness: {line}", file=sys.stderr, flush=True))
+        # one rank of a node speaks (its siblings wait on the same builds)
+        quiet = os.environ.get("LOCAL_RANK", "0") != "0"
+        self.say = say or (lambda line: quiet or print(f"harness: {line}", file=sys.stderr, flush=True))
         self.idle: dict[Path, float] = {}  # lock -> when a look first found no compiler in its folder
         self.waiting: tuple[Path, float, float] | None = None  # the lock waited on, since, last said
 
@@ -127,8 +129,10 @@ class BuildLocks:
                 except FileNotFoundError:
                     pass
                 else:
+                    ours = " (this one, which waited on it, may fail to load the half-built op: start again)"
                     self.say(f"removed {lock}: a JIT build of DeepSpeed's {lock.parent.name} op left it "
-                             f"{age:.0f} s ago and no build runs there (one killed midway); it builds again here")
+                             f"{age:.0f} s ago and no build runs there (one killed midway); the next start builds it"
+                             f"{ours if lock == waited else ''}")
                 cleared.append(lock)
                 self.idle.pop(lock, None)
             elif lock == waited:
@@ -468,9 +472,12 @@ def check_shared(plan: Plan, world: World) -> None:
 
     from ..distributed.world import all_gather_objects, barrier
 
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) >= world.world_size:
+    # torchrun's names, else DeepSpeed's own launcher's (pdsh: deepspeed/launcher/launch.py)
+    local_size = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world.world_size
+    if int(local_size) >= world.world_size:
         return
-    node, local0 = os.environ.get("GROUP_RANK") or socket.gethostname(), os.environ.get("LOCAL_RANK", "0") == "0"
+    node = os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK") or socket.gethostname()
+    local0 = os.environ.get("LOCAL_RANK", "0") == "0"
     seen = all_gather_objects((node, secrets.token_hex(8) if world.rank == 0 else None))
     nodes, nonce = sorted({n for n, _ in seen}, key=str), seen[0][1]
     folder = plan.run_dir / ".nodes"
