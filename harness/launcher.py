@@ -45,7 +45,7 @@ from .config.run import ConfigError
 from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
 STATUS_ENV = "HARNESS_STATUS_FILE"
-TTY_ENV = "HARNESS_STDERR_TTY"  # the ranks' stderr is this process's pipe; their progress bar draws as on a terminal
+TTY_ENV = "HARNESS_STDERR_TTY"  # the ranks' stderr is a file this process relays to a terminal: draw as on one
 COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: safe to exit 0 under torchrun
 
 
@@ -340,13 +340,13 @@ class Relay:
             self._passing = False
 
     def _segment(self, segment: bytes) -> None:
+        failing = _failing(segment)
         if self._passing:  # its start is on the terminal already (a progress bar's line, never ended)
             self._passing = False
-            if not _failing(segment):
+            if not failing:
                 self._write(segment)
                 return
             self._write(b"\n")  # the bar's line ends; what failed is held below
-        failing = _failing(segment)
         if segment.startswith(b"harness: ") or (self.holding_since is None and not failing):
             self._write(segment)
             return
@@ -406,7 +406,7 @@ def root_cause(held: str) -> dict | None:
 def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tuple[int, str | None, str]:
     """(exit code, the one line to print, the held-back text to show above it) for a job torchrun ended with
     `code`, whose ranks reported `reported` (may be {}), and whose stderr from its first failure on was `held`."""
-    from .run.checkpoint import latest
+    from .run.checkpoint import resume_hint
     from .run.heartbeat import EXIT_HUNG
 
     cause = root_cause(held)
@@ -418,9 +418,7 @@ def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tu
         return reported["code"], f"harness: {'' if preempted else 'error: '}{reported['message']}", ""
     if code == 0:
         return 0, None, ""
-    saved = latest(run_dir / "checkpoints")
-    resume = (f"latest checkpoint: {saved.name}; continue with --resume auto" if saved else
-              "no checkpoint was saved; --resume auto starts from step 0")
+    resume = resume_hint(run_dir / "checkpoints")
     if cause is None:  # torchrun itself failed (or was killed): what it wrote is all there is
         return code, (f"harness: error: the launcher (torchrun) exited with code {code}; {resume}; its output: "
                       f"{log}"), _without_torchrun(held) or held

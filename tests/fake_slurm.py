@@ -145,17 +145,9 @@ def scontrol(argv: list[str]) -> int:
 def kill_tree(pid: int, sig: int) -> None:
     """`sig` to `pid` and every process below it, as SLURM's cgroup of a job or step reaches them (launchers that
     start sessions of their own included)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for p in tree:
+    from harness.launcher import descendants
+
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, sig)
         except ProcessLookupError:

@@ -233,7 +233,11 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     """The GPUs' memory read from nvidia-smi (a fake one here, as the real one prints: 80 GiB H100s and a smaller
     one hidden by CUDA_VISIBLE_DEVICES); the model states and one micro-batch's activations on paper against it."""
     from harness.api import plan
+    from harness.plan.render import meta_model
     from harness.run.startup import check_fits, device_memory_bytes
+
+    def fits(p, capacity: int) -> str | None:
+        return check_fits(p, meta_model(p), capacity)
 
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
@@ -252,12 +256,12 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     assert "lower train.micro_batch_size" in line and "activations " in line
     sets = [a for a in base[1:] if a != S]
     small = plan(None, [*sets, "train.micro_batch_size=4"])
-    assert check_fits(small, 81559 * 2**20) is None  # 4 x 2048 fits; with checkpointing 64 x 2048 does too
-    assert check_fits(plan(None, [*sets, "train.micro_batch_size=64", "train.activation_checkpointing=true"]),
+    assert fits(small, 81559 * 2**20) is None  # 4 x 2048 fits; with checkpointing 64 x 2048 does too
+    assert fits(plan(None, [*sets, "train.micro_batch_size=64", "train.activation_checkpointing=true"]),
                       81559 * 2**20) is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
     assert device_memory_bytes() == [16384 * 2**20]
-    assert "does not fit one GPU of 16.00 GiB" in check_fits(small, device_memory_bytes()[0])
+    assert "does not fit one GPU of 16.00 GiB" in fits(small, device_memory_bytes()[0])
     # a bench measures what fits for real (--largest tries sizes until one runs out of memory): no refusal on paper
     from harness.bench.sweep import env_for
     from harness.run.startup import FIT_CHECK_ENV

@@ -123,3 +123,15 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused_before_training(tmp_p
         assert line.startswith("harness: error: run.output_dir = 'run'") and "is not on storage every node shares" \
             in line, err[-3000:]
     assert not (tmp_path / "node1" / "run" / "metrics.jsonl").exists()
+
+
+def test_a_bad_shared_storage_wait_is_refused_before_launch(tmp_path, corpus, monkeypatch, capsys):
+    from harness.cli import main
+
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("HARNESS_SHARED_WAIT_S", bad)
+        assert main(["train", "--set", f"data.path={json.dumps(str(corpus))}", "--set",
+                     f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "--set", "train.max_steps=2"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"harness: error: HARNESS_SHARED_WAIT_S={bad!r}: the seconds each node looks"), line
+    assert not (tmp_path / "run").exists()

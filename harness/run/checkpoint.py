@@ -73,6 +73,13 @@ def latest(root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def resume_hint(root: Path) -> str:
+    """How a stopped run goes on, for the line that says it stopped: the checkpoint `latest` names under `root`."""
+    saved = latest(root)
+    return (f"latest checkpoint: {saved.name}; continue with --resume auto" if saved else
+            "no checkpoint was saved; --resume auto starts from step 0")
+
+
 def complete(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 

@@ -75,21 +75,13 @@ def is_lost(error: BaseException) -> bool:
                                    "remote process exited"))
 
 
-def _alive(beat: dict) -> bool | None:
-    """Whether the process a heartbeat names still runs: known on this host only (None elsewhere)."""
-    if beat["host"] != socket.gethostname():
-        return None
-    try:
-        os.kill(beat["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+def running_here(host: str, pid: int) -> bool | None:
+    """Whether process `pid` of `host` still runs: known on this host only (None elsewhere). A heartbeat's rank, the
+    run directory's lock holder (`lock.py`)."""
+    return Path(f"/proc/{pid}").exists() if host == socket.gethostname() else None
 
 
-def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False,
-             saved: str | None = None) -> RankHung:
+def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False) -> RankHung:
     """The error to raise on rank `me` after a collective timed out (or, `lost`, lost its connection to a peer):
     the ranks whose process is gone, whose heartbeat went stale or who are behind the others, from their files."""
     now, beats = time.time(), {}
@@ -98,7 +90,7 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
             beats[rank] = json.loads((Path(run_dir) / DIR / f"rank_{rank:05d}.json").read_text())
         except (OSError, ValueError):
             beats[rank] = None
-    gone = [r for r, b in beats.items() if b is not None and _alive(b) is False]
+    gone = [r for r, b in beats.items() if b is not None and running_here(b["host"], b["pid"]) is False]
     silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * every_s]
     steps = {r: b["step"] for r, b in beats.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]
@@ -113,8 +105,9 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
         return (f"rank {r} (pid {b['pid']} on {b['host']}: {state}last finished step {b['step']}, last heard of "
                 f"{now - b['time']:.0f} s ago)")
 
-    then = (f"Ending the job; latest checkpoint: {saved}; continue with --resume auto" if saved else
-            "Ending the job; no checkpoint was saved: --resume auto starts from step 0")
+    from .checkpoint import resume_hint
+
+    then = f"Ending the job; {resume_hint(Path(run_dir) / 'checkpoints')}"
     if lost:
         return RankHung(f"rank {me}: a collective lost its connection to another rank (a rank that died: killed, out "
                         f"of memory, or its node went down); {'gone' if gone else 'suspects'}: "

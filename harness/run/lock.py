@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..config.run import ConfigError
-from .heartbeat import every
+from .heartbeat import every, running_here
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
@@ -36,9 +36,8 @@ def holder(run_dir: Path) -> dict | None:
 
 
 def alive(info: dict) -> bool:
-    if info["host"] == socket.gethostname():
-        return Path(f"/proc/{info['pid']}").exists()
-    return info["age_s"] < STALE_S
+    here = running_here(info["host"], info["pid"])
+    return info["age_s"] < STALE_S if here is None else here
 
 
 def describe(info: dict) -> str:

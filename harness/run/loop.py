@@ -99,9 +99,8 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
 
                 for bar in list(tqdm._instances):  # the progress bar's line ends before the error's
                     bar.close()
-                saved = checkpoint.latest(plan.run_dir / "checkpoints")
                 raise diagnose(plan.run_dir, world.world_size, world.rank, timeout_s, beat.every_s,
-                               lost=not is_timeout(e), saved=saved and saved.name) from None
+                               lost=not is_timeout(e)) from None
             raise
         finally:
             beat.stop()
@@ -268,9 +267,8 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         if ledger.signal:
             progress.close()
             tracker.close()
-            saved = checkpoint.latest(ckpts)
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {max_steps}; "
-                            f"latest checkpoint: {saved.name if saved else 'none'}; continue with --resume auto")
+                            f"{checkpoint.resume_hint(ckpts)}")
     progress.close()
     if compiled:
         graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
@@ -344,7 +342,7 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
 def _progress(world: World, start: int, total: int):
     from tqdm.auto import tqdm
 
-    # a terminal, or `harness launch`'s pipe to one (launcher.TTY_ENV): redrawn every second; a log: every 30 s
+    # a terminal, or `harness launch` relaying to one (launcher.TTY_ENV): redrawn every second; a log: every 30 s
     tty = sys.stderr.isatty() or os.environ.get("HARNESS_STDERR_TTY")
     return tqdm(total=total, initial=start, disable=not world.is_main, desc="train", unit="step",
                 dynamic_ncols=True, mininterval=1.0 if tty else 30.0, file=sys.stderr)

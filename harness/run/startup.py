@@ -320,6 +320,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
     check_device(plan.ds)
+    shared_wait_s()
     from ..distributed.world import launched_rank
     from . import checkpoint, lock
 
@@ -350,13 +351,13 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
                           f"run.output_dir")
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
-        from ..plan.render import (
-            count_params,  # prepares the data where the model's size depends on it
-        )
+        from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 
-        problem = check_free_space(plan, count_params(plan), found)  # the loop checks ranks started otherwise
+        model = meta_model(plan)
+        # the loop checks ranks started otherwise
+        problem = check_free_space(plan, sum(p.numel() for p in model.parameters()), found)
         gpus = device_memory_bytes() if os.environ.get(FIT_CHECK_ENV) != "0" else []
-        problem = problem or (check_fits(plan, min(gpus)) if gpus else None)
+        problem = problem or (check_fits(plan, model, min(gpus)) if gpus else None)
         if problem:
             raise ConfigError(problem)
     return found
@@ -389,19 +390,19 @@ def device_memory_bytes() -> list[int]:
     return list(sizes.values())
 
 
-def check_fits(plan: Plan, capacity: int) -> str | None:
-    """The problem, if one micro-batch does not fit a GPU of `capacity` bytes on paper: the model states per rank
+def check_fits(plan: Plan, model, capacity: int) -> str | None:
+    """The problem, if one micro-batch of `model` (its meta-device twin) does not fit a GPU of `capacity` bytes on
+    paper: the model states per rank
     (`config.ds.model_state_bytes`, after the ZeRO paper) and one micro-batch's activations (`plan.render.
     activation_bytes`, after Korthikanti et al.) together, before the CUDA context and the allocator's slack. The
     harness's own models without tensor or pipeline parallelism: the estimates' scope (a Hugging Face model's
     widths are not the run config's)."""
     from ..config.ds import model_state_bytes
-    from ..plan.render import activation_bytes, meta_model, size_text
+    from ..plan.render import activation_bytes, size_text
 
     ds, c = plan.ds, plan.run.cfg
     if ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
         return None
-    model = meta_model(plan)
     positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
     states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
     acts = activation_bytes(plan, model, positions, ds.layout.sp_size)
@@ -460,6 +461,19 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
 SHARED_WAIT_ENV = "HARNESS_SHARED_WAIT_S"  # how long a node looks for the others' tokens (a slow NFS cache)
 
 
+def shared_wait_s() -> float:
+    """$HARNESS_SHARED_WAIT_S, seconds (default 30), checked before launch by `preflight`."""
+    raw = os.environ.get(SHARED_WAIT_ENV, "30")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise ConfigError(f"{SHARED_WAIT_ENV}={raw!r}: the seconds each node looks for the others' files in the run "
+                          f"directory, a number 0 or more (default 30)")
+    return value
+
+
 def check_shared(plan: Plan, world: World) -> None:
     """Under several nodes, the run directory must be one that every node sees: every node writes checkpoints into
     it and reads them back on resume, and a node-local folder of the same name would lose them silently. Local rank
@@ -487,7 +501,7 @@ def check_shared(plan: Plan, world: World) -> None:
     barrier()
     missing = []
     if local0:
-        deadline = time.time() + float(os.environ.get(SHARED_WAIT_ENV, "30"))
+        deadline = time.time() + shared_wait_s()
         while (missing := [n for n in nodes if not (folder / f"{nonce}-{n}").exists()]) and time.time() < deadline:
             time.sleep(0.5)
     problems = [p for p in all_gather_objects((node, socket.gethostname(), missing) if missing else None) if p]
