@@ -4,11 +4,13 @@ not support are refused by `harness plan` before launch."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import DS, assert_losses_close, harness, rewind, val_loss_of_export
+from conftest import DS, ROOT, _env, assert_losses_close, harness, rewind, val_loss_of_export
 from harness.plan.render import bubble_fraction
 from test_plan import plan, write
 
@@ -178,32 +180,33 @@ def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_sync_overflow_check_answers_as_deepspeed_s_serial_check(dtype):
-    from types import SimpleNamespace
+STEP_SYNCS = [(0, "fp16", 1.0), (1, "bf16", 0.0), (2, "fp16", 1.0), (2, "fp32", 0.05), (3, "fp16", 1.0)]
 
-    from deepspeed.runtime.utils import CheckOverflow
 
-    from harness.distributed.parallel import one_sync_overflow_check
-
-    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 300, 7)]
-    ours = SimpleNamespace(overflow_checker=CheckOverflow())
-    one_sync_overflow_check(ours)
-    assert ours.overflow_checker.has_overflow_serial != CheckOverflow().has_overflow_serial
-    cases = {"finite": None, "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
-             "large finite (an fp16 norm would overflow)": 6e4}
-    for case, bad in cases.items():
-        for p in params:
-            p.grad = torch.randn_like(p)
-        if bad is not None:
-            params[1].grad[5] = bad
-            if bad > 1:
-                params[1].grad[:] = bad  # 300 x 6e4: a norm of 1e6, finite in fp32
-        expected = CheckOverflow().has_overflow(params)
-        assert ours.overflow_checker.has_overflow(params) == expected, case
-        assert expected == (case in ("inf", "-inf", "nan")), case
-    params[0].grad, params[1].grad[0] = None, float("nan")  # a parameter without a gradient is skipped
-    assert ours.overflow_checker.has_overflow(params) is True
-    for p in params[1:]:
-        p.grad = None
-    assert ours.overflow_checker.has_overflow(params) is False
+def test_fewer_step_syncs_updates_and_skips_as_deepspeed_does_with_one_host_wait(tmp_path):
+    """DeepSpeed's own step and the one `fewer_step_syncs` leaves, on the same batches: the same fp32 weights after
+    every step (exactly), the same updates skipped (every gradient non-finite at one step, one parameter's at
+    another), the same loss scale; ZeRO-1/2/3 wait for the device once a step instead of 2-4 times, ZeRO-0 fp16 on
+    a CPU (DeepSpeed's unfused wrapper) 4 times instead of 9."""
+    paths = []
+    for stage, precision, clip in STEP_SYNCS:
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+                  "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+                  "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8}, "steps_per_print": 10**9,
+                  "timers": {"throughput": {"enabled": False}}, "zero_allow_untested_optimizer": True}
+        paths.append(write(tmp_path, f"zero{stage}_{precision}.json", json.dumps(config)))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "step_sync_probe.py"), *paths], capture_output=True,
+                          text=True, env=_env({"HARNESS_CPU_FP16": "1"}), timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == len(STEP_SYNCS)
+    for (stage, precision, _), got in zip(STEP_SYNCS, lines):
+        case, theirs, ours = f"ZeRO-{stage} {precision}", got["deepspeed"], got["fewer"]
+        for step, (t, o) in enumerate(zip(theirs, ours)):
+            assert o["weights"] == t["weights"], (case, step)
+            assert (o["skipped"], o["loss_scale"]) == (t["skipped"], t["loss_scale"]), (case, step)
+        assert [t["skipped"] for t in theirs] == [0, 0, 1, 1, 2, 2], case  # both poisoned steps were skipped
+        assert theirs[3]["weights"] != theirs[1]["weights"], case  # and the finite steps after them were not
+        assert {o["syncs"] for o in ours} == ({4} if stage == 0 else {1}), (case, ours)
+        finite = [step for step in range(len(ours)) if step not in (2, 4)]
+        assert all(theirs[s]["syncs"] > ours[s]["syncs"] for s in finite), (case, theirs, ours)

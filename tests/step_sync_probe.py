@@ -1,0 +1,61 @@
+"""Run by test_parallel.py in a process of its own (a world of one): trains a small model for a few steps with one
+DeepSpeed config twice, as DeepSpeed steps it and with `parallel.fewer_step_syncs`, on the same batches, with every
+gradient made non-finite at one step and one parameter's at another; prints per step, for each, the weights (fp32
+master values), the updates skipped, the loss scale and the host syncs of `engine.step()`, as one JSON line per
+config. Usage: step_sync_probe.py DS_JSON..."""
+import json
+import sys
+
+import deepspeed
+import torch
+from torch import nn
+
+from harness.bench.proxy import counting
+from harness.distributed.parallel import _fp32, fewer_step_syncs
+from harness.distributed.world import close_world, init_world
+
+STEPS, ALL_BAD, ONE_BAD = 6, 2, 4
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, poison):
+        out = self.b(torch.tanh(self.a(x)))
+        return out.float().pow(2).mean() + self.b.bias.float().sum() * poison  # poison: the bias's gradient only
+
+
+def train(config: dict, fewer: bool) -> list[dict]:
+    torch.manual_seed(0)
+    model = Net()
+    groups = [{"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
+              {"params": [model.a.bias, model.b.bias], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if fewer:
+        fewer_step_syncs(engine.optimizer)
+    dtype = next(engine.module.parameters()).dtype
+    data = torch.Generator().manual_seed(1)
+    steps = []
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=data).to(dtype)
+        loss = engine(x, float("inf") if step == ONE_BAD else 0.0)
+        if step == ALL_BAD:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        with counting() as c:
+            engine.step()
+        steps.append({"weights": [_fp32(p).flatten().tolist() for p in engine.module.parameters()],
+                      "skipped": engine.skipped_steps, "syncs": c.syncs,
+                      "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0))})
+    engine.destroy()
+    return steps
+
+
+init_world()
+for path in sys.argv[1:]:
+    config = json.loads(open(path).read())
+    print(json.dumps({"deepspeed": train(config, False), "fewer": train(config, True)}), flush=True)
+close_world()
