@@ -1,8 +1,10 @@
 """Run by test_parallel.py in a process of its own (a world of one): trains a small model for a few steps with one
 DeepSpeed config twice, as DeepSpeed steps it and with `parallel.fewer_step_syncs`, on the same batches, with every
 gradient made non-finite at one step and one parameter's at another; prints per step, for each, the weights (fp32
-master values), the updates skipped, the loss scale and the host syncs of `engine.step()`, as one JSON line per
-config. Usage: step_sync_probe.py DS_JSON..."""
+master values), the updates skipped, the loss scale and the host syncs of `engine.step()`, and whether told of
+tensor parallelism it leaves DeepSpeed's check alone, as one JSON line per config.
+Usage: step_sync_probe.py DS_JSON..."""
+import inspect
 import json
 import sys
 
@@ -35,7 +37,7 @@ def train(config: dict, fewer: bool) -> list[dict]:
     optimizer = torch.optim.AdamW(groups, lr=1e-2, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if fewer:
-        fewer_step_syncs(engine.optimizer)
+        fewer_step_syncs(engine, tp_size=1)
     dtype = next(engine.module.parameters()).dtype
     data = torch.Generator().manual_seed(1)
     steps = []
@@ -54,8 +56,23 @@ def train(config: dict, fewer: bool) -> list[dict]:
     return steps
 
 
+def kept_under_tensor_parallelism(config: dict) -> bool:
+    """Whether, told of tensor parallelism, `fewer_step_syncs` leaves DeepSpeed's first check where it was."""
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), fused=True),
+                                      config=config)
+    fewer_step_syncs(engine, tp_size=2)
+    o = engine.optimizer
+    checks = [o.overflow_checker.has_overflow, o.overflow_checker.check] if hasattr(o, "overflow_checker") else \
+        [o.has_overflow]
+    engine.destroy()
+    return all(inspect.ismethod(c) for c in checks)
+
+
 init_world()
 for path in sys.argv[1:]:
     config = json.loads(open(path).read())
-    print(json.dumps({"deepspeed": train(config, False), "fewer": train(config, True)}), flush=True)
+    print(json.dumps({"deepspeed": train(config, False), "fewer": train(config, True),
+                      "kept_under_tp": kept_under_tensor_parallelism(config)}), flush=True)
 close_world()

@@ -180,6 +180,38 @@ def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_one_sync_serial_check_answers_as_deepspeed_s_check_per_tensor(dtype):
+    """Where the first check is still asked (tensor parallelism, MoE, offload): once, not once per tensor."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.utils import CheckOverflow
+
+    from harness.distributed.parallel import _one_sync_serial_check
+
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 300, 7)]
+    ours = SimpleNamespace(overflow_checker=CheckOverflow())
+    _one_sync_serial_check(ours)
+    assert ours.overflow_checker.has_overflow_serial != CheckOverflow().has_overflow_serial
+    cases = {"finite": None, "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"),
+             "large finite (an fp16 norm would overflow)": 6e4}
+    for case, bad in cases.items():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if bad is not None:
+            params[1].grad[5] = bad
+            if bad > 1:
+                params[1].grad[:] = bad  # 300 x 6e4: a norm of 1e6, finite in fp32
+        expected = CheckOverflow().has_overflow(params)
+        assert ours.overflow_checker.has_overflow(params) == expected, case
+        assert expected == (case in ("inf", "-inf", "nan")), case
+    params[0].grad, params[1].grad[0] = None, float("nan")  # a parameter without a gradient is skipped
+    assert ours.overflow_checker.has_overflow(params) is True
+    for p in params[1:]:
+        p.grad = None
+    assert ours.overflow_checker.has_overflow(params) is False
+
+
 STEP_SYNCS = [(0, "fp16", 1.0), (1, "bf16", 0.0), (2, "fp16", 1.0), (2, "fp32", 0.05), (3, "fp16", 1.0)]
 
 
@@ -187,7 +219,7 @@ def test_fewer_step_syncs_updates_and_skips_as_deepspeed_does_with_one_host_wait
     """DeepSpeed's own step and the one `fewer_step_syncs` leaves, on the same batches: the same fp32 weights after
     every step (exactly), the same updates skipped (every gradient non-finite at one step, one parameter's at
     another), the same loss scale; ZeRO-1/2/3 wait for the device once a step instead of 2-4 times, ZeRO-0 fp16 on
-    a CPU (DeepSpeed's unfused wrapper) 4 times instead of 9."""
+    a CPU (DeepSpeed's unfused wrapper) 4 times instead of 9. Told of tensor parallelism, it leaves the check."""
     paths = []
     for stage, precision, clip in STEP_SYNCS:
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
@@ -210,3 +242,4 @@ def test_fewer_step_syncs_updates_and_skips_as_deepspeed_does_with_one_host_wait
         assert {o["syncs"] for o in ours} == ({4} if stage == 0 else {1}), (case, ours)
         finite = [step for step in range(len(ours)) if step not in (2, 4)]
         assert all(theirs[s]["syncs"] > ours[s]["syncs"] for s in finite), (case, theirs, ours)
+        assert got["kept_under_tp"], case  # there the norm does not see every gradient the check saw

@@ -121,7 +121,7 @@ def build_engine(plan, world: World, total_steps: int):
         # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
         engine.enable_backward_allreduce = False
-    fewer_step_syncs(engine.optimizer)
+    fewer_step_syncs(engine, layout.tp_size)
     if torch.cuda.is_available() and hasattr(plan.task, "padding"):
         # Padded batches of varying length: cuDNN's attention builds a new plan for every (batch, length) shape it
         # meets, 0.1 to 3 s each, on the host (the multi-second steps of the first GPU suite's translation model);
@@ -148,24 +148,32 @@ def release(engine) -> None:
                       f"the process ends")
 
 
-def fewer_step_syncs(optimizer) -> None:
+def fewer_step_syncs(engine, tp_size: int) -> None:
     """Fewer host waits in DeepSpeed's optimizer step, the same updates. Each wrapper first asks the device whether
     any gradient holds an inf or NaN (an all-reduce over the ranks and an `.item()`; ZeRO-0's FP16_Optimizer before
     that one `.item()` per parameter tensor: +56% on a 125M model's H100 step), then computes the global gradient norm
     and skips the update just the same when the norm is not finite (DeepSpeed marks an inf or NaN norm as -1 and
-    checks it: a gradient with an inf or NaN has no finite norm, over the same ranks). The first question is therefore
-    asked no more: its answer was always the second's. Where DeepSpeed skips the norm (its legacy fused steps, a ZeRO
-    step without a norm, CPU offload, MoE layers) nothing changes. ZeRO-1/2's clipping also no longer reads the norm
-    on the host to test it again (it was tested before the clip): the clip coefficient stays on the device, computed
-    as DeepSpeed computes it. Left: one host read a step, the norm check that decides whether to skip the update.
-    Counted by `harness bench --proxy` (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py,
-    zero/stage_1_and_2.py, zero/stage3.py)."""
+    checks it): a gradient with an inf or NaN has no finite norm, over the same ranks, so the first answer was always
+    the second's, and the first question is asked no more. ZeRO-1/2's clipping also stops reading the norm on the host
+    to test it again (it was tested before the clip): the clip coefficient stays on the device, computed as DeepSpeed
+    computes it. Left: one host read a step, the norm check that decides whether to skip the update. Counted by
+    `harness bench --proxy` (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py,
+    zero/stage_1_and_2.py, zero/stage3.py).
+
+    Nothing changes where the norm does not see every gradient the first check saw: tensor parallelism (the norm
+    counts a replicated parameter on one rank of the group, and DeepSpeed's unfused fp16 wrapper drops every
+    gradient of ranks > 0 from it: it tests the gradients, not the parameters, for the tensor-parallel mark), MoE
+    layers (their expert groups), Muon (ZeRO-3 applies it between the two checks) and where DeepSpeed skips the norm
+    (its legacy fused steps, a ZeRO step without a norm, CPU offload); there the FP16 wrappers' check still asks once,
+    not once per tensor (`_one_sync_serial_check`)."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if getattr(optimizer, "has_moe_layers", False):
+    optimizer = engine.optimizer
+    _one_sync_serial_check(optimizer)  # where the first check is still asked: once, not once per tensor
+    if tp_size > 1 or engine.has_moe_layers or "muon" in type(getattr(optimizer, "optimizer", None)).__name__.lower():
         return
     if isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy:
         optimizer.overflow_checker.has_overflow = lambda params, has_moe_params=None: False
@@ -175,13 +183,25 @@ def fewer_step_syncs(optimizer) -> None:
         optimizer.has_overflow = lambda partition_gradients=True: False  # called only where the norm check follows
         optimizer.unscale_and_clip_grads = functools.partial(_unscale_and_clip_on_device, optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not optimizer.offload_optimizer:
-        tracker = getattr(optimizer, "inf_or_nan_tracker", None)
+        optimizer.has_overflow = lambda partition_gradients=True: False  # its only caller is the step's check
 
-        def has_overflow(partition_gradients=True) -> bool:
-            if tracker is not None:  # what the reduction accumulates for the check, reset as the check would
-                tracker.zero_()
+
+def _one_sync_serial_check(optimizer) -> None:
+    """DeepSpeed's FP16 wrappers test the gradients for inf/NaN one tensor at a time, each answer taken to the host
+    (deepspeed/runtime/utils.py, `CheckOverflow.has_overflow_serial`): the same answer from one multi-tensor norm and
+    one sync (a gradient with an inf or NaN has a non-finite norm, a finite one a finite fp32 norm)."""
+    checker = getattr(optimizer, "overflow_checker", None)
+    if checker is None or not hasattr(checker, "has_overflow_serial"):
+        return
+
+    def has_overflow_serial(params) -> bool:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
             return False
-        optimizer.has_overflow = has_overflow
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return not bool(torch.stack(norms).isfinite().all())
+
+    checker.has_overflow_serial = has_overflow_serial
 
 
 def _unscale_and_clip_on_device(zero, grad_groups_flat, total_norm) -> None:
