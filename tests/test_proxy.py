@@ -1,7 +1,7 @@
 """What a step asks of a GPU, counted on a CPU (`harness bench --proxy`): the counter counts what it says, the
 harness's step stays within 1.3x the aten ops of a plain PyTorch step and syncs the host at most once a logging span
-under ZeRO-0 in bf16 and fp32, and ZeRO-0 bf16 (torch autocast over fp32 weights) trains as DeepSpeed's bf16 wrapper
-did, on 2 processes as on 1."""
+under ZeRO-0 in bf16 and fp32 (under ZeRO-2 once a step), and ZeRO-0 bf16 (torch autocast over fp32 weights) trains
+as DeepSpeed's bf16 wrapper did, on 2 processes as on 1."""
 from __future__ import annotations
 
 import json
@@ -55,6 +55,15 @@ def test_a_zero0_step_is_within_1_3x_the_plain_steps_ops_and_syncs_once_a_span_a
     assert h["ops"] <= 1.3 * p["ops"], (h, p)
     assert h["launches"] <= 1.3 * p["launches"], (h, p)
     assert h["syncs"] * 10 <= 1, h  # lm_demo logs every 10 steps: at most one host sync in each span of them
+
+
+def test_a_zero2_bf16_step_waits_for_the_device_once(tmp_path):
+    """`harness train`'s engine asks DeepSpeed's ZeRO step one question a step (`parallel.fewer_step_syncs`): whether
+    to skip the update. Before, 4 waits and 4 collectives a step."""
+    from harness.bench.proxy import ds_config
+
+    h = proxy(tmp_path, ds_config(2, "bf16"), "train.grad_clip=1.0")["harness"]
+    assert h["syncs"] <= 1 and h["collectives"] <= 3, h
 
 
 def test_zero0_bf16_by_autocast_trains_as_deepspeeds_bf16_wrapper_did_on_2_processes_as_on_1(cached_run, tmp_path):
