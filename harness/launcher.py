@@ -45,7 +45,6 @@ from .config.run import ConfigError
 from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
 STATUS_ENV = "HARNESS_STATUS_FILE"
-TTY_ENV = "HARNESS_STDERR_TTY"  # the ranks' stderr is a file this process relays to a terminal: draw as on one
 COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: safe to exit 0 under torchrun
 
 
@@ -165,8 +164,10 @@ def main(argv: list[str], parse) -> int:
     env = {**os.environ, STATUS_ENV: status,
            # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
            "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
-    if sys.stderr.isatty():
-        env[TTY_ENV] = "1"
+    if sys.stderr.isatty():  # the ranks' stderr is a file this process relays to a terminal: draw as on one
+        from .run.startup import STDERR_TTY_ENV  # imported by `check` already
+
+        env[STDERR_TTY_ENV] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "harness", *train_args]
     print(f"harness launch: checks passed; accelerate launch {' '.join(accelerate_args)} -m harness "
           f"{' '.join(train_args)}", flush=True)

@@ -32,8 +32,8 @@ TINY_RUN = [s for s in TINY if not s.startswith("model.")]  # for a model whose 
 # The slowest files start first (by their time in a full suite), so neither worker is left with a long file at the
 # end (pyproject's --no-loadscope-reorder keeps this order: xdist's own puts the files with the most tests first).
 LONGEST_FIRST = ("test_resilience.py", "test_suite.py", "test_parallel.py", "test_strategies.py", "test_checkpoint.py",
-                 "test_sequence.py", "test_hf_tasks.py", "test_slurm.py", "test_bench.py", "test_translation.py", "test_ds_configs.py",
-                 "test_hf.py", "test_plugins.py", "test_compile.py", "test_low_n.py", "test_protein.py",
+                 "test_sequence.py", "test_hf_tasks.py", "test_slurm.py", "test_bench.py", "test_translation.py",
+                 "test_ds_configs.py", "test_hf.py", "test_plugins.py", "test_compile.py", "test_low_n.py", "test_protein.py",
                  "test_multinode.py", "test_trust.py")
 
 

@@ -397,7 +397,8 @@ def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_trace
     # a crash is not a kill from outside: exit 1, its output shown; a real-time signal has no name
     code, line, _ = ending(1, {}, held.replace("CODE", "-6"), run_dir, run_dir / "x")
     assert code == 1 and "crashed with SIGABRT after step 8 (NCCL's watchdog" in line, line
-    assert "crashed with signal 35 after step 8" in ending(1, {}, held.replace("CODE", "-35"), run_dir, run_dir / "x")[1]
+    line = ending(1, {}, held.replace("CODE", "-35"), run_dir, run_dir / "x")[1]
+    assert "crashed with signal 35 after step 8" in line
     # a traceback straight after a progress bar (tqdm never ends its line) is held too, the bar's line ended
     shown, r = relay([bar, b"Traceback (most recent call last):\n", b"  File \"x.py\"\nKeyError: 1\n"], pause_s=0.05)
     assert shown == bar + b"\n" and r.held_text().startswith("Traceback"), shown

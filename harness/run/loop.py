@@ -38,7 +38,7 @@ from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
 from .preemption import Watch
 from .selection import Selection
-from .startup import check_free_space, prepare_run_dir
+from .startup import STDERR_TTY_ENV, check_free_space, prepare_run_dir
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -342,8 +342,8 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
 def _progress(world: World, start: int, total: int):
     from tqdm.auto import tqdm
 
-    # a terminal, or `harness launch` relaying to one (launcher.TTY_ENV): redrawn every second; a log: every 30 s
-    tty = sys.stderr.isatty() or os.environ.get("HARNESS_STDERR_TTY")
+    # a terminal, or `harness launch` relaying to one: redrawn every second; a log: every 30 s
+    tty = sys.stderr.isatty() or os.environ.get(STDERR_TTY_ENV)
     return tqdm(total=total, initial=start, disable=not world.is_main, desc="train", unit="step",
                 dynamic_ncols=True, mininterval=1.0 if tty else 30.0, file=sys.stderr)
 

@@ -35,6 +35,8 @@ def check_device(ds: DSResolved) -> None:
 
 
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+STDERR_TTY_ENV = "HARNESS_STDERR_TTY"  # set by `harness launch`: the ranks' stderr is a file it relays to a
+#                                        terminal, so progress is drawn as on one (loop._progress)
 
 
 def extension_root() -> Path:
