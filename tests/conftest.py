@@ -1,24 +1,28 @@
-"""Helpers that run the harness for real: `python -m harness` for one process (forked from a warm process,
-`tests/zygote.py`), `accelerate launch` for several.
+"""Helpers that run the harness for real: `python -m harness` for one process, `accelerate launch` for several, each
+Python process forked warm from the worker's fork server (tests/zygote.py) unless a test needs it cold.
 
 Runs are tiny (a 2-layer, 32-wide model on generated text) so the whole suite fits in minutes on 2 cores.
-Runs that several tests compare against are cached for the session by their arguments.
+Runs that several tests compare against are trained once for the whole test run by their arguments (cached_run).
+docs/testing.md says how it all fits together.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import random
-import select
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from harness.distributed.world import quiet_deepspeed
+from zygote_client import import_time
 
 ROOT = Path(__file__).resolve().parents[1]
 DS = ROOT / "configs" / "ds"
@@ -35,6 +39,22 @@ LONGEST_FIRST = ("test_resilience.py", "test_suite.py", "test_parallel.py", "tes
                  "test_sequence.py", "test_hf_tasks.py", "test_slurm.py", "test_bench.py", "test_translation.py",
                  "test_ds_configs.py", "test_hf.py", "test_plugins.py", "test_compile.py", "test_low_n.py", "test_protein.py",
                  "test_multinode.py", "test_trust.py")
+
+
+def pytest_sessionstart(session):
+    if LAUNCHES and not hasattr(session.config, "workerinput"):
+        Path(LAUNCHES).write_text("")  # this run's launches only
+
+
+def pytest_terminal_summary(terminalreporter):
+    """With HARNESS_TEST_LAUNCHES=FILE: where the time went, per test file (tests/launchlog/launches.py)."""
+    if LAUNCHES and not hasattr(terminalreporter.config, "workerinput") and Path(LAUNCHES).exists():
+        sys.path.insert(0, LAUNCHLOG)
+        import launches
+
+        terminalreporter.write_sep("-", f"launches (from {LAUNCHES})")
+        for line in launches.summary(LAUNCHES):
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(items):
@@ -73,26 +93,59 @@ def write_corpus(path: Path, lines: int = 1500, seed: int = 0) -> Path:
     return path
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder all pytest-xdist workers of this run share (their base folders' parent), else this process's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold an exclusive lock on `path` (a file created for it) across the workers."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+    """One file for every worker, so runs cached across workers (cached_run) name the same data."""
+    path = shared_dir(tmp_path_factory) / "corpus.txt"
+    with locked(path.with_suffix(".lock")):
+        return path if path.exists() else write_corpus(path)
 
 
-def _env(extra: dict | None = None) -> dict:
+def _env(extra: dict | None = None, cold: bool = False) -> dict:
+    """A launch's environment. Where the worker's fork server runs (Zygote) and not `cold`, every Python process that
+    torchrun starts below it is forked warm from it (PYTHON_EXEC)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": os.environ.get("HF_DATASETS_CACHE", str(ROOT / ".pytest_cache" / "hf")),
            "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_MIXED_PRECISION"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_MIXED_PRECISION",
+                "PYTHON_EXEC", *Zygote.ENV):
         env.pop(key, None)
+    if LAUNCHES:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (LAUNCHLOG, env.get("PYTHONPATH")) if p)
+    if not cold and Zygote.start():
+        env.update(Zygote.env())
     env.update(extra or {})
     return {k: v for k, v in env.items() if v is not None}  # None removes a variable
 
 
+def python(cold: bool = False) -> str:
+    """What a test's command starts with in place of `python`: the warm client where the fork server runs."""
+    return str(WARM_PYTHON) if not cold and Zygote.start() else sys.executable
+
+
 def command(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, sets: list[str] = (),
             args: list[str] = (), launch: list[str] | None = None, front: bool = False,
-            base: list[str] = TINY) -> list[str]:
+            base: list[str] = TINY, cold: bool = False) -> list[str]:
     """The command line `harness` runs: nproc > 1 goes through `accelerate launch --config_file
-    launch/cpu_2proc.yaml`, or with `front` through `harness launch` and the same options."""
+    launch/cpu_2proc.yaml`, or with `front` through `harness launch` and the same options (started cold: the
+    launcher is what those tests check; its ranks are warm unless the environment is `_env(cold=True)`)."""
     cmd = ["-m", "harness", "train", "--set", f"data.path={json.dumps(str(corpus))}",
            "--set", f"run.output_dir={json.dumps(str(out))}"]
     for s in [*base, *sets]:
@@ -106,42 +159,65 @@ def command(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, s
     if front:
         return [sys.executable, "-m", "harness", "launch", *accelerate, *cmd[2:]]
     if nproc > 1:
-        return [sys.executable, "-m", "accelerate.commands.launch", *accelerate] + cmd
-    return [sys.executable] + cmd
+        return [python(cold), "-m", "accelerate.commands.launch", *accelerate] + cmd
+    return [python(cold)] + cmd
 
 
 class Zygote:
-    """One per test worker: tests/zygote.py, forking a warm child for each single-process command."""
-    RUNTIME_ENV = {"HARNESS_CACHE", "HARNESS_CPU_FP16"}  # read by the harness when it runs, not when it imports
-
+    """One per test worker: tests/zygote.py, the fork server that tests/warm_python asks for warm processes. Not
+    started where fork is unsafe (it says why; the tests then start every process cold) or with HARNESS_TEST_COLD=1."""
+    ENV = ("HARNESS_ZYGOTE", "HARNESS_ZYGOTE_PYTHON", "HARNESS_ZYGOTE_ENV")
     proc: subprocess.Popen | None = None
+    name = ""
+    server_env: dict = {}
+    refused: str | None = None
 
     @classmethod
-    def run(cls, argv: list[str], env: dict | None, timeout: float) -> subprocess.CompletedProcess:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=_env(),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            cls.proc.stdin.write(json.dumps({"argv": argv, "stdout": str(out), "stderr": str(err),
-                                             "env": env or {}}) + "\n")
-            cls.proc.stdin.flush()
-            line = cls.proc.stdout.readline()
-            assert line, f"tests/zygote.py ended ({cls.proc.wait()}); its error is above"
-            pid = json.loads(line)["pid"]
-            if not select.select([cls.proc.stdout], [], [], timeout)[0]:
-                os.kill(pid, signal.SIGKILL)
-                cls.proc.stdout.readline()
-                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
-            rc = json.loads(cls.proc.stdout.readline())["rc"]
-            return subprocess.CompletedProcess([sys.executable, "-m", "harness", *argv], rc, out.read_text(),
-                                               err.read_text())
+    def start(cls) -> bool:
+        if cls.proc is not None and cls.proc.poll() is None:
+            return True
+        if cls.refused is not None or os.environ.get("HARNESS_TEST_COLD") == "1":
+            return False
+        cls.name = f"harness-zygote-{os.getpid()}-{random.getrandbits(32):08x}"
+        env = _env(cold=True)
+        env.pop("HARNESS_TEST_LAUNCHES", None)  # the server is no launch; its children log themselves
+        cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py"), cls.name], cwd=ROOT,
+                                    env={**env, "HARNESS_ZYGOTE_PARENT": str(os.getpid())}, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+        answer = cls.proc.stdout.readline().strip()
+        if not answer.startswith("ready "):
+            cls.refused = answer or f"ended with {cls.proc.wait()}"
+            cls.proc.wait()
+            print(f"\ntests/zygote.py {cls.refused}: every process starts cold", file=sys.stderr)
+            return False
+        server = json.loads(answer.removeprefix("ready "))
+        cls.server_env = {"env": import_time(server["env"]), "set": server["set"]}
+        os.environ.update(cls.env())  # what a test runs in this process (a bench's programs) starts warm too
+        return True
+
+    @classmethod
+    def env(cls) -> dict:
+        return {"PYTHON_EXEC": str(WARM_PYTHON), "HARNESS_ZYGOTE": cls.name, "HARNESS_ZYGOTE_PYTHON": sys.executable,
+                "HARNESS_ZYGOTE_ENV": json.dumps(cls.server_env)}
 
     @classmethod
     def close(cls) -> None:
         if cls.proc is not None:
             cls.proc.stdin.close()
             cls.proc.wait()
+            cls.proc = None
+            for key in cls.env():
+                os.environ.pop(key, None)
+
+
+WARM_PYTHON = ROOT / "tests" / "warm_python"
+# The accelerator named as every harness process names it (DS_ACCELERATOR), before the fork server starts: the
+# environment of this worker's launches is then the same before and after a test runs the harness in this process.
+quiet_deepspeed()
+LAUNCHES = os.environ.get("HARNESS_TEST_LAUNCHES")  # a file: every process the tests start logged there (launchlog)
+if LAUNCHES:
+    LAUNCHES = os.environ["HARNESS_TEST_LAUNCHES"] = os.path.abspath(LAUNCHES)
+LAUNCHLOG = str(ROOT / "tests" / "launchlog")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -151,22 +227,17 @@ def zygote():
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m harness ARGS` in one process, from the cwd ROOT, output captured: forked from the worker's warm
-    zygote where `env` only sets what the harness reads at run time, else started afresh."""
-    if set(env or {}) <= Zygote.RUNTIME_ENV:
-        return Zygote.run(list(args), env, timeout)
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=ROOT, env=_env(env), capture_output=True,
+    """`python -m harness ARGS` in one process, from the cwd ROOT, output captured (warm where it can be)."""
+    return subprocess.run([python(), "-m", "harness", *args], cwd=ROOT, env=_env(env), capture_output=True,
                           text=True, timeout=timeout)
 
 
 def harness(out: Path, corpus: Path, *, env: dict | None = None, check: bool = True, timeout: int = 300,
-            **kwargs) -> Run:
-    """Train into `out` (see `command` for the arguments) and wait for the end."""
-    cmd = command(out, corpus, **kwargs)
-    if cmd[:4] == [sys.executable, "-m", "harness", "train"]:  # one process
-        proc = cli(*cmd[3:], env=env, timeout=timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+            cold: bool = False, **kwargs) -> Run:
+    """Train into `out` (see `command` for the arguments) and wait for the end; `cold`: every process started afresh,
+    where the process tree is what a test checks."""
+    cmd = command(out, corpus, cold=cold, **kwargs)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env, cold=cold), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         log = out.parent / "failed.log"  # the whole output: the cause is often far above the launcher's summary
         log.write_text(f"{' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
@@ -177,13 +248,23 @@ def harness(out: Path, corpus: Path, *, env: dict | None = None, check: bool = T
 
 @pytest.fixture(scope="session")
 def cached_run(tmp_path_factory, corpus):
-    """cached_run(name, **kwargs): one run per name for the whole session."""
-    runs: dict[str, Run] = {}
+    """cached_run(name, **kwargs): one run per name and arguments for the whole test run, shared by the xdist
+    workers: the first to ask trains it under a file lock, the others read it (the run folder, its output)."""
+    root = shared_dir(tmp_path_factory) / "cached-runs"
+    root.mkdir(exist_ok=True)
 
     def get(name: str, **kwargs) -> Run:
-        if name not in runs:
-            runs[name] = harness(tmp_path_factory.mktemp(name) / "run", corpus, **kwargs)
-        return runs[name]
+        key = hashlib.sha1(json.dumps([name, kwargs], sort_keys=True, default=str).encode()).hexdigest()[:10]
+        folder, lock = root / f"{name}-{key}", root / f"{name}-{key}.lock"
+        with locked(lock):
+            if not (folder / "proc.json").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                proc = harness(folder / "run", corpus, **kwargs).proc
+                (folder / "proc.json").write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                                              "stdout": proc.stdout, "stderr": proc.stderr}))
+            saved = json.loads((folder / "proc.json").read_text())
+        return Run(folder / "run", subprocess.CompletedProcess(**saved))
 
     return get
 

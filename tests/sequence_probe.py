@@ -102,37 +102,44 @@ def main() -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # its all-to-all runs on its comm
-    if os.environ.get("HARNESS_PROBE_NO_OFFSET"):  # a naive split: every rank numbers its positions from 0
-        sequence.offset = lambda local_len: 0
     rank, size = dist.get_rank(), dist.get_world_size()
     split = Ulysses(dist.group.WORLD, rank, size, zero_stage=0)
     for name, case in cases().items():
-        model = case.model
-        ref_loss = case.loss(model(*case.inputs(case.batch)), case.batch)
-        ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
-        local = split.batch(case, case.batch)
-        with sequence.split_over(split):
-            loss = case.loss(model(*case.inputs(local)), local)
-            grads = torch.autograd.grad(loss, list(model.parameters()))
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        grads = [g.clone() for g in grads]
-        for g in grads:
-            dist.all_reduce(g)
-        model.eval()  # outputs: every rank's positions (or rows) joined, against one process's
-        ref_out = model(*case.inputs(case.batch))
-        with torch.no_grad(), sequence.split_over(split):
-            mine = model(*case.inputs(local))
-        how = "rows" if ref_out.shape[0] != mine.shape[0] or ref_out.dim() == 2 else "positions"
-        parts = [None] * size
-        dist.all_gather_object(parts, mine)
-        joined = torch.cat(parts, 0 if how == "rows" else 1)[:, :ref_out.shape[1]] if how == "positions" else \
-            torch.cat(parts, 0)
-        if rank == 0:
-            flat = torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref_grads])
-            print(json.dumps({"case": name, "loss": rel(total, ref_loss.detach()),
-                              "outputs": rel(joined, ref_out.detach()), "grad": rel(*flat)}), flush=True)
+        compare(name, case, split, rank, size)
+    # the probe can fail: a naive split, where every rank numbers its positions from 0
+    offset, sequence.offset = sequence.offset, lambda local_len: 0
+    compare("lm, positions from 0 on every rank", cases()["lm"], split, rank, size)
+    sequence.offset = offset
     dist.destroy_process_group()
+
+
+def compare(name: str, case: Case, split: Ulysses, rank: int, size: int) -> None:
+    """One case split over the ranks against one process: rank 0 prints the largest relative differences."""
+    model = case.model
+    ref_loss = case.loss(model(*case.inputs(case.batch)), case.batch)
+    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()))
+    local = split.batch(case, case.batch)
+    with sequence.split_over(split):
+        loss = case.loss(model(*case.inputs(local)), local)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = [g.clone() for g in grads]
+    for g in grads:
+        dist.all_reduce(g)
+    model.eval()  # outputs: every rank's positions (or rows) joined, against one process's
+    ref_out = model(*case.inputs(case.batch))
+    with torch.no_grad(), sequence.split_over(split):
+        mine = model(*case.inputs(local))
+    how = "rows" if ref_out.shape[0] != mine.shape[0] or ref_out.dim() == 2 else "positions"
+    parts = [None] * size
+    dist.all_gather_object(parts, mine)
+    joined = torch.cat(parts, 0 if how == "rows" else 1)[:, :ref_out.shape[1]] if how == "positions" else \
+        torch.cat(parts, 0)
+    if rank == 0:
+        flat = torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref_grads])
+        print(json.dumps({"case": name, "loss": rel(total, ref_loss.detach()),
+                          "outputs": rel(joined, ref_out.detach()), "grad": rel(*flat)}), flush=True)
 
 
 if __name__ == "__main__":

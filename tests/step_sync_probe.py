@@ -15,6 +15,7 @@ from torch import nn
 from harness.bench.proxy import counting
 from harness.distributed.parallel import _fp32, fewer_step_syncs
 from harness.distributed.world import close_world, init_world
+from harness.run.startup import check_precision
 
 STEPS, ALL_BAD, ONE_BAD = 6, 2, 4
 
@@ -73,6 +74,7 @@ def kept_under_tensor_parallelism(config: dict) -> bool:
 init_world()
 for path in sys.argv[1:]:
     config = json.loads(open(path).read())
+    check_precision("fp16" if config["fp16"]["enabled"] else "bf16" if config["bf16"]["enabled"] else "fp32")
     print(json.dumps({"deepspeed": train(config, False), "fewer": train(config, True),
                       "kept_under_tp": kept_under_tensor_parallelism(config)}), flush=True)
 close_world()

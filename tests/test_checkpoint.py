@@ -122,7 +122,8 @@ def test_metrics_the_disk_cannot_hold_stop_the_run_with_exit_3_and_its_checkpoin
     def small_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    full = subprocess.run(command(out, corpus, sets=sets, args=["--resume", "auto"]), cwd=ROOT, env=_env(),
+    full = subprocess.run(command(out, corpus, sets=sets, args=["--resume", "auto"], cold=True), cwd=ROOT,
+                          env=_env(cold=True),
                           capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
     assert full.returncode == 3, full.stderr[-3000:]
     line = full.stderr.strip().splitlines()[-1]
@@ -148,8 +149,8 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_on_the_last_complete_on
     def small_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    full = subprocess.run(command(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto"]), cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    full = subprocess.run(command(out, corpus, ds="zero1.json", sets=sets, args=["--resume", "auto"], cold=True),
+                          cwd=ROOT, env=_env(cold=True), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
     assert full.returncode == 3, full.stderr[-3000:]
     line = full.stderr.strip().splitlines()[-1]
     assert line.startswith("harness: error: checkpoint step_00000004 could not be written (a write failed on rank "

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 
-from conftest import DS, LAUNCH, ROOT, TINY, Run, _env, assert_losses_close
+from conftest import DS, LAUNCH, ROOT, TINY, Run, _env, assert_losses_close, python
 
 
 def test_two_nodes_match_two_processes_on_one_node(tmp_path, corpus, cached_run):
@@ -21,7 +20,7 @@ def test_two_nodes_match_two_processes_on_one_node(tmp_path, corpus, cached_run)
         train += ["--set", item]
     procs = []
     for machine_rank in (1, 0):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
+        cmd = [python(), "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
                "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
                str(port), "--num_machines", "2", "--num_processes", "2", *train]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import DS, ROOT, _env, assert_losses_close, harness, rewind, val_loss_of_export
+from conftest import DS, ROOT, _env, assert_losses_close, harness, python, rewind, val_loss_of_export
 from harness.plan.render import bubble_fraction
 from test_plan import plan, write
 
@@ -227,7 +226,7 @@ def test_fewer_step_syncs_updates_and_skips_as_deepspeed_does_with_one_host_wait
                   "fp16": {"enabled": precision == "fp16", "initial_scale_power": 8}, "steps_per_print": 10**9,
                   "timers": {"throughput": {"enabled": False}}, "zero_allow_untested_optimizer": True}
         paths.append(write(tmp_path, f"zero{stage}_{precision}.json", json.dumps(config)))
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "step_sync_probe.py"), *paths], capture_output=True,
+    done = subprocess.run([python(), str(ROOT / "tests" / "step_sync_probe.py"), *paths], capture_output=True,
                           text=True, env=_env({"HARNESS_CPU_FP16": "1"}), timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import DS, ROOT, _env, cli
+from conftest import DS, ROOT, _env, cli, python
 from harness.config.run import ConfigError, ScheduleSection, all_keys
 from harness.tasks import resolve
 from harness.config.ds import model_state_bytes, resolve_ds
@@ -42,10 +42,10 @@ def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_plan_runs_as_a_command(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "harness", "plan", "--set", "train.max_steps=3"], cwd=ROOT,
+    ok = subprocess.run([python(), "-m", "harness", "plan", "--set", "train.max_steps=3"], cwd=ROOT,
                         env=_env(), capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "command line" in ok.stdout, ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "harness", "plan", "--set", "train.max_stepz=3"], cwd=ROOT,
+    bad = subprocess.run([python(), "-m", "harness", "plan", "--set", "train.max_stepz=3"], cwd=ROOT,
                          env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("harness: error:") and \
         len(bad.stderr.strip().splitlines()) == 1

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _env, assert_losses_close, cli, ds_variant, harness
+from conftest import ROOT, _env, assert_losses_close, cli, ds_variant, harness, python
 
 BY_FILE = ["--run", "examples/digits.toml"]  # run.task = "examples/digits_task.py:DigitsTask"
 BY_MODULE = ["--run", "examples/digits.toml", "--set", 'run.task="examples.digits_task:DigitsTask"']
@@ -119,7 +119,7 @@ for name in ("a", "b"):
 model, cfg = harness.load_model("{tmp_path}/b", task="examples/digits_task.py:DigitsTask")
 print("MODEL", type(model).__name__, cfg.task.length)
 """
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([python(), "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = [line.split() for line in proc.stdout.splitlines() if line.startswith("RESULT")]

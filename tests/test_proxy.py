@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, _env, assert_losses_close, cli
+from conftest import ROOT, _env, assert_losses_close, cli, python
 
 from harness.config import ConfigError
 
@@ -38,7 +37,7 @@ def test_the_counter_counts_ops_launches_and_syncs():
 def proxy(tmp_path, ds: dict, *sets: str) -> dict:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
-    done = subprocess.run([sys.executable, "-m", "harness.bench.proxy", "--run", str(ROOT / "configs/runs/lm_demo.toml"),
+    done = subprocess.run([python(), "-m", "harness.bench.proxy", "--run", str(ROOT / "configs/runs/lm_demo.toml"),
                            "--ds", str(path), *(f"--set={s}" for s in sets)],
                           capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

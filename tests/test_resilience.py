@@ -22,8 +22,9 @@ LONG = ["train.max_steps=3000", "train.global_batch_size=8"]  # 4 x 1 x 2 on two
 
 
 def start(out, corpus, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", sets=LONG, **kwargs), cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """A long run to stop with a signal: every process cold, since the test finds and signals the ranks."""
+    return subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", sets=LONG, cold=True, **kwargs), cwd=ROOT,
+                            env=_env(cold=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str, pid: int | None = None) -> tuple[Run, float]:
@@ -127,9 +128,9 @@ def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the
 
     def leg(*args: str, shutdown_s: int = 3) -> subprocess.Popen:
         """torchrun waits `shutdown_s` for the ranks it stops: short where one is stopped or gone, long enough to
-        save where it passes a signal on"""
+        save where it passes a signal on; every process cold, since the test finds and signals the ranks"""
         return subprocess.Popen(command(out, corpus, nproc=2, ds="zero2.json", front=True, sets=sets, args=args),
-                                cwd=ROOT, env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s)}),
+                                cwd=ROOT, env=_env({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown_s)}, cold=True),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     # 1. a stopped rank (SIGSTOP): the others' collective times out, the job ends naming it

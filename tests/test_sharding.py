@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import DS, ROOT, TINY, _env
+from conftest import DS, ROOT, TINY, _env, python
 from harness.config.run import ConfigError
 from harness.data.batches import StepSampler, eval_batches
 
 
 def probe(*args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+    cmd = [python(), "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
            "--use_deepspeed", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            str(ROOT / "tests" / "shard_probe.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

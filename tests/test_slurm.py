@@ -35,7 +35,7 @@ def test_the_sbatch_script_requeues_on_the_time_limits_warning_only_and_the_job_
     subprocess.run([sys.executable, str(ROOT / "tests" / "fake_slurm.py"), "install", str(tools)], check=True)
     env = _env({"PATH": f"{tools}:{Path(sys.executable).parent}:{os.environ['PATH']}", "FAKE_SLURM_DIR": str(state),
                 "FAKE_SLURM_OUT": str(tmp_path), "GPUS_PER_NODE": "1", "DS": str(DS / "zero2.json"),
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"})
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}, cold=True)  # cold: SLURM's signals reach the process tree
     args = ["--set", f"data.path={json.dumps(str(corpus))}", "--set", f"run.output_dir={json.dumps(str(out))}"]
     for s in SETS:
         args += ["--set", s]

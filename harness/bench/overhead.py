@@ -31,7 +31,6 @@ import json
 import math
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 from ..config.run import ConfigError
@@ -43,6 +42,7 @@ from .sweep import (
     launcher,
     measure,
     plan_for,
+    python,
     schedule_length,
     summary,
 )
@@ -172,7 +172,7 @@ def figures(times: dict[str, list[list[float]]]) -> dict:
 def script(program: str, config: Config, precision: str, run_file: str | None, sets: list[str], steps: int,
            timeout: float) -> dict:
     """Run reference.py or plain.py as `harness bench` launches the harness; its JSON line, or an error."""
-    cmd = [sys.executable, *launcher(config), "-m", f"harness.bench.{program}", "--steps", str(steps)]
+    cmd = [python(), *launcher(config), "-m", f"harness.bench.{program}", "--steps", str(steps)]
     cmd += {"reference": ["--ds", config.ds, "--profile", "--paired", str(paired_blocks(steps)), "--block",
                           str(BLOCK)], "plain": ["--precision", precision]}[program]
     cmd += ["--run", run_file] if run_file else []

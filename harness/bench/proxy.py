@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "allclose", "unique",
@@ -213,7 +212,7 @@ def run_proxy(args) -> dict:
     from ..config.run import ConfigError
     from ..run.startup import CPU_FP16_ENV  # fp16 runs on a CPU only when asked
     from .catalog import SPEED
-    from .sweep import ROOT
+    from .sweep import ROOT, python
 
     out = Path(args.out or "bench/proxy")
     out.mkdir(parents=True, exist_ok=True)
@@ -232,7 +231,7 @@ def run_proxy(args) -> dict:
                 ds.write_text(json.dumps(ds_config(stage, precision), indent=2) + "\n")
                 sets = [*model.smoke, *args.set, *(f"data.path={json.dumps(str(Path(args.data) / model.data))}"
                                                    for _ in [0] if args.data and model.data)]
-                cmd = [sys.executable, "-m", "harness.bench.proxy", "--run", str(ROOT / "configs" / "runs" / model.run),
+                cmd = [python(), "-m", "harness.bench.proxy", "--run", str(ROOT / "configs" / "runs" / model.run),
                        "--ds", str(ds), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        *(f"--set={s}" for s in sets)]
                 row = {"model": model.name, "zero_stage": stage, "precision": precision}

@@ -13,7 +13,6 @@ import contextlib
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from .sweep import (
     last_error,
     launcher,
     plan_for,
+    python,
 )
 
 SEEDS_FILE = "seeds.json"
@@ -56,7 +56,7 @@ def train_and_score(config: Config, run_file: str | None, sets: list[str], seed:
                     threads: int, timeout: int) -> dict:
     """One seed of one configuration trained to its end (a launch, `threads` threads a process on a CPU) and scored
     on `split` in this process with as many threads: the evaluation's metrics, or {"error": the line that says why}."""
-    train = [sys.executable, *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite"]
+    train = [python(), *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite"]
     train += ["--run", run_file] if run_file else []
     for s in [*sets, *config.sets, f"run.output_dir={json.dumps(str(run_dir))}", f"train.seed={seed}",
               'logging.backend="none"', "logging.plots=false"]:

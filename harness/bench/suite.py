@@ -34,7 +34,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -49,7 +48,7 @@ from . import device, overhead, report
 from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe
 from .results import suite_markdown
 from .run import largest
-from .sweep import ROOT, Config, as_text, ds_path, last_error, measure, plan_for
+from .sweep import ROOT, Config, as_text, ds_path, last_error, measure, plan_for, python
 
 SCHEMA = 1
 SUITES = ("gpu",)
@@ -430,7 +429,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
 
 
 def _train(run_file: str, ds: str, sets: list[str], extra: list[str], budget: Budget) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "harness", "train", "--run", run_file, "--ds", ds, *extra]
+    cmd = [python(), "-m", "harness", "train", "--run", run_file, "--ds", ds, *extra]
     for s in sets:
         cmd += ["--set", s]
     try:

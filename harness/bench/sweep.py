@@ -83,6 +83,12 @@ def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
                      config.nproc, config.mixed_precision)
 
 
+def python() -> str:
+    """The interpreter that starts the bench's programs: torchrun's own override, PYTHON_EXEC, where it is set (the
+    tests set it to start them warm), else this one."""
+    return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
 def launcher(config: Config) -> list[str]:
     """What goes between `python` and `-m module`: `accelerate launch` for several processes; one process is
     started directly (a world of one, as `harness train` without a launcher), which saves accelerate's few
@@ -111,7 +117,7 @@ def schedule_length(warmup: int, steps: int) -> int:
 def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int,
             max_steps: int) -> list[str]:
     """`harness train` for `stop_at` steps with a metrics record every step, launched as `launcher` says."""
-    cmd = [sys.executable, *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
+    cmd = [python(), *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
            str(stop_at)]
     cmd += ["--run", run_file] if run_file else []
     timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",

@@ -20,17 +20,23 @@ CPU_FP16_ENV = "HARNESS_CPU_FP16"
 
 
 def check_device(ds: DSResolved) -> None:
+    check_precision(ds.precision)
+
+
+def check_precision(precision: str) -> None:
+    """Refuse a precision DeepSpeed's accelerator does not support; fp16 on a CPU without it only where opted in
+    (CPU_FP16_ENV), which tells DeepSpeed it is supported."""
     quiet_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    if ds.precision == "fp16" and not acc.is_fp16_supported():
+    if precision == "fp16" and not acc.is_fp16_supported():
         if os.environ.get(CPU_FP16_ENV) == "1" and acc.device_name() == "cpu":
             acc.is_fp16_supported = lambda: True  # opted in: fp16 math runs on this CPU, only slowly
         else:
             raise ConfigError(f"fp16 is not supported on this {acc.device_name()} (DeepSpeed's check); use a bf16 "
                               f"or fp32 config, or set {CPU_FP16_ENV}=1 to run fp16 slowly on a CPU for testing")
-    if ds.precision == "bf16" and not acc.is_bf16_supported():
+    if precision == "bf16" and not acc.is_bf16_supported():
         raise ConfigError(f"bf16 is not supported on this {acc.device_name()}; use an fp16 or fp32 config")
 
 
