@@ -64,6 +64,10 @@ def preload() -> str | None:
     import harness.run.loop  # noqa: F401
     import harness.tasks  # noqa: F401
 
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return "no pidfd_open here (Linux 5.3 and Python 3.9 or later): the server could not watch its children"
     method = multiprocessing.get_start_method(allow_none=True)
     if method not in (None, "fork"):
         return f"the multiprocessing start method is forced to {method!r}"
