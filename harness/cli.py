@@ -28,6 +28,66 @@ def _run_dir(p: argparse.ArgumentParser) -> None:
                    "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
 
+def _bench_arguments(b: argparse.ArgumentParser) -> None:
+    """`harness bench`'s flags: the sweep's, then those of --overhead, --largest, --proxy, --suite and --seeds."""
+    b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
+    b.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train, for all")
+    b.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
+    b.add_argument("--nproc", default="1", help="comma-separated process counts (GPUs on a GPU machine)")
+    b.add_argument("--mixed-precision", default="no", help="comma-separated accelerate mixed_precision values "
+                   "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
+    b.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                   help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
+    b.add_argument("--steps", type=int, help="timed steps per configuration (default 20; --smoke: 3)")
+    b.add_argument("--warmup", type=int, help="steps run before timing starts (default 5; --smoke: 2)")
+    b.add_argument("--out", help="the report's directory (default bench; --suite gpu: results/gpu/DATE-DEVICE)")
+    b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
+    b.add_argument("--overhead", action="store_true", help="instead of the sweep's table: time each configuration's "
+                   "harness against a hand-written DeepSpeed loop (same engine and config) and a plain PyTorch loop, "
+                   "on the same model and batches; writes OUT/overhead.json and overhead.md")
+    b.add_argument("--rounds", type=int, default=2, help="alternations of the three programs for --overhead")
+    b.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, the "
+                   "largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains within "
+                   "the memory budget")
+    b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
+                   "GPU: the card's memory)")
+    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers, units of "
+                   "n_heads x 8 of width, or units of 64 positions")
+    b.add_argument("--proxy", action="store_true", help="instead of timing: count what a step asks of a GPU (aten "
+                   "ops, kernel launches, host syncs, collectives), harness against plain PyTorch, for each speed-suite "
+                   "model at toy width under each ZeRO stage and precision, on this CPU (harness/bench/proxy.py); "
+                   "writes OUT/proxy.json and proxy.md (default OUT bench/proxy)")
+    b.add_argument("--stages", metavar="S,...", help="--proxy: the ZeRO stages (default 0,1,2,3)")
+    b.add_argument("--precisions", metavar="P,...", help="--proxy: the precisions (default fp32,bf16,fp16)")
+    b.add_argument("--suite", choices=["gpu"], help="run a whole measurement suite instead of a sweep: gpu = MFU, "
+                   "overhead, largest model and the recipes' quality, each part under its own time budget "
+                   "(see harness/bench/suite.py)")
+    b.add_argument("--parts", help="--suite: comma-separated parts to run, in order (default all: ops, speed, "
+                   "overhead, largest, quality); results of a later command join the same --out")
+    b.add_argument("--data", metavar="DIR", help="--suite: the benchmark data (multi30k/, flip_ss/, ett/), e.g. "
+                   "../shared/data")
+    b.add_argument("--smoke", action="store_true", help="--suite: every part at toy size, on a CPU in about two "
+                   "minutes; proves the suite works, measures nothing")
+    b.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="--suite: change a "
+                   "part's time budget")
+    b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
+                   "checkpoints (default bench/suite-work)")
+    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all; an "
+                   "unknown name is refused with the list); in the same --out their results replace those recipes' "
+                   "earlier ones and the others stay")
+    b.add_argument("--seeds", metavar="S,...", help="instead of timing: train every configuration to its end once "
+                   "per seed (train.seed) and score it with evaluate; report each seed, the mean and the sd of "
+                   "--metric beside --baseline (writes OUT/seeds.json and seeds.md; see harness/bench/seeds.py)")
+    b.add_argument("--metric", help="--seeds: the evaluation's figure to report (default: the run's "
+                   "train.select_best)")
+    b.add_argument("--baseline", help="--seeds: a figure the evaluation prints beside the model's to compare with, "
+                   "e.g. ridge_spearman")
+    b.add_argument("--split", default="test", choices=["validation", "test"], help="--seeds: the split scored "
+                   "(default test)")
+    b.add_argument("--threads", type=int, help="--seeds on a CPU: threads per process (default: its share of the "
+                   "cores); the report states it")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="harness", description="Train Transformers with DeepSpeed strategies "
                                  "chosen by a JSON file; launch with `accelerate launch -m harness train ...`.")
@@ -86,62 +146,7 @@ def parser() -> argparse.ArgumentParser:
                     "persistence (sets prices.periods for this evaluation)")
     b = sub.add_parser("bench", help="time a sweep of strategies, precisions, sizes and process counts, one "
                        "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
-    b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
-    b.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train, for all")
-    b.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
-    b.add_argument("--nproc", default="1", help="comma-separated process counts (GPUs on a GPU machine)")
-    b.add_argument("--mixed-precision", default="no", help="comma-separated accelerate mixed_precision values "
-                   "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
-    b.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
-                   help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
-    b.add_argument("--steps", type=int, help="timed steps per configuration (default 20; --smoke: 3)")
-    b.add_argument("--warmup", type=int, help="steps run before timing starts (default 5; --smoke: 2)")
-    b.add_argument("--out", help="the report's directory (default bench; --suite gpu: results/gpu/DATE-DEVICE)")
-    b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
-    b.add_argument("--overhead", action="store_true", help="instead of the sweep's table: time each configuration's "
-                   "harness against a hand-written DeepSpeed loop (same engine and config) and a plain PyTorch loop, "
-                   "on the same model and batches; writes OUT/overhead.json and overhead.md")
-    b.add_argument("--rounds", type=int, default=2, help="alternations of the three programs for --overhead")
-    b.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, the "
-                   "largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains within "
-                   "the memory budget")
-    b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
-                   "GPU: the card's memory)")
-    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers, units of "
-                   "n_heads x 8 of width, or units of 64 positions")
-    b.add_argument("--proxy", action="store_true", help="instead of timing: count what a step asks of a GPU (aten "
-                   "ops, kernel launches, host syncs, collectives), harness against plain PyTorch, for each speed-suite "
-                   "model at toy width under each ZeRO stage and precision, on this CPU (harness/bench/proxy.py); "
-                   "writes OUT/proxy.json and proxy.md (default OUT bench/proxy)")
-    b.add_argument("--stages", metavar="S,...", help="--proxy: the ZeRO stages (default 0,1,2,3)")
-    b.add_argument("--precisions", metavar="P,...", help="--proxy: the precisions (default fp32,bf16,fp16)")
-    b.add_argument("--suite", choices=["gpu"], help="run a whole measurement suite instead of a sweep: gpu = MFU, "
-                   "overhead, largest model and the recipes' quality, each part under its own time budget "
-                   "(see harness/bench/suite.py)")
-    b.add_argument("--parts", help="--suite: comma-separated parts to run, in order (default all: ops, speed, "
-                   "overhead, largest, quality); results of a later command join the same --out")
-    b.add_argument("--data", metavar="DIR", help="--suite: the benchmark data (multi30k/, flip_ss/, ett/), e.g. "
-                   "../shared/data")
-    b.add_argument("--smoke", action="store_true", help="--suite: every part at toy size, on a CPU in about two "
-                   "minutes; proves the suite works, measures nothing")
-    b.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="--suite: change a "
-                   "part's time budget")
-    b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
-                   "checkpoints (default bench/suite-work)")
-    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all; an "
-                   "unknown name is refused with the list); in the same --out their results replace those recipes' "
-                   "earlier ones and the others stay")
-    b.add_argument("--seeds", metavar="S,...", help="instead of timing: train every configuration to its end once "
-                   "per seed (train.seed) and score it with evaluate; report each seed, the mean and the sd of "
-                   "--metric beside --baseline (writes OUT/seeds.json and seeds.md; see harness/bench/seeds.py)")
-    b.add_argument("--metric", help="--seeds: the evaluation's figure to report (default: the run's "
-                   "train.select_best)")
-    b.add_argument("--baseline", help="--seeds: a figure the evaluation prints beside the model's to compare with, "
-                   "e.g. ridge_spearman")
-    b.add_argument("--split", default="test", choices=["validation", "test"], help="--seeds: the split scored "
-                   "(default test)")
-    b.add_argument("--threads", type=int, help="--seeds on a CPU: threads per process (default: its share of the "
-                   "cores); the report states it")
+    _bench_arguments(b)
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     _run_dir(ex)
@@ -199,6 +204,66 @@ def _prepare(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    """`harness bench`: a sweep, or instead the proxy counts, the seeds study or a measurement suite."""
+    toy = args.suite and args.smoke
+    args.steps = (16 if args.proxy else 3 if toy else 20) if args.steps is None else args.steps
+    args.warmup = (4 if args.proxy else 2 if toy else 5) if args.warmup is None else args.warmup
+    proxy_only = [f"--{k}" for k in ("stages", "precisions") if getattr(args, k) and not args.proxy]
+    if proxy_only:
+        raise ConfigError(f"{', '.join(proxy_only)} belong to --proxy")
+    if args.proxy:
+        if args.suite:
+            raise ConfigError("--proxy and --suite: run one at a time")
+        from .bench.proxy import run_proxy
+
+        args.proxy_timeout = args.timeout
+        return 1 if run_proxy(args)["failed"] else 0
+    seeds_only = [f"--{k}" for k in ("metric", "baseline", "threads") if getattr(args, k) is not None]
+    if seeds_only and not args.seeds:
+        raise ConfigError(f"{', '.join(seeds_only)} belong to --seeds")
+    if args.seeds:
+        if args.suite or args.overhead or args.largest:
+            raise ConfigError("--seeds trains whole runs: not with --suite, --overhead or --largest")
+        from .bench.seeds import run_seeds
+
+        args.out = args.out or "bench/seeds"
+        failed = sum(e["failed"] for e in run_seeds(args)["configs"])
+        return 1 if failed else 0
+    if args.suite:
+        from .bench.suite import run_suite
+
+        failed = run_suite(args)["failures"]
+        if failed:  # the results are written; the command says it did not measure everything
+            print(f"harness: error: {len(failed)} of the suite's measurements failed: {'; '.join(failed)}",
+                  file=sys.stderr)
+        return 1 if failed else 0
+    suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes")
+                  if getattr(args, k) not in (None, [], False)]
+    if suite_only:
+        raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
+    from .bench.run import run_bench
+
+    args.out = args.out or "bench"
+    run_bench(args)
+    return 0
+
+
+def _plan(args) -> int:
+    """`harness plan`: the resolved plan, or the DeepSpeed JSON alone, and a scaling estimate on paper."""
+    from .plan.render import count_params, ds_json, render
+    from .plan.resolve import make_plan
+
+    plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
+    print(ds_json(plan) if args.ds_json else render(plan))
+    if args.gpus_per_node is not None and not args.ds_json:
+        from .bench.scaling import render_scaling
+
+        print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes,
+                                              args.interconnect, args.profile, args.mfu)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
@@ -222,47 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             return _prepare(args)
         if args.command == "bench":
-            toy = args.suite and args.smoke
-            args.steps = (16 if args.proxy else 3 if toy else 20) if args.steps is None else args.steps
-            args.warmup = (4 if args.proxy else 2 if toy else 5) if args.warmup is None else args.warmup
-            proxy_only = [f"--{k}" for k in ("stages", "precisions") if getattr(args, k) and not args.proxy]
-            if proxy_only:
-                raise ConfigError(f"{', '.join(proxy_only)} belong to --proxy")
-            if args.proxy:
-                if args.suite:
-                    raise ConfigError("--proxy and --suite: run one at a time")
-                from .bench.proxy import run_proxy
-
-                args.proxy_timeout = args.timeout
-                return 1 if run_proxy(args)["failed"] else 0
-            seeds_only = [f"--{k}" for k in ("metric", "baseline", "threads") if getattr(args, k) is not None]
-            if seeds_only and not args.seeds:
-                raise ConfigError(f"{', '.join(seeds_only)} belong to --seeds")
-            if args.seeds:
-                if args.suite or args.overhead or args.largest:
-                    raise ConfigError("--seeds trains whole runs: not with --suite, --overhead or --largest")
-                from .bench.seeds import run_seeds
-
-                args.out = args.out or "bench/seeds"
-                failed = sum(e["failed"] for e in run_seeds(args)["configs"])
-                return 1 if failed else 0
-            if args.suite:
-                from .bench.suite import run_suite
-
-                failed = run_suite(args)["failures"]
-                if failed:  # the results are written; the command says it did not measure everything
-                    print(f"harness: error: {len(failed)} of the suite's measurements failed: {'; '.join(failed)}",
-                          file=sys.stderr)
-                return 1 if failed else 0
-            suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes")
-                          if getattr(args, k) not in (None, [], False)]
-            if suite_only:
-                raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
-            from .bench.run import run_bench
-
-            args.out = args.out or "bench"
-            run_bench(args)
-            return 0
+            return _bench(args)
         if args.command == "results":
             from .bench.results import main as results
 
@@ -281,25 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("evaluate", "translate"):
             with trusting(task=args.task, run_dir=args.trust_run_dir):
                 return _evaluate(args)
-        from .plan.resolve import make_plan
-
         if args.command == "plan":
-            from .plan.render import render
-
-            plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
-            if args.ds_json:
-                from .plan.render import ds_json
-
-                print(ds_json(plan))
-                return 0
-            print(render(plan))
-            if args.gpus_per_node is not None:
-                from .bench.scaling import render_scaling
-                from .plan.render import count_params
-
-                print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes, args.interconnect,
-                                                      args.profile, args.mfu)))
-            return 0
+            return _plan(args)
         from .api import train
 
         if args.stop_at is not None and args.stop_at <= 0:

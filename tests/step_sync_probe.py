@@ -1,8 +1,9 @@
 """Run by test_parallel.py in a process of its own (a world of one): trains a small model for a few steps with one
-DeepSpeed config twice, as DeepSpeed steps it and with `parallel.fewer_step_syncs`, on the same batches, with every
+DeepSpeed config twice, as DeepSpeed steps it and with `ds_patches.fewer_step_syncs`, on the same batches, with every
 gradient made non-finite at one step and one parameter's at another; prints per step, for each, the weights (fp32
 master values), the updates skipped, the loss scale and the host syncs of `engine.step()`, and whether told of
-tensor parallelism it leaves DeepSpeed's check alone, as one JSON line per config.
+tensor parallelism it leaves DeepSpeed's check alone, and again with the fence told the DeepSpeed version is one it
+was not checked on (DeepSpeed's own step must run), as one JSON line per config.
 Usage: step_sync_probe.py DS_JSON..."""
 import inspect
 import json
@@ -13,7 +14,9 @@ import torch
 from torch import nn
 
 from harness.bench.proxy import counting
-from harness.distributed.parallel import _fp32, fewer_step_syncs
+from harness.distributed import ds_patches
+from harness.distributed.ds_patches import fewer_step_syncs
+from harness.distributed.parallel import _fp32
 from harness.distributed.world import close_world, init_world
 from harness.run.startup import check_precision
 
@@ -75,6 +78,10 @@ init_world()
 for path in sys.argv[1:]:
     config = json.loads(open(path).read())
     check_precision("fp16" if config["fp16"]["enabled"] else "bf16" if config["bf16"]["enabled"] else "fp32")
-    print(json.dumps({"deepspeed": train(config, False), "fewer": train(config, True),
-                      "kept_under_tp": kept_under_tensor_parallelism(config)}), flush=True)
+    result = {"deepspeed": train(config, False), "fewer": train(config, True),
+              "kept_under_tp": kept_under_tensor_parallelism(config)}
+    checked, ds_patches.version = ds_patches.version, lambda: "0.0.0"  # a DeepSpeed the fence does not know
+    result["unknown_version"] = train(config, True)
+    ds_patches.version = checked
+    print(json.dumps(result), flush=True)
 close_world()

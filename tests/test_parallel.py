@@ -186,7 +186,7 @@ def test_the_one_sync_serial_check_answers_as_deepspeed_s_check_per_tensor(dtype
 
     from deepspeed.runtime.utils import CheckOverflow
 
-    from harness.distributed.parallel import _one_sync_serial_check
+    from harness.distributed.ds_patches import _one_sync_serial_check
 
     params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (3, 300, 7)]
     ours = SimpleNamespace(overflow_checker=CheckOverflow())
@@ -209,6 +209,25 @@ def test_the_one_sync_serial_check_answers_as_deepspeed_s_check_per_tensor(dtype
     for p in params[1:]:
         p.grad = None
     assert ours.overflow_checker.has_overflow(params) is False
+
+
+def test_the_deepspeed_patches_find_what_they_rely_on_here_and_step_aside_where_it_is_gone(monkeypatch, capsys):
+    """On the DeepSpeed the suite runs, every patch's relied-on code is there; with one piece gone (DeepSpeed's norm
+    check after the step's first check), the step's patch steps aside and rank 0 says so once."""
+    import deepspeed.runtime.utils
+
+    from harness.distributed import ds_patches
+
+    assert ds_patches.version() in ds_patches.CHECKED
+    for relies in (ds_patches._step_relies, ds_patches._universal_relies, ds_patches._groups_relies):
+        assert relies() == [], relies
+    monkeypatch.delattr(deepspeed.runtime.utils, "is_invalid_grad_norm")
+    monkeypatch.setattr(ds_patches, "_said", set())
+    assert not ds_patches.fence("fewer_step_syncs", ds_patches._step_relies)
+    assert not ds_patches.fence("fewer_step_syncs", ds_patches._step_relies)
+    out = capsys.readouterr().out
+    assert out == (f"harness: fewer_step_syncs left out (DeepSpeed {ds_patches.version()} lacks what it relies on: "
+                   f"deepspeed.runtime.utils.is_invalid_grad_norm): DeepSpeed's own code runs\n"), out
 
 
 STEP_SYNCS = [(0, "fp16", 1.0), (1, "bf16", 0.0), (2, "fp16", 1.0), (2, "fp32", 0.05), (3, "fp16", 1.0)]
@@ -242,3 +261,6 @@ def test_fewer_step_syncs_updates_and_skips_as_deepspeed_does_with_one_host_wait
         finite = [step for step in range(len(ours)) if step not in (2, 4)]
         assert all(theirs[s]["syncs"] > ours[s]["syncs"] for s in finite), (case, theirs, ours)
         assert got["kept_under_tp"], case  # there the norm does not see every gradient the check saw
+        assert got["unknown_version"] == theirs, case  # fenced out: DeepSpeed's own step, its syncs and all
+    assert done.stdout.count("harness: fewer_step_syncs left out (DeepSpeed 0.0.0 is not a version it was checked "
+                             "on (0.19.8)): DeepSpeed's own code runs") == 1, done.stdout  # once a process

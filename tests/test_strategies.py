@@ -106,7 +106,7 @@ def test_deepspeeds_muon_module_is_imported_with_its_compilation_deferred():
     """DeepSpeed's ZeRO code imports its Muon optimizer module on every run, and that module compiles three functions
     at import (torch._inductor: ~2 s a rank). `import_muon_lazily` defers each compilation to its first call."""
     script = ("import sys; from harness.distributed.world import quiet_deepspeed; quiet_deepspeed(); import deepspeed; "
-              "from harness.distributed.parallel import import_muon_lazily; import_muon_lazily(); "
+              "from harness.distributed.ds_patches import import_muon_lazily; import_muon_lazily(); "
               "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
               "from deepspeed.runtime.zero.muon import original_muon as m; "
               "print('torch._inductor' in sys.modules, m.zeropower_via_newtonschulz5.__wrapped__.__name__)")

@@ -85,22 +85,9 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     DeepSpeed settings (`accelerate.settings`, read from this process's environment when None): the strategy where
     no DeepSpeed file is named, else checked against it."""
     given = accelerate.settings() if accel is None else accel
-    if ds_file:
-        label, ds = f"ds file {ds_file}", read_json(ds_file)
-        if not isinstance(ds.get("zero_optimization", {}), dict):
-            raise ConfigError(f"zero_optimization ({label}) must be an object")
-        against = accelerate.contradictions(ds, given)
-        if against:
-            raise ConfigError(f"{label} contradicts the {accelerate.describe(given)}: {'; '.join(against)}; "
-                              f"name the strategy in one of them")
-    elif wanted := accelerate.strategy(given):
-        label, ds = accelerate.describe(given), wanted
-    else:
-        label, ds = "harness default", DEFAULT_DS
-    ds = copy.deepcopy(ds)
+    label, ds = _strategy(ds_file, given)
     source = {k: label for k in flatten(ds)}
     c = run.cfg
-
     for key in ds:
         if key not in KNOWN_KEYS:
             close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.6)
@@ -115,23 +102,7 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     source.setdefault("zero_optimization.stage", "DeepSpeed default")
 
     layout, micro_batches = resolve_layout(ds, source, run, world_size, stage, label)
-    micro, accum = c.train.micro_batch_size, c.train.grad_accum_steps
-    if micro_batches is not None:  # the pipeline section names the micro-batches per step: the accumulation
-        if run.is_set("train.grad_accum_steps") and accum != micro_batches:
-            raise ConfigError(f"pipeline.micro_batches = {micro_batches} ({label}) contradicts "
-                              f"{run.describe('train.grad_accum_steps')}; set one of them, or \"auto\"")
-        accum = micro_batches
-    if c.train.global_batch_size:  # derive accumulation from the global batch, or check they agree
-        per_step = micro * layout.dp_size
-        derived, rest = divmod(c.train.global_batch_size, per_step)
-        if rest or not derived:
-            raise ConfigError(f"{run.describe('train.global_batch_size')} is not a multiple of "
-                              f"{run.describe('train.micro_batch_size')} x data-parallel size {layout.dp_size}")
-        if (run.is_set("train.grad_accum_steps") or micro_batches is not None) and derived != accum:
-            raise ConfigError(f"micro batch x accumulation x data-parallel size != global batch: {micro} x {accum} x "
-                              f"{layout.dp_size} != {c.train.global_batch_size} "
-                              f"({run.describe('train.grad_accum_steps')}, {run.describe('train.global_batch_size')})")
-        accum = derived
+    micro, accum = c.train.micro_batch_size, _accumulation(run, layout.dp_size, micro_batches, label)
     run_values = {
         "train_micro_batch_size_per_gpu": (micro, run.source["train.micro_batch_size"]),
         "gradient_accumulation_steps": (accum, "derived from train.global_batch_size" if c.train.global_batch_size
@@ -154,6 +125,63 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
             del source[k]
 
     precision = _resolve_precision(ds, source, label, accel_precision)
+    _check_combinations(ds, source, run, stage, offload_opt, offload_par, sections, precision, layout, label)
+    _harness_defaults(ds, source, layout)
+    autocast, precision = _autocast(ds, source, precision, stage, layout, label)
+    resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
+                          micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label)
+    if resolved.loop_norms and ds["gradient_clipping"]:
+        resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
+        ds["gradient_clipping"] = 0.0
+        source["gradient_clipping"] += ("; clipped by the harness loop, which computes the norm ZeRO-0 in fp32 (or bf16 "
+                                        "by autocast) keeps none of")
+    return resolved
+
+
+def _strategy(ds_file: str | None, given: dict) -> tuple[str, dict]:
+    """Where the strategy comes from and what it says (a copy): the DeepSpeed file, else accelerate's settings,
+    else the harness's default."""
+    if ds_file:
+        label, ds = f"ds file {ds_file}", read_json(ds_file)
+        if not isinstance(ds.get("zero_optimization", {}), dict):
+            raise ConfigError(f"zero_optimization ({label}) must be an object")
+        against = accelerate.contradictions(ds, given)
+        if against:
+            raise ConfigError(f"{label} contradicts the {accelerate.describe(given)}: {'; '.join(against)}; "
+                              f"name the strategy in one of them")
+    elif wanted := accelerate.strategy(given):
+        label, ds = accelerate.describe(given), wanted
+    else:
+        label, ds = "harness default", DEFAULT_DS
+    return label, copy.deepcopy(ds)
+
+
+def _accumulation(run: Resolved, dp_size: int, micro_batches: int | None, label: str) -> int:
+    """Gradient accumulation: the run's, a pipeline's micro-batches per step, or derived from the global batch;
+    checked where two of them are given."""
+    micro, accum, glob = run.cfg.train.micro_batch_size, run.cfg.train.grad_accum_steps, run.cfg.train.global_batch_size
+    if micro_batches is not None:  # the pipeline section names the micro-batches per step: the accumulation
+        if run.is_set("train.grad_accum_steps") and accum != micro_batches:
+            raise ConfigError(f"pipeline.micro_batches = {micro_batches} ({label}) contradicts "
+                              f"{run.describe('train.grad_accum_steps')}; set one of them, or \"auto\"")
+        accum = micro_batches
+    if glob:  # derive accumulation from the global batch, or check they agree
+        derived, rest = divmod(glob, micro * dp_size)
+        if rest or not derived:
+            raise ConfigError(f"{run.describe('train.global_batch_size')} is not a multiple of "
+                              f"{run.describe('train.micro_batch_size')} x data-parallel size {dp_size}")
+        if (run.is_set("train.grad_accum_steps") or micro_batches is not None) and derived != accum:
+            raise ConfigError(f"micro batch x accumulation x data-parallel size != global batch: {micro} x {accum} x "
+                              f"{dp_size} != {glob} "
+                              f"({run.describe('train.grad_accum_steps')}, {run.describe('train.global_batch_size')})")
+        accum = derived
+    return accum
+
+
+def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offload_opt: bool, offload_par: bool,
+                        sections, precision: str, layout, label: str) -> None:
+    """Refuse what DeepSpeed would run wrongly or fail on late; allow the optimizers ZeRO did not test."""
+    c = run.cfg
     if offload_par and stage != 3:
         raise ConfigError(f"zero_optimization.offload_param ({label}) needs ZeRO stage 3, got stage {stage}")
     if offload_opt and stage == 0:
@@ -177,6 +205,11 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         raise ConfigError(f"pipeline parallelism with ZeRO stage 0 in fp32 ({label}) clips by the first stage's "
                           f"gradient norm only (a DeepSpeed 0.19 bug); use ZeRO stage 1 (configs/ds/pp2_zero1.json),"
                           f" bf16, or {run.describe('train.grad_clip')} -> 0")
+
+
+def _harness_defaults(ds: dict, source: dict, layout) -> None:
+    """What the harness sets where the file is silent: no train_batch_size under tensor parallelism, none of
+    DeepSpeed's own step logging or throughput timer."""
     if layout.tp_size > 1 and "train_batch_size" in ds:
         # DeepSpeed checks train_batch_size against the whole world, counting tensor-parallel peers as data
         # parallel; it derives the same value itself from the two keys below, so it is left out.
@@ -189,15 +222,6 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     if "timers" not in ds:  # its throughput timer synchronizes the device twice a step (DeepSpeed PR #5363: 20-25%
         ds["timers"] = {"throughput": {"enabled": False}}  # of a small model's step) for a figure the loop has
         source["timers.throughput.enabled"] = "harness default: it synchronizes the device twice a step"
-    autocast, precision = _autocast(ds, source, precision, stage, layout, label)
-    resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
-                          micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label)
-    if resolved.loop_norms and ds["gradient_clipping"]:
-        resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
-        ds["gradient_clipping"] = 0.0
-        source["gradient_clipping"] += ("; clipped by the harness loop, which computes the norm ZeRO-0 in fp32 (or bf16 "
-                                        "by autocast) keeps none of")
-    return resolved
 
 
 ZERO_AUTO = {  # zero_optimization keys HF Trainer and accelerate fill from the model's width (hidden x hidden ...)

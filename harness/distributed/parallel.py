@@ -15,51 +15,18 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import io
-import sys
 import warnings
 
 import torch
 from torch import nn
 
 from ..models.pipeline import SharedUse
+from . import ds_patches
 from .memory import allocation_peak
 from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
-
-MUON = "deepspeed.runtime.zero.muon.original_muon"
-
-
-def import_muon_lazily() -> None:
-    """DeepSpeed's ZeRO code imports its Muon optimizer module on every run (the ZeRO optimizer check at start-up, the
-    gradient partitioning of ZeRO-1/2 each step: deepspeed/runtime/zero/utils.py, stage_1_and_2.py), and that module
-    applies `torch.compile` to three functions at import, which imports torch._inductor: about 2 s of CPU on every
-    rank, for an optimizer the harness never builds. Imported first here with `torch.compile` deferred to each
-    function's first call, Muon still works and a run that does not use it does not pay for it."""
-    if MUON in sys.modules:
-        return
-    real = torch.compile
-
-    def deferred(model=None, **kwargs):
-        if model is None:  # @torch.compile(...) with options
-            return lambda fn: deferred(fn, **kwargs)
-        compiled = None
-
-        @functools.wraps(model)
-        def call(*args, **kw):
-            nonlocal compiled
-            if compiled is None:
-                compiled = real(model, **kwargs)
-            return compiled(*args, **kw)
-        return call
-
-    torch.compile = deferred
-    try:
-        importlib.import_module(MUON)
-    finally:
-        torch.compile = real
 
 
 def build_engine(plan, world: World, total_steps: int):
@@ -97,7 +64,7 @@ def build_engine(plan, world: World, total_steps: int):
         compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
     if layout.pp_size > 1:
         model = pipeline_module(model, plan)
-    import_muon_lazily()
+    ds_patches.import_muon_lazily()
     sections = plan.ds.sections
     # Sequence parallel: DeepSpeed's Ulysses groups as the mpu (made by world.init_world), so ZeRO partitions and
     # reduces over data x sequence ranks (runtime/sequence_parallel/parallel_state_sp.py)
@@ -121,7 +88,7 @@ def build_engine(plan, world: World, total_steps: int):
         # A lone replica has nothing to average: skip DeepSpeed's gradient all-reduce (a flatten, a collective
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
         engine.enable_backward_allreduce = False
-    fewer_step_syncs(engine, layout.tp_size)
+    ds_patches.fewer_step_syncs(engine, layout.tp_size)
     if torch.cuda.is_available() and hasattr(plan.task, "padding"):
         # Padded batches of varying length: cuDNN's attention builds a new plan for every (batch, length) shape it
         # meets, 0.1 to 3 s each, on the host (the multi-second steps of the first GPU suite's translation model);
@@ -146,77 +113,6 @@ def release(engine) -> None:
     except Exception as e:  # noqa: BLE001
         warnings.warn(f"DeepSpeed's engine.destroy failed ({type(e).__name__}: {e}); its process groups live until "
                       f"the process ends")
-
-
-def fewer_step_syncs(engine, tp_size: int) -> None:
-    """Fewer host waits in DeepSpeed's optimizer step, the same updates. Each wrapper first asks the device whether
-    any gradient holds an inf or NaN (an all-reduce over the ranks and an `.item()`; ZeRO-0's FP16_Optimizer before
-    that one `.item()` per parameter tensor: +56% on a 125M model's H100 step), then computes the global gradient norm
-    and skips the update just the same when the norm is not finite (DeepSpeed marks an inf or NaN norm as -1 and
-    checks it): a gradient with an inf or NaN has no finite norm, over the same ranks, so the first answer was always
-    the second's, and the first question is asked no more. ZeRO-1/2's clipping also stops reading the norm on the host
-    to test it again (it was tested before the clip): the clip coefficient stays on the device, computed as DeepSpeed
-    computes it. Left: one host read a step, the norm check that decides whether to skip the update. Counted by
-    `harness bench --proxy` (deepspeed/runtime/fp16/fused_optimizer.py, unfused_optimizer.py,
-    zero/stage_1_and_2.py, zero/stage3.py).
-
-    Nothing changes where the norm does not see every gradient the first check saw: tensor parallelism (the norm
-    counts a replicated parameter on one rank of the group, and DeepSpeed's unfused fp16 wrapper drops every
-    gradient of ranks > 0 from it: it tests the gradients, not the parameters, for the tensor-parallel mark), MoE
-    layers (their expert groups), Muon (ZeRO-3 applies it between the two checks) and where DeepSpeed skips the norm
-    (its legacy fused steps, a ZeRO step without a norm, CPU offload); there the FP16 wrappers' check still asks once,
-    not once per tensor (`_one_sync_serial_check`)."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    optimizer = engine.optimizer
-    _one_sync_serial_check(optimizer)  # where the first check is still asked: once, not once per tensor
-    if tp_size > 1 or engine.has_moe_layers or "muon" in type(getattr(optimizer, "optimizer", None)).__name__.lower():
-        return
-    if isinstance(optimizer, FP16_Optimizer) and not optimizer.fused_adam_legacy:
-        optimizer.overflow_checker.has_overflow = lambda params, has_moe_params=None: False
-    elif isinstance(optimizer, FP16_UnfusedOptimizer) and not optimizer.fused_lamb_legacy:
-        optimizer.overflow_checker.check = lambda param_groups=None: False
-    elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.compute_grad_norm and not optimizer.cpu_offload:
-        optimizer.has_overflow = lambda partition_gradients=True: False  # called only where the norm check follows
-        optimizer.unscale_and_clip_grads = functools.partial(_unscale_and_clip_on_device, optimizer)
-    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) and not optimizer.offload_optimizer:
-        optimizer.has_overflow = lambda partition_gradients=True: False  # its only caller is the step's check
-
-
-def _one_sync_serial_check(optimizer) -> None:
-    """DeepSpeed's FP16 wrappers test the gradients for inf/NaN one tensor at a time, each answer taken to the host
-    (deepspeed/runtime/utils.py, `CheckOverflow.has_overflow_serial`): the same answer from one multi-tensor norm and
-    one sync (a gradient with an inf or NaN has a non-finite norm, a finite one a finite fp32 norm)."""
-    checker = getattr(optimizer, "overflow_checker", None)
-    if checker is None or not hasattr(checker, "has_overflow_serial"):
-        return
-
-    def has_overflow_serial(params) -> bool:
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return False
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        return not bool(torch.stack(norms).isfinite().all())
-
-    checker.has_overflow_serial = has_overflow_serial
-
-
-def _unscale_and_clip_on_device(zero, grad_groups_flat, total_norm) -> None:
-    """DeepSpeedZeroOptimizer.unscale_and_clip_grads (stage_1_and_2.py) without reading the norm on the host: an
-    invalid norm (inf, NaN, or DeepSpeed's -1 for them) clips as an infinite one, as DeepSpeed's does."""
-    if zero.clip_grad == 0.0 and zero.loss_scale == 1.0:
-        return
-    combined_scale = zero.loss_scale
-    if zero.clip_grad > 0.0:
-        valid = torch.isfinite(total_norm) & (total_norm >= 0)
-        norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
-        combined_scale = torch.clamp(((norm / zero.loss_scale) + 1e-6) / zero.clip_grad, min=1.0) * zero.loss_scale
-    for grad in grad_groups_flat:
-        for g in grad if isinstance(grad, list) else [grad]:
-            g.data.mul_(1.0 / combined_scale)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

@@ -174,20 +174,11 @@ def close_world() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    import deepspeed.comm.comm as ds_comm
-    import deepspeed.utils.groups as ds_groups
     from accelerate.state import PartialState
 
-    ds_comm.cdb = None
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from .ds_patches import forget_groups
 
-    parallel_state_sp._release_sequence_parallel_groups()
-    for name, value in list(vars(ds_groups).items()):  # its cached groups (world, data, model, tensor, expert)
-        if name.startswith("_") and name.isupper() and isinstance(value, dict):
-            value.clear()
-        elif (name.startswith("_") and name.isupper() and isinstance(value, dist.ProcessGroup)) or \
-                name in ("mesh_device", "mpu"):
-            setattr(ds_groups, name, None)
+    forget_groups()
     PartialState._reset_state()
     # DeepSpeed's engine holds its groups in reference cycles: collect them now, while the interpreter can still
     # join their threads, not in its finalization (the abort above)

@@ -166,6 +166,34 @@ def ds_json(plan: Plan) -> str:
     return json.dumps(config, indent=2)
 
 
+def start_line(plan: Plan, world, model_name: str, n_params: int, flops_method: str, start_step: int,
+               max_steps: int, steps_per_epoch: int, cadence: str, threads: int) -> str:
+    """The run's start line (rank 0 prints it): task, model, world, strategy, batch, steps, threads, run directory."""
+    ds, t = plan.ds, plan.run.cfg.train
+    model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
+        (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "") + \
+        (f", sequence parallel {world.sp_size}" if world.sp_size > 1 else "")
+    offload = (" optimizer-offload" if ds.offload_optimizer else "") + (" param-offload" if ds.offload_params else "")
+    return (f"harness: task {plan.run.cfg.run.task}, {model_name} of {n_params:,} parameters "
+            f"(FLOPs: {flops_method}) | world {world.world_size} "
+            f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
+            f"{' (autocast)' if ds.autocast else ''}{offload} (strategy: {ds.origin}) | "
+            f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
+            f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch; {cadence}) | "
+            f"CPU threads {threads} | run dir {plan.run_dir}")
+
+
+def build_report(build_peaks: list[dict], n_params: int) -> str:
+    """What building the model took at its peak on each rank, against the whole model's fp32 weights."""
+    def mib(key: str) -> str:
+        return " / ".join(f"{p[key] / 2**20:,.1f}" for p in build_peaks) + " MiB"
+
+    ranks = "rank 0" if len(build_peaks) == 1 else "ranks " + "/".join(map(str, range(len(build_peaks))))
+    device = f"; of tensors on the GPU {mib('device')}" if build_peaks[0]["device"] is not None else ""
+    return (f"model built: at its peak it took {mib('host')} of host memory (resident set, an upper bound){device} "
+            f"on {ranks}; the whole model's fp32 weights are {4 * n_params / 2**20:,.1f} MiB")
+
+
 def render(plan: Plan) -> str:
     run, ds = plan.run, plan.ds
     lines = ["# run config (defaults < run file < command line)"]

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..config.run import ConfigError, TrainingStopped
+from ..distributed import ds_patches
 from ..distributed.world import World, all_gather_objects, barrier
 from .trust import checkpoint_reads
 
@@ -222,9 +223,7 @@ def to_universal(path: Path, world: World) -> Path:
             (path.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
             for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
                 shutil.copy(path / name, work / name)
-            _both_stages(work / "zero" / "optimizer_state.pt")
-            if any(path.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):  # a ZeRO-3 checkpoint
-                _shaped(work / "zero", path)
+            ds_patches.fix_universal_conversion(work, path)
         # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
         # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
         for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -237,61 +236,17 @@ def to_universal(path: Path, world: World) -> Path:
     return out
 
 
-def _both_stages(path: Path) -> None:
-    """ds_to_universal writes the optimizer's global state as the source's stage has it; ZeRO-3's loader wants the
-    step and param groups under optimizer_state_dict (stage3.py load_hp_checkpoint_state_from_checkpoint_dir_stage3),
-    ZeRO-1/2's at the top: give it both, so a checkpoint of either stage loads into the other."""
-    sd = torch.load(path)
-    inner = sd.get("optimizer_state_dict")
-    if inner is None:
-        steps = list(path.parent.glob("*/step.pt"))
-        step = torch.load(steps[0]) if steps else 0
-        sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
-    else:
-        sd.setdefault("param_groups", inner["param_groups"])
-    if not sd.get("ds_version"):  # ZeRO-1/2's loader asserts it; ZeRO-3's state has none
-        import deepspeed
-
-        sd["ds_version"] = deepspeed.__version__
-    torch.save(sd, path)
-
-
-def _shaped(zero: Path, source: Path) -> None:
-    """ds_to_universal writes a ZeRO-3 checkpoint's state of each parameter as flat tensors and no step; ZeRO-1/2's
-    loader (universal_checkpoint.load_hp_checkpoint_state) reads {"param": a tensor of the parameter's shape} and
-    a step.pt, and fails on the flat ones ("too many indices for tensor of dimension 1"). Give it those (ZeRO-3's
-    loader reads either form), the shapes from the source's model states."""
-    shapes: dict[str, Any] = {}
-    for states in source.glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
-        for group in torch.load(states)["param_shapes"]:
-            shapes.update(group)
-    step = torch.load(zero / "optimizer_state.pt")["optimizer_state_dict"]["state"][0]["step"]
-    for name, shape in shapes.items():
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            file = zero / name / f"{key}.pt"
-            flat = torch.load(file)
-            if torch.is_tensor(flat):
-                torch.save({"param": flat.view(shape), "cat_dim": 0}, file)
-        if not (zero / name / "step.pt").exists():
-            torch.save(torch.as_tensor(step).clone(), zero / name / "step.pt")
-
-
-def _after_universal_load(engine, path: Path) -> None:
-    """Undo two things DeepSpeed's universal loader for ZeRO-3 (deepspeedai/DeepSpeed#5475) leaves wrong, both in
-    stage3.py's load_hp_checkpoint_state_from_checkpoint_dir_stage3: every param group gets the first one's
-    hyperparameters ("the hyperparameters of each parameter should be the same", which would decay the biases and
-    norms), and every sub-group's AdamW state gets the same `step` tensor, which the optimizer then increments in
-    place once per sub-group each step: the bias correction runs ahead, and the losses drift (3e-5 one step after a
-    resume, 3e-3 four steps later, on the test's model). Each param group's own values as saved; each state its own
-    step."""
-    saved = torch.load(path / "zero" / "optimizer_state.pt")["param_groups"]
-    inner = engine.optimizer.optimizer
-    if len(saved) == len(inner.param_groups):
-        for group, old in zip(inner.param_groups, saved):
-            group.update({k: v for k, v in old.items() if k != "params"})
-    for state in inner.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int) -> dict | None:
+    """Collective. A resumed run that has nothing left to train (its last step reached, or stopped early) and whose
+    model was exported (rank 0's view decides): said, and its last evaluation returned; else None (train on)."""
+    if not all_gather_objects(model.is_file() if world.is_main else None)[0]:
+        return None
+    evals = run_dir / "eval.jsonl"
+    last = evals.read_text().splitlines()[-1:] if world.is_main and evals.is_file() else []
+    if world.is_main:
+        print(f"{run_dir}: the run finished at step {step} of {max_steps} and exported {model}; nothing to do (raise "
+              f"train.max_steps or train.epochs to train on, --overwrite to train again)")
+    return {"step": step, **(json.loads(last[0]) if last else {})}
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
@@ -372,7 +327,7 @@ def load(engine, path: Path, world: World) -> dict[str, Any]:
         if client_state is None:
             raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
         if path.name.endswith(UNIVERSAL):
-            _after_universal_load(engine, path)
+            ds_patches.after_universal_load(engine, path)
         rng = path / f"rng_rank{world.rank:05d}.pt"
         if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
             set_rng_state(torch.load(rng))

@@ -4,13 +4,13 @@ everything else (data, loss normalisation, logging, checkpoints, resume, export)
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +31,7 @@ from ..distributed.parallel import (
 from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads
 from ..models import sequence
 from ..models.flops import ForwardFlops
+from ..plan.render import build_report, start_line
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from . import checkpoint, profiling
@@ -108,33 +109,50 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                 held.release()
 
 
+@dataclass
+class Run:
+    """What set-up hands the loop and the finish."""
+    plan: Plan
+    world: World
+    data: Any                 # the task's TaskData: train, val, summary
+    engine: Any
+    schedule: Any
+    every: Any                # cadence.Every: evaluation and checkpoint steps
+    sampler: StepSampler      # from the resumed step on
+    max_steps: int
+    stop: int                 # max_steps, or --stop-at's
+    samples_seen: int
+    selection: Selection | None
+    tracker: Tracker
+    flops: ForwardFlops
+    min_loss_scale: float
+    build_peaks: list[dict]
+
+    @property
+    def stopped_early(self) -> bool:
+        return bool(self.selection and self.selection.stopped_at)
+
+    def say(self, *args, **kwargs) -> None:
+        if self.world.is_main:
+            print(*args, **kwargs)
+
+
 def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None, watch: Watch,
            beat: Heartbeat, teardown: contextlib.ExitStack) -> dict:
+    run = _set_up(plan, world, resume_from, stop_at, teardown)
+    if isinstance(run, dict):  # --resume auto on a finished run
+        return run
+    step, metrics = _loop(run, watch, beat, teardown)
+    return _finish(run, step, metrics)
+
+
+def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None,
+            teardown: contextlib.ExitStack) -> Run | dict:
+    """Data, model, engine, resume: the run ready to step, or the result of a run that finished already."""
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
-    t = cfg.train
     say = print if world.is_main else (lambda *a, **k: None)
     threads = cpu_threads()  # before anything computes: a shared CPU's share, not torch's guess of the machine
-
-    import datasets
-    from accelerate import PartialState
-
-    datasets.disable_progress_bars()  # the data summary line below reports what they would
-    with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
-        data = task.build_data(cfg)
-    if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
-        note = store_run_data(task, cfg, plan.run_dir)
-        if note:
-            say(note)
-    sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=ds.grad_accum_steps,
-                        dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
-                        lengths=task.lengths(data.train) if cfg.data.bucket else None)
-    steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
-    max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
-    try:  # epochs and counts per run become steps now that the data's size is known
-        every = cadence.resolve(t, steps_per_epoch, max_steps, plan.run.describe)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
+    data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world)
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     n_params = sum(p.numel() for p in meta_model.parameters())
@@ -145,35 +163,16 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     flops = ForwardFlops(meta_model)
     engine, schedule = build_engine(plan, world, max_steps)  # seeds the weights itself: the meta model draws none
     teardown.callback(release, engine)  # however the run ends (parallel.release)
-    # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers): what
-    # partitioned loading saves, against the whole model's size.
+    # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers)
     build_peaks = all_gather_objects(engine.harness_build_peak)
-    start_step, samples_seen, state = 0, 0, {}
-    min_loss_scale = float(ds.config.get("fp16", {}).get("min_loss_scale", 1))
-    if resume_from is not None:
-        # another data-parallel size or ZeRO stage: converted once to DeepSpeed's universal checkpoint
-        source = checkpoint.to_universal(resume_from, world) if checkpoint.reshape(resume_from, ds) else resume_from
-        state = checkpoint.load(engine, source, world)
-        start_step, samples_seen = state["step"], state["samples_seen"]
-        read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
-        say(f"resumed from {resume_from} at step {start_step} (checkpoint read {read})")
-        saved_lr = follow_config_lr(schedule, cfg.optimizer.lr)
-        if saved_lr is not None:  # e.g. lowered after a non-finite stop
-            say(f"optimizer.lr {cfg.optimizer.lr:g} (the checkpoint's run had {saved_lr:g}) from step "
-                f"{start_step + 1}; lr there {schedule.optimizer.param_groups[0]['lr']:.3g}")
+    state = _resume(plan, world, engine, schedule, resume_from, say) if resume_from is not None else {}
+    start_step = state.get("step", 0)
     ckpts = plan.run_dir / "checkpoints"
-    selection = Selection.start(t, every.patience, state.get("selection"))  # train.select_best; None when off
-    # the same on every rank (the checkpoint's state); rank 0's view of the export decides
-    done = resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at))
-    if done and all_gather_objects((plan.run_dir / MODEL_FILE).is_file() if world.is_main else None)[0]:
-        # --resume auto on a finished run: nothing to train, evaluate or export again
-        evals = plan.run_dir / "eval.jsonl"
-        last = evals.read_text().splitlines()[-1:] if world.is_main and evals.is_file() else []
-        say(f"{plan.run_dir}: the run finished at step {start_step} of {max_steps} and exported "
-            f"{plan.run_dir / MODEL_FILE}; nothing to do (raise train.max_steps or train.epochs to train on, "
-            f"--overwrite to train again)")
-        return {"step": start_step, **(json.loads(last[0]) if last else {}),
-                **({"best": selection.state()} if selection else {})}
+    selection = Selection.start(cfg.train, every.patience, state.get("selection"))  # train.select_best, or None
+    if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
+        finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps)
+        if finished is not None:
+            return {**finished, **({"best": selection.state()} if selection else {})}
     if selection and selection.value is not None:
         checkpoint.adopt_best(ckpts, selection.step, resume_from.parent, world)
     if world.is_main:
@@ -182,116 +181,172 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
         if selection:
             selection.record(plan.run_dir)
     tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
-
-    model_parallel = (f", tensor parallel {world.tp_size}" if world.tp_size > 1 else "") + \
-        (f", pipeline {world.pp_size} stages" if world.pp_size > 1 else "") + \
-        (f", sequence parallel {world.sp_size}" if world.sp_size > 1 else "")
-    say(f"harness: task {cfg.run.task}, {type(meta_model).__name__} of {n_params:,} parameters "
-        f"(FLOPs: {flops.method}) | world {world.world_size} "
-        f"(data parallel {world.dp_size}{model_parallel}) | ZeRO-{ds.zero_stage} {ds.precision}"
-        f"{' (autocast)' if ds.autocast else ''}{' optimizer-offload' if ds.offload_optimizer else ''}{' param-offload' if ds.offload_params else ''}"
-        f" (strategy: {ds.origin}) | "
-        f"global batch {ds.global_batch_size} = {t.micro_batch_size} x {ds.grad_accum_steps} x {world.dp_size} | "
-        f"steps {start_step}->{max_steps} ({steps_per_epoch} per epoch; {every.describe(steps_per_epoch)}) | "
-        f"CPU threads {threads} | run dir {plan.run_dir}")
-    if build_peaks[0]["host"] is not None:
-        def mib(key: str) -> str:
-            return " / ".join(f"{p[key] / 2**20:,.1f}" for p in build_peaks) + " MiB"
-
-        ranks = "rank 0" if len(build_peaks) == 1 else "ranks " + "/".join(map(str, range(len(build_peaks))))
-        device = f"; of tensors on the GPU {mib('device')}" if build_peaks[0]["device"] is not None else ""
-        say(f"model built: at its peak it took {mib('host')} of host memory (resident set, an upper bound){device} "
-            f"on {ranks}; the whole model's fp32 weights are {4 * n_params / 2**20:,.1f} MiB")
+    say(start_line(plan, world, type(meta_model).__name__, n_params, flops.method, start_step, max_steps,
+                   steps_per_epoch, every.describe(steps_per_epoch), threads))
+    for line in [build_report(build_peaks, n_params)] if build_peaks[0]["host"] is not None else []:
+        say(line)
     say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
+    return Run(plan, world, data, engine, schedule, every, StepSampler(**sampler_args, start_step=start_step,
+               max_steps=max_steps), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
+               state.get("samples_seen", 0), selection, tracker, flops,
+               float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks)
 
-    sampler = StepSampler(**sampler_args, start_step=start_step, max_steps=max_steps)
-    loader = train_batches(data.train, sampler, training_collate(task, plan.run.buckets), cfg.data.num_workers,
-                           t.seed, world.device)
-    progress = _progress(world, start_step, max_steps)
+
+def _data(plan: Plan, world: World) -> tuple:
+    """The task's data (rank 0 first, caching it for the others), the sampler's arguments, steps per epoch, the
+    run's steps and its cadence in steps."""
+    cfg, t, task = plan.run.cfg, plan.run.cfg.train, plan.task
+    import datasets
+    from accelerate import PartialState
+
+    datasets.disable_progress_bars()  # the data summary line reports what they would
+    with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
+        data = task.build_data(cfg)
+    if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
+        note = store_run_data(task, cfg, plan.run_dir)
+        if note:
+            print(note)
+    sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=plan.ds.grad_accum_steps,
+                        dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
+                        lengths=task.lengths(data.train) if cfg.data.bucket else None)
+    steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
+    max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    try:  # epochs and counts per run become steps now that the data's size is known
+        every = cadence.resolve(t, steps_per_epoch, max_steps, plan.run.describe)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return data, sampler_args, steps_per_epoch, max_steps, every
+
+
+def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) -> dict:
+    """The checkpoint loaded (converted once to DeepSpeed's universal format for another data-parallel size or ZeRO
+    stage); its client state."""
+    source = checkpoint.to_universal(resume_from, world) if checkpoint.reshape(resume_from, plan.ds) else resume_from
+    state = checkpoint.load(engine, source, world)
+    read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
+    say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
+    lr = plan.run.cfg.optimizer.lr
+    saved_lr = follow_config_lr(schedule, lr)
+    if saved_lr is not None:  # e.g. lowered after a non-finite stop
+        say(f"optimizer.lr {lr:g} (the checkpoint's run had {saved_lr:g}) from step {state['step'] + 1}; lr there "
+            f"{schedule.optimizer.param_groups[0]['lr']:.3g}")
+    return state
+
+
+def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStack) -> tuple[int, dict]:
+    """Step until the stop, a signal or early stopping: each step, then evaluation and a checkpoint when due."""
+    plan, world, t = run.plan, run.world, run.plan.run.cfg.train
+    steps, ledger, progress, compiled = _stepper(run, teardown)
+    metrics, step = {}, run.sampler.start_step
+    while step < run.stop and not run.stopped_early:
+        traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
+        mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
+        run.samples_seen += plan.ds.global_batch_size
+        lr = run.schedule.optimizer.param_groups[0]["lr"]  # what this step uses (DeepSpeed's OneCycle keeps none)
+        result, loader_wait = steps.run(step + 1, lr, run.samples_seen, watch.signal or 0, mark)
+        step += 1
+        beat.step = step
+        if traced:  # before anything only some steps do: a step that syncs (a span of its own, `Steps`)
+            progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
+        evaluating = run.every.eval_steps and step % run.every.eval_steps == 0 and step < run.max_steps
+        saving = run.every.save_steps and step % run.every.save_steps == 0
+        if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
+            ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
+        if ledger.give_up:
+            _give_up(run, ledger)
+        improved = False
+        if evaluating and not ledger.signal:
+            metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,
+                                    want=run.selection and run.selection.metric)
+            if run.selection:  # the same verdict on every rank: the metrics are all-reduced
+                improved = _select(run.selection, metrics, step, plan, world, run.tracker, math.isfinite(result.loss))
+        if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
+            _save(run, step, result, progress)
+        if ledger.signal:
+            progress.close()
+            run.tracker.close()
+            raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
+                            f"{checkpoint.resume_hint(plan.run_dir / 'checkpoints')}")
+    progress.close()
+    if compiled:
+        graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
+        run.say(f"train.compile: {graphs} compiled in {compiled.seconds:.1f} s, counted apart from step_s (metrics "
+                f"compile_s)")
+    return step, metrics
+
+
+def _stepper(run: Run, teardown: contextlib.ExitStack) -> tuple:
+    """What runs the steps and accounts for them: `Steps`, its `Ledger`, the progress bar, the compile watch."""
+    plan, world, t = run.plan, run.world, run.plan.run.cfg.train
+    loader = train_batches(run.data.train, run.sampler, training_collate(plan.task, plan.run.buckets),
+                           plan.run.cfg.data.num_workers, t.seed, world.device)
+    progress = _progress(world, run.sampler.start_step, run.max_steps)
     teardown.callback(progress.close)  # before the one line an exception ends the run with
-    stop = min(max_steps, stop_at) if stop_at else max_steps
-    fixed = {"build_peak_bytes": [p["host"] for p in build_peaks],
-             "build_peak_device_bytes": [p["device"] for p in build_peaks]}
-    items = getattr(task, "items", "items")  # what `count` counts: tokens, sequences...
+    fixed = {"build_peak_bytes": [p["host"] for p in run.build_peaks],
+             "build_peak_device_bytes": [p["device"] for p in run.build_peaks]}
+    items = getattr(plan.task, "items", "items")  # what `count` counts: tokens, sequences...
     compiled = None
     if t.compile:  # what torch compiles, and when, from its own records: compile seconds apart from step time
         from ..distributed.compile import CompileWatch
 
         compiled = CompileWatch(len(plan.run.buckets) + 1 if plan.run.buckets else 2, progress.write if world.is_main
                                 else (lambda line: None))
-    ledger = Ledger(tracker, progress, t, stop, steps_per_epoch, flops, fixed, items, min_loss_scale, world,
-                    compiled)
-    steps = Steps(engine, plan, world, loader, flops, ledger, progress, last=stop,
+    ledger = Ledger(run.tracker, progress, t, run.stop, run.sampler.steps_per_epoch, run.flops, fixed, items,
+                    run.min_loss_scale, world, compiled)
+    steps = Steps(run.engine, plan, world, loader, run.flops, ledger, progress, last=run.stop,
                   starts=(t.profile_step,) if t.profile_step else ())  # a profiled step shows a span's start
-    last_metrics, step = {}, start_step
-    while step < stop and not (selection and selection.stopped_at):
-        traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
-        mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
-        samples_seen += ds.global_batch_size
-        lr = schedule.optimizer.param_groups[0]["lr"]  # what this step uses (DeepSpeed's OneCycle keeps no last lr)
-        result, loader_wait = steps.run(step + 1, lr, samples_seen, watch.signal or 0, mark)
-        step += 1
-        beat.step = step
-        if traced:  # before anything only some steps do: a step that syncs (a span of its own, `Steps`)
-            progress.write(f"profiled step {step}: {profiling.write(traced.finish(loader_wait, step), plan.run_dir)}")
-        evaluating = every.eval_steps and step % every.eval_steps == 0 and step < max_steps
-        saving = every.save_steps and step % every.save_steps == 0
-        if evaluating or saving or step == stop or ledger.signal or ledger.give_up:
-            ledger.settle(last=step == stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
-        if ledger.give_up:
-            # The weights that produced the first non-finite loss were saved, if at all, one step before it.
-            first_bad = ledger.step - ledger.nonfinite + 1
-            good = checkpoint.rewind_latest(plan.run_dir / "checkpoints", first_bad - 2) if world.is_main else None
-            tracker.close()
-            kept = f"{good} (--resume auto takes it)" if good else \
-                "none (later ones are set aside as step_*.bad; --overwrite starts again)"
-            raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
-                                  f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
-                                  f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
-                                  f"data, or use bf16 instead of fp16")
-        improved = False
-        if evaluating and not ledger.signal:
-            last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step,
-                                         want=selection and selection.metric)
-            if selection:  # the same verdict on every rank: the metrics are all-reduced
-                improved = _select(selection, last_metrics, step, plan, world, tracker, math.isfinite(result.loss))
-        stopping = bool(selection and selection.stopped_at)
-        if saving or step == stop or improved or stopping or ledger.signal:
-            if math.isfinite(result.loss):
-                extra = {"selection": selection.state()} if selection else {}
-                best = selection.step if selection and selection.value is not None else None
-                checkpoint.save(engine, ckpts, step, {"step": step, "samples_seen": samples_seen, **extra}, world,
-                                t.keep_checkpoints, best=best, layout=checkpoint.layout_of(ds))
-            elif world.is_main:
-                progress.write(f"step {step}: loss is not finite, checkpoint skipped")
-        if ledger.signal:
-            progress.close()
-            tracker.close()
-            raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {max_steps}; "
-                            f"{checkpoint.resume_hint(ckpts)}")
-    progress.close()
-    if compiled:
-        graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
-        say(f"train.compile: {graphs} compiled in {compiled.seconds:.1f} s, counted apart from step_s (metrics "
-            f"compile_s)")
-    if step == max_steps:
-        last_metrics = _eval_and_log(engine, plan, data.val, world, tracker, step, final=True)
-        if selection and _select(selection, last_metrics, step, plan, world, tracker, final=True) and world.is_main:
+    return steps, ledger, progress, compiled
+
+
+def _give_up(run: Run, ledger: Ledger) -> None:
+    """Too many non-finite steps in a row: stop, naming the last good checkpoint (the weights that produced the first
+    non-finite loss were saved, if at all, one step before it)."""
+    first_bad = ledger.step - ledger.nonfinite + 1
+    good = checkpoint.rewind_latest(run.plan.run_dir / "checkpoints", first_bad - 2) if run.world.is_main else None
+    run.tracker.close()
+    kept = f"{good} (--resume auto takes it)" if good else \
+        "none (later ones are set aside as step_*.bad; --overwrite starts again)"
+    raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
+                          f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
+                          f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
+                          f"data, or use bf16 instead of fp16")
+
+
+def _save(run: Run, step: int, result, progress) -> None:
+    """Collective: a checkpoint of this step, unless its loss is not finite."""
+    if math.isfinite(result.loss):
+        selection = run.selection
+        extra = {"selection": selection.state()} if selection else {}
+        best = selection.step if selection and selection.value is not None else None
+        checkpoint.save(run.engine, run.plan.run_dir / "checkpoints", step,
+                        {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
+                        run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds))
+    elif run.world.is_main:
+        progress.write(f"step {step}: loss is not finite, checkpoint skipped")
+
+
+def _finish(run: Run, step: int, metrics: dict) -> dict:
+    """The final evaluation, the best checkpoint's weights (train.select_best) and the export, or a line saying how
+    to continue a run stopped by --stop-at; then the curves."""
+    plan, world, selection, ckpts = run.plan, run.world, run.selection, run.plan.run_dir / "checkpoints"
+    if step == run.max_steps:
+        metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True)
+        if selection and _select(selection, metrics, step, plan, world, run.tracker, final=True) and world.is_main:
             checkpoint.mark_best(ckpts, step)
-    if step == max_steps or (selection and selection.stopped_at):
-        if selection and selection.stopped_at:
-            say(f"stopped early at step {step} of {max_steps}: {selection.why_stopped()}")
+    if step == run.max_steps or run.stopped_early:
+        if run.stopped_early:
+            run.say(f"stopped early at step {step} of {run.max_steps}: {selection.why_stopped()}")
         if selection and selection.value is not None and selection.step != step:
-            checkpoint.load(engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
-            say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
-                f"(train.select_best); exporting its checkpoint")
-        say(f"exported {export_model(engine, plan.run_dir, world, plan.task, cfg)}")
+            checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
+            run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
+                    f"(train.select_best); exporting its checkpoint")
+        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg)}")
     else:
-        say(f"stopped at step {step} of {max_steps} (--stop-at); continue with --resume auto")
-    tracker.close()
-    if cfg.logging.plots and world.is_main:
-        _draw_curves(plan.run_dir, say)
-    return {"step": step, **last_metrics, **({"best": selection.state()} if selection else {})}
+        run.say(f"stopped at step {step} of {run.max_steps} (--stop-at); continue with --resume auto")
+    run.tracker.close()
+    if plan.run.cfg.logging.plots and world.is_main:
+        _draw_curves(plan.run_dir, run.say)
+    return {"step": step, **metrics, **({"best": selection.state()} if selection else {})}
 
 
 def _select(selection: Selection, metrics: dict, step: int, plan: Plan, world: World, tracker: Tracker,
