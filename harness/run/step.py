@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, ClassVar
 
 import torch
 
@@ -35,10 +35,55 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-WORK = 4  # a step's work counts on each rank (`step_work`)
-HEAD = 2  # a span's row starts with a stop signal the rank got and its seconds per step of the last span
-FIGURES = 5  # a step's figures, carried to the next span's collective: [carried (1) or not (0), peak memory, has a
-#              gradient norm (1) or not (0), the norm, loss sum]
+class Fields:
+    """Named numbers that travel as a float64 row in a collective: `pack` puts them in field order, `unpack` reads
+    a row (or a slice of one) back on the host."""
+    N: ClassVar[int]
+
+    def pack(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def unpack(cls, row: list[float], at: int = 0):
+        return cls(*row[at:at + cls.N])
+
+    @classmethod
+    def column(cls, name: str) -> int:
+        return [f.name for f in fields(cls)].index(name)
+
+
+@dataclass
+class Head(Fields):
+    """The start of a rank's row in a span's collective."""
+    signal: float   # a stop signal the rank got, else 0
+    step_s: float   # its seconds per step over the last span (0: not known yet)
+    N: ClassVar[int] = 2
+
+
+@dataclass
+class Work(Fields):
+    """A step's work on a rank, counted on the host from its batches (`step_work`); summed over ranks, a step's."""
+    items: float    # what the loss is normalised by (e.g. target tokens)
+    flops: float    # model training FLOPs
+    real: float     # real positions
+    padded: float   # positions with padding
+    N: ClassVar[int] = 4
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(a + b for a, b in zip(self.pack(), other.pack())))
+
+
+@dataclass
+class Figures(Fields):
+    """A step's figures on a rank, carried to the next span's collective (`_figures` builds them on the device)."""
+    carried: float    # 1: the loop's bookkeeping carried them
+    peak_mem: float   # bytes
+    has_norm: float   # 1 where there is a gradient norm
+    grad_norm: float
+    loss_sum: float
+    N: ClassVar[int] = 5
+
+
 SYNC_S = 1.0  # a span's collective comes about once a second at most: as many steps as run in it, up to
 MAX_SPAN = 16  # this many (batches fetched ahead), and one when the steps take a second or more
 
@@ -52,9 +97,9 @@ def span_length(step_s: float) -> int:
 class StepResult:
     """A step's outcome. What only the ranks together know (the loss, the peak memory) is read by the `Ledger` when
     the next span's collective brings it; until then `loss` and its kin are None."""
-    rows: Callable[[], torch.Tensor] | None  # the first step of a span: -> (world, HEAD + k * WORK + n * FIGURES)
-    #                                          on the host, every rank's row of the span's collective (`Span`)
-    mine: torch.Tensor | None  # (FIGURES,) this rank's figures of this step, on its device; None: read (pipeline)
+    rows: Callable[[], torch.Tensor] | None  # the first step of a span: -> every rank's row of the span's
+    #                                          collective on the host (`Span`: Head, k x Work, n x Figures)
+    mine: torch.Tensor | None  # (Figures.N,) this rank's figures of this step, on its device; None: read (pipeline)
     skipped: bool              # the update was skipped for a non-finite gradient (fp16: or an overflow)
     skipped_steps: int         # updates skipped so far
     loss_scale: float | None   # fp16's loss scale after the step; None in fp32 and bf16
@@ -73,10 +118,11 @@ class Span:
     (`Ledger.carry`)]. On a GPU nothing here waits for the device: host values go up from pinned memory, and the
     rows come down behind the gather (`to_host_later`)."""
 
-    def __init__(self, works: list[list[float]], signal: int, step_s: float, carry: torch.Tensor, world: World,
+    def __init__(self, works: list[Work], signal: int, step_s: float, carry: torch.Tensor, world: World,
                  factor: int = 1):
         self.world, self.factor = world, factor  # factor: sequence parallel under ZeRO-3 (`Ulysses.loss_factor`)
-        head = torch.tensor([float(signal), step_s, *(w for work in works for w in work)], dtype=torch.float64)
+        head = torch.tensor([*Head(signal, step_s).pack(), *(w for work in works for w in work.pack())],
+                            dtype=torch.float64)
         self.out, self.pending = all_gather_start(torch.cat([host_to_device(head, world.device), carry]))
         self.gathered, self.rows = None, None
 
@@ -91,7 +137,7 @@ class Span:
             self.rows = to_host_later(self.gathered)
         # Ranks that read the same batch (tensor-parallel peers, pipeline stages, sequence ranks) each count it:
         # hence replicas.
-        items = self.gathered[:, HEAD + i * WORK].sum() / world.replicas
+        items = self.gathered[:, Head.N + i * Work.N + Work.column("items")].sum() / world.replicas
         return (world.dp_size * accum * self.factor / items).float()
 
 
@@ -116,11 +162,11 @@ class Ledger:
         self.min_loss_scale = min_loss_scale
         self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
         self.pending: list[tuple] = []  # steps run, not read: (step, StepResult, its global work, lr, samples, end)
-        self.works: list[list[float]] = []  # the global work of the span's steps not yet added
+        self.works: list[Work] = []  # the global work of the span's steps not yet added
         self.span = 1  # steps in the next span (`span_length`)
         self.step, self.result = None, None  # the last step read
         self.nonfinite, self.give_up, self.signal = 0, False, 0
-        self.window_work, self.window_steps, self.window_start = [0.0] * WORK, 0, time.perf_counter()
+        self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0), 0, time.perf_counter()
 
     def carry(self) -> torch.Tensor:
         """What the next span's collective carries: this rank's figures of the steps not yet read, in order."""
@@ -132,18 +178,23 @@ class Ledger:
         if result.rows is not None:
             with mark("loss to host"):
                 rows = result.rows().tolist()  # sync point: on a GPU, with a copy queued early in the step
-            result.signal = int(max(r[0] for r in rows))  # sent before the step ran: stops the run at its end
+            heads = [Head.unpack(r) for r in rows]
+            result.signal = int(max(h.signal for h in heads))  # sent before the step ran: stops the run at its end
             self.signal = self.signal or result.signal
-            self.span = span_length(max(r[1] for r in rows))
-            carried = len(rows[0]) - len(self.pending) * FIGURES  # where the figures of the steps before begin
-            assert (carried - HEAD) % WORK == 0 and not self.works, "a span's collective is out of step"
+            self.span = span_length(max(h.step_s for h in heads))
+            carried = len(rows[0]) - len(self.pending) * Figures.N  # where the figures of the steps before begin
+            assert (carried - Head.N) % Work.N == 0 and not self.works, "a span's collective is out of step"
             self._read_pending([r[carried:] for r in rows], mark=mark)
             # the steps' global work: ranks that read the same batch (tensor-parallel peers) each counted it
-            self.works = [[sum(column) / self.world.replicas for column in zip(*(r[i:i + WORK] for r in rows))]
-                          for i in range(HEAD, carried, WORK)]
+            self.works = [self._global_work(rows, i) for i in range(Head.N, carried, Work.N)]
         self.pending.append((step, result, self.works.pop(0), lr, samples_seen, time.perf_counter()))
         if result.mine is None:  # read already (a pipeline's step)
             self._read_pending(None, mark=mark)
+
+    def _global_work(self, rows: list[list[float]], at: int) -> Work:
+        """A step's work over the ranks, from each rank's `Work` at `at` in its row."""
+        total = sum((Work.unpack(r, at) for r in rows), Work(0, 0, 0, 0))
+        return Work(*(x / self.world.replicas for x in total.pack()))
 
     def settle(self, last: bool = False) -> None:
         """Read the steps not yet read, now (`last`: the loop ends after them, so the last one's record is
@@ -152,30 +203,30 @@ class Ledger:
             self._read_pending(all_gather_rows(self.carry()).tolist(), last)  # sync point: a collective of its own
 
     def _read_pending(self, ranks: list[list[float]] | None, last: bool = False, mark=profiling.unmarked) -> None:
-        """The pending steps, in order, from every rank's figures of them (FIGURES numbers a step, on the host)."""
+        """The pending steps, in order, from every rank's figures of them (Figures.N numbers a step, on the host)."""
         pending, self.pending = self.pending, []
         for j, p in enumerate(pending):
-            self._read(p, None if ranks is None else [r[j * FIGURES:(j + 1) * FIGURES] for r in ranks],
+            self._read(p, None if ranks is None else [Figures.unpack(r, j * Figures.N) for r in ranks],
                        last and j == len(pending) - 1, mark)
 
-    def _read(self, pending: tuple, ranks: list[list[float]] | None, last: bool, mark) -> None:
-        """One step's figures from every rank's row of FIGURES numbers, on the host (Python numbers: one conversion,
-        not a tensor operation per figure)."""
+    def _read(self, pending: tuple, ranks: list[Figures] | None, last: bool, mark) -> None:
+        """One step's figures from every rank's, on the host (Python numbers: one conversion, not a tensor
+        operation per figure)."""
         step, r, work, lr, samples_seen, ended = pending
         if ranks is not None:
-            assert all(f[0] == 1 for f in ranks), "a step's figures were not carried"  # the loop's bookkeeping
-            r.peak_mem = int(max(f[1] for f in ranks))
-            r.grad_norm = ranks[0][3] if ranks[0][2] else None  # global: every rank's is the same
+            assert all(f.carried == 1 for f in ranks), "a step's figures were not carried"  # the loop's bookkeeping
+            r.peak_mem = int(max(f.peak_mem for f in ranks))
+            r.grad_norm = ranks[0].grad_norm if ranks[0].has_norm else None  # global: every rank's is the same
             # a step without items (a 0/0 loss) is a non-finite step
             # each loss sum counted by the ranks that compute it (the sequence ranks sum their own positions)
-            r.loss = sum(f[4] for f in ranks) / self.world.loss_replicas / work[0] if work[0] else math.nan
+            r.loss = sum(f.loss_sum for f in ranks) / self.world.loss_replicas / work.items if work.items else math.nan
         if self.give_up:  # the run stops at the step that gave up: reads after it are not counted
             return
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
         self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
         self.step, self.result = step, r
-        self.window_work = [a + b for a, b in zip(self.window_work, work)]
+        self.window_work = self.window_work + work
         self.window_steps += 1
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
         # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
@@ -192,10 +243,10 @@ class Ledger:
         if self.compiled:  # the window's compiles, ended by its end: not step time (a perf_counter end, as wall time)
             compiling = min(seconds, self.compiled.update(step, until=time.time() - (time.perf_counter() - ended)))
             seconds = max(seconds - compiling, 1e-9)
-        items, step_flops, real, padded = self.window_work
+        w = self.window_work
         record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
-                  "tokens_per_s": items / seconds, "step_s": seconds / self.window_steps,
-                  "tflops": step_flops / seconds / 1e12, "padding": 1 - real / padded if padded else 0.0,
+                  "tokens_per_s": w.items / seconds, "step_s": seconds / self.window_steps,
+                  "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
                   "peak_mem_bytes": r.peak_mem, "epoch": step / self.steps_per_epoch,
                   "flops_method": self.flops.method, **self.fixed,  # the method: once the first batch was counted
                   "skipped_steps": r.skipped_steps}  # updates skipped for a non-finite gradient, so far
@@ -206,7 +257,7 @@ class Ledger:
         self.tracker.log(record)
         self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-        self.window_start, self.window_work, self.window_steps = ended, [0.0] * WORK, 0
+        self.window_start, self.window_work, self.window_steps = ended, Work(0, 0, 0, 0), 0
 
 
 class Steps:
@@ -269,15 +320,14 @@ class Steps:
         self.index, self.span_start = 0, (step, now)
 
 
-def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> list[float]:
-    """This rank's share of a step, from its host-side batches: [items (the loss normaliser), model training FLOPs
-    (`models/flops.py`: analytic, or counted), real positions, padded positions]."""
+def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> Work:
+    """This rank's share of a step, from its host-side batches (FLOPs: `models/flops.py`, analytic or counted)."""
     items = model_flops = real = padded = 0
     for b in batches:
         n = task.count(b)
         r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
         items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
-    return [float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded)]
+    return Work(float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded))
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World, span: Span,
@@ -367,8 +417,8 @@ def saved_bytes(out: dict | None):
 
 
 def _figures(world: World, grad_norm, loss_sum: torch.Tensor) -> torch.Tensor:
-    """This rank's figures of a step, (FIGURES,) float64 on its device (peak memory exact to 2**53 bytes), built
-    without waiting for the device: a norm DeepSpeed keeps on the device stays there."""
+    """This rank's `Figures` of a step, packed as (Figures.N,) float64 on its device (peak memory exact to 2**53
+    bytes), built without waiting for the device: a norm DeepSpeed keeps on the device stays there."""
     known = [1.0, float(peak_memory_bytes(world.device)), float(grad_norm is not None)]
     if isinstance(grad_norm, torch.Tensor):
         norm = grad_norm.detach().reshape(1).to(world.device, torch.float64)
