@@ -74,3 +74,27 @@ def test_no_module_imports_itself_through_others():
     graph.add_import(importer="harness.config.run", imported="harness.tasks.registry")  # the cycle there was
     assert cycles(graph) == [["harness.config.run", "harness.data.rows", "harness.tasks.interface",
                               "harness.tasks.registry"]]
+
+
+MAX_FUNCTION_LINES = 80  # a function a reader can hold in their head (docs/ARCHITECTURE.md)
+
+
+def long_functions(root: Path) -> list[str]:
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_the_package_is_over_80_lines(tmp_path):
+    assert long_functions(ROOT / "harness") == []
+    # the check can fail: a function of 81 lines is named
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "long.py").write_text("def f():\n" + "    x = 1\n" * 80)
+    assert long_functions(tmp_path / "harness") == ["harness/long.py:1 f (81 lines)"]

@@ -32,7 +32,7 @@ import json
 import time
 
 
-def main(argv: list[str] | None = None) -> None:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m harness.bench.reference")
     ap.add_argument("--run")
     ap.add_argument("--ds", required=True)
@@ -41,7 +41,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="trace one more step after them (profiling.py)")
     ap.add_argument("--paired", type=int, default=0, help="then this many blocks of each loop's steps, alternated")
     ap.add_argument("--block", type=int, default=17, help="steps per paired block, the first one not timed")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _timed(step, steps: int, profile: bool, world) -> tuple[list[float], list[float], dict | None]:
+    """`steps` steps, each timed, then with `profile` one more traced (profiling.py): seconds, losses, the trace."""
+    from ..run import profiling
+
+    times, losses, trace = [], [], None
+    last = time.perf_counter()
+    for i in range(steps + profile):
+        traced = profiling.StepProfile(world.device) if i == steps and world.is_main else None
+        loss_value = step(traced.section if traced else profiling.unmarked)  # the harness's names for the parts
+        if traced:
+            trace = traced.finish(0.0, i + 1)
+            continue
+        losses.append(loss_value)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times, losses, trace
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
 
     import torch
 
@@ -93,18 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         with mark("loss to host"):
             return total.item() / accum  # sync point: the step's loss on the host, as any script prints it
 
-    times, losses, profile = [], [], None
-    last = time.perf_counter()
-    for i in range(args.steps + args.profile):
-        traced = profiling.StepProfile(world.device) if i == args.steps and world.is_main else None
-        loss_value = step(traced.section if traced else profiling.unmarked)  # the harness's names for the parts
-        if traced:
-            profile = traced.finish(0.0, i + 1)
-            continue
-        losses.append(loss_value)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
+    times, losses, profile = _timed(step, args.steps, args.profile, world)
     per_rank = all_gather_objects(losses)  # after the timed steps
     paired = _paired(plan, world, engine, loader, step, args.paired, args.block, args.steps + args.profile) \
         if args.paired else None

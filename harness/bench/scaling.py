@@ -217,11 +217,8 @@ class Scaling:
     assumptions: list[str]
 
 
-def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, interconnect: str,
-             profile_path: str | Path | None = None, mfu: float = 0.40) -> Scaling:
-    """The plan's strategy (ZeRO stage, offload, precision, tp, pp, micro batch, accumulation) on G x N GPUs."""
-    ds, c = plan.ds, plan.run.cfg
-    tp, pp, G, world = ds.layout.tp_size, ds.layout.pp_size, gpus_per_node, gpus_per_node * nodes
+def _check_world(G: int, nodes: int, mfu: float, tp: int, pp: int) -> None:
+    world = G * nodes
     if G < 1 or nodes < 1 or not 0 < mfu <= 1:
         raise ConfigError(f"--gpus-per-node {G} and --nodes {nodes} must be at least 1, the MFU {mfu} in (0, 1]")
     if world % (tp * pp):
@@ -230,6 +227,64 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     if G % tp:
         raise ConfigError(f"tensor-parallel size {tp} must divide --gpus-per-node {G}: its per-layer all-reduces "
                           f"need the intra-node link, so a tensor-parallel group must fit inside one node")
+
+
+def _link_assumptions(ds, intra: str, inter: str, nodes: int, b: int, b_act: int, m: int, share: float) -> list[str]:
+    """The estimate's assumptions about the links, the collectives and the volumes they carry."""
+    return [f"links at {EFFICIENCY:.0%} of nominal per GPU per direction, latency ignored: intra-node {intra} "
+            f"{LINKS[intra].bytes_per_s / 1e9:g} GB/s ({LINKS[intra].source}), inter-node {inter} "
+            f"{LINKS[inter].bytes_per_s / 1e9:g} GB/s ({LINKS[inter].source}){' (unused: one node)' * (nodes == 1)}",
+            "ring collectives; a group that spans nodes runs at the inter-node bandwidth per GPU (hierarchical and "
+            "tree algorithms ignored)",
+            f"gradients and parameters communicated in {b} bytes, activations in {b_act} (training precision "
+            f"{ds.precision}, communication_data_type {ds.config.get('communication_data_type', 'unset')})",
+            f"ZeRO-{ds.zero_stage} data-parallel volume per pass " + ("3 (dp-1)/dp Psi b (ZeRO paper: 1.5x data "
+            "parallel)" if ds.zero_stage == 3 else "2 (dp-1)/dp Psi b (ZeRO paper: as data parallel)") + "; " +
+            ("one pass per step (reduced at the accumulation boundary)" if ds.zero_stage < 2 else
+             f"gradients reduced in each of the {m} micro-batch(es) (DeepSpeed, stage >= 2)"),
+            f"model-parallel shares split evenly: Psi / (tp pp) = {share:,.0f} parameters per rank (replicated "
+            f"embeddings and norms ignored)"]
+
+
+def _activations(profile, n_params: int, ds, micro: int, seq_ratio: float, positions_bytes: float,
+                 checkpointing: int, assumptions: list[str]) -> float:
+    """One GPU's activation bytes of a micro-batch on one model-parallel rank before the split: from the profile's
+    peak memory where it is usable, else Korthikanti et al.'s count; says which in `assumptions`."""
+    own = profile.peak_mem - _states(n_params, ds, Layout(1, 1), precision=profile.precision)["device"] \
+        if profile and profile.params == n_params else 0
+    if own > 0:
+        assumptions.append(f"activations from the profile: peak memory {profile.peak_mem / 2**30:.2f} GiB minus its "
+                           f"model states, for micro batch {profile.micro} (its train.micro_batch_size, else its "
+                           f"global batch) scaled to {micro} and by seq, split by (10 + 24/tp)/34 and min(p, m)/p")
+        return own * micro / profile.micro * seq_ratio
+    assumptions.append("activations 34 x seq x B x d_model x layers bytes in 16-bit, doubled in fp32 (Korthikanti et "
+                       "al. 2022, no recomputation, d_ff = 4 d_model, attention scores not stored, logits ignored)"
+                       + (" because the profile's model differs or its peak memory is unusable" if profile else "")
+                       + ("; an upper bound with activation checkpointing on" if checkpointing else ""))
+    return 34 * positions_bytes / 2
+
+
+def _model_parallel_assumptions(ds, tp: int, pp: int, m: int, intra: str) -> list[str]:
+    A = []
+    if tp > 1:
+        A.append(f"tensor parallel: 4 all-reduces of (B, seq, d_model) per layer and micro-batch (Megatron), inside "
+                 f"a node over {intra}")
+    if pp > 1:
+        A.append(f"pipeline: compute x (m+p-1)/m = {bubble_factor(pp, m):.3g} (1F1B bubble); one (B, seq, d_model) "
+                 f"send per micro-batch forward and one backward, on the critical path")
+    if ds.offload_optimizer or ds.offload_params:
+        A.append(f"offload leaves the interconnect volume unchanged; PCIe ({LINKS[HOST_LINK].source}) carries each "
+                 f"GPU's gradient shard out and parameter shard back over its own link (one GPU moves dp times "
+                 f"more, so scaling can look superlinear); the CPU optimizer's time is not modelled")
+    return A
+
+
+def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, interconnect: str,
+             profile_path: str | Path | None = None, mfu: float = 0.40) -> Scaling:
+    """The plan's strategy (ZeRO stage, offload, precision, tp, pp, micro batch, accumulation) on G x N GPUs."""
+    ds, c = plan.ds, plan.run.cfg
+    tp, pp, G, world = ds.layout.tp_size, ds.layout.pp_size, gpus_per_node, gpus_per_node * nodes
+    _check_world(G, nodes, mfu, tp, pp)
     intra, inter = parse_interconnect(interconnect)
     layout = dataclasses.replace(ds.layout, world_size=world, dp_size=world // (tp * pp))
     dp, m, B, seq, h = layout.dp_size, ds.grad_accum_steps, c.train.micro_batch_size, c.data.seq_len, c.model.d_model
@@ -248,30 +303,8 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     act_bytes = B * seq * h * b_act                 # one (B, seq, d_model) activation
     A = [f"world {world} = {G} GPUs per node x {nodes} nodes; the plan's micro batch {B} and accumulation {m} are "
          f"kept, so the global batch grows with data parallelism to {B * m * dp}",
-         f"training precision {precision}: {why}",
-         f"links at {EFFICIENCY:.0%} of nominal per GPU per direction, latency ignored: intra-node {intra} "
-         f"{LINKS[intra].bytes_per_s / 1e9:g} GB/s ({LINKS[intra].source}), inter-node {inter} "
-         f"{LINKS[inter].bytes_per_s / 1e9:g} GB/s ({LINKS[inter].source}){' (unused: one node)' * (nodes == 1)}",
-         "ring collectives; a group that spans nodes runs at the inter-node bandwidth per GPU (hierarchical and "
-         "tree algorithms ignored)",
-         f"gradients and parameters communicated in {b} bytes, activations in {b_act} (training precision "
-         f"{ds.precision}, communication_data_type {ds.config.get('communication_data_type', 'unset')})",
-         f"ZeRO-{ds.zero_stage} data-parallel volume per pass " + ("3 (dp-1)/dp Psi b (ZeRO paper: 1.5x data "
-         "parallel)" if ds.zero_stage == 3 else "2 (dp-1)/dp Psi b (ZeRO paper: as data parallel)") + "; " +
-         ("one pass per step (reduced at the accumulation boundary)" if ds.zero_stage < 2 else
-          f"gradients reduced in each of the {m} micro-batch(es) (DeepSpeed, stage >= 2)"),
-         f"model-parallel shares split evenly: Psi / (tp pp) = {share:,.0f} parameters per rank (replicated "
-         f"embeddings and norms ignored)"]
-    if tp > 1:
-        A.append(f"tensor parallel: 4 all-reduces of (B, seq, d_model) per layer and micro-batch (Megatron), inside "
-                 f"a node over {intra}")
-    if pp > 1:
-        A.append(f"pipeline: compute x (m+p-1)/m = {bubble_factor(pp, m):.3g} (1F1B bubble); one (B, seq, d_model) "
-                 f"send per micro-batch forward and one backward, on the critical path")
-    if ds.offload_optimizer or ds.offload_params:
-        A.append(f"offload leaves the interconnect volume unchanged; PCIe ({LINKS[HOST_LINK].source}) carries each "
-                 f"GPU's gradient shard out and parameter shard back over its own link (one GPU moves dp times "
-                 f"more, so scaling can look superlinear); the CPU optimizer's time is not modelled")
+         f"training precision {precision}: {why}", *_link_assumptions(ds, intra, inter, nodes, b, b_act, m, share)]
+    A += _model_parallel_assumptions(ds, tp, pp, m, intra)
 
     seq_ratio = seq / profile.seq if profile and profile.seq else 1.0
 
@@ -314,19 +347,8 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     # Activations: Korthikanti et al. sbh(10 + 24/t) bytes per layer in 16-bit; 1F1B keeps min(p, m) micro-batches
     # of L/p layers on the first stage.
     split = (10 + 24 / tp) / 34 * min(pp, m) / pp
-    own = profile.peak_mem - _states(n_params, ds, Layout(1, 1), precision=profile.precision)["device"] \
-        if profile and profile.params == n_params else 0
-    if own > 0:
-        one_act = own * B / profile.micro * seq_ratio
-        A.append(f"activations from the profile: peak memory {profile.peak_mem / 2**30:.2f} GiB minus its model "
-                 f"states, for micro batch {profile.micro} (its train.micro_batch_size, else its global batch) scaled "
-                 f"to {B} and by seq, split by (10 + 24/tp)/34 and min(p, m)/p")
-    else:
-        one_act = 34 * seq * B * h * c.model.n_layers * b_act / 2
-        A.append("activations 34 x seq x B x d_model x layers bytes in 16-bit, doubled in fp32 (Korthikanti et "
-                 "al. 2022, no recomputation, d_ff = 4 d_model, attention scores not stored, logits ignored)"
-                 + (" because the profile's model differs or its peak memory is unusable" if profile else "")
-                 + ("; an upper bound with activation checkpointing on" if layout.checkpoint_interval else ""))
+    one_act = _activations(profile, n_params, ds, B, seq_ratio, seq * B * h * c.model.n_layers * b_act,
+                           layout.checkpoint_interval, A)
     A.append(f"GPU memory {GPUS[gpu].memory / 2**30:g} GiB ({gpu})" if gpu else
              f"GPU memory unknown for {profile.device} (known: {', '.join(GPUS)})")
     one_gpu_s = compute_s(1) + offload_bytes(n_params, b, m, ds.offload_optimizer, ds.offload_params) / bw[HOST_LINK]
