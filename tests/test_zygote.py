@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT, TINY, WARM_PYTHON, Zygote, _env, cli
 
-pytestmark = pytest.mark.skipif(not Zygote.start(), reason=f"the fork server did not start: {Zygote.refused}")
+pytestmark = pytest.mark.skipif(not Zygote.start(), reason="the fork server is off: HARNESS_TEST_COLD=1, or it refused "
+                                "to start (the line above says why)")
 
 
 def gone(pid: int, seconds: float = 10.0) -> bool:
