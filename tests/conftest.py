@@ -125,7 +125,7 @@ def _env(extra: dict | None = None, cold: bool = False) -> dict:
            "HF_DATASETS_CACHE": os.environ.get("HF_DATASETS_CACHE", str(ROOT / ".pytest_cache" / "hf")),
            "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_MIXED_PRECISION",
-                "PYTHON_EXEC", *Zygote.ENV):
+                *Zygote.ENV):
         env.pop(key, None)
     if LAUNCHES:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (LAUNCHLOG, env.get("PYTHONPATH")) if p)
@@ -166,7 +166,7 @@ def command(out: Path, corpus: Path, *, nproc: int = 1, ds: str | None = None, s
 class Zygote:
     """One per test worker: tests/zygote.py, the fork server that tests/warm_python asks for warm processes. Not
     started where fork is unsafe (it says why; the tests then start every process cold) or with HARNESS_TEST_COLD=1."""
-    ENV = ("HARNESS_ZYGOTE", "HARNESS_ZYGOTE_PYTHON", "HARNESS_ZYGOTE_ENV")
+    ENV = ("PYTHON_EXEC", "HARNESS_ZYGOTE", "HARNESS_ZYGOTE_PYTHON", "HARNESS_ZYGOTE_ENV")  # what `env` sets
     proc: subprocess.Popen | None = None
     name = ""
     server_env: dict = {}
@@ -206,7 +206,7 @@ class Zygote:
             cls.proc.stdin.close()
             cls.proc.wait()
             cls.proc = None
-            for key in cls.env():
+            for key in cls.ENV:
                 os.environ.pop(key, None)
 
 

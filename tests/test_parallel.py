@@ -230,6 +230,28 @@ def test_the_deepspeed_patches_find_what_they_rely_on_here_and_step_aside_where_
                    f"deepspeed.runtime.utils.is_invalid_grad_norm): DeepSpeed's own code runs\n"), out
 
 
+def test_the_cpu_fp16_opt_in_steps_aside_on_a_deepspeed_it_was_not_checked_on(monkeypatch, capsys):
+    """HARNESS_CPU_FP16=1 tells DeepSpeed's CPU accelerator fp16 is supported (`ds_patches.claim_cpu_fp16`) on the
+    DeepSpeed it was checked on; on another, fp16 is refused in one line that says why."""
+    from deepspeed.accelerator import get_accelerator
+
+    from harness.config.run import ConfigError
+    from harness.distributed import ds_patches
+    from harness.run.startup import check_precision
+
+    acc = get_accelerator()
+    monkeypatch.setattr(acc, "is_fp16_supported", lambda: False)  # a CPU without native fp16, as DeepSpeed sees it
+    monkeypatch.setenv("HARNESS_CPU_FP16", "1")
+    monkeypatch.setattr(ds_patches, "_said", set())
+    monkeypatch.setattr(ds_patches, "version", lambda: "0.0.0")
+    with pytest.raises(ConfigError, match=r"HARNESS_CPU_FP16=1 steps aside on DeepSpeed 0\.0\.0"):
+        check_precision("fp16")
+    assert "harness: claim_cpu_fp16 left out (DeepSpeed 0.0.0 is not a version" in capsys.readouterr().out
+    monkeypatch.setattr(ds_patches, "version", lambda: ds_patches.CHECKED[0])
+    check_precision("fp16")
+    assert acc.is_fp16_supported()
+
+
 STEP_SYNCS = [(0, "fp16", 1.0), (1, "bf16", 0.0), (2, "fp16", 1.0), (2, "fp32", 0.05), (3, "fp16", 1.0)]
 
 

@@ -41,9 +41,10 @@ def differs(env: dict, server: dict) -> list[str]:
 def cold(why: str) -> None:
     python = os.environ["HARNESS_ZYGOTE_PYTHON"]
     if os.environ.get("HARNESS_TEST_LAUNCHES"):  # the reason, beside this process's line in the launch log
-        fd = os.open(os.environ["HARNESS_TEST_LAUNCHES"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.write(fd, (json.dumps({"pid": os.getpid(), "fallback": why}) + "\n").encode())
-        os.close(fd)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "launchlog"))
+        import launches
+
+        launches.write({"pid": os.getpid(), "fallback": why})
     os.execv(python, [python, *sys.argv[1:]])
 
 

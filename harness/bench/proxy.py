@@ -166,12 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     from ..distributed.world import close_world, init_world
     from ..plan.resolve import make_plan
     from ..run import step as step_module
-    from ..run.startup import check_device
+    from ..run.startup import check_precision
     from .plain import PlainLoop
     from .reference import HarnessSteps
 
     plan = make_plan(args.run, args.set, args.ds, 1, "no")
-    check_device(plan.ds)
+    check_precision(plan.ds.precision)
     cfg, task, total = plan.run.cfg, plan.task, args.warmup + args.steps
     world = init_world(plan.ds.layout)
     data = task.build_data(cfg)

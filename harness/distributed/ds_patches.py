@@ -8,6 +8,7 @@ error: a DeepSpeed this file does not know trains as DeepSpeed trains.
 - `fix_universal_conversion` and `after_universal_load`: a checkpoint converted to DeepSpeed's universal format loads
   into another ZeRO stage, with each param group's hyperparameters and each state's own step.
 - `forget_groups`: DeepSpeed's process-wide memory of the process groups cleared, so a process can train again.
+- `claim_cpu_fp16`: DeepSpeed's CPU accelerator told fp16 is supported, where the user opted in (HARNESS_CPU_FP16).
 
 Not here: `run/trust.py`'s weights-only `torch.load`, a safety measure that wraps torch (what DeepSpeed loads with)
 on any version, and the harness's reads of DeepSpeed's state that change nothing.
@@ -302,3 +303,14 @@ def forget_groups() -> None:
         elif (name.startswith("_") and name.isupper() and isinstance(value, dist.ProcessGroup)) or \
                 name in ("mesh_device", "mpu"):
             setattr(ds_groups, name, None)
+
+
+# --- fp16 on a CPU -------------------------------------------------------------------------------------------------
+
+def claim_cpu_fp16(accelerator) -> bool:
+    """DeepSpeed's CPU accelerator answers that fp16 is supported, as the user asked (`run.startup.CPU_FP16_ENV`):
+    fp16 math runs on any CPU, only slowly, where DeepSpeed refuses it without native fp16 kernels. Whether it did."""
+    if not fence("claim_cpu_fp16", lambda: _lacks(type(accelerator), "is_fp16_supported", ("self",))):
+        return False
+    accelerator.is_fp16_supported = lambda: True
+    return True

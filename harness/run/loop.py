@@ -129,6 +129,10 @@ class Run:
     build_peaks: list[dict]
 
     @property
+    def checkpoints(self) -> Path:
+        return self.plan.run_dir / "checkpoints"
+
+    @property
     def stopped_early(self) -> bool:
         return bool(self.selection and self.selection.stopped_at)
 
@@ -167,14 +171,13 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     build_peaks = all_gather_objects(engine.harness_build_peak)
     state = _resume(plan, world, engine, schedule, resume_from, say) if resume_from is not None else {}
     start_step = state.get("step", 0)
-    ckpts = plan.run_dir / "checkpoints"
     selection = Selection.start(cfg.train, every.patience, state.get("selection"))  # train.select_best, or None
     if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
         finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps)
         if finished is not None:
             return {**finished, **({"best": selection.state()} if selection else {})}
     if selection and selection.value is not None:
-        checkpoint.adopt_best(ckpts, selection.step, resume_from.parent, world)
+        checkpoint.adopt_best(plan.run_dir / "checkpoints", selection.step, resume_from.parent, world)
     if world.is_main:
         for name in ("metrics.jsonl", "eval.jsonl"):
             truncate_jsonl(plan.run_dir / name, start_step)
@@ -266,7 +269,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             progress.close()
             run.tracker.close()
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
-                            f"{checkpoint.resume_hint(plan.run_dir / 'checkpoints')}")
+                            f"{checkpoint.resume_hint(run.checkpoints)}")
     progress.close()
     if compiled:
         graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
@@ -302,7 +305,7 @@ def _give_up(run: Run, ledger: Ledger) -> None:
     """Too many non-finite steps in a row: stop, naming the last good checkpoint (the weights that produced the first
     non-finite loss were saved, if at all, one step before it)."""
     first_bad = ledger.step - ledger.nonfinite + 1
-    good = checkpoint.rewind_latest(run.plan.run_dir / "checkpoints", first_bad - 2) if run.world.is_main else None
+    good = checkpoint.rewind_latest(run.checkpoints, first_bad - 2) if run.world.is_main else None
     run.tracker.close()
     kept = f"{good} (--resume auto takes it)" if good else \
         "none (later ones are set aside as step_*.bad; --overwrite starts again)"
@@ -318,7 +321,7 @@ def _save(run: Run, step: int, result, progress) -> None:
         selection = run.selection
         extra = {"selection": selection.state()} if selection else {}
         best = selection.step if selection and selection.value is not None else None
-        checkpoint.save(run.engine, run.plan.run_dir / "checkpoints", step,
+        checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds))
     elif run.world.is_main:
@@ -328,7 +331,7 @@ def _save(run: Run, step: int, result, progress) -> None:
 def _finish(run: Run, step: int, metrics: dict) -> dict:
     """The final evaluation, the best checkpoint's weights (train.select_best) and the export, or a line saying how
     to continue a run stopped by --stop-at; then the curves."""
-    plan, world, selection, ckpts = run.plan, run.world, run.selection, run.plan.run_dir / "checkpoints"
+    plan, world, selection, ckpts = run.plan, run.world, run.selection, run.checkpoints
     if step == run.max_steps:
         metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True)
         if selection and _select(selection, metrics, step, plan, world, run.tracker, final=True) and world.is_main:

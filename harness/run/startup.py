@@ -11,29 +11,28 @@ import os
 import shutil
 from pathlib import Path
 
-from ..config.ds import DSResolved
 from ..config.run import ConfigError, flatten, read_toml, to_toml
+from ..distributed import ds_patches
 from ..distributed.world import World, launched_world_size, quiet_deepspeed
 from ..plan.resolve import Plan
 
 CPU_FP16_ENV = "HARNESS_CPU_FP16"
 
 
-def check_device(ds: DSResolved) -> None:
-    check_precision(ds.precision)
-
-
 def check_precision(precision: str) -> None:
     """Refuse a precision DeepSpeed's accelerator does not support; fp16 on a CPU without it only where opted in
-    (CPU_FP16_ENV), which tells DeepSpeed it is supported."""
+    (CPU_FP16_ENV), which tells DeepSpeed it is supported (`ds_patches.claim_cpu_fp16`)."""
     quiet_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
     if precision == "fp16" and not acc.is_fp16_supported():
-        if os.environ.get(CPU_FP16_ENV) == "1" and acc.device_name() == "cpu":
-            acc.is_fp16_supported = lambda: True  # opted in: fp16 math runs on this CPU, only slowly
-        else:
+        opted = os.environ.get(CPU_FP16_ENV) == "1" and acc.device_name() == "cpu"
+        if opted and not ds_patches.claim_cpu_fp16(acc):
+            raise ConfigError(f"fp16 is not supported on this cpu (DeepSpeed's check), and {CPU_FP16_ENV}=1 steps "
+                              f"aside on DeepSpeed {ds_patches.version()} (the line above says why); use a bf16 or "
+                              f"fp32 config")
+        if not opted:
             raise ConfigError(f"fp16 is not supported on this {acc.device_name()} (DeepSpeed's check); use a bf16 "
                               f"or fp32 config, or set {CPU_FP16_ENV}=1 to run fp16 slowly on a CPU for testing")
     if precision == "bf16" and not acc.is_bf16_supported():
@@ -327,7 +326,7 @@ def check_same_model(plan: Plan, found: Path) -> None:
 def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
-    check_device(plan.ds)
+    check_precision(plan.ds.precision)
     shared_wait_s()
     from ..distributed.world import launched_rank
     from . import checkpoint, lock

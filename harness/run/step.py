@@ -37,7 +37,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 class Fields:
     """Named numbers that travel as a float64 row in a collective: `pack` puts them in field order, `unpack` reads
-    a row (or a slice of one) back on the host."""
+    a row (or a slice of one) back on the host; N, how many (set by `row`)."""
     N: ClassVar[int]
 
     def pack(self) -> list[float]:
@@ -52,28 +52,33 @@ class Fields:
         return [f.name for f in fields(cls)].index(name)
 
 
-@dataclass
+def row(cls: type) -> type:
+    """A dataclass of `Fields`, its N counted from its fields."""
+    cls = dataclass(cls)
+    cls.N = len(fields(cls))
+    return cls
+
+
+@row
 class Head(Fields):
     """The start of a rank's row in a span's collective."""
     signal: float   # a stop signal the rank got, else 0
     step_s: float   # its seconds per step over the last span (0: not known yet)
-    N: ClassVar[int] = 2
 
 
-@dataclass
+@row
 class Work(Fields):
     """A step's work on a rank, counted on the host from its batches (`step_work`); summed over ranks, a step's."""
     items: float    # what the loss is normalised by (e.g. target tokens)
     flops: float    # model training FLOPs
     real: float     # real positions
     padded: float   # positions with padding
-    N: ClassVar[int] = 4
 
     def __add__(self, other: Work) -> Work:
         return Work(*(a + b for a, b in zip(self.pack(), other.pack())))
 
 
-@dataclass
+@row
 class Figures(Fields):
     """A step's figures on a rank, carried to the next span's collective (`_figures` builds them on the device)."""
     carried: float    # 1: the loop's bookkeeping carried them
@@ -81,7 +86,6 @@ class Figures(Fields):
     has_norm: float   # 1 where there is a gradient norm
     grad_norm: float
     loss_sum: float
-    N: ClassVar[int] = 5
 
 
 SYNC_S = 1.0  # a span's collective comes about once a second at most: as many steps as run in it, up to

@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 
 
-def _write(line: dict) -> None:
+def write(line: dict) -> None:
     fd = os.open(os.environ["HARNESS_TEST_LAUNCHES"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (json.dumps(line) + "\n").encode())  # one write: lines of several processes never interleave
@@ -41,9 +41,9 @@ def record(kind: str, argv: list[str] | None, client: int | None = None) -> None
             argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[1:] if a]
     ancestors = [client, *_ancestors(client)] if client else _ancestors(os.getpid())
     pid = os.getpid()
-    _write({"pid": pid, "kind": kind, "argv": argv, "ancestors": ancestors, "start": time.time(),
+    write({"pid": pid, "kind": kind, "argv": argv, "ancestors": ancestors, "start": time.time(),
             "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]})
-    atexit.register(lambda: os.getpid() == pid and _write({"pid": pid, "end": time.time()}))
+    atexit.register(lambda: os.getpid() == pid and write({"pid": pid, "end": time.time()}))
 
 
 def summary(path: str, workers: set[int] | None = None) -> list[str]:
