@@ -153,6 +153,6 @@ def test_a_bench_measures_the_same_warm_and_cold(tmp_path, corpus):
         assert warm[key] == cold[key], key
     assert warm["flops_per_step"] == pytest.approx(cold["flops_per_step"], rel=1e-12)
     assert warm["step_s"]["n"] == cold["step_s"]["n"] == 3
-    # the warm process has the server's imports too (a few modules more than a run needs): 2% more, measured
+    # the warm process holds the server's imports too, a few modules more than a run needs
     mib = {kind: round(r["peak_mem_bytes"] / 2**20) for kind, r in results.items()}
     assert warm["peak_mem_bytes"] == pytest.approx(cold["peak_mem_bytes"], rel=0.05), mib
