@@ -28,64 +28,107 @@ def _run_dir(p: argparse.ArgumentParser) -> None:
                    "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
 
-def _bench_arguments(b: argparse.ArgumentParser) -> None:
-    """`harness bench`'s flags: the sweep's, then those of --overhead, --largest, --proxy, --suite and --seeds."""
-    b.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
-    b.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train, for all")
-    b.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
-    b.add_argument("--nproc", default="1", help="comma-separated process counts (GPUs on a GPU machine)")
-    b.add_argument("--mixed-precision", default="no", help="comma-separated accelerate mixed_precision values "
-                   "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
-    b.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
-                   help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
-    b.add_argument("--steps", type=int, help="timed steps per configuration (default 20; --smoke: 3)")
-    b.add_argument("--warmup", type=int, help="steps run before timing starts (default 5; --smoke: 2)")
-    b.add_argument("--out", help="the report's directory (default bench; --suite gpu: results/gpu/DATE-DEVICE)")
-    b.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
-    b.add_argument("--overhead", action="store_true", help="instead of the sweep's table: time each configuration's "
-                   "harness against a hand-written DeepSpeed loop (same engine and config) and a plain PyTorch loop, "
-                   "on the same model and batches; writes OUT/overhead.json and overhead.md")
-    b.add_argument("--rounds", type=int, default=2, help="alternations of the three programs for --overhead")
-    b.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, the "
-                   "largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains within "
-                   "the memory budget")
-    b.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
-                   "GPU: the card's memory)")
-    b.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers, units of "
-                   "n_heads x 8 of width, or units of 64 positions")
-    b.add_argument("--proxy", action="store_true", help="instead of timing: count what a step asks of a GPU (aten "
-                   "ops, kernel launches, host syncs, collectives), harness against plain PyTorch, for each speed-suite "
-                   "model at toy width under each ZeRO stage and precision, on this CPU (harness/bench/proxy.py); "
-                   "writes OUT/proxy.json and proxy.md (default OUT bench/proxy)")
-    b.add_argument("--stages", metavar="S,...", help="--proxy: the ZeRO stages (default 0,1,2,3)")
-    b.add_argument("--precisions", metavar="P,...", help="--proxy: the precisions (default fp32,bf16,fp16)")
-    b.add_argument("--suite", choices=["gpu"], help="run a whole measurement suite instead of a sweep: gpu = MFU, "
-                   "overhead, largest model and the recipes' quality, each part under its own time budget "
-                   "(see harness/bench/suite.py)")
-    b.add_argument("--parts", help="--suite: comma-separated parts to run, in order (default all: ops, speed, "
-                   "overhead, largest, quality); results of a later command join the same --out")
-    b.add_argument("--data", metavar="DIR", help="--suite: the benchmark data (multi30k/, flip_ss/, ett/), e.g. "
-                   "../shared/data")
-    b.add_argument("--smoke", action="store_true", help="--suite: every part at toy size, on a CPU in about two "
-                   "minutes; proves the suite works, measures nothing")
-    b.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="--suite: change a "
-                   "part's time budget")
-    b.add_argument("--work", metavar="DIR", help="--suite: scratch space for the runs and their "
-                   "checkpoints (default bench/suite-work)")
-    b.add_argument("--recipes", metavar="NAME,...", help="--suite: the quality part's recipes to run (default all; an "
-                   "unknown name is refused with the list); in the same --out their results replace those recipes' "
-                   "earlier ones and the others stay")
-    b.add_argument("--seeds", metavar="S,...", help="instead of timing: train every configuration to its end once "
-                   "per seed (train.seed) and score it with evaluate; report each seed, the mean and the sd of "
-                   "--metric beside --baseline (writes OUT/seeds.json and seeds.md; see harness/bench/seeds.py)")
-    b.add_argument("--metric", help="--seeds: the evaluation's figure to report (default: the run's "
-                   "train.select_best)")
-    b.add_argument("--baseline", help="--seeds: a figure the evaluation prints beside the model's to compare with, "
-                   "e.g. ridge_spearman")
-    b.add_argument("--split", default="test", choices=["validation", "test"], help="--seeds: the split scored "
-                   "(default test)")
-    b.add_argument("--threads", type=int, help="--seeds on a CPU: threads per process (default: its share of the "
-                   "cores); the report states it")
+BENCH = ("sweep", "overhead", "proxy", "suite", "seeds")
+
+
+def _bench_parsers(b: argparse.ArgumentParser) -> None:
+    """`harness bench SUBCOMMAND`, each with its own flags: argparse refuses another's."""
+    sub = b.add_subparsers(dest="study", required=True, metavar="{" + ",".join(BENCH) + "}")
+    sweep = sub.add_parser("sweep", help="time a sweep of strategies, precisions, sizes and process counts, one "
+                           "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
+    overhead = sub.add_parser("overhead", help="the harness's step against a plain PyTorch step on the same model and "
+                              "batches, launch by launch and in the same processes; writes OUT/overhead.json and .md")
+    seeds = sub.add_parser("seeds", help="train every configuration to its end once per seed and score it with "
+                           "evaluate: each seed, the mean and the sd of --metric beside --baseline (OUT/seeds.json, .md)")
+    proxy = sub.add_parser("proxy", help="count what a step asks of a GPU (aten ops, kernel launches, host syncs, "
+                           "collectives), harness against plain PyTorch, for each speed-suite model at toy width under "
+                           "each ZeRO stage and precision, on this CPU; writes OUT/proxy.json and proxy.md")
+    suite = sub.add_parser("suite", help="the GPU suite: MFU, overhead, largest model and the recipes' quality, each "
+                           "part under its own time budget (harness/bench/suite.py)")
+    for p in (sweep, overhead, seeds):
+        p.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
+        p.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
+        p.add_argument("--nproc", default="1", help="comma-separated process counts (GPUs on a GPU machine)")
+        p.add_argument("--mixed-precision", default="no", help="comma-separated accelerate mixed_precision values "
+                       "(no, bf16, fp16); 'no' lets the DeepSpeed config decide (bf16 on a GPU that has it)")
+        p.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
+    for p in (sweep, seeds):
+        p.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                       help="compare values of a run-config key, e.g. model.d_model=256,512 or train.compile=false,true")
+    for p, steps, warmup, out in ((sweep, 20, 5, "bench"), (overhead, 20, 5, "bench"), (proxy, 16, 4, "bench/proxy"),
+                                  (suite, None, None, "results/gpu/DATE-DEVICE; --smoke: bench/suite-smoke"),
+                                  (seeds, None, None, "bench/seeds")):
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train, for all")
+        p.add_argument("--out", help=f"the report's directory (default {out})")
+        if steps or p is suite:
+            p.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps or '20; --smoke: 3'})")
+            p.add_argument("--warmup", type=int, default=warmup, help=f"steps before timing starts (default "
+                           f"{warmup or '5; --smoke: 2'})")
+    overhead.add_argument("--rounds", type=int, default=2, help="alternations of the two programs")
+    sweep.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, "
+                       "the largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains "
+                       "within the memory budget")
+    for p in (sweep, suite):
+        p.add_argument("--memory-budget-gb", type=float, help="device memory per rank for --largest (default on a "
+                       "GPU: the card's memory)")
+    sweep.add_argument("--largest-max", type=int, default=64, help="--largest stops at this many layers, units of "
+                       "n_heads x 8 of width, or units of 64 positions")
+    proxy.add_argument("--stages", metavar="S,...", help="the ZeRO stages (default 0,1,2,3)")
+    proxy.add_argument("--precisions", metavar="P,...", help="the precisions (default fp32,bf16,fp16)")
+    proxy.add_argument("--timeout", type=int, default=1800, help="seconds one configuration may take")
+    for p in (proxy, suite):
+        p.add_argument("--data", metavar="DIR", help="the benchmark data (multi30k/, flip_ss/, ett/), e.g. ../shared/data")
+    suite.add_argument("--parts", help="comma-separated parts to run, in order (default all: ops, speed, overhead, "
+                       "largest, quality); results of a later command join the same --out")
+    suite.add_argument("--smoke", action="store_true", help="every part at toy size, on a CPU in about two minutes; "
+                       "proves the suite works, measures nothing")
+    suite.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS", help="change a part's time "
+                       "budget")
+    suite.add_argument("--work", metavar="DIR", help="scratch space for the runs and their checkpoints (default "
+                       "bench/suite-work)")
+    suite.add_argument("--recipes", metavar="NAME,...", help="the quality part's recipes to run (default all; an "
+                       "unknown name is refused with the list); in the same --out their results replace those recipes' "
+                       "earlier ones and the others stay")
+    seeds.add_argument("seeds", metavar="S,...", help="the seeds (train.seed), e.g. 0,1,2")
+    seeds.add_argument("--metric", help="the evaluation's figure to report (default: the run's train.select_best)")
+    seeds.add_argument("--baseline", help="a figure the evaluation prints beside the model's to compare with, e.g. "
+                       "ridge_spearman")
+    seeds.add_argument("--split", default="test", choices=["validation", "test"], help="the split scored (default test)")
+    seeds.add_argument("--threads", type=int, help="on a CPU: threads per process (default: its share of the cores); "
+                       "the report states it")
+    for name, p in sub.choices.items():
+        p.set_defaults(command_parser=p)
+
+
+OLD_BENCH = {"--overhead": "overhead", "--proxy": "proxy", "--suite": "suite", "--seeds": "seeds"}
+
+
+def _old_bench(argv: list[str], bench: argparse.ArgumentParser) -> list[str]:
+    """`harness bench --proxy ...` (before the subcommands) as `harness bench proxy ...`, with a line naming the new
+    form; accepted until the next release. Two studies' flags, or none at all: the usage line, exit 2."""
+    rest = argv[1:]
+    if rest[:1] and (rest[0] in BENCH or rest[0] in ("-h", "--help")):
+        return argv
+    modes = [a.split("=")[0] for a in rest if a.split("=")[0] in OLD_BENCH]
+    if len(modes) > 1:
+        bench.error(f"{' and '.join(modes)} are two studies: run one, e.g. `harness bench {OLD_BENCH[modes[0]]} ...`")
+    if not rest:
+        return argv
+    study, out = OLD_BENCH[modes[0]] if modes else "sweep", []
+    value = None
+    it = iter(rest)
+    for a in it:
+        flag, eq, v = a.partition("=")
+        if flag not in OLD_BENCH:
+            out.append(a)
+        elif flag in ("--suite", "--seeds"):
+            value = v if eq else next(it, None)
+    if study == "suite" and value != "gpu":
+        bench.error(f"--suite {value}: the suites are gpu")
+    new = ["bench", study, *([value] if study == "seeds" and value is not None else []), *out]
+    print(f"harness: `harness {' '.join(argv)}` is now `harness {' '.join(new)}`; the old form is accepted until the "
+          f"next release", file=sys.stderr)
+    return new
 
 
 def parser() -> argparse.ArgumentParser:
@@ -144,9 +187,8 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--periods", type=int, metavar="K", help="price runs: also score K consecutive periods of the "
                     "windows by forecast origin (rolling origin, the model fixed), each with its verdict against "
                     "persistence (sets prices.periods for this evaluation)")
-    b = sub.add_parser("bench", help="time a sweep of strategies, precisions, sizes and process counts, one "
-                       "accelerate launch each; writes OUT/bench.json, bench.md and bench.png")
-    _bench_arguments(b)
+    b = sub.add_parser("bench", help="benchmarks: sweep, overhead, proxy, suite (GPU), seeds")
+    _bench_parsers(b)
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     _run_dir(ex)
@@ -156,11 +198,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png for one run; for several, "
                     "compare.png beside the first run directory")
-    r = sub.add_parser("results", help="regenerate the GPU table of docs/benchmarks.md from results/gpu/*/suite.json")
+    r = sub.add_parser("results", help="regenerate the tables of docs/benchmarks.md from their files under results/")
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     _run_dir(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
+    ap.bench = b  # `harness bench`'s own usage line, for the old spellings' errors
     return ap
 
 
@@ -205,47 +248,30 @@ def _prepare(args) -> int:
 
 
 def _bench(args) -> int:
-    """`harness bench`: a sweep, or instead the proxy counts, the seeds study or a measurement suite."""
-    toy = args.suite and args.smoke
-    args.steps = (16 if args.proxy else 3 if toy else 20) if args.steps is None else args.steps
-    args.warmup = (4 if args.proxy else 2 if toy else 5) if args.warmup is None else args.warmup
-    proxy_only = [f"--{k}" for k in ("stages", "precisions") if getattr(args, k) and not args.proxy]
-    if proxy_only:
-        raise ConfigError(f"{', '.join(proxy_only)} belong to --proxy")
-    if args.proxy:
-        if args.suite:
-            raise ConfigError("--proxy and --suite: run one at a time")
+    """`harness bench STUDY`: exit 1 when a measurement failed (its results are written all the same)."""
+    if args.study == "proxy":
         from .bench.proxy import run_proxy
 
-        args.proxy_timeout = args.timeout
         return 1 if run_proxy(args)["failed"] else 0
-    seeds_only = [f"--{k}" for k in ("metric", "baseline", "threads") if getattr(args, k) is not None]
-    if seeds_only and not args.seeds:
-        raise ConfigError(f"{', '.join(seeds_only)} belong to --seeds")
-    if args.seeds:
-        if args.suite or args.overhead or args.largest:
-            raise ConfigError("--seeds trains whole runs: not with --suite, --overhead or --largest")
+    if args.study == "seeds":
         from .bench.seeds import run_seeds
 
         args.out = args.out or "bench/seeds"
-        failed = sum(e["failed"] for e in run_seeds(args)["configs"])
-        return 1 if failed else 0
-    if args.suite:
+        return 1 if sum(e["failed"] for e in run_seeds(args)["configs"]) else 0
+    if args.study == "suite":
         from .bench.suite import run_suite
 
+        args.steps = (3 if args.smoke else 20) if args.steps is None else args.steps
+        args.warmup = (2 if args.smoke else 5) if args.warmup is None else args.warmup
         failed = run_suite(args)["failures"]
-        if failed:  # the results are written; the command says it did not measure everything
+        if failed:
             print(f"harness: error: {len(failed)} of the suite's measurements failed: {'; '.join(failed)}",
                   file=sys.stderr)
         return 1 if failed else 0
-    suite_only = [f"--{k}" for k in ("parts", "data", "smoke", "budget", "work", "recipes")
-                  if getattr(args, k) not in (None, [], False)]
-    if suite_only:
-        raise ConfigError(f"{', '.join(suite_only)} belong to --suite")
-    from .bench.run import run_bench
+    from .bench.run import run_bench, run_overhead
 
     args.out = args.out or "bench"
-    run_bench(args)
+    (run_overhead if args.study == "overhead" else run_bench)(args)
     return 0
 
 
@@ -257,7 +283,7 @@ def _plan(args) -> int:
     plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
     print(ds_json(plan) if args.ds_json else render(plan))
     if args.gpus_per_node is not None and not args.ds_json:
-        from .bench.scaling import render_scaling
+        from .plan.scaling import render_scaling
 
         print("\n" + "\n".join(render_scaling(plan, count_params(plan), args.gpus_per_node, args.nodes,
                                               args.interconnect, args.profile, args.mfu)))
@@ -274,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
-    args = parser().parse_args(argv)
+    ap = parser()
+    if argv[:1] == ["bench"]:
+        argv = _old_bench(argv, ap.bench)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # a bench study's usage line names its own flags
+        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # recorded by the suite with its results
     quiet_deepspeed()
     is_main = launched_rank() == 0

@@ -25,4 +25,4 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/harness-site:$PWD
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec python3 -m harness bench --suite gpu --parts "$parts" --data "${DATA:-.bench}" --out "$out" ${extra[@]+"${extra[@]}"}
+exec python3 -m harness bench suite --parts "$parts" --data "${DATA:-.bench}" --out "$out" ${extra[@]+"${extra[@]}"}

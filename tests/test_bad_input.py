@@ -83,6 +83,8 @@ CASES = [
     ("unknown-key", [S, "train.max_step=3"], None, None, "did you mean `train.max_steps`"),
     ("unknown-section", [S, "optimzer.lr=1e-3"], None, None, "optimzer.lr"),
     ("other-task-section", [S, "translation.beam_size=2"], None, None, "[translation] keys belong to run.task"),
+    ("task-key-out-of-range", [S, 'run.task="protein"', S, "protein.train_subsample=-1"], None, None,
+     "protein.train_subsample = -1 (command line) must be >= 0"),
     ("unknown-task", [S, "run.task=\"nosuch\""], None, None, "nosuch"),
     ("override-syntax", [S, "train.max_steps"], None, None, "--set expects section.key=value"),
     # the run file

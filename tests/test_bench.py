@@ -1,6 +1,8 @@
 """`harness bench`: a CPU sweep end to end, the analytic FLOPs against hand counts, the largest-model search."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -22,11 +24,12 @@ def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
-    args = ["--ds", "zero2", "--nproc", "1,2", "--steps", "4", "--warmup", "2", "--out", str(tmp_path / "b")]
+    args = ["sweep", "--ds", "zero2", "--nproc", "1,2", "--steps", "4", "--warmup", "2", "--out", str(tmp_path / "b")]
     for s in sets:
         args += ["--set", s]
     proc = bench(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is now" not in proc.stderr  # the new spelling: no line about the old one
     result = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert result["schema"] == 2 and result["task"] == "lm" and result["steps"] == 4
     assert result["device"]["kind"] == "cpu" and result["device"]["peak_flops"]["fp32"]["measured"] > 1e8
@@ -65,21 +68,58 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
 
 
 def test_bench_checks_every_configuration_before_launching(tmp_path):
-    proc = bench("--ds", "zero2,nonexistent", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
+    proc = bench("sweep", "--ds", "zero2,nonexistent", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "--ds nonexistent: neither a file" in proc.stderr
-    proc = bench("--ds", "pp2_zero1", "--nproc", "3", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
+    proc = bench("sweep", "--ds", "pp2_zero1", "--nproc", "3", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "no configuration of the sweep fits its process counts" in proc.stderr
-    proc = bench("--ds", "zero2,tp2_zero1", "--nproc", "1,2", "--vary", "model.n_heads=4,3",
+    proc = bench("sweep", "--ds", "zero2,tp2_zero1", "--nproc", "1,2", "--vary", "model.n_heads=4,3",
                  "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "model.n_heads must divide model.d_model" in proc.stderr
     assert "skipped tp2_zero1 x1" in proc.stdout
-    proc = bench("--ds", "zero0", "--largest", "n_layers", "--out", str(tmp_path / "b"))  # this machine: a CPU
+    proc = bench("sweep", "--ds", "zero0", "--largest", "n_layers", "--out", str(tmp_path / "b"))  # a CPU
     assert proc.returncode == 2 and "--largest on a CPU needs --memory-budget-gb" in proc.stderr
-    proc = bench("--overhead", "--vary", "model.d_model=32,64", "--out", str(tmp_path / "b"))
-    assert proc.returncode == 2 and "--overhead compares programs, not run-config values" in proc.stderr
-    proc = bench("--overhead", "--largest", "n_layers", "--out", str(tmp_path / "b"))
-    assert proc.returncode == 2 and "--overhead and --largest are separate studies" in proc.stderr
     assert not (tmp_path / "b").exists()  # nothing launched, nothing written
+
+
+@pytest.mark.parametrize("argv, usage, error", [
+    ([], "usage: harness bench [-h] {sweep,overhead,proxy,suite,seeds}", "the following arguments are required"),
+    (["overhead", "--vary", "model.d_model=32,64"], "usage: harness bench overhead", "unrecognized arguments: --vary"),
+    (["overhead", "--largest", "n_layers"], "usage: harness bench overhead", "unrecognized arguments: --largest"),
+    (["proxy", "--seeds", "0,1"], "usage: harness bench proxy", "unrecognized arguments: --seeds 0,1"),
+    (["seeds", "0,1", "--smoke"], "usage: harness bench seeds", "unrecognized arguments: --smoke"),
+    (["--proxy", "--suite", "gpu"], "usage: harness bench [-h]", "--proxy and --suite are two studies"),
+    (["--seeds", "0,1", "--overhead"], "usage: harness bench [-h]", "--seeds and --overhead are two studies"),
+    (["--suite", "cpu"], "usage: harness bench [-h]", "--suite cpu: the suites are gpu"),
+])
+def test_bench_refuses_flags_of_two_studies_or_none_with_the_usage_line(argv, usage, error):
+    """Each study is a subcommand with its own flags: another's flag, two old-style studies, or none, is argparse's
+    usage line of the command at hand and exit 2, before anything runs."""
+    from harness.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            main(["bench", *argv])
+    assert stop.value.code == 2
+    assert err.getvalue().startswith(usage) and error in err.getvalue(), err.getvalue()
+
+
+def test_old_bench_spellings_still_run_with_a_line_naming_the_new_form(capsys):
+    from harness.cli import _old_bench, parser
+
+    bench_parser = parser().bench
+    assert _old_bench(["bench", "--proxy", "--stages", "0"], bench_parser) == ["bench", "proxy", "--stages", "0"]
+    assert "`harness bench --proxy --stages 0` is now `harness bench proxy --stages 0`; the old form is accepted " \
+           "until the next release" in capsys.readouterr().err
+    assert _old_bench(["bench", "--seeds=0,1", "--metric", "m"], bench_parser) == ["bench", "seeds", "0,1", "--metric", "m"]
+    assert _old_bench(["bench", "--suite", "gpu", "--smoke"], bench_parser) == ["bench", "suite", "--smoke"]
+    assert _old_bench(["bench", "--ds", "zero2"], bench_parser) == ["bench", "sweep", "--ds", "zero2"]
+    assert _old_bench(["bench", "sweep", "--ds", "zero2"], bench_parser) == ["bench", "sweep", "--ds", "zero2"]
+    assert capsys.readouterr().err.count("is now") == 3  # the new spelling passes without a word
+    # the old spelling parses to what the new one does
+    new, old = (parser().parse_args(_old_bench(a, bench_parser)) for a in (
+        ["bench", "overhead", "--rounds", "3"], ["bench", "--overhead", "--rounds", "3"]))
+    assert {k: v for k, v in vars(new).items() if k != "command_parser"} == \
+        {k: v for k, v in vars(old).items() if k != "command_parser"}
 
 
 def test_flops_formula_matches_a_hand_count():
@@ -180,12 +220,11 @@ def test_largest_fitting_with_a_resolution_grows_gently_and_stops_close():
     assert 21 * 0.75 <= largest_fitting(fits, 40, 512, resolution=0.25) <= 21 and calls[0] == 40  # start too big
 
 
-def test_overhead_study_compares_with_a_reference_that_trains_alike(tmp_path, corpus):
-    """`harness bench --overhead` on 2 processes, ZeRO-2: the hand-written DeepSpeed loop reads the harness's
-    batches and reaches its losses (what makes the timing comparison fair), and the harness's profiled step
-    says where its own time went."""
+def test_overhead_study_compares_with_a_plain_loop_that_trains_alike(tmp_path, corpus):
+    """`harness bench overhead` on 2 processes, ZeRO-2: the plain PyTorch loop reads the harness's batches and
+    reaches its losses (what makes the timing comparison fair), and runs the harness's step beside its own."""
     sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
-    args = ["--overhead", "--ds", "zero2", "--nproc", "2", "--rounds", "1", "--steps", "3", "--warmup", "1",
+    args = ["overhead", "--ds", "zero2", "--nproc", "2", "--rounds", "1", "--steps", "3", "--warmup", "1",
             "--out", str(tmp_path / "o")]
     for s in sets:
         args += ["--set", s]
@@ -194,51 +233,44 @@ def test_overhead_study_compares_with_a_reference_that_trains_alike(tmp_path, co
     result = json.loads((tmp_path / "o" / "overhead.json").read_text())
     (e,) = result["configs"]
     assert e["status"] == "ok" and e["name"] == "zero2 x2" and e["zero_stage"] == 2, e
-    assert e["loss_max_diff"] < 1e-6  # fp32, the same engine and batches: the same losses
+    assert e["loss_max_diff"] < 1e-5  # fp32, the same model, batches and AdamW: the same losses
     assert all(e["step_s"][p]["n"] == 3 for p in overhead.PROGRAMS)
-    assert {"data", "count work", "step collective", "engine", "loss to host", "logging"} <= set(
-        e["profile"]["sections"])
-    assert {"data", "engine", "loss to host"} <= set(e["reference_profile"]["sections"])  # profiled alike
-    outside = [p["wall_s"] - p["sections"]["engine"] for p in (e["profile"], e["reference_profile"])]
-    assert e["profile"]["own_s"] == pytest.approx(outside[0] - outside[1])  # one round: its own difference
     assert "| zero2 x2 |" in (tmp_path / "o" / "overhead.md").read_text()
-    # The harness loop's own step beside the reference's, in the reference's process: 2 blocks of each (5 timed
-    # steps a block), so both really ran there.
-    assert e["paired"]["blocks"] == 2 and all(e["paired"]["step_s"][p] > 0 for p in ("harness", "reference"))
+    # The harness's step beside the plain one, in the plain program's processes: 2 blocks of each (16 timed steps
+    # a block), so both really ran there.
+    assert e["paired"]["blocks"] == 2 and all(e["paired"]["step_s"][p] > 0 for p in overhead.PROGRAMS)
 
 
 def test_overhead_figures_are_the_rounds_ratios_of_means():
-    times = {"harness": [[1.1, 1.3, 1.2], [1.0, 1.4], [2.0, 2.2, 2.4]], "reference": [[1.0, 1.0, 1.1], [1.0, 1.2], [2.0]],
-             "plain": [[0.5, 0.6, 0.4], [0.5, 0.5], [1.0]]}
+    times = {"harness": [[1.1, 1.3, 1.2], [1.0, 1.4], [2.0, 2.2, 2.4]], "plain": [[1.0, 1.0, 1.1], [1.0, 1.2], [2.0]]}
     f = overhead.figures(times)
-    # round means: harness 1.2, 1.2, 2.2; reference 1.0333, 1.1, 2.0; plain 0.5, 0.5, 1.0
-    assert f["per_round"][2] == pytest.approx({"harness": 2.2, "reference": 2.0, "plain": 1.0})
-    assert f["harness_overhead"] == pytest.approx({"median": 0.1, "min": 1.2 / 1.1 - 1, "max": 1.2 / (3.1 / 3) - 1})
-    assert f["deepspeed_overhead"] == pytest.approx({"median": 3.1 / 1.5 - 1, "min": 1.0, "max": 1.1 / 0.5 - 1})
+    # round means: harness 1.2, 1.2, 2.2; plain 1.0333, 1.1, 2.0
+    assert f["per_round"][2] == pytest.approx({"harness": 2.2, "plain": 2.0})
+    assert f["vs_plain"] == pytest.approx({"median": 0.1, "min": 1.2 / 1.1 - 1, "max": 1.2 / (3.1 / 3) - 1})
     assert f["step_s"]["harness"]["median"] == pytest.approx(1.35) and f["step_s"]["harness"]["n"] == 8  # pooled
     row = overhead.markdown({"rounds": 3, "steps": 3, "warmup": 1, "configs": [
         {"name": "zero1 x2", "status": "ok", "loss_max_diff": 0.0, **f}]}).splitlines()[-1]
-    assert "+10.0% [+9.1%, +16.1%]" in row and "+106.7% [+100.0%, +120.0%]" in row
+    assert "+10.0% [+9.1%, +16.1%]" in row
 
 
 def test_paired_blocks_give_the_median_ratio_with_its_order_statistic_interval():
     # block ratios of means - 1: 1.1/1.0, 2.0/2.0, 0.9/1.0, 3.3/3.0 -> +10%, 0%, -10%, +10% (a mean, not a median: a
     # block's one slow step, where the harness's loop syncs, counts)
-    pairs = {"harness": [[1.0, 1.0, 1.3], [2.0], [0.9, 0.9], [3.3]], "reference": [[1.0], [2.0, 2.0], [1.0], [3.0]]}
+    pairs = {"harness": [[1.0, 1.0, 1.3], [2.0], [0.9, 0.9], [3.3]], "plain": [[1.0], [2.0, 2.0], [1.0], [3.0]]}
     p = overhead.paired(pairs)
     assert p["median"] == pytest.approx(0.05) and p["blocks"] == 4 and p["ratios"] == pytest.approx([-0.1, 0, 0.1, 0.1])
     assert p["ci_low"] is None and p["ci_high"] is None  # 4 pairs: even the whole sample covers only 1 - 2/16 = 87.5%
-    assert p["step_s"] == pytest.approx({"harness": 10.4 / 7, "reference": 9.0 / 5})  # pooled: means of all steps
-    assert overhead._paired(p) == "+5.0% (4 block pairs, too few for a 95% CI)"
+    assert p["step_s"] == pytest.approx({"harness": 10.4 / 7, "plain": 9.0 / 5})  # pooled: means of all steps
+    assert overhead.paired_text(p) == "+5.0% (4 block pairs, too few for a 95% CI)"
     # n = 6: P(Bin(6, 1/2) = 0) = 1/64 <= 0.025 < 7/64: j = 1, the whole sample (coverage 1 - 2/64 = 96.9%)
     assert overhead.median_ci([1.0, 2, 3, 4, 5, 6]) == (1.0, 6)
     assert overhead.median_ci([1.0, 2, 3, 4, 5]) is None  # 2/32 = 6.25% outside even the whole sample
     # n = 25: P(X <= 7) = 0.0216 <= 0.025 < P(X <= 8) = 0.0539: j = 8, k = 18 (the 8th and 18th smallest)
     assert overhead.median_ci([i / 100 for i in range(1, 26)]) == pytest.approx((0.08, 0.18))
     assert overhead.median_ci([i / 100 for i in range(1, 36)]) == pytest.approx((0.12, 0.24))  # 35: the 12th, 24th
-    assert overhead.paired({"harness": [], "reference": []}) is None
-    p = overhead.paired({"harness": [[1.0 + i / 100] for i in range(6)], "reference": [[1.0]] * 6})
-    assert overhead._paired(p) == "+2.5% (95% CI +0.0%..+5.0%; 6 block pairs)"
+    assert overhead.paired({"harness": [], "plain": []}) is None
+    p = overhead.paired({"harness": [[1.0 + i / 100] for i in range(6)], "plain": [[1.0]] * 6})
+    assert overhead.paired_text(p) == "+2.5% (95% CI +0.0%..+5.0%; 6 block pairs)"
 
 
 def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_thresholds():

@@ -101,7 +101,7 @@ def test_task_sections_belong_to_their_task(tmp_path):
     with pytest.raises(ConfigError, match=r"\[prices\] keys belong to run.task = 'prices'"):
         resolve(None, ["train.max_steps=1", "prices.horizon=12"])
     cfg = resolve(None, ["train.max_steps=1", 'run.task="prices"', "prices.horizon=12"]).cfg
-    assert cfg.prices.horizon == 12 and "translation" not in cfg.to_dict()
+    assert cfg.task.horizon == 12 and "translation" not in cfg.to_dict() and cfg.to_dict()["prices"]["horizon"] == 12
     # the saved config of an lm run carries no other task's section, so it resolves again
     saved = tmp_path / "config.toml"
     saved.write_text(to_toml(resolve(None, ["train.max_steps=1"]).cfg))

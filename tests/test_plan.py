@@ -64,6 +64,22 @@ def test_scripts_can_rely_on_these_keys():
     assert all(f.metadata["help"] for f in all_keys().values())
 
 
+def test_the_core_config_stays_small_and_each_built_in_task_declares_its_own_section():
+    import dataclasses
+
+    from harness.config.run import SECTIONS
+    from harness.tasks import task_class, task_sections
+
+    assert list(SECTIONS) == ["run", "model", "data", "train", "optimizer", "schedule", "logging"]
+    assert len(all_keys()) <= 60  # a task's settings belong to the task
+    assert list(task_sections()) == ["translation", "protein", "prices"]
+    for name in task_sections():
+        cls = task_class(name)
+        assert cls.section == name and dataclasses.is_dataclass(cls.Config)  # [protein] for run.task = "protein"
+        for f in dataclasses.fields(cls.Config):
+            assert f.default is not dataclasses.MISSING and f.metadata["help"], f"{name}.{f.name}"
+
+
 def test_precedence_defaults_then_run_file_then_command_line(tmp_path):
     run = write(tmp_path, "run.toml", "[train]\nmax_steps = 5\nmicro_batch_size = 3\n[optimizer]\nlr = 0.01\n")
     r = resolve(run, ["optimizer.lr=0.02"])

@@ -45,7 +45,7 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
              timeout=120)
     assert ev.returncode == 0, ev.stderr
     assert set(json.loads((out / "eval.json").read_text())["test"]) == {"mse", "pearson"}
-    bench = cli("bench", *BY_MODULE, "--set", "train.micro_batch_size=8", "--steps", "2", "--warmup", "1", "--out",
+    bench = cli("bench", "sweep", *BY_MODULE, "--set", "train.micro_batch_size=8", "--steps", "2", "--warmup", "1", "--out",
                 str(tmp_path / "bench"))
     assert bench.returncode == 0, bench.stderr[-2000:]
     entry = json.loads((tmp_path / "bench" / "bench.json").read_text())["configs"][0]
@@ -97,6 +97,44 @@ def test_plugin_task_mistakes_are_one_line_before_launch(sets, message):
     with pytest.raises(ConfigError) as e:
         resolve(str(ROOT / "examples" / "digits.toml"), sets)
     assert message in str(e.value)
+
+
+MALFORMED_CONFIG = """
+from dataclasses import dataclass
+
+
+class Settings:  # not a dataclass
+    depth = 2
+
+
+@dataclass(frozen=True)
+class NoDefault:
+    depth: int
+    width: int = 4
+
+
+class T:
+    Config = {config}
+
+    def build_model(self, cfg): ...
+    def build_data(self, cfg): ...
+    def collate(self, samples): ...
+    def count(self, batch): ...
+    def inputs(self, batch): ...
+    def loss_from(self, outputs, batch): ...
+"""
+
+
+@pytest.mark.parametrize("config,message", [
+    ("NoDefault", "T.Config.depth has no default (every [task] key needs one)"),
+    ("Settings", "T.Config must be a dataclass (the [task] section's keys)"),
+])
+def test_a_plugin_s_malformed_config_is_one_line_before_anything_is_built(tmp_path, config, message):
+    file = tmp_path / "bad_task.py"
+    file.write_text(MALFORMED_CONFIG.format(config=config))
+    proc = cli("plan", "--set", f"run.task={json.dumps(f'{file}:T')}", "--set", "train.max_steps=1", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"harness: error: run.task = '{file}:T': {message}"]
 
 
 def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):

@@ -12,7 +12,7 @@ from harness.config.run import ConfigError
 from harness.config.layout import Layout
 from harness.config.ds import model_state_bytes
 from harness.plan.render import bubble_fraction, meta_model
-from harness.bench.scaling import (EFFICIENCY, GPUS, LINKS, bubble_factor, collective_bytes, estimate, offload_bytes,
+from harness.plan.scaling import (EFFICIENCY, GPUS, LINKS, bubble_factor, collective_bytes, estimate, offload_bytes,
                                    render_scaling, tp_step_bytes, zero_step_bytes, zero_volume_bytes)
 from harness.plan.resolve import make_plan
 

@@ -94,7 +94,7 @@ def test_bench_finds_the_longest_sequence_split_over_two_ranks(tmp_path, corpus)
     same command measures the table."""
     sets = [s for s in TINY if not s.startswith(("train.max_steps", "data.seq_len"))] + [
         f"data.path={json.dumps(str(corpus))}", "data.seq_len=128"]
-    args = ["--ds", "sp2_zero0", "--nproc", "2", "--largest", "seq_len", "--memory-budget-gb", "8", "--largest-max",
+    args = ["sweep", "--ds", "sp2_zero0", "--nproc", "2", "--largest", "seq_len", "--memory-budget-gb", "8", "--largest-max",
             "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "b")]
     proc = cli("bench", *args, *[a for s in sets for a in ("--set", s)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -196,9 +196,9 @@ def test_the_accelerate_way_names_the_same_split(tmp_path):
 
 
 def test_the_overhead_study_refuses_sequence_parallel_configurations(tmp_path):
-    proc = cli("bench", "--overhead", "--ds", "sp2_zero0", "--nproc", "2", "--set", "train.max_steps=2", "--out",
+    proc = cli("bench", "overhead", "--ds", "sp2_zero0", "--nproc", "2", "--set", "train.max_steps=2", "--out",
                str(tmp_path / "b"))
-    assert proc.returncode == 2 and "--overhead with sequence parallelism (sp2_zero0 x2)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "the overhead study with sequence parallelism (sp2_zero0 x2)" in proc.stderr, proc.stderr
 
 
 def _sp(tmp_path, sp=2, **keys) -> str:

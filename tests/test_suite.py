@@ -15,6 +15,7 @@ from harness.bench import results
 from harness.bench import suite as suite_mod
 from harness.bench.suite import PARTS, RECIPES
 from harness.cli import main
+from harness.config.run import ConfigError
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -28,7 +29,7 @@ def smoke(tmp_path_factory):
     if not (DATA / "multi30k").is_dir():
         pytest.skip(f"the shared benchmark data is not beside the repository ({DATA})")
     out = tmp_path_factory.mktemp("suite") / "smoke"
-    proc = harness("bench", "--suite", "gpu", "--smoke", "--data", str(DATA), "--out", str(out), "--work",
+    proc = harness("bench", "suite", "--smoke", "--data", str(DATA), "--out", str(out), "--work",
                    str(out.parent / "work"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out
@@ -39,7 +40,7 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
     env = suite["environment"]
     assert suite["smoke"] is True and list(suite["parts"]) == list(PARTS)
     assert env["kind"] == "cpu" and env["torch"] and env["deepspeed"] and env["commit"] and env["date"]
-    assert suite["commands"][0].startswith("python -m harness bench --suite gpu --smoke")
+    assert suite["commands"][0].startswith("python -m harness bench suite --smoke")
     assert suite["parts"]["ops"]["ops"]["CPUAdamBuilder"]["built"] is True
     speed = suite["parts"]["speed"]["bench"]["configs"]
     assert [e["model"] for e in speed] == ["translation base", "protein 100M, length 512", "lm 125M, length 1024"]
@@ -53,10 +54,10 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
     o = suite["parts"]["overhead"]
     assert o["status"] == "ok" and o["precision"] == "fp32" and o["loss_max_diff"] < 1e-6, o
     r = o["per_round"][0]  # one round: its ratio of mean steps
-    assert o["harness_overhead"]["median"] == pytest.approx(r["harness"] / r["reference"] - 1)
-    assert o["target_met"] == (o["harness_overhead"]["median"] <= 0.02)
-    # the two steps in one process, block by block (reference.py --paired)
-    assert o["paired"]["blocks"] == 2 and "; in one process " in results._overhead(suite["parts"])
+    assert o["vs_plain"]["median"] == pytest.approx(r["harness"] / r["plain"] - 1)
+    assert o["target_met"] == (o["vs_plain"]["median"] <= 0.02)
+    # the two steps in the same process, block by block (plain.py --paired)
+    assert o["paired"]["blocks"] == 2 and "; in the same process " in results._overhead(suite["parts"])
     g = suite["parts"]["largest"]
     assert [c["name"] for c in g["configs"]] == ["zero0 x1", "zero3_offload x1"]
     assert all(c["params"] > 0 and c["tried"] for c in g["configs"]) and g["ratio"] > 0
@@ -79,12 +80,12 @@ def test_smoke_runs_every_part_and_reports_it(smoke):
 def test_a_second_command_adds_its_parts_to_the_same_results(smoke, tmp_path, capsys):
     out = tmp_path / "two"
     shutil.copytree(smoke, out)
-    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
+    assert main(["bench", "suite", "--smoke", "--parts", "ops", "--out", str(out), "--work",
                  str(tmp_path / "work")]) == 0
     suite = json.loads((out / "suite.json").read_text())
     assert len(suite["commands"]) == 2 and "--parts ops" in suite["commands"][1]
     assert list(suite["parts"]) == list(PARTS)  # the first command's parts are kept
-    assert main(["bench", "--suite", "gpu", "--parts", "ops", "--out", str(out)]) == 2  # a full run, a smoke folder
+    assert main(["bench", "suite", "--parts", "ops", "--out", str(out)]) == 2  # a full run, a smoke folder
     assert "holds a smoke run" in capsys.readouterr().err
 
 
@@ -93,7 +94,7 @@ def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path
     shutil.copytree(smoke, out)
     before = {r["name"]: r for r in json.loads((out / "suite.json").read_text())["parts"]["quality"]["recipes"]}
     (out / "suite.md").unlink()  # written again by the command
-    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
+    assert main(["bench", "suite", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
                  str(DATA), "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     suite = json.loads((out / "suite.json").read_text())
     assert "--recipes prices_etth1" in suite["commands"][-1]
@@ -135,6 +136,7 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     (root / "results" / "gpu" / "smoke").mkdir(parents=True)
     (root / "docs").mkdir()
     shutil.copy(ROOT / "docs" / "benchmarks.md", root / "docs" / "benchmarks.md")
+    shutil.copytree(ROOT / "results" / "cpu", root / "results" / "cpu")
     suite = json.loads((smoke / "suite.json").read_text())
     (root / "results" / "gpu" / "smoke" / "suite.json").write_text(json.dumps(suite))
     block = results.render(root)
@@ -154,6 +156,16 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     assert results.main(check=True, root=root) == 1  # the copied page does not show these yet
     assert results.main(check=False, root=root) == 0 and results.main(check=True, root=root) == 0
     assert link in (root / "docs" / "benchmarks.md").read_text()
+    # a block naming a table under results/ shows that file: a changed file makes the check fail until regenerated
+    table = root / "results" / "cpu" / "proxy" / "proxy.md"
+    table.write_text(table.read_text() + "| a row the page does not show yet |\n")
+    assert results.main(check=True, root=root) == 1
+    assert results.main(check=False, root=root) == 0 and results.main(check=True, root=root) == 0
+    page = (root / "docs" / "benchmarks.md").read_text()
+    assert "| a row the page does not show yet |\n\n(generated from [results/cpu/proxy/proxy.md]" in page
+    table.unlink()
+    with pytest.raises(ConfigError, match="its block names results/cpu/proxy/proxy.md, which is no file"):
+        results.main(check=True, root=root)
 
 
 def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
@@ -169,13 +181,13 @@ def test_suite_refuses_bad_input_before_running(tmp_path, capsys):
            (["--recipes", "", "--data", str(tmp_path)], "unknown recipe(s) (none given)"),
            (["--parts", "quality", "--recipes", "prices_etth1", "--data", str(tmp_path)], "no ett/ in it")]
     for args, message in bad:
-        assert main(["bench", "--suite", "gpu", "--smoke", "--out", str(out), *args]) == 2, args
+        assert main(["bench", "suite", "--smoke", "--out", str(out), *args]) == 2, args
         assert message in capsys.readouterr().err, args
-    assert main(["bench", "--smoke", "--out", str(out)]) == 2
-    assert "--smoke belong to --suite" in capsys.readouterr().err
-    for recipes in ("prices_etth1", ""):
-        assert main(["bench", "--recipes", recipes, "--out", str(out)]) == 2
-        assert "--recipes belong to --suite" in capsys.readouterr().err
+    for flag in (["--smoke"], ["--recipes", "prices_etth1"]):  # the suite's flags given to the sweep: its usage line
+        with pytest.raises(SystemExit) as stop:
+            main(["bench", "sweep", *flag, "--out", str(out)])
+        assert stop.value.code == 2 and f"harness bench sweep: error: unrecognized arguments: {' '.join(flag)}" in \
+            capsys.readouterr().err
     assert not out.exists()
 
 
@@ -185,7 +197,7 @@ def test_a_part_that_fails_makes_the_command_fail_after_writing_its_results(tmp_
 
     monkeypatch.setitem(suite_mod.PART_RUNNERS, "ops", broken)
     out = tmp_path / "out"
-    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "ops", "--out", str(out), "--work",
+    assert main(["bench", "suite", "--smoke", "--parts", "ops", "--out", str(out), "--work",
                  str(tmp_path / "work")]) == 1
     assert "1 of the suite's measurements failed: ops: RuntimeError: no device" in capsys.readouterr().err
     assert json.loads((out / "suite.json").read_text())["parts"]["ops"]["status"] == "failed"  # written all the same
@@ -223,7 +235,7 @@ def test_a_recipe_this_command_failed_fails_it_though_an_earlier_result_is_kept(
     failed = {k: earlier[k] for k in ("name", "metric", "target", "run_file", "ds", "compare")}
     monkeypatch.setitem(suite_mod.PART_RUNNERS, "quality", lambda *args: {"status": "ok", "recipes": [
         {**failed, "status": "failed", "error": "diverged", "steps": 3}]})
-    assert main(["bench", "--suite", "gpu", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
+    assert main(["bench", "suite", "--smoke", "--parts", "quality", "--recipes", "prices_etth1", "--data",
                  str(DATA), "--out", str(out), "--work", str(tmp_path / "work")]) == 1
     assert "quality prices_etth1: diverged" in capsys.readouterr().err
     kept = json.loads((out / "suite.json").read_text())["parts"]["quality"]["recipes"][0]

@@ -140,7 +140,7 @@ def test_a_bench_measures_the_same_warm_and_cold(tmp_path, corpus):
     """`harness bench` starts its programs with PYTHON_EXEC where set (the tests' warm client), else cold: both
     measure the same steps and FLOPs and, within 5%, peak memory."""
     sets = [s for s in TINY if not s.startswith("train.max_steps")] + [f"data.path={json.dumps(str(corpus))}"]
-    args = ["--ds", "zero2", "--nproc", "1", "--steps", "3", "--warmup", "1"]
+    args = ["sweep", "--ds", "zero2", "--nproc", "1", "--steps", "3", "--warmup", "1"]
     for s in sets:
         args += ["--set", s]
     results = {}

@@ -12,19 +12,8 @@ import time
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s per GPU, from the vendors' datasheets, by a substring of the device name.
-# fp32 is the plain (non-tensor-core) rate: PyTorch does not use TF32 for matmuls unless told to.
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},   # SXM5 (H100 80GB HBM3)
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    "T4": {"fp16": 65.0, "fp32": 8.1},
-}
+from ..plan.scaling import PEAK_TFLOPS
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,18 +1,18 @@
-"""The reference for DeepSpeed's own cost: a plain PyTorch loop training the same model on the same batches.
+"""The one reference the benchmarks compare the harness with: a plain PyTorch loop on the same model and batches.
 
-`python -m harness.bench.plain --run RUN.toml [--set ...] --steps N` builds the task's model and data, takes
-the harness's batches (the same sampler), and trains with torch's fused AdamW, the same learning-rate schedule,
-gradient clipping and loss normalisation (each rank's mean), under torch.autocast for bf16/fp16; no DeepSpeed,
-no logging beyond one number per step. Under `accelerate launch` (or torchrun) it is DistributedDataParallel
-over the launched processes, gradients all-reduced at the accumulation boundary only (`no_sync` before). Rank 0
-prints one JSON line: {"step_s": [seconds of each step, fetch to fetch], "loss": [each step's loss, rank 0's]}.
+`PlainLoop` is what a plain script trains with; `HarnessSteps` is the harness loop's own step (`step.Steps`) on an
+engine built as `harness train` builds it. `python -m harness.bench.plain --run RUN.toml --ds DS.json --steps N
+[--paired BLOCKS]` (under `accelerate launch` for several processes) is the overhead study's second program: it
+times N plain steps, then alternates blocks of plain and harness steps in the same processes. Rank 0 prints one
+JSON line: {"step_s": [...], "loss": [each step's loss, the ranks' mean], "paired": {"plain": [[...]], "harness":
+[[...]]}}. How the study reads it: docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import os
 import time
 
 import torch
@@ -21,33 +21,38 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m harness.bench.plain")
     ap.add_argument("--run")
+    ap.add_argument("--ds", required=True)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--paired", type=int, default=0, help="then this many blocks of each loop's steps, alternated")
+    ap.add_argument("--block", type=int, default=17, help="steps per paired block, the first one not timed")
     args = ap.parse_args(argv)
 
-    from ..distributed.memory import keep_freed_host_memory
-    from ..tasks import resolve
+    from ..config.run import ConfigError
+    from ..distributed.world import accelerate_mixed_precision, all_gather_objects, barrier, close_world, \
+        init_world, launched_world_size
+    from ..plan.resolve import make_plan
 
-    keep_freed_host_memory()  # as the harness and the reference set the host allocator (world.init_world)
-    ranks, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
-    if ranks > 1:  # the launcher's rendezvous variables
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    plain = PlainLoop(resolve(args.run, args.set).cfg, args.precision, device, rank, ranks, args.steps)
-    times, losses = [], []
-    last = time.perf_counter()
+    plan = make_plan(args.run, args.set, args.ds, launched_world_size(), accelerate_mixed_precision())
+    if plan.ds.layout.pp_size > 1:
+        raise ConfigError("a plain loop has no pipeline schedule: leave pipeline configs out of the overhead study")
+    world = init_world(plan.ds.layout)
+    plain = PlainLoop(plan.run.cfg, plan.ds.precision, world.device, world.rank, world.world_size,
+                      args.steps + args.paired * args.block)
+    times, losses, last = [], [], time.perf_counter()
     for _ in range(args.steps):
         losses.append(plain.step())
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    if rank == 0:
-        print(json.dumps({"step_s": times, "loss": losses}), flush=True)
-    if ranks > 1:
-        torch.distributed.barrier()
-        plain.close()  # DistributedDataParallel holds the group: it would outlive destroy_process_group (world.py)
-        torch.distributed.destroy_process_group()
+    per_rank = all_gather_objects(losses)
+    paired = _paired(plan, world, plain, args.paired, args.block) if args.paired else None
+    if world.is_main:
+        print(json.dumps({"step_s": times, "loss": [sum(v) / len(v) for v in zip(*per_rank)],
+                          **({"paired": paired} if paired else {})}), flush=True)
+    barrier()
+    plain.close()  # DistributedDataParallel holds the group: it would outlive destroy_process_group (world.py)
+    close_world()
 
 
 class PlainLoop:
@@ -109,6 +114,83 @@ class PlainLoop:
 
     def close(self) -> None:
         del self.wrapped
+
+
+class HarnessSteps:
+    """The harness loop's own step (`step.Steps`: counting, the span's collective, the grad norm, the `Ledger` reading
+    the steps before and writing metrics records into a scratch directory, the progress bar) on an engine built as
+    `harness train` builds it, over the run's batches (`batches` wraps their iterator; `workers` replaces data.num_workers). `step()` trains the next step,
+    up to `stop`; `settle()` reads the steps not yet read; `close()` settles and lets go of the engine."""
+
+    def __init__(self, plan, world, stop: int, log_every: int | None = None, batches=lambda it: it,
+                 workers: int | None = None):
+        import tempfile
+        from pathlib import Path
+
+        from ..data.batches import StepSampler, train_batches, training_collate
+        from ..distributed.parallel import build_engine
+        from ..models.flops import ForwardFlops
+        from ..run.loop import _progress
+        from ..run.step import Ledger, Steps
+        from ..run.tracking import Tracker
+
+        cfg, task = plan.run.cfg, plan.task
+        t = cfg.train if log_every is None else dataclasses.replace(cfg.train, log_every=log_every)
+        data = task.build_data(cfg)
+        self.engine, _ = build_engine(plan, world, stop)
+        sampler = StepSampler(len(data.train), t.micro_batch_size, plan.ds.grad_accum_steps, world.dp_rank,
+                              world.dp_size, t.seed, 0, stop, bucket=cfg.data.bucket,
+                              lengths=task.lengths(data.train) if cfg.data.bucket else None)
+        loader = batches(train_batches(data.train, sampler, training_collate(task, plan.run.buckets),
+                                       cfg.data.num_workers if workers is None else workers, t.seed, world.device))
+        with torch.device("meta"):
+            flops = ForwardFlops(task.build_model(cfg))
+        self.scratch = tempfile.TemporaryDirectory(prefix="harness-steps-")
+        self.tracker = Tracker(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none")),
+                               Path(self.scratch.name), enabled=world.is_main)
+        self.progress = _progress(world, 0, stop)
+        self.ledger = Ledger(self.tracker, self.progress, t, 10**9, 10**9, flops, {},
+                             getattr(task, "items", "items"), 1.0, world)
+        self.steps, self.n = Steps(self.engine, plan, world, loader, flops, self.ledger, self.progress, stop), 0
+        self.lr = self.engine.lr_scheduler.get_last_lr()[0] if self.engine.lr_scheduler else 0.0
+
+    def step(self) -> None:
+        self.n += 1
+        self.steps.run(self.n, self.lr, 0)
+
+    def settle(self) -> None:
+        self.ledger.settle()
+
+    def close(self) -> None:
+        from ..distributed.parallel import release
+
+        self.ledger.settle()
+        self.progress.close()
+        self.tracker.close()
+        self.scratch.cleanup()
+        release(self.engine)
+
+
+def _paired(plan, world, plain: PlainLoop, blocks: int, block: int) -> dict:
+    """Each loop's step seconds, block by block, the order reversed every other block and each block's first step
+    (the switch from the other loop) not timed: {"plain": [[...], ...], "harness": [[...], ...]}."""
+    harness = HarnessSteps(plan, world, blocks * block, log_every=1)  # a metrics record every step, as when timed
+    out = {"plain": [], "harness": []}
+    for b in range(blocks):
+        for name in ("plain", "harness") if b % 2 == 0 else ("harness", "plain"):
+            if name == "plain":
+                harness.settle()  # the harness's last step read now, not inside the plain loop's block
+            fn = plain.step if name == "plain" else harness.step
+            fn()
+            seconds, last = [], time.perf_counter()
+            for _ in range(block - 1):
+                fn()
+                now = time.perf_counter()
+                seconds.append(now - last)
+                last = now
+            out[name].append(seconds)
+    harness.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -1,26 +1,11 @@
-"""`harness bench --proxy`: what a step asks of a GPU, counted on a CPU, for the harness step and a plain PyTorch step.
+"""`harness bench proxy`: what a step asks of a GPU, counted on a CPU, for the harness step and a plain PyTorch step.
 
-A GPU idles while the host dispatches operators one by one and while the host waits for the device. Neither needs a
-GPU to count: every aten operator a step dispatches passes a `TorchDispatchMode`, and counts (unlike times) do not
-move with the machine's load. Per step, after a warm-up:
-- `ops`: every aten operator dispatched;
-- `launches`: those that would launch a kernel on a GPU (not views, metadata or allocations: `NO_KERNEL`);
-- `syncs`: those that make the host wait for the device (`SYNCS`: `.item()`, `bool()` and `float()` of a tensor, a
-  boolean-mask gather's `nonzero`), and device synchronizations asked of DeepSpeed's accelerator (its timers);
-- `collectives`: process-group operations (c10d), each a meeting of the ranks.
-What runs on the host in a GPU run (the loader's collation, counting a batch's items, tokens and FLOPs before it
-goes to the device) is not counted: those tensors never reach the GPU, so their `.item()`s wait for nothing.
-
-`python -m harness.bench.proxy --run RUN.toml --ds DS.json [--set ...]` counts one configuration in one process (a
-world of one): the harness's own step (`step.Steps`, as `harness train` runs it, its span's collective and ledger
-included) and the plain PyTorch step of the same model on the same batches (`plain.PlainLoop`: autocast in the run's
-precision, fused AdamW, foreach clipping), and prints one JSON line. `harness bench --proxy` runs it for each model of
-the GPU suite's speed part at its toy width (`catalog.SPEED`) under each ZeRO stage and precision, and writes
-`proxy.json` and `proxy.md` (the table docs/benchmarks.md shows) into `--out`.
-
-On a CPU the optimizer is torch's fused AdamW where a GPU runs DeepSpeed's FusedAdam (`distributed/optim.py`): both
-are one multi-tensor step, but DeepSpeed wraps them differently under ZeRO-0 fp16 (its fused FP16_Optimizer on a GPU,
-FP16_UnfusedOptimizer here), so fp16 ZeRO-0 counts here are an upper bound on the GPU's.
+Every aten operator a step dispatches passes a `TorchDispatchMode`; counts, unlike times, do not move with the
+machine's load. Per step: `ops`, `launches` (not views, metadata or allocations: `NO_KERNEL`), `syncs` (the host
+waits for the device: `SYNCS`, a boolean mask's gather, DeepSpeed's accelerator synchronizations) and `collectives`.
+What a GPU run does on the host (collating, counting a batch before it goes to the device) is not counted.
+`python -m harness.bench.proxy --run RUN.toml --ds DS.json` counts one configuration in one process and prints one
+JSON line; what the counts mean and where they stop being a GPU's: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -161,35 +146,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args(argv)
 
-    from ..data.batches import StepSampler, train_batches, training_collate
-    from ..distributed.parallel import build_engine, release
     from ..distributed.world import close_world, init_world
     from ..plan.resolve import make_plan
     from ..run import step as step_module
     from ..run.startup import check_precision
-    from .plain import PlainLoop
-    from .reference import HarnessSteps
+    from .plain import HarnessSteps, PlainLoop
 
     plan = make_plan(args.run, args.set, args.ds, 1, "no")
     check_precision(plan.ds.precision)
-    cfg, task, total = plan.run.cfg, plan.task, args.warmup + args.steps
+    total = args.warmup + args.steps
     world = init_world(plan.ds.layout)
-    data = task.build_data(cfg)
-    engine, _ = build_engine(plan, world, total)
-    sampler = StepSampler(len(data.train), cfg.train.micro_batch_size, plan.ds.grad_accum_steps, 0, 1,
-                          cfg.train.seed, 0, total, bucket=cfg.data.bucket,
-                          lengths=task.lengths(data.train) if cfg.data.bucket else None)
     host = HostWork()
-    collate = training_collate(task, plan.run.buckets)
-    loader = host.batches(train_batches(data.train, sampler, collate, 0, cfg.train.seed, world.device))
     step_module.step_work = host.wrap(step_module.step_work)  # the batches' counts, taken before they go to the device
-    harness = HarnessSteps(plan, world, engine, loader, 0, total, total)
+    harness = HarnessSteps(plan, world, total, batches=host.batches, workers=0)  # its batches made here, uncounted
     for _ in range(args.warmup):
         harness.step()
     counts = per_step(harness.step, args.steps, host)
     harness.close()
-    release(engine)
-    plain = PlainLoop(cfg, plan.ds.precision, world.device, steps=total)
+    plain = PlainLoop(plan.run.cfg, plan.ds.precision, world.device, steps=total)
     plain.loader, plain.task.count = host.batches(plain.loader), host.wrap(plain.task.count)
     for _ in range(args.warmup):
         plain.step()
@@ -208,7 +182,7 @@ def ds_config(stage: int, precision: str) -> dict:
 
 
 def run_proxy(args) -> dict:
-    """`harness bench --proxy`: every speed-suite model at toy width x ZeRO stage x precision, one process each."""
+    """`harness bench proxy`: every speed-suite model at toy width x ZeRO stage x precision, one process each."""
     from ..config.run import ConfigError
     from ..run.startup import CPU_FP16_ENV  # fp16 runs on a CPU only when asked
     from .catalog import SPEED
@@ -220,7 +194,7 @@ def run_proxy(args) -> dict:
     precisions = (args.precisions or ",".join(PRECISIONS)).split(",")
     bad = [p for p in precisions if p not in PRECISIONS] + [str(s) for s in stages if s not in STAGES]
     if bad:
-        raise ConfigError(f"--proxy counts ZeRO stages {STAGES} and precisions {', '.join(PRECISIONS)}; "
+        raise ConfigError(f"the proxy counts ZeRO stages {STAGES} and precisions {', '.join(PRECISIONS)}; "
                           f"not {', '.join(bad)}")
     rows = []
     env = {**os.environ, CPU_FP16_ENV: "1"}
@@ -236,9 +210,9 @@ def run_proxy(args) -> dict:
                        *(f"--set={s}" for s in sets)]
                 row = {"model": model.name, "zero_stage": stage, "precision": precision}
                 try:
-                    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.proxy_timeout)
+                    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
                 except subprocess.TimeoutExpired:
-                    row["error"] = f"timed out after {args.proxy_timeout} s"
+                    row["error"] = f"timed out after {args.timeout} s"
                     rows.append(row)
                     print(render_row(row), flush=True)
                     continue

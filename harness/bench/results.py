@@ -1,13 +1,13 @@
-"""What the GPU suite's result files say: `suite.md` beside each `suite.json`, and `harness results`, the GPU table
-of docs/benchmarks.md generated from `results/gpu/*/suite.json`.
-
-Every figure comes from the newest full (not smoke) suite run that measured it and links to its file; a figure no
-run measured says "not measured". `harness results --check` fails when docs/benchmarks.md differs from what the
-files give, so a figure can neither be typed in by hand nor go stale.
+"""What the result files say: `suite.md` beside each GPU `suite.json`, and `harness results`, the tables of
+docs/benchmarks.md generated from `results/`: the GPU table from `results/gpu/*/suite.json` (every figure from the
+newest full suite run that measured it, linked to its file, or "not measured"), and each block that names a table
+under `results/` (`<!-- results:file PATH -->`) filled with it. `harness results --check` fails when the page
+differs from what the files give, so a figure can neither be typed in by hand nor go stale.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..config.run import ConfigError
@@ -66,22 +66,15 @@ def _recipe(name: str, fmt):
 
 
 def _overhead(parts):
-    """Since the study compares with the hand-written DeepSpeed loop (the launches' ratio, and where measured the two
-    steps' in one process); older suites compared with plain PyTorch."""
+    """The launches' ratio and, where measured, the two steps' in the same processes; the first suites (2026-11-23)
+    kept only the ratio of median steps (`overhead`)."""
     o = parts["overhead"]
     if o.get("status") != "ok":
         return None
-    one = f"; in one process {o['paired']['median']:+.1%}" if o.get("paired") else ""
-    return f"{o['harness_overhead']['median']:+.1%}{one} ({o['precision']})"
-
-
-def _overhead_plain(parts):
-    o = parts["overhead"]
-    if o.get("status") != "ok":
-        return None
-    s = o.get("step_s")
-    value = s["harness"]["median"] / s["plain"]["median"] - 1 if s else o["overhead"]
-    return f"{value:+.1%} ({o['precision']})"
+    if "vs_plain" not in o:
+        return f"{o['overhead']:+.1%} ({o['precision']})"
+    same = f"; in the same process {o['paired']['median']:+.1%}" if o.get("paired") else ""
+    return f"{o['vs_plain']['median']:+.1%}{same} ({o['precision']})"
 
 
 def _largest(parts):
@@ -112,8 +105,7 @@ RECIPE_ROWS = {  # recipe -> (figure, how its test figures read, the reference s
 ROWS = [  # (figure, target, pick), in the suite's own order and with its own targets
     *[(f"{m.name} MFU, compile {c}", "-" if m.target_mfu is None else f">= {m.target_mfu:.0%}", _speed(m.name, c))
       for m in SPEED for c in ("off", "on")],
-    ("harness against the hand-written DeepSpeed loop (step time)", f"<= +{OVERHEAD_TARGET:.0%}", _overhead),
-    ("harness against a plain PyTorch loop (step time: DeepSpeed's cost and the harness's)", "-", _overhead_plain),
+    ("harness against a plain PyTorch loop, ZeRO-0 (step time)", f"<= +{OVERHEAD_TARGET:.0%}", _overhead),
     ("largest model: ZeRO-0 vs ZeRO-3 + CPU offload", f">= {LARGEST_TARGET:g}x", _largest),
     *[(f"{RECIPE_ROWS[r.name][0]} (`{r.name}`)", RECIPE_ROWS[r.name][2] if r.target is None else f">= {r.target:g}",
        _recipe(r.name, RECIPE_ROWS[r.name][1])) for r in RECIPES],
@@ -130,25 +122,39 @@ def render(root: Path = ROOT) -> str:
     return "\n".join(lines)
 
 
-def update_page(page: Path, block: str) -> tuple[str, str]:
-    """(current text, text with the block replaced)."""
+FILE_BLOCK = re.compile(r"(<!-- results:file (\S+) -->\n).*?(<!-- results:end -->)", re.S)
+
+
+def update_page(page: Path, block: str, root: Path = ROOT) -> tuple[str, str]:
+    """(current text, text with the GPU block and every file block filled again)."""
     text = page.read_text()
     if START not in text or END not in text:
         raise ConfigError(f"{page}: no generated-results block ({START} ... {END})")
     head, rest = text.split(START, 1)
     tail = rest.split(END, 1)[1]
-    return text, head + block + tail
+    return text, FILE_BLOCK.sub(lambda m: m.group(1) + _table(root, m.group(2)) + m.group(3), head + block + tail)
+
+
+def _table(root: Path, path: str) -> str:
+    """A generated markdown file under results/, without its title, as the page shows it."""
+    file = root / path
+    if not path.startswith("results/") or not file.is_file():
+        raise ConfigError(f"{PAGE}: its block names {path}, which is no file under results/")
+    lines = file.read_text().splitlines()
+    while lines and (lines[0].startswith("#") or not lines[0].strip()):
+        lines.pop(0)
+    return "\n".join(lines) + f"\n\n(generated from [{path}]({LINK_UP}{path}))\n"
 
 
 def main(check: bool, root: Path = ROOT) -> int:
     """Regenerate (or with `check`, compare) the GPU table of `root`/docs/benchmarks.md."""
     page = root / PAGE
-    current, new = update_page(page, render(root))
+    current, new = update_page(page, render(root), root)
     if check:
         if current != new:
-            print(f"{page}: its GPU results differ from results/gpu/; run `python -m harness results`")
+            print(f"{page}: its tables differ from results/; run `python -m harness results`")
             return 1
-        print(f"{page}: GPU results match results/gpu/")
+        print(f"{page}: its tables match results/")
         return 0
     page.write_text(new)
     print(f"updated {page}")
@@ -190,11 +196,11 @@ def suite_markdown(result: dict) -> str:
                          f"{e['tokens_per_s']:,.0f} | {bounded(e, 'mfu_table')} | "
                          f"{bounded(e, 'mfu_measured')} | {target} | {where} |")
     o = parts.get("overhead")
-    if o and "harness_overhead" in o:
+    if o and "vs_plain" in o:
         from .overhead import markdown as overhead_table
 
         lines += ["", overhead_table({**o, "configs": [o]}).replace("## ", "### "),
-                  "", f"Target harness vs reference <= +{OVERHEAD_TARGET:.0%}: {_met(o)}."]
+                  "", f"Target harness vs plain PyTorch <= +{OVERHEAD_TARGET:.0%}: {_met(o)}."]
     elif o:
         lines += ["", "## Overhead", "", f"Harness against the plain PyTorch loop ({o.get('model', '-')}): " + (
             f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s, "

@@ -1,13 +1,8 @@
-"""`harness bench`: resolve a sweep, measure it, derive utilisation and scaling, write the report.
+"""`harness bench sweep` and `overhead`: resolve the configurations, measure them, write the report.
 
-Optional studies in the same run (so their variants share the machine's state):
-- `--overhead`: instead of the sweep's table, each configuration's harness against the hand-written DeepSpeed
-  loop and a plain PyTorch loop (`overhead.py`).
-- `--largest n_layers|d_model|seq_len`: for each configuration, the largest model it trains (or the longest
-  sequence, `data.seq_len` in steps of 64: with a sequence-parallel config, how far the split reaches), found by
-  doubling that size and then bisecting (`plan.render.largest_fitting`), each try a 2-step run that must exit
-  cleanly within `--memory-budget-gb` of device memory per rank (on a GPU, the card's memory by default; on a CPU,
-  required: there, offloaded states share the same RAM, so offload reaches no further).
+`--largest n_layers|d_model|seq_len` (the sweep) finds, per configuration, the largest model (or the longest
+`data.seq_len`, in steps of 64) whose 2-step run exits cleanly within `--memory-budget-gb` per rank, doubling then
+bisecting (`plan.render.largest_fitting`); on a CPU the budget is required (offloaded states share its RAM).
 """
 from __future__ import annotations
 
@@ -28,34 +23,36 @@ from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
 SEQ_UNIT = 64  # --largest seq_len searches multiples of this
 
 
-def run_bench(args) -> dict:
-    sets = list(args.set)
+def plans(args) -> dict:
+    """Every configuration of the sweep that fits its process count, resolved and checked before any launch."""
     configs = grid([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
-                   args.mixed_precision.split(","), args.vary)
+                   args.mixed_precision.split(","), getattr(args, "vary", []))
     fitting = [c for c in configs if c.nproc % model_parallel_size(c.ds) == 0]  # tp2 on 1 process: not a config
     for c in [c for c in configs if c not in fitting]:
         print(f"skipped {c.name}: its tensor x pipeline x sequence size {model_parallel_size(c.ds)} needs a "
               f"multiple of it in processes", flush=True)
     if not fitting:
         raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
-    configs = fitting
-    plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any launch
-    if args.overhead:
-        return run_overhead(args, plans, sets)
+    return {c: plan_for(c, args.run, args.set) for c in fitting}
+
+
+def run_bench(args) -> dict:
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
+    planned, sets = plans(args), list(args.set)
+    configs = list(planned)
     clear_stale_build_locks()
     out = Path(args.out)
-    precisions = sorted({p.ds.precision for p in plans.values()})
+    precisions = sorted({p.ds.precision for p in planned.values()})
     threads = device.cpu_threads(max(c.nproc for c in configs))  # every process the same share of the cores
-    result = {"schema": report.SCHEMA, "task": next(iter(plans.values())).run.cfg.run.task, "run_file": args.run,
+    result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task, "run_file": args.run,
               "sets": sets, "steps": args.steps, "warmup": args.warmup,
               "device": device.describe(precisions, threads), "configs": []}
     for i, c in enumerate(configs):
         print(f"[{i + 1}/{len(configs)}] {c.name}", flush=True)
-        peak = device.measured_peak(plans[c].ds.precision, threads=threads)  # beside the run: the machine's state now
-        entry = measure(c, plans[c], args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
-        result["configs"].append({**entry, "params": count_params(plans[c]), "peak_flops_measured": peak})
+        peak = device.measured_peak(planned[c].ds.precision, threads=threads)  # beside the run: the machine now
+        entry = measure(c, planned[c], args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
+        result["configs"].append({**entry, "params": count_params(planned[c]), "peak_flops_measured": peak})
     report.derive(result["configs"], result["device"])
     if args.largest:
         result["largest"] = [largest(c, args, sets, out, measured) for c, measured in zip(configs, result["configs"])]
@@ -65,17 +62,16 @@ def run_bench(args) -> dict:
     return result
 
 
-def run_overhead(args, plans: dict, sets: list[str]) -> dict:
-    """`--overhead`: the study of `overhead.py` over the sweep's configurations instead of the sweep's table."""
-    if args.largest:
-        raise ConfigError("--overhead and --largest are separate studies: run one at a time")
-    overhead.check(list(plans))
+def run_overhead(args) -> dict:
+    """The study of `overhead.py` over the configurations."""
+    planned = plans(args)
+    overhead.check(list(planned))
     clear_stale_build_locks()
     out = Path(args.out)
-    precisions = sorted({p.ds.precision for p in plans.values()})
-    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": sets,
-              "device": device.describe(precisions, device.cpu_threads(max(c.nproc for c in plans))),
-              **overhead.study(plans, args.run, sets, out, args.rounds, args.warmup, args.steps, args.timeout)}
+    precisions = sorted({p.ds.precision for p in planned.values()})
+    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": args.set,
+              "device": device.describe(precisions, device.cpu_threads(max(c.nproc for c in planned))),
+              **overhead.study(planned, args.run, args.set, out, args.rounds, args.warmup, args.steps, args.timeout)}
     for path in overhead.write(result, out):
         print(f"wrote {path}")
     print(overhead.markdown(result))

@@ -1,11 +1,6 @@
-"""`harness bench --seeds 0,1,2`: a recipe's figures as a mean and a spread over seeds, not one seed's.
-
-Every configuration of the sweep (`--vary`, e.g. `protein.train_subsample=100,250,500`; `--ds`, `--nproc`) is trained
-to the end once per seed (`train.seed`), each in its own process, then scored on `--split` as `harness evaluate`
-scores it, all with the same CPU threads (`--threads`; the figures move with the thread count, so the report states
-it). The report, OUT/seeds.json and OUT/seeds.md, gives per configuration each seed's value of `--metric` and of
-`--baseline` (a metric the evaluation prints beside the model's, e.g. ridge_spearman), their mean and sample standard
-deviation, and how many seeds beat the baseline. Nothing is chosen here: every seed asked for is reported.
+"""`harness bench seeds 0,1,2`: a recipe's figures as a mean and a spread over seeds, not one seed's: every
+configuration trained to its end once per seed and scored as `harness evaluate` scores it, every seed asked for
+reported (OUT/seeds.json, seeds.md; docs/benchmarks.md).
 """
 from __future__ import annotations
 

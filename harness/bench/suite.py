@@ -1,29 +1,10 @@
-"""`harness bench --suite gpu`: every speed and quality figure a GPU can give, in parts with their own time budgets.
+"""`harness bench suite`: every speed and quality figure a GPU can give, in parts with their own time budgets.
 
-GPU time comes rarely and in short stretches, so the suite is ready before one appears, runs in two commands of
-under 10 minutes (`--parts ops,speed,overhead` then `--parts largest,quality`), and leaves its results in
-`--out` (default `results/gpu/<date>-<device>/`) as `suite.json` (every raw figure, the device, versions, commit,
-date and command; a second command adds its parts to the same file), `suite.md` and `speed.png`. The GPU
-tables of docs/benchmarks.md are generated from those files (`harness results`). Parts, in order of value:
-
-- `ops`: DeepSpeed's JIT-built ops the harness uses here (fused Adam on a GPU, CPU Adam for offload) are built or
-  loaded once, and whether they built is recorded (the optimizer falls back to PyTorch's fused AdamW if not).
-- `speed`: MFU and tokens/s on one device in the precision DeepSpeed picks there (bf16 on a GPU that has it) for
-  the translation model at Transformer-base size (then big), the protein encoder at ~100M parameters and length
-  512, and the lm at ~125M and length 1024, each with `train.compile` off and on, activation checkpointing off;
-  one extra step of each is traced (`train.profile_step`) so a missed target says where the time went.
-- `overhead`: the harness against a hand-written DeepSpeed loop, and that loop against plain PyTorch, on the
-  same model and batches (`overhead.py`).
-- `largest`: the largest lm (by layers) that trains under ZeRO-0 and under ZeRO-3 with CPU offload, and the ratio.
-- `quality`: the Multi30k, FLIP secondary structure, FLIP GB1 and ETTh1 recipes, each trained as many steps as its budget allows (a short probe
-  times a step, then the run resumes to the steps that fit) and scored once on its test split. A run cut short
-  of its recipe's schedule is reported as cut, never extrapolated. `--recipes` runs some of them (a third command
-  with the session's time left); in the same `--out` their results replace the earlier ones and the others stay.
-
-A part stops launching when its budget is spent; what it could not run is recorded as "not run: budget". Time a
-part leaves unused goes to the next part of the same command, so the command's total never exceeds their sum.
-`--smoke` runs every part at toy size (CI, on a CPU, in about two minutes) so the suite is proven before a GPU
-sees it; smoke results never reach docs/benchmarks.md.
+GPU time comes rarely and in short stretches: the suite runs in commands of under 10 minutes (`--parts`), each
+part under its budget (what one leaves unused goes to the next), a part that breaks is recorded and the rest runs,
+and every command adds to `--out`'s `suite.json` (with `suite.md` and `speed.png`; docs/benchmarks.md's table is
+generated from them by `harness results`). The parts, in order of value: `ops`, `speed`, `overhead`, `largest`,
+`quality` (docs/benchmarks.md says what each measures). `--smoke` runs them all at toy size on a CPU.
 """
 from __future__ import annotations
 
@@ -51,7 +32,6 @@ from .run import largest
 from .sweep import ROOT, Config, as_text, ds_path, last_error, measure, plan_for, python
 
 SCHEMA = 1
-SUITES = ("gpu",)
 PARTS = ("ops", "speed", "overhead", "largest", "quality")
 BUDGET_S = {"ops": 90, "speed": 320, "overhead": 150, "largest": 240, "quality": 330}  # two commands < 10 min
 SMOKE_BUDGET_S = {"ops": 60, "speed": 90, "overhead": 90, "largest": 60, "quality": 160}
@@ -89,8 +69,6 @@ def _sets(recipe_data: str, data_root: Path | None, sets: tuple[str, ...]) -> li
 
 
 def run_suite(args) -> dict:
-    if args.suite not in SUITES:
-        raise ConfigError(f"--suite {args.suite}: the suites are {', '.join(SUITES)}")
     parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
@@ -126,7 +104,7 @@ def run_suite(args) -> dict:
     if result and result["environment"]["device"] != env["device"]:
         raise ConfigError(f"{path} holds results of {result['environment']['device']}, this is {env['device']}; use "
                           f"another --out")
-    result.update(schema=SCHEMA, suite=args.suite, smoke=args.smoke, environment=env,
+    result.update(schema=SCHEMA, suite="gpu", smoke=args.smoke, environment=env,
                   budgets_s={**result.get("budgets_s", {}), **{p: budgets[p] for p in parts}})
     result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, args.argv)]))
     result.setdefault("parts", {})
@@ -296,18 +274,17 @@ def part_speed(args, data, work: Path, budget: Budget) -> dict:
 
 
 def part_overhead(args, data, work: Path, budget: Budget) -> dict:
-    """The speed part's smallest model on 1 process, ZeRO-0: the harness vs the hand-written DeepSpeed loop (the
-    target) and that loop vs plain PyTorch (`overhead.py`)."""
+    """The speed part's lm on 1 process, ZeRO-0: the harness against plain PyTorch (`overhead.py`)."""
     run = str(ROOT / "configs" / "runs" / "lm_demo.toml")
     sets = list(SPEED[2].smoke if args.smoke else SPEED[2].sets)
     if not budget.allows(3):
         return not_run("overhead")
     rounds = 2 if budget.allows(12) and not args.smoke else 1  # alternate twice where six launches fit with room
     o = overhead.one(Config(ds_path("zero0"), 1, "no"), run, sets, work / "overhead", rounds, args.warmup,
-                     args.steps, budget.left / rounds / 4)  # a share each; the reference, with its paired blocks, two
+                     args.steps, budget.left / rounds / 3)  # a third each; the plain loop, with its paired blocks, two
     if o["status"] != "ok":
         return {"status": "failed", "error": o["error"][:300]}
-    h = o["harness_overhead"]["median"]
+    h = o["vs_plain"]["median"]
     return {**o, "rounds": rounds, "steps": args.steps, "warmup": args.warmup, "model": SPEED[2].name,
             "target": OVERHEAD_TARGET, "target_met": h <= OVERHEAD_TARGET, "missed_by": max(0.0, h - OVERHEAD_TARGET)}
 

@@ -3,7 +3,7 @@ its source; frozen), the DeepSpeed JSON resolved against it (`ds.py`: ZeRO stage
 values filled from the run), and how the world is split, data x tensor x pipeline (`layout.py`).
 
 The bottom layer: it imports nothing of the harness. It knows no task (the task registry, `harness.tasks.resolve`,
-tells it a plug-in's [task] section). `from harness.config import ConfigError` is what a plug-in uses.
+tells it the task's own section). `from harness.config import ConfigError` is what a plug-in uses.
 """
 from .layout import Layout
 from .run import ConfigError, Preempted, Resolved, RunConfig, TrainingStopped

@@ -380,7 +380,7 @@ def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout
     bf16 matrix multiplies, the optimizer stepping the weights directly), not its bf16 wrapper (FP16_Optimizer), which
     casts every gradient to fp32, tests and copies every parameter back one tensor at a time each step: about 600 of
     lm_demo's 1,400 aten ops a step, where a plain PyTorch step of the same model in bf16 autocast runs 750
-    (`harness bench --proxy`). The model states take the same 16 bytes a parameter either way (4 + 4 + 8 against
+    (`harness bench proxy`). The model states take the same 16 bytes a parameter either way (4 + 4 + 8 against
     2 + 2 + 4 + 8); gradients are all-reduced in bf16 as the wrapper's were (`communication_data_type`, unless the
     file sets it). A DeepSpeed file naming `torch_autocast` itself keeps what it says (bf16 only: DeepSpeed's fp16
     autocast scales the loss where the loop cannot see it). (autocast, the precision the run trains in)."""

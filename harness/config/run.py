@@ -2,7 +2,8 @@
 
 Precedence, stated once: defaults < run file (TOML) < command line (`--set section.key=value`).
 Every value remembers where it came from, so `harness plan` and error messages can say so.
-The DeepSpeed JSON is resolved against this config in `ds.py`.
+The sections here are the core ones; a task declares its own (its `Config` dataclass, fields made with `setting`),
+which the task registry hands to `resolve`. The DeepSpeed JSON is resolved against this config in `ds.py`.
 """
 from __future__ import annotations
 
@@ -34,221 +35,162 @@ class Preempted(Exception):
     """A scheduler's signal stopped the run after a step, with a checkpoint of it (`preemption.py`). Exit code 75."""
 
 
-def _f(default: Any, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+# A setting's allowed range, checked by `resolve` for every section (a task's too): the bound reads as the error.
+BOUNDS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
+          "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1}
+
+
+def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None):
+    """A documented config field: its help is what `harness keys` prints; `choices` and `bound` (a key of BOUNDS)
+    are checked when the config is resolved. A task's `Config` declares its fields with it too."""
+    if bound is not None and bound not in BOUNDS:
+        raise ValueError(f"bound {bound!r} is none of {', '.join(BOUNDS)}")
+    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound})
 
 
 @dataclass(frozen=True)
 class RunSection:
-    task: str = _f("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
-    output_dir: str = _f("runs/run", "the run directory: config, metrics, checkpoints and the exported model")
-    name: str = _f("", "run name for the tracker; empty means the run directory's name")
-    config_wins: str = _f("run", "where a DeepSpeed file's optimizer or scheduler section (or accelerate's "
-                          "accumulation and clipping) and a run-config value you set differ: `run` refuses the run, "
-                          "listing every mismatch; `deepspeed` takes the DeepSpeed value (an explicit DeepSpeed value "
-                          "always replaces a run default)", ("run", "deepspeed"))
+    task: str = setting("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
+    output_dir: str = setting("runs/run", "the run directory: config, metrics, checkpoints and the exported model")
+    name: str = setting("", "run name for the tracker; empty means the run directory's name")
+    config_wins: str = setting("run", "where a DeepSpeed file's optimizer or scheduler section (or accelerate's "
+                               "accumulation and clipping) and a run-config value you set differ: `run` refuses the "
+                               "run, listing every mismatch; `deepspeed` takes the DeepSpeed value (an explicit "
+                               "DeepSpeed value always replaces a run default)", ("run", "deepspeed"))
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    d_model: int = _f(128, "width of the residual stream")
-    n_layers: int = _f(2, "number of Transformer blocks")
-    n_heads: int = _f(4, "attention heads; must divide d_model")
-    d_ff: int = _f(0, "feed-forward width; 0 means 4 * d_model")
-    dropout: float = _f(0.0, "dropout probability in attention and feed-forward")
-    vocab_size: int = _f(0, "vocabulary size; 0 means the task decides (256 bytes for `lm`)")
-    hf: str = _f("", "a Hugging Face transformers model instead of the built-in one: a hub id or a local directory "
-                 "(from_pretrained; its tokenizer comes from there too) or a local config.json (random init); "
-                 "needs the [hf] extra")
-    hf_class: str = _f("", "the transformers auto class to build model.hf with; empty means the task's (e.g. "
-                       "AutoModelForCausalLM for lm)")
-    zero_init: bool = _f(True, "ZeRO-3 with model.hf: build the model already partitioned over the ranks "
-                         "(deepspeed.zero.Init through transformers' HfDeepSpeedConfig) instead of whole on each")
-    trust_remote_code: bool = _f(False, "with model.hf: run the model's own code that its config names (auto_map; "
-                                 "transformers' trust_remote_code): only for a source you trust; without it such a "
-                                 "model is refused in one line")
-    hf_tokenizer: bool = _f(True, "with model.hf: its own tokenizer (AutoTokenizer); false: the task's own (bytes for "
-                            "lm, the trained SentencePiece model for translation, the residue vocabulary for protein), "
-                            "for a model from its config.json (random initialisation) only")
+    d_model: int = setting(128, "width of the residual stream", bound="> 0")
+    n_layers: int = setting(2, "number of Transformer blocks", bound="> 0")
+    n_heads: int = setting(4, "attention heads; must divide d_model", bound="> 0")
+    d_ff: int = setting(0, "feed-forward width; 0 means 4 * d_model", bound=">= 0")
+    dropout: float = setting(0.0, "dropout probability in attention and feed-forward", bound="in [0, 1)")
+    vocab_size: int = setting(0, "vocabulary size; 0 means the task decides (256 bytes for `lm`)", bound=">= 0")
+    hf: str = setting("", "a Hugging Face transformers model instead of the built-in one: a hub id or a local "
+                      "directory (from_pretrained; its tokenizer comes from there too) or a local config.json (random "
+                      "init); needs the [hf] extra")
+    hf_class: str = setting("", "the transformers auto class to build model.hf with; empty means the task's (e.g. "
+                            "AutoModelForCausalLM for lm)")
+    zero_init: bool = setting(True, "ZeRO-3 with model.hf: build the model already partitioned over the ranks "
+                              "(deepspeed.zero.Init through transformers' HfDeepSpeedConfig) instead of whole on each")
+    trust_remote_code: bool = setting(False, "with model.hf: run the model's own code that its config names (auto_map; "
+                                      "transformers' trust_remote_code): only for a source you trust; without it such "
+                                      "a model is refused in one line")
+    hf_tokenizer: bool = setting(True, "with model.hf: its own tokenizer (AutoTokenizer); false: the task's own (bytes "
+                                 "for lm, the trained SentencePiece model for translation, the residue vocabulary for "
+                                 "protein), for a model from its config.json (random initialisation) only")
 
 
 @dataclass(frozen=True)
 class DataSection:
-    path: str = _f("", "the data: a local file or directory in a format the task reads (see data/README.md: "
-                   ".txt/.json/.jsonl/.csv for lm; pairs, fasta, FLIP or csv sources for the case studies; .gz "
-                   "too), or `hub:NAME` for a Hugging Face data set; empty means the task's embedded default")
-    format: str = _f("auto", "how to read `path`", ("auto", "text", "json", "csv"))
-    text_field: str = _f("text", "column holding the text in json/csv data")
-    val_path: str = _f("", "validation data in the same format; empty means hold out `val_fraction` of the rows")
-    val_fraction: float = _f(0.05, "fraction of rows held out for validation when `val_path` is empty")
-    seq_len: int = _f(128, "tokens per training sample")
-    max_row_chars: int = _f(20000, "rows longer than this are truncated to it (and counted)")
-    num_workers: int = _f(0, "DataLoader worker processes per rank (each prefetches 4 batches ahead)")
-    length_buckets: str = _f("", "comma-separated lengths (ascending, the last = data.seq_len, e.g. \"32,64,128\"; a "
-                             "TOML list works too) each training batch is padded up to: a few fixed shapes, so "
-                             "train.compile compiles each once, static, instead of one dynamic graph; empty = pad to "
-                             "the batch's longest; tasks with variable-length samples only (translation, protein)")
-    bucket: int = _f(0, "length-bucketed batches: sort samples by length within windows of this many global "
-                     "batches, so a micro-batch pads little (the batches' order stays random); 0 = off; tasks with "
-                     "variable-length samples only (translation, protein)")
+    path: str = setting("", "the data: a local file or directory in a format the task reads (see data/README.md: "
+                        ".txt/.json/.jsonl/.csv for lm; pairs, fasta, FLIP or csv sources for the case studies; .gz "
+                        "too), or `hub:NAME` for a Hugging Face data set; empty means the task's embedded default")
+    format: str = setting("auto", "how to read `path`", ("auto", "text", "json", "csv"))
+    text_field: str = setting("text", "column holding the text in json/csv data")
+    val_path: str = setting("", "validation data in the same format; empty means hold out `val_fraction` of the rows")
+    val_fraction: float = setting(0.05, "fraction of rows held out for validation when `val_path` "
+                                  "is empty", bound="in [0, 1)")
+    seq_len: int = setting(128, "tokens per training sample", bound="> 0")
+    max_row_chars: int = setting(20000, "rows longer than this are truncated to it (and counted)", bound="> 0")
+    num_workers: int = setting(0, "DataLoader worker processes per rank (each prefetches 4 batches "
+                               "ahead)", bound=">= 0")
+    length_buckets: str = setting("", "comma-separated lengths (ascending, the last = data.seq_len, e.g. "
+                                  "\"32,64,128\"; a TOML list works too) each training batch is padded up to: a few "
+                                  "fixed shapes, so train.compile compiles each once, static, instead of one dynamic "
+                                  "graph; empty = pad to the batch's longest; tasks with variable-length samples only "
+                                  "(translation, protein)")
+    bucket: int = setting(0, "length-bucketed batches: sort samples by length within windows of this many global "
+                          "batches, so a micro-batch pads little (the batches' order stays random); 0 = off; tasks "
+                          "with variable-length samples only (translation, protein)", bound=">= 0")
 
 
 @dataclass(frozen=True)
 class TrainSection:
-    max_steps: int = _f(0, "optimizer steps to train; 0 means derive from `epochs`")
-    epochs: float = _f(0.0, "passes over the training data, used when `max_steps` is 0")
-    micro_batch_size: int = _f(8, "samples per rank per forward/backward")
-    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
-    global_batch_size: int = _f(0, "samples per optimizer step over all ranks; 0 means "
-                                "micro_batch_size * grad_accum_steps * data-parallel size")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables clipping")
-    log_every: int = _f(10, "write metrics every N steps")
-    eval_every: int | str = _f(0, "evaluate every N steps (and always at the end), or \"0.5 epochs\" or \"20 per run\" "
-                               "(see harness/config/cadence.py); 0 means only at the end")
-    eval_batches: int = _f(0, "micro-batches per rank per evaluation; 0 means the whole validation set")
-    save_every: int | str = _f(0, "checkpoint every N steps (and always at the end), or \"1 epoch\" or \"5 per run\"; "
-                               "0 means only at the end")
-    keep_checkpoints: int = _f(2, "how many of the latest checkpoints to keep (and the best, with select_best)")
-    select_best: str = _f("", "keep the checkpoint with the best validation value of this metric and export it "
-                          "instead of the last: `loss` (or `val_loss`) or any metric the task's evaluation reports "
-                          "(perplexity, accuracy, bleu, mse, ...; one the loss does not give runs the field's "
-                          "evaluation at every evaluation); recorded in RUN/best.json; empty = off, export the last")
-    select_mode: str = _f("auto", "whether lower or higher select_best is better; auto = min for loss, perplexity, "
-                          "mse, mae, rmse, nll, bits_per_byte, error and names starting or ending with one of them "
-                          "(price_mse, ...), max for any other", ("auto", "min", "max"))
-    early_stopping_patience: int | str = _f(0, "stop after this many evaluations in a row without improvement of "
-                                            "select_best (needs select_best and eval_every), or \"3 epochs\" (the "
-                                            "evaluations that cover them); 0 = off")
-    seed: int = _f(0, "seed for model init, data order and dropout")
-    max_nonfinite_steps: int = _f(10, "stop after this many consecutive steps with a non-finite loss or an update "
-                                  "skipped for a non-finite gradient (in fp16: once the loss scale is at its minimum)")
-    activation_checkpointing: bool = _f(False, "recompute each Transformer block's activations in the backward "
-                                        "pass instead of storing them: less memory, about a third more compute "
-                                        "(pipelines use pipeline.activation_checkpoint_interval instead)")
-    loss_chunk: int = _f(0, "the lm's own model: positions per chunk of its output projection and loss, so the "
-                         "logits (B x T x vocab, and their fp32 copy for the loss) never exist whole: each chunk's "
-                         "are recomputed in the backward pass (the same loss); 0 = all positions at once")
-    compile: bool = _f(False, "compile each Transformer block with torch.compile (fullgraph; blocks of one class "
-                       "share one graph; lengths dynamic, or static per data.length_buckets): the steps that "
-                       "compile are slow, their compile seconds are logged apart (metrics compile_s), not in "
-                       "step_s; a block that cannot compile runs eagerly, said in one line; training only "
-                       "(evaluation and decoding run eagerly)")
-    collective_timeout_s: float = _f(1800.0, "seconds a rank waits in a collective (a step's all-reduce, a "
-                                     "checkpoint's barrier) before the job ends naming the ranks that stopped "
-                                     "answering; must cover the longest checkpoint save and evaluation")
-    profile_step: int = _f(0, "trace this optimizer step (counted from 1) with torch.profiler on rank 0 and write "
-                           "RUN/profile.json: wall time, data-loader wait, device busy time, host overhead and the "
-                           "top kernels; 0 = off")
+    max_steps: int = setting(0, "optimizer steps to train; 0 means derive from `epochs`", bound=">= 0")
+    epochs: float = setting(0.0, "passes over the training data, used when `max_steps` is 0", bound=">= 0")
+    micro_batch_size: int = setting(8, "samples per rank per forward/backward", bound="> 0")
+    grad_accum_steps: int = setting(1, "micro-batches accumulated per optimizer step", bound="> 0")
+    global_batch_size: int = setting(0, "samples per optimizer step over all ranks; 0 means "
+                                     "micro_batch_size * grad_accum_steps * data-parallel size", bound=">= 0")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 disables clipping", bound=">= 0")
+    log_every: int = setting(10, "write metrics every N steps", bound="> 0")
+    eval_every: int | str = setting(0, "evaluate every N steps (and always at the end), or \"0.5 epochs\" or \"20 per "
+                                    "run\" (see harness/config/cadence.py); 0 means only at the end")
+    eval_batches: int = setting(0, "micro-batches per rank per evaluation; 0 means the whole validation "
+                                "set", bound=">= 0")
+    save_every: int | str = setting(0, "checkpoint every N steps (and always at the end), or \"1 epoch\" or \"5 per "
+                                    "run\"; 0 means only at the end")
+    keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep (and the best, with "
+                                    "select_best)", bound="> 0")
+    select_best: str = setting("", "keep the checkpoint with the best validation value of this metric and export it "
+                               "instead of the last: `loss` (or `val_loss`) or any metric the task's evaluation "
+                               "reports (perplexity, accuracy, bleu, mse, ...; one the loss does not give runs the "
+                               "field's evaluation at every evaluation); recorded in RUN/best.json; empty = off, "
+                               "export the last")
+    select_mode: str = setting("auto", "whether lower or higher select_best is better; auto = min for loss, "
+                               "perplexity, mse, mae, rmse, nll, bits_per_byte, error and names starting or ending "
+                               "with one of them (price_mse, ...), max for any other", ("auto", "min", "max"))
+    early_stopping_patience: int | str = setting(0, "stop after this many evaluations in a row without improvement of "
+                                                 "select_best (needs select_best and eval_every), or \"3 epochs\" (the "
+                                                 "evaluations that cover them); 0 = off")
+    seed: int = setting(0, "seed for model init, data order and dropout", bound=">= 0")
+    max_nonfinite_steps: int = setting(10, "stop after this many consecutive steps with a non-finite loss or an update "
+                                       "skipped for a non-finite gradient (in fp16: once the loss scale is at its "
+                                       "minimum)", bound="> 0")
+    activation_checkpointing: bool = setting(False, "recompute each Transformer block's activations in the backward "
+                                             "pass instead of storing them: less memory, about a third more compute "
+                                             "(pipelines use pipeline.activation_checkpoint_interval instead)")
+    loss_chunk: int = setting(0, "the lm's own model: positions per chunk of its output projection and loss, so the "
+                              "logits (B x T x vocab, and their fp32 copy for the loss) never exist whole: each "
+                              "chunk's are recomputed in the backward pass (the same loss); 0 = all "
+                              "positions at once", bound=">= 0")
+    compile: bool = setting(False, "compile each Transformer block with torch.compile (fullgraph; blocks of one class "
+                            "share one graph; lengths dynamic, or static per data.length_buckets): the steps that "
+                            "compile are slow, their compile seconds are logged apart (metrics compile_s), not in "
+                            "step_s; a block that cannot compile runs eagerly, said in one line; training only "
+                            "(evaluation and decoding run eagerly)")
+    collective_timeout_s: float = setting(1800.0, "seconds a rank waits in a collective (a step's all-reduce, a "
+                                          "checkpoint's barrier) before the job ends naming the ranks that stopped "
+                                          "answering; must cover the longest checkpoint save and "
+                                          "evaluation", bound="> 0")
+    profile_step: int = setting(0, "trace this optimizer step (counted from 1) with torch.profiler on rank 0 and write "
+                                "RUN/profile.json: wall time, data-loader wait, device busy time, host overhead and "
+                                "the top kernels; 0 = off", bound=">= 0")
 
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    name: str = _f("adamw", "the optimizer: AdamW (DeepSpeed's fused or CPU kernel where it applies) or SGD with "
-                   "momentum (torch.optim.SGD)", ("adamw", "sgd"))
-    lr: float = _f(3e-4, "peak learning rate")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    momentum: float = _f(0.9, "SGD momentum")
-    nesterov: bool = _f(False, "SGD: Nesterov momentum")
-    weight_decay: float = _f(0.1, "weight decay, not applied to biases and norms (AdamW: decoupled; SGD: L2)")
+    name: str = setting("adamw", "the optimizer: AdamW (DeepSpeed's fused or CPU kernel where it applies) or SGD with "
+                        "momentum (torch.optim.SGD)", ("adamw", "sgd"))
+    lr: float = setting(3e-4, "peak learning rate", bound=">= 0")
+    beta1: float = setting(0.9, "AdamW beta1", bound="in [0, 1)")
+    beta2: float = setting(0.95, "AdamW beta2", bound="in [0, 1)")
+    eps: float = setting(1e-8, "AdamW epsilon", bound="> 0")
+    momentum: float = setting(0.9, "SGD momentum", bound="in [0, 1)")
+    nesterov: bool = setting(False, "SGD: Nesterov momentum")
+    weight_decay: float = setting(0.1, "weight decay, not applied to biases and norms (AdamW: "
+                                  "decoupled; SGD: L2)", bound=">= 0")
 
 
 @dataclass(frozen=True)
 class ScheduleSection:
-    kind: str = _f("cosine", "decay after warmup", ("cosine", "linear", "inverse_sqrt", "constant"))
-    warmup_steps: int = _f(0, "linear warmup from 0 to `optimizer.lr` over this many steps")
-    min_lr_ratio: float = _f(0.1, "cosine/linear decay ends at lr * min_lr_ratio")
+    kind: str = setting("cosine", "decay after warmup", ("cosine", "linear", "inverse_sqrt", "constant"))
+    warmup_steps: int = setting(0, "linear warmup from 0 to `optimizer.lr` over this many steps", bound=">= 0")
+    min_lr_ratio: float = setting(0.1, "cosine/linear decay ends at lr * min_lr_ratio", bound="in [0, 1]")
 
 
 @dataclass(frozen=True)
 class LoggingSection:
-    backend: str = _f("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
-                      "is configured", ("wandb", "tensorboard", "none"))
-    project: str = _f("harness", "tracker project name")
-    plots: bool = _f(True, "draw RUN/curves.png at the end of the run: training loss, learning rate, validation "
-                     "loss and the task's metric against the step (`harness plot` overlays runs)")
-
-
-@dataclass(frozen=True)
-class TranslationSection:
-    source_lang: str = _f("en", "language code of the source side (a field name or file suffix in the data)")
-    target_lang: str = _f("fr", "language code of the target side")
-    label_smoothing: float = _f(0.1, "label smoothing of the cross-entropy; padding never counts")
-    beam_size: int = _f(4, "beam width for evaluation and `harness translate`; 1 is greedy decoding")
-    length_penalty: float = _f(0.6, "GNMT length-penalty exponent for beam search; 0 turns it off")
-    eval_max_sentences: int = _f(200, "sentences decoded for BLEU at the end of training; 0 means all "
-                                 "(`harness evaluate` always decodes the whole split)")
-
-
-@dataclass(frozen=True)
-class ProteinSection:
-    objective: str = _f("classify", "what to train: masked-LM pre-training, sequence classification, "
-                        "per-residue (secondary-structure) labels, or one value per sequence (fitness regression)",
-                        ("mlm", "classify", "residue", "regress"))
-    pooling: str = _f("mean", "classify and regress with the built-in encoder: one vector per sequence from the mean "
-                      "of its positions, or a learned attention over them (for landscapes where a few positions "
-                      "matter, e.g. FLIP GB1)", ("mean", "attention"))
-    sites: str = _f("all", "classify and regress with the built-in encoder: the model reads every residue, or only "
-                    "the positions where the training sequences differ (a mutational library of one length, e.g. "
-                    "FLIP GB1's four sites; the ridge baseline uses the same)", ("all", "varying"))
-    blend: str = _f("none", "regress with the built-in encoder: `ridge` makes the model's prediction a mix of the "
-                    "encoder's and the ridge baseline's (fitted on the training split before training, kept in the "
-                    "model): the encoder trains alone, and at the last evaluation (at each, when train.select_best "
-                    "names a field metric such as spearman) the ridge share is chosen from 0, 0.25, 0.5, 0.75 by "
-                    "validation Spearman (ties: the smaller), kept in the export (and in checkpoints saved after the "
-                    "evaluation that chose it); needs validation rows; the recipe that holds its own at a few "
-                    "hundred variants", ("none", "ridge"))
-    mask_prob: float = _f(0.15, "fraction of residues masked for the mlm objective")
-    init_from: str = _f("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
-    mask_variants: int = _f(10, "mlm: distinct masks per training sequence; the training set holds each sequence "
-                            "this many times, each copy with its own fixed mask (so an epoch is that many passes)")
-    test_fraction: float = _f(0.1, "share of the distinct sequences held out for test when the source has no "
-                              "test split (validation takes data.val_fraction)")
-    train_subsample: int = _f(0, "keep this many rows of the training and validation splits together (each stays in "
-                              "its split; the test split is untouched), drawn by protein.subsample_seed: a low-N "
-                              "study on a large set (the ridge baseline fits the same rows); 0 = all")
-    subsample_seed: int = _f(0, "seed of protein.train_subsample's draw (apart from train.seed, so seeds of one "
-                             "subsample train on the same rows)")
-    sequence_field: str = _f("sequence", "column (csv/jsonl/hub) holding the amino-acid sequence")
-    label_field: str = _f("label", "column holding the label: a class (classify), one state letter per residue "
-                          "(residue) or a number (regress); in a fasta header, `label=VALUE`; a FLIP csv "
-                          "(sequence,target,set,validation) without this column uses `target`")
-
-
-@dataclass(frozen=True)
-class PricesSection:
-    lookback: int = _f(96, "past time steps the forecaster sees")
-    horizon: int = _f(24, "future time steps it predicts at once")
-    patch_len: int = _f(16, "time steps per patch (token)")
-    stride: int = _f(8, "steps between patch starts")
-    symbols: str = _f("AAPL,IBM,MSFT,GOOG", "embedded stocks only: comma-separated tickers; the series starts on "
-                      "the first date every one of them trades")
-    columns: str = _f("", "comma-separated channels: for the embedded stocks the price fields taken per symbol "
-                      "(empty = `Adj Close`, split- and dividend-adjusted); for a csv/hub source its numeric "
-                      "columns (empty = every column but the date)")
-    date_column: str = _f("", "csv/hub sources: the column holding the time stamp; empty = `date`/`Date`, else the "
-                          "first column")
-    transform: str = _f("auto", "applied before z-scoring; auto = log for the embedded stocks, none otherwise",
-                        ("auto", "none", "log"))
-    train_end: str = _f("", "last date of the training period (inclusive, e.g. 2010-12-31); empty = the source's "
-                        "default (stocks: 2010-12-31; ETTh: the standard 8640-row split; csv: 70% of the rows)")
-    val_end: str = _f("", "last date of the validation period (inclusive); the test period follows it; empty = the "
-                      "source's default (stocks: 2011-12-31; ETTh: row 11519; csv: 80% of the rows)")
-    context: str = _f("split", "where validation/test input windows may start: `split` = inside their own split "
-                      "(no window touches another split), `previous` = up to `lookback` steps back into the "
-                      "preceding split (the standard ETTh1 protocol); targets always stay inside the split",
-                      ("split", "previous"))
-    head_dropout: float = _f(0.0, "dropout before the flatten head")
-    center: str = _f("mean", "per-window normalisation subtracts the window's mean (RevIN) or its last value "
-                     "(PatchTST's subtract_last; the untrained model then forecasts persistence)", ("mean", "last"))
-    periods: int = _f(1, "`harness evaluate`: also score the split in this many consecutive periods by forecast "
-                      "origin (rolling origin, the trained model fixed), each against persistence with its own "
-                      "verdict; 1 = the whole split only; `--periods K` sets it for one evaluation")
+    backend: str = setting("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
+                           "is configured", ("wandb", "tensorboard", "none"))
+    project: str = setting("harness", "tracker project name")
+    plots: bool = setting(True, "draw RUN/curves.png at the end of the run: training loss, learning rate, validation "
+                          "loss and the task's metric against the step (`harness plot` overlays runs)")
 
 
 BUILT_IN_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "dropout", "vocab_size")
-TASK_SECTIONS = ("translation", "protein", "prices")  # each belongs to the task of the same name
 
 
 @dataclass(frozen=True)
@@ -260,23 +202,35 @@ class RunConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    translation: TranslationSection = field(default_factory=TranslationSection)
-    protein: ProteinSection = field(default_factory=ProteinSection)
-    prices: PricesSection = field(default_factory=PricesSection)
-    task: Any = None  # a plug-in task's own section (its `Config` dataclass), from the run file's [task]
+    task: Any = None  # the task's own section (its `Config` dataclass); None for a task without one
+    task_section: str = "task"  # that section's name in the run file: [task] for a plug-in, [protein], ...
+
+    def section(self, name: str) -> Any:
+        """The section of that run-file name: a core one or the task's."""
+        return self.task if name == self.task_section else getattr(self, name)
+
+    def sections(self) -> dict[str, type]:
+        """Each section's run-file name and class: the core ones, then the task's."""
+        return SECTIONS if self.task is None else {**SECTIONS, self.task_section: type(self.task)}
+
+    def replacing(self, key: str, value: Any) -> RunConfig:
+        """This config with `section.key` = value (unchecked: `resolve` checks)."""
+        section, name = key.split(".")
+        new = dataclasses.replace(self.section(section), **{name: value})
+        return dataclasses.replace(self, **{"task" if section == self.task_section else section: new})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Every section, except the sections of tasks other than `run.task` (and [task] when there is none)."""
-        return {k: v for k, v in dataclasses.asdict(self).items()
-                if (k not in TASK_SECTIONS or k == self.run.task) and v is not None}
+        """Every section by its run-file name: the core ones, then the task's (none for a task without one)."""
+        return {name: dataclasses.asdict(self.section(name)) for name in self.sections()}
 
 
-SECTIONS: dict[str, type] = {k: v for k, v in get_type_hints(RunConfig).items() if k != "task"}
-PLUGIN_SECTION = "task"
+SECTIONS: dict[str, type] = {"run": RunSection, "model": ModelSection, "data": DataSection, "train": TrainSection,
+                             "optimizer": OptimizerSection, "schedule": ScheduleSection, "logging": LoggingSection}
+PLUGIN_SECTION = "task"  # a plug-in task's section; a built-in task's is named after it
 
 
 def all_keys(sections: dict[str, type] | None = None) -> dict[str, dataclasses.Field]:
-    """Every `section.key` with its field (type, default, help); `sections` adds a plug-in task's [task]."""
+    """Every `section.key` with its field (type, default, help) of `sections` (default: the core ones)."""
     return {f"{s}.{f.name}": f for s, cls in (sections or SECTIONS).items() for f in dataclasses.fields(cls)}
 
 
@@ -294,9 +248,7 @@ class Resolved:
         explicit settings where the run keeps its defaults. Checked again as a whole."""
         cfg = self.cfg
         for key, (value, origin) in values.items():
-            section, name = key.split(".")
-            value = _coerce(key, value, origin, SECTIONS)
-            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+            cfg = cfg.replacing(key, _coerce(key, value, origin, cfg.sections()))
         resolved = Resolved(cfg, {**self.source, **{k: origin for k, (_, origin) in values.items()}})
         _check(resolved)
         return resolved
@@ -305,9 +257,12 @@ class Resolved:
     def buckets(self) -> tuple[int, ...]:
         return length_buckets(self.cfg)
 
-    def describe(self, key: str) -> str:
+    def value(self, key: str) -> Any:
         section, name = key.split(".")
-        return f"{key} = {getattr(getattr(self.cfg, section), name)!r} ({self.source[key]})"
+        return getattr(self.cfg.section(section), name)
+
+    def describe(self, key: str) -> str:
+        return f"{key} = {self.value(key)!r} ({self.source[key]})"
 
 
 def _unknown(key: str, sections: dict[str, type]) -> ConfigError:
@@ -369,11 +324,38 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def resolve(run_file: str | None, overrides: list[str], task_ref) -> Resolved:
+def resolve(run_file: str | None, overrides: list[str], task_ref,
+            task_sections: dict[str, type] | None = None) -> Resolved:
     """The run config from defaults, the run file and `--set` overrides. `task_ref(name)` is the task registry's word
-    on `run.task` (`harness.tasks.registry.task_ref`): the name as stored (a plug-in file's path made absolute) and
-    the plug-in's [task] section (a dataclass) or None; it raises for a name that is no task. Callers use
-    `harness.tasks.resolve`, which passes it: the config knows no task."""
+    on `run.task` (`harness.tasks.registry.task_ref`): the name as stored (a plug-in file's path made absolute), the
+    name of the task's section in the run file and its class (the task's `Config` dataclass, or None); it raises for
+    a name that is no task. `task_sections` holds every built-in task's section by name, so that another task's keys
+    are refused naming it. Callers use `harness.tasks.resolve`, which passes both: the config knows no task."""
+    layers = _layers(run_file, overrides)
+    task = RunSection.task
+    for origin, flat in layers:
+        task = flat.get("run.task", task)
+    stored, own, config = task_ref(task) if isinstance(task, str) else (task, PLUGIN_SECTION, None)
+    sections = SECTIONS if config is None else {**SECTIONS, own: config}
+    known = {**(task_sections or {}), **sections}  # another task's keys too: typos in them get a did-you-mean
+    values, source = _given(layers, known)
+    if "task" in values["run"]:
+        values["run"]["task"] = stored  # a plug-in file found again from any directory
+    cfg = RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS},
+                    task=None if config is None else config(**values[own]), task_section=own)
+    resolved = Resolved(cfg, {k: v for k, v in source.items() if k.split(".")[0] in sections})
+    _check(resolved)
+    for section in (s for s in known if s not in sections):  # another task's keys: name the task they belong to
+        given = [f"{k} = {values[section][k.split('.')[1]]!r} ({source[k]})"
+                 for k in all_keys({section: known[section]}) if source[k] != "default"]
+        if given:
+            raise ConfigError(f"[{section}] keys belong to run.task = {section!r}, but "
+                              f"{resolved.describe('run.task')}: {'; '.join(given)}")
+    return resolved
+
+
+def _layers(run_file: str | None, overrides: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The run file's `section.key`s and the command line's, each with its origin, the last winning."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if run_file:
         flat = {}
@@ -383,11 +365,12 @@ def resolve(run_file: str | None, overrides: list[str], task_ref) -> Resolved:
             flat.update({f"{section}.{k}": v for k, v in body.items()})
         layers.append((f"run file {run_file}", flat))
     layers.append(("command line", dict(parse_override(o) for o in overrides)))
-    task = RunSection.task
-    for origin, flat in layers:
-        task = flat.get("run.task", task)
-    stored, section = task_ref(task) if isinstance(task, str) else (task, None)
-    sections = SECTIONS if section is None else {**SECTIONS, PLUGIN_SECTION: section}
+    return layers
+
+
+def _given(layers: list[tuple[str, dict[str, Any]]],
+           sections: dict[str, type]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The values the layers give, by section, each of the type its field declares, and every key's source."""
     values: dict[str, dict[str, Any]] = {s: {} for s in sections}
     source = {k: "default" for k in all_keys(sections)}
     for origin, flat in layers:
@@ -397,39 +380,15 @@ def resolve(run_file: str | None, overrides: list[str], task_ref) -> Resolved:
             section, name = key.split(".")
             values[section][name] = _coerce(key, value, origin, sections)
             source[key] = origin
-    if "task" in values["run"]:
-        values["run"]["task"] = stored  # a plug-in file found again from any directory
-    try:
-        cfg = RunConfig(**{s: sections[s](**values[s]) for s in sections})
-    except TypeError as e:  # a plug-in's Config with a field that has no default
-        raise ConfigError(f"[task]: {e}") from None
-    resolved = Resolved(cfg, source)
-    _check(resolved)
-    return resolved
-
-
-POSITIVE = ("train.micro_batch_size", "train.grad_accum_steps", "train.log_every", "train.keep_checkpoints",
-            "train.max_nonfinite_steps", "model.d_model", "model.n_layers", "model.n_heads", "data.seq_len",
-            "data.max_row_chars", "optimizer.eps", "train.collective_timeout_s")
-NON_NEGATIVE = ("train.max_steps", "train.global_batch_size", "train.eval_batches", "train.grad_clip", "train.epochs",
-                "model.d_ff", "model.vocab_size", "schedule.warmup_steps", "optimizer.lr", "optimizer.weight_decay",
-                "data.num_workers", "data.bucket", "train.profile_step", "train.seed", "protein.train_subsample",
-                "protein.subsample_seed", "train.loss_chunk")
-# the cadences (train.eval_every, ...) are checked by config/cadence.py
-BELOW_ONE = ("model.dropout", "data.val_fraction", "optimizer.beta1", "optimizer.beta2", "optimizer.momentum")  # [0, 1)
-UP_TO_ONE = ("schedule.min_lr_ratio",)  # [0, 1]
+    return values, source
 
 
 def _check(r: Resolved) -> None:
     c = r.cfg
-    for key in (*POSITIVE, *NON_NEGATIVE, *BELOW_ONE, *UP_TO_ONE):
-        section, name = key.split(".")
-        v = getattr(getattr(c, section), name)
-        if key in POSITIVE and v <= 0:
-            raise ConfigError(f"{r.describe(key)} must be > 0")
-        if v < 0 or (key in BELOW_ONE and v >= 1) or (key in UP_TO_ONE and v > 1):
-            bound = "must be >= 0" if key in NON_NEGATIVE else f"must be in [0, 1{')' if key in BELOW_ONE else ']'}"
-            raise ConfigError(f"{r.describe(key)} {bound}")
+    for key, f in all_keys(c.sections()).items():  # the task's settings too
+        bound = f.metadata.get("bound")
+        if bound and not BOUNDS[bound](r.value(key)):
+            raise ConfigError(f"{r.describe(key)} must be {bound}")
     every = {}
     for key in cadence.UNITS:  # steps, epochs or a count per run: the forms are checked now, the steps at launch
         try:
@@ -465,11 +424,6 @@ def _check(r: Resolved) -> None:
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
                           f"{r.describe('train.epochs')}")
-    for section in TASK_SECTIONS:
-        given = [r.describe(k) for k in r.source if k.startswith(f"{section}.") and r.is_set(k)]
-        if given and c.run.task != section:
-            raise ConfigError(f"[{section}] keys belong to run.task = {section!r}, but {r.describe('run.task')}: "
-                              f"{'; '.join(given)}")
 
 
 def _check_buckets(r: Resolved) -> None:
@@ -495,7 +449,7 @@ def _chosen(r: Resolved, keys: list[str] | tuple[str, ...]) -> list[str]:
     out = []
     for key in keys:
         section, name = key.split(".")
-        if r.is_set(key) and getattr(getattr(r.cfg, section), name) != getattr(SECTIONS[section], name):
+        if r.is_set(key) and r.value(key) != getattr(SECTIONS[section], name):
             out.append(r.describe(key))
     return out
 

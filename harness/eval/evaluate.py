@@ -43,7 +43,7 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None) -> tu
                               f"{cfg.run.task!r} run")
         if periods < 1:
             raise ConfigError(f"--periods {periods}: must be >= 1 (1: the whole split, no periods)")
-        cfg = dataclasses.replace(cfg, prices=dataclasses.replace(cfg.prices, periods=periods))
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, periods=periods))
     return cfg, task
 
 

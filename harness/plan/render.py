@@ -113,7 +113,7 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
              f"Korthikanti et al. 34 T B d_model per layer in 16-bit, the loss's logits B T vocab x (2|4 + 8)): "
              + ", ".join(f"SP={n} {size_text(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
     for name, gib in GPU_MEMORY_GIB.items():
-        # in steps of 64 x SP positions: the search `harness bench --largest` runs with real tries
+        # in steps of 64 x SP positions: the search `harness bench sweep --largest` runs with real tries
         longest = {n: 64 * n * largest_fitting(
             lambda k, n=n: states + activation_bytes(plan, model, 64 * n * k, n) <= gib * 2**30, 1, 2**30)
             for n in sizes}
@@ -232,10 +232,10 @@ def render(plan: Plan) -> str:
 
 
 def render_keys() -> str:
-    from ..tasks import PLUGIN_HINT, TASKS
+    from ..tasks import PLUGIN_HINT, TASKS, task_sections
 
     lines = []
-    for key, f in all_keys().items():
+    for key, f in {**all_keys(), **all_keys(task_sections())}.items():  # the core sections, then each task's
         choices = f.metadata["choices"]
         extra = f" (one of {', '.join(choices)})" if choices else ""
         lines.append(f"{key:30} {json.dumps(f.default):10} {f.metadata['help']}{extra}")

@@ -75,7 +75,7 @@ def resolve_path(path: str) -> Path:
 
 def check_source(cfg: RunConfig) -> None:
     """Preflight: the source exists and the settings make sense (ConfigError otherwise)."""
-    path, p = cfg.data.path, cfg.prices
+    path, p = cfg.data.path, cfg.task
     if path and not path.startswith("hub:"):
         f = resolve_path(path)
         if not f.is_file():
@@ -96,7 +96,7 @@ def check_source(cfg: RunConfig) -> None:
 
 def settings(cfg: RunConfig) -> dict:
     """Everything the prepared data depends on (the cache key); windows are cut at load time."""
-    p, path = cfg.prices, cfg.data.path
+    p, path = cfg.task, cfg.data.path
     kind = source_kind(path)
     ident: dict = {"path": path}
     if kind == "stocks":
@@ -109,7 +109,7 @@ def settings(cfg: RunConfig) -> dict:
 
 
 def transform_of(cfg: RunConfig) -> str:
-    t = cfg.prices.transform
+    t = cfg.task.transform
     return ("log" if source_kind(cfg.data.path) == "stocks" else "none") if t == "auto" else t
 
 
@@ -145,10 +145,10 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
     entry per wide row."""
     path = cfg.data.path if path is None else path
     df = _load(kind, path)
-    names = [c.strip() for c in cfg.prices.columns.split(",") if c.strip()]
+    names = [c.strip() for c in cfg.task.columns.split(",") if c.strip()]
     if kind == "stocks":
-        return _from_long(df, [s.strip() for s in cfg.prices.symbols.split(",") if s.strip()], names or ["Adj Close"])
-    date_col = cfg.prices.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
+        return _from_long(df, [s.strip() for s in cfg.task.symbols.split(",") if s.strip()], names or ["Adj Close"])
+    date_col = cfg.task.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
     names = names or [c for c in df.columns if c != date_col]
     missing = [c for c in [date_col, *names] if c not in df.columns]
     if missing or not names:
@@ -249,7 +249,7 @@ def clean(dates_raw: list, columns: dict[str, list], log: bool) -> tuple[list, n
 
 def boundaries(kind: str, cfg: RunConfig, dates: list) -> tuple[np.datetime64, np.datetime64, np.datetime64 | None]:
     """Last dates of train and validation, and of test (None = the end of the data)."""
-    p = cfg.prices
+    p = cfg.task
     if p.train_end:
         return _dates([p.train_end])[0] + _day_end(p.train_end), _dates([p.val_end])[0] + _day_end(p.val_end), None
     if kind == "stocks":
@@ -364,7 +364,7 @@ class Windows(torch.utils.data.Dataset):
 
 
 def windows(cfg: RunConfig, directory: Path, split: str) -> Windows:
-    p = cfg.prices
+    p = cfg.task
     values, bounds, dates = series(directory)
     starts = target_starts(bounds[split], p.lookback, p.horizon, p.context)
     if len(starts) == 0:
@@ -383,7 +383,7 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
     count of every row status; the file read; the protocol line)."""
     from dataclasses import replace
 
-    meta, p = read_meta(stored), cfg.prices
+    meta, p = read_meta(stored), cfg.task
     f = resolve_path(str(path))
     if not f.is_file():
         raise ConfigError(f"{path}: not found")
@@ -391,7 +391,7 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
         raise ConfigError(f"{path}: the prices task reads csv files (a date column and the run's channels)")
     stocks = source_kind(cfg.data.path) == "stocks"
     if not stocks:  # exactly the run's channels, in its order
-        cfg = replace(cfg, prices=replace(p, columns=",".join(meta["channels"])))
+        cfg = replace(cfg, task=replace(p, columns=",".join(meta["channels"])))
     dates_raw, columns, _ = read_table(cfg, "stocks" if stocks else "csv", str(f))
     if list(columns) != meta["channels"]:
         raise ConfigError(f"{path}: its channels are {list(columns)}; the run forecasts {meta['channels']}")

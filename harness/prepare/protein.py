@@ -75,9 +75,9 @@ SCORING_KEYS = ("labels", "classes", "values", "vocab_size", "sites")  # meta.js
 def label_kind(cfg: RunConfig) -> str:
     """'class' (one label per sequence), 'residue' (one state per residue) or 'value' (one number per sequence)."""
     kind = source_kind(cfg.data.path)
-    if kind == "flip" or (kind in ("file", "hub") and cfg.protein.objective == "residue"):
+    if kind == "flip" or (kind in ("file", "hub") and cfg.task.objective == "residue"):
         return "residue"
-    return "value" if kind in ("file", "hub") and cfg.protein.objective == "regress" else "class"
+    return "value" if kind in ("file", "hub") and cfg.task.objective == "regress" else "class"
 
 
 def check(cfg: RunConfig) -> None:
@@ -93,7 +93,7 @@ def check(cfg: RunConfig) -> None:
                 raise ConfigError(f"{p}: {key} not found")
             if p:
                 file_format(p)
-    obj = cfg.protein.objective
+    obj = cfg.task.objective
     if obj == "residue" and kind == "default":
         raise ConfigError("protein.objective = 'residue' needs per-residue labels; the embedded default has one "
                           "label per sequence: set data.path (e.g. ../shared/data/flip_ss)")
@@ -102,15 +102,15 @@ def check(cfg: RunConfig) -> None:
     if obj == "regress" and kind == "default":
         raise ConfigError("protein.objective = 'regress' needs a number per sequence; the embedded default has "
                           "classes: set data.path (e.g. ../shared/data/flip_gb1/sampled.csv.gz)")
-    if not 0 <= d.val_fraction < 1 or not 0 <= cfg.protein.test_fraction < 1 \
-            or d.val_fraction + cfg.protein.test_fraction >= 1:
+    if not 0 <= d.val_fraction < 1 or not 0 <= cfg.task.test_fraction < 1 \
+            or d.val_fraction + cfg.task.test_fraction >= 1:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} and protein.test_fraction = "
-                          f"{cfg.protein.test_fraction} must be in [0, 1) and leave some training data")
+                          f"{cfg.task.test_fraction} must be in [0, 1) and leave some training data")
 
 
 def settings(cfg: RunConfig) -> dict[str, Any]:
     """Everything the prepared data depends on (a file's size and time too, so an edited file re-prepares)."""
-    d, p = cfg.data, cfg.protein
+    d, p = cfg.data, cfg.task
 
     def identity(path: str) -> str:
         if not path or path.startswith("hub:"):
@@ -280,7 +280,7 @@ def assign(cleaned: dict[str, list], cfg: RunConfig) -> dict[str, list]:
     if "all" not in cleaned and {"validation", "test"} <= cleaned.keys():
         return cleaned
     source = cleaned.pop("all") if "all" in cleaned else cleaned.pop("train")
-    fractions = {s: f for s, f in (("test", cfg.protein.test_fraction), ("validation", cfg.data.val_fraction))
+    fractions = {s: f for s, f in (("test", cfg.task.test_fraction), ("validation", cfg.data.val_fraction))
                  if s not in cleaned and f > 0}
     where = carve(source, fractions)
     out = {split: cleaned.get(split, []) for split in SPLITS}
@@ -319,15 +319,15 @@ def deduplicate(splits: dict[str, list], kind: str) -> tuple[dict[str, dict], di
 
 def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     """Read, clean, split and count the source; train the residue vocabulary on train; save every split."""
-    kind, seq_len, by_site = label_kind(cfg), cfg.data.seq_len, cfg.protein.sites == "varying"
+    kind, seq_len, by_site = label_kind(cfg), cfg.data.seq_len, cfg.task.sites == "varying"
     raw, info = read_source(cfg)
     whole = math.inf if kind == "residue" or by_site else seq_len  # per-residue chains: cut after leaks are found
     cleaned = assign({split: [clean(r, kind, whole) for r in rows] for split, rows in raw.items()}, cfg)
     counts, kept = deduplicate(cleaned, kind)
     if kind == "residue":
         fit(counts, kept, seq_len)
-    if cfg.protein.train_subsample:
-        subsample(counts, kept, cfg.protein.train_subsample, cfg.protein.subsample_seed)
+    if cfg.task.train_subsample:
+        subsample(counts, kept, cfg.task.train_subsample, cfg.task.subsample_seed)
     if not kept["train"]:
         raise ConfigError(f"{cfg.data.path or 'the default data'}: no training sequence survived cleaning: "
                           f"{counts['train']}")

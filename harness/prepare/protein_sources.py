@@ -45,7 +45,7 @@ def source_kind(path: str) -> str:
 
 
 def read_source(cfg: RunConfig) -> tuple[dict[str, list[Row]], dict[str, Any]]:
-    d, p = cfg.data, cfg.protein
+    d, p = cfg.data, cfg.task
     kind, info = source_kind(d.path), {}
     if kind == "default":
         rows, info = _read_csv(package_file(*DEFAULT), p.sequence_field, p.label_field, count_line=True)
@@ -87,7 +87,7 @@ def file_format(path: str) -> str:
 
 
 def _read_file(path: str, cfg: RunConfig) -> tuple[list[Row], dict[str, Any]]:
-    p, fmt = cfg.protein, file_format(path)
+    p, fmt = cfg.task, file_format(path)
     labelled = p.objective != "mlm"
     if fmt in ("csv", "tsv"):
         return _read_csv(Path(path), p.sequence_field, p.label_field, delimiter="\t" if fmt == "tsv" else ",",

@@ -72,7 +72,7 @@ def source_kind(path: str) -> str:
 
 def check(cfg: RunConfig) -> None:
     """Preflight: the source exists and names the configured languages."""
-    d, t = cfg.data, cfg.translation
+    d, t = cfg.data, cfg.task
     if t.source_lang == t.target_lang:
         raise ConfigError(f"translation.source_lang and target_lang are both {t.source_lang!r}")
     kind = source_kind(d.path)
@@ -95,7 +95,7 @@ def check(cfg: RunConfig) -> None:
 
 def settings(cfg: RunConfig) -> dict[str, Any]:
     """Everything the prepared data depends on; a change prepares anew."""
-    d, t = cfg.data, cfg.translation
+    d, t = cfg.data, cfg.task
     stamp = []
     for p in (d.path, d.val_path):
         if p and not p.startswith("hub:") and Path(p).exists():
@@ -305,7 +305,7 @@ def _split_file(path: Path, split: str, lang: str) -> Path:
 # --- building the prepared directory -----------------------------------------------------------------------------
 
 def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
-    d, t = cfg.data, cfg.translation
+    d, t = cfg.data, cfg.task
     kind = source_kind(d.path)
     if kind == "bible":
         raw = read_bible(t.source_lang)

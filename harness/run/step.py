@@ -266,8 +266,8 @@ class Ledger:
 
 class Steps:
     """What the loop does each step, from fetching its batches to handing it to the `Ledger` (which reads the steps
-    before): `_train` runs it once a step, and `harness bench --overhead` times it against a hand-written step on
-    the same engine, in the same process (`bench/reference.py`). At a span's first step it fetches and counts the
+    before): `_train` runs it once a step, and `harness bench overhead` times it against a plain PyTorch step in the
+    same processes (`bench/plain.py`). At a span's first step it fetches and counts the
     batches of all the span's steps (`Ledger.span` of them, none past `last`, no more than the loader's workers
     hold ready: data loading still overlaps training) and starts the span's collective (`Span`); a step in `starts`
     is a span of its own (a profiled step: it shows what a step that syncs costs)."""

@@ -16,7 +16,9 @@ from .registry import (
            resolve,
            task_class,
            task_ref,
+           task_sections,
 )
 
 __all__ = ["CaseStudy", "DataSummary", "PLUGIN_HINT", "REQUIRED", "ReadData", "TASKS", "Task", "TaskData",
-           "TaskDefaults", "get_task", "is_plugin_name", "plugin_path", "resolve", "task_class", "task_ref"]
+           "TaskDefaults", "get_task", "is_plugin_name", "plugin_path", "resolve", "task_class", "task_ref",
+           "task_sections"]

@@ -71,7 +71,9 @@ REQUIRED = ("build_model", "build_data", "collate", "count", "inputs", "loss_fro
 class TaskDefaults:
     """The optional parts of a task, as a plug-in task gets them when it does not define them."""
 
-    Config = None  # a frozen dataclass: the task's own `[task]` section of the run file (None: no section)
+    # A frozen dataclass whose fields all have defaults (`harness.config.run.setting` documents one): the task's own
+    # section of the run file, [task] for a plug-in (a built-in task names its own: `section`); None: no section.
+    Config = None
 
     def check(self, cfg: RunConfig) -> None:
         """Nothing beyond the harness's own checks."""

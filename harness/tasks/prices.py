@@ -23,13 +23,45 @@ from pathlib import Path
 
 import torch
 
-from ..config.run import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig, setting
 from ..data.batches import eval_batches
 from ..models.patch import PatchConfig, PatchTST
 from ..prepare import prices as P
 from ..prepare import read_meta, store, summary
 from . import metrics as M
 from .interface import ReadData, TaskData
+
+
+@dataclass(frozen=True)
+class PricesSection:
+    lookback: int = setting(96, "past time steps the forecaster sees")
+    horizon: int = setting(24, "future time steps it predicts at once")
+    patch_len: int = setting(16, "time steps per patch (token)")
+    stride: int = setting(8, "steps between patch starts")
+    symbols: str = setting("AAPL,IBM,MSFT,GOOG", "embedded stocks only: comma-separated tickers; the series starts on "
+                           "the first date every one of them trades")
+    columns: str = setting("", "comma-separated channels: for the embedded stocks the price fields taken per symbol "
+                           "(empty = `Adj Close`, split- and dividend-adjusted); for a csv/hub source its numeric "
+                           "columns (empty = every column but the date)")
+    date_column: str = setting("", "csv/hub sources: the column holding the time stamp; empty = `date`/`Date`, else "
+                               "the first column")
+    transform: str = setting("auto", "applied before z-scoring; auto = log for the embedded stocks, none otherwise",
+                             ("auto", "none", "log"))
+    train_end: str = setting("", "last date of the training period (inclusive, e.g. 2010-12-31); empty = the source's "
+                             "default (stocks: 2010-12-31; ETTh: the standard 8640-row split; csv: 70% of the rows)")
+    val_end: str = setting("", "last date of the validation period (inclusive); the test period follows it; empty = "
+                           "the source's default (stocks: 2011-12-31; ETTh: row 11519; csv: 80% of the rows)")
+    context: str = setting("split", "where validation/test input windows may start: `split` = inside their own split "
+                           "(no window touches another split), `previous` = up to `lookback` steps back into the "
+                           "preceding split (the standard ETTh1 protocol); targets always stay inside the split",
+                           ("split", "previous"))
+    head_dropout: float = setting(0.0, "dropout before the flatten head")
+    center: str = setting("mean", "per-window normalisation subtracts the window's mean (RevIN) or its last value "
+                          "(PatchTST's subtract_last; the untrained model then forecasts "
+                          "persistence)", ("mean", "last"))
+    periods: int = setting(1, "`harness evaluate`: also score the split in this many consecutive periods by forecast "
+                           "origin (rolling origin, the trained model fixed), each against persistence with its own "
+                           "verdict; 1 = the whole split only; `--periods K` sets it for one evaluation")
 
 
 @dataclass
@@ -43,10 +75,11 @@ class Scored:
 
 
 class PricesTask:
+    section, Config = "prices", PricesSection  # the run file's [prices]: the task's settings
     items = "values"  # forecast values: windows x horizon x channels
 
     def check(self, cfg: RunConfig) -> None:
-        p = cfg.prices
+        p = cfg.task
         if cfg.model.hf:
             raise ConfigError(f"model.hf = {cfg.model.hf!r}: the prices task trains its own patch Transformer on "
                               f"numbers; Hugging Face models go with the lm, translation and protein tasks")
@@ -82,7 +115,7 @@ class PricesTask:
                       up_share(P.windows(cfg, directory, "train")), protocol(cfg, directory, split))
 
     def build_model(self, cfg: RunConfig) -> PatchTST:
-        m, p = cfg.model, cfg.prices
+        m, p = cfg.model, cfg.task
         return PatchTST(PatchConfig(lookback=p.lookback, horizon=p.horizon, patch_len=p.patch_len, stride=p.stride,
                                     d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                     d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout, head_dropout=p.head_dropout,
@@ -104,7 +137,7 @@ class PricesTask:
 
     def sequence_length(self, cfg: RunConfig) -> tuple[int, tuple[str, ...]]:
         """The positions of every sample (the window's patches) and the keys that set them."""
-        p = cfg.prices
+        p = cfg.task
         return PatchConfig(lookback=p.lookback, patch_len=p.patch_len, stride=p.stride).n_patches, \
             ("prices.lookback", "prices.patch_len", "prices.stride")
 
@@ -148,7 +181,7 @@ class PricesTask:
                  data: Scored | None = None) -> dict[str, float | str]:
         scored = self.scored(cfg, split) if data is None else data
         windows = scored.windows
-        k = cfg.prices.periods if not in_training else 1  # `harness evaluate`'s, not training's
+        k = cfg.task.periods if not in_training else 1  # `harness evaluate`'s, not training's
         if k > 1:
             check_periods(len(windows), windows.horizon, k)  # before the forecasts: refused at once
         pred = self.forecast(model, windows, cfg.train.micro_batch_size, world)
@@ -262,6 +295,6 @@ def protocol(cfg: RunConfig, directory: Path, split: str) -> str:
     meta = read_meta(directory)
     s = meta["splits"][split]
     return (f"{split} {s['first'][:10]}..{s['last'][:10]}, {len(meta['channels'])} channels, lookback "
-            f"{cfg.prices.lookback}, horizon {cfg.prices.horizon}, every window (stride 1), inputs inside "
-            f"{'the split' if cfg.prices.context == 'split' else 'the split or the one before'}, z-scored with "
+            f"{cfg.task.lookback}, horizon {cfg.task.horizon}, every window (stride 1), inputs inside "
+            f"{'the split' if cfg.task.context == 'split' else 'the split or the one before'}, z-scored with "
             f"train statistics{' of log prices' if meta['norm']['transform'] == 'log' else ''}")

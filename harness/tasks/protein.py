@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config.run import ConfigError, RunConfig, read_toml
+from ..config.run import ConfigError, RunConfig, read_toml, setting
 from ..data.batches import eval_batches
 from ..data.tokenizer import PAD
 from ..distributed.world import launched_rank
@@ -96,7 +96,7 @@ class Vocab:
 def hf_tokenizer(cfg: RunConfig):
     """A Hugging Face model's tokenizer, with the special tokens the objective needs."""
     tok = hf.tokenizer(cfg)
-    hf.need_tokens(cfg, tok, "protein", "cls_token", "pad_token", *(["mask_token"] if cfg.protein.objective == "mlm"
+    hf.need_tokens(cfg, tok, "protein", "cls_token", "pad_token", *(["mask_token"] if cfg.task.objective == "mlm"
                                                                       else []))
     return tok
 
@@ -185,19 +185,56 @@ def _known(tok, piece: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ProteinSection:
+    objective: str = setting("classify", "what to train: masked-LM pre-training, sequence classification, "
+                             "per-residue (secondary-structure) labels, or one value per sequence (fitness regression)",
+                             ("mlm", "classify", "residue", "regress"))
+    pooling: str = setting("mean", "classify and regress with the built-in encoder: one vector per sequence from the "
+                           "mean of its positions, or a learned attention over them (for landscapes where a few "
+                           "positions matter, e.g. FLIP GB1)", ("mean", "attention"))
+    sites: str = setting("all", "classify and regress with the built-in encoder: the model reads every residue, or "
+                         "only the positions where the training sequences differ (a mutational library of one length, "
+                         "e.g. FLIP GB1's four sites; the ridge baseline uses the same)", ("all", "varying"))
+    blend: str = setting("none", "regress with the built-in encoder: `ridge` makes the model's prediction a mix of the "
+                         "encoder's and the ridge baseline's (fitted on the training split before training, kept in "
+                         "the model): the encoder trains alone, and at the last evaluation (at each, when "
+                         "train.select_best names a field metric such as spearman) the ridge share is chosen from 0, "
+                         "0.25, 0.5, 0.75 by validation Spearman (ties: the smaller), kept in the export (and in "
+                         "checkpoints saved after the evaluation that chose it); needs validation rows; the recipe "
+                         "that holds its own at a few hundred variants", ("none", "ridge"))
+    mask_prob: float = setting(0.15, "fraction of residues masked for the mlm objective")
+    init_from: str = setting("", "a run directory whose exported encoder weights start this run (e.g. an mlm run)")
+    mask_variants: int = setting(10, "mlm: distinct masks per training sequence; the training set holds each sequence "
+                                 "this many times, each copy with its own fixed mask (so an epoch is that many passes)")
+    test_fraction: float = setting(0.1, "share of the distinct sequences held out for test when the source has no "
+                                   "test split (validation takes data.val_fraction)")
+    train_subsample: int = setting(0, "keep this many rows of the training and validation splits together (each stays "
+                                   "in its split; the test split is untouched), drawn by protein.subsample_seed: a "
+                                   "low-N study on a large set (the ridge baseline fits the same rows); "
+                                   "0 = all", bound=">= 0")
+    subsample_seed: int = setting(0, "seed of protein.train_subsample's draw (apart from train.seed, so seeds of one "
+                                  "subsample train on the same rows)", bound=">= 0")
+    sequence_field: str = setting("sequence", "column (csv/jsonl/hub) holding the amino-acid sequence")
+    label_field: str = setting("label", "column holding the label: a class (classify), one state letter per residue "
+                               "(residue) or a number (regress); in a fasta header, `label=VALUE`; a FLIP csv "
+                               "(sequence,target,set,validation) without this column uses `target`")
+
+
 class ProteinTask:
+    section, Config = "protein", ProteinSection  # the run file's [protein]: the task's settings
     objective, pad, items = "classify", PAD, "seqs"  # bound by `_bind` (`metrics`, `collate`, the progress bar)
     prepared: Path | None = None  # a run's stored artefacts (RUN/data/), read instead of preparing from data.path
 
     def _bind(self, cfg: RunConfig) -> Vocab:
         vocab = Vocab.of(cfg, prep.tokenizer(self.prepare(cfg)))
-        self.objective, self.pad = cfg.protein.objective, vocab.pad_id
+        self.objective, self.pad = cfg.task.objective, vocab.pad_id
         self.items = {"classify": "seqs", "regress": "seqs", "mlm": "masked", "residue": "residues"}[self.objective]
         return vocab
 
     def check(self, cfg: RunConfig) -> None:
         prep.check(cfg)
-        p = cfg.protein
+        p = cfg.task
         if cfg.model.hf:
             hf.check(cfg, HF_CLASSES[p.objective])
             if hf.own_tokenizer(cfg):
@@ -224,7 +261,7 @@ class ProteinTask:
         if p.init_from and not all((Path(p.init_from) / f).is_file() for f in ("config.toml", "model.safetensors")):
             raise ConfigError(f"protein.init_from = {p.init_from!r}: not a finished run directory (it needs "
                               f"config.toml and model.safetensors)")
-        if p.init_from and source_config(Path(p.init_from)).protein.sites != "all":
+        if p.init_from and source_config(Path(p.init_from)).task.sites != "all":
             raise ConfigError(f"protein.init_from = {p.init_from!r}: that run read only the sites where its training "
                               f"sequences differ (protein.sites), so its positions are not residue positions")
 
@@ -242,7 +279,7 @@ class ProteinTask:
 
     def build_model(self, cfg: RunConfig) -> Encoder:
         directory = self.prepare(cfg)
-        meta, m, objective = read_meta(directory), cfg.model, cfg.protein.objective
+        meta, m, objective = read_meta(directory), cfg.model, cfg.task.objective
         vocab = m.vocab_size or meta["vocab_size"]
         if vocab < meta["vocab_size"]:
             raise ConfigError(f"model.vocab_size = {vocab} is smaller than the prepared vocabulary "
@@ -262,23 +299,23 @@ class ProteinTask:
         positions = len(meta["sites"]["columns"]) if meta.get("sites") else cfg.data.seq_len
         model = Encoder(TransformerConfig(vocab_size=vocab, max_seq_len=positions + 1, d_model=m.d_model,
                                           n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff or 4 * m.d_model,
-                                          dropout=m.dropout), objective, n_out, cfg.protein.pooling,
-                        ridge=cfg.protein.blend == "ridge")
-        if cfg.protein.blend == "ridge" and not next(model.parameters()).is_meta:
+                                          dropout=m.dropout), objective, n_out, cfg.task.pooling,
+                        ridge=cfg.task.blend == "ridge")
+        if cfg.task.blend == "ridge" and not next(model.parameters()).is_meta:
             load_ridge(model, directory, scale(meta), self._bind(cfg).cls_id)
-        source = Path(cfg.protein.init_from)
+        source = Path(cfg.task.init_from)
         # `check` requires the source before training; a finished run rebuilt by `harness evaluate` after the
         # source was deleted skips it (its own exported weights replace these anyway).
-        if cfg.protein.init_from and (source / "model.safetensors").is_file() and not next(model.parameters()).is_meta:
+        if cfg.task.init_from and (source / "model.safetensors").is_file() and not next(model.parameters()).is_meta:
             loaded, fresh = init_from(model, cfg, source)
             if launched_rank() == 0:
-                print(f"protein.init_from {cfg.protein.init_from}: loaded {', '.join(loaded) or 'nothing'}; "
+                print(f"protein.init_from {cfg.task.init_from}: loaded {', '.join(loaded) or 'nothing'}; "
                       f"fresh {', '.join(fresh) or 'nothing'}", flush=True)
         return model
 
     def samples(self, cfg: RunConfig, split: str, train: bool = False, rows=None) -> Samples:
         directory, vocab = self.prepare(cfg), self._bind(cfg)
-        p = cfg.protein
+        p = cfg.task
         variants = p.mask_variants if train and p.objective == "mlm" else 1
         return Samples(prep.load(directory, split) if rows is None else rows, p.objective, vocab, p.mask_prob,
                        cfg.train.seed if train else EVAL_MASK_SEED, variants, scale(read_meta(directory)),
@@ -390,9 +427,9 @@ class ProteinTask:
             outputs = [(p + w * (r - p), y) for p, y, r in outputs]
             # the loss the loop measured before this choice, again for the mix the model now predicts with
             extra = {"loss": sum((p - y) ** 2 for p, y in outputs) / len(outputs), "ridge_mix": w}
-        if cfg.protein.objective != "regress":
+        if cfg.task.objective != "regress":
             windowed = {"chains_in_windows": float(samples.windowed)} if samples.spans else {}
-            return {**_field_metrics(cfg.protein.objective, outputs), **windowed}
+            return {**_field_metrics(cfg.task.objective, outputs), **windowed}
         mean, std = samples.scale
         metrics = regression_metrics([mean + std * p for p, _ in outputs], [mean + std * y for _, y in outputs])
         metrics |= extra or ({"ridge_mix": blended.ridge_mix.item()} if hasattr(blended, "ridge_mix") else {})

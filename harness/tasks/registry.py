@@ -1,5 +1,6 @@
 """The task registry: the built-in tasks by name, plug-in tasks by module or file path, and the run config resolved
-with the task it names (a plug-in's `Config` is its [task] section). The config knows no task; this module tells it."""
+with the task it names (a task's `Config` is its section: [translation] for the translation task, [task] for a
+plug-in). The config knows no task; this module tells it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ..config.run import ConfigError, Resolved
+from ..config.run import PLUGIN_SECTION, ConfigError, Resolved
 from ..config.run import resolve as resolve_layers
 from .interface import REQUIRED, Task, TaskDefaults
 
@@ -36,16 +37,26 @@ def is_plugin_name(task: str) -> bool:
     return isinstance(task, str) and ":" in task
 
 
-def task_ref(name: str) -> tuple[str, type | None]:
-    """`run.task` as the run config stores it, and the [task] section of the task it names (None for a built-in or
-    a plug-in without `Config`); raises for a name that is no task."""
+def task_ref(name: str) -> tuple[str, str, type | None]:
+    """`run.task` as the run config stores it, the name of the task's section in the run file (a built-in task's
+    `section`, [task] for a plug-in) and that section (its `Config` dataclass; None for a task without one); raises
+    for a name that is no task."""
     cls = task_class(name)
-    return (plugin_path(name), cls.Config) if is_plugin_name(name) else (name, None)
+    if is_plugin_name(name):
+        return plugin_path(name), PLUGIN_SECTION, cls.Config
+    return name, getattr(cls, "section", PLUGIN_SECTION), getattr(cls, "Config", None)
+
+
+def task_sections() -> dict[str, type]:
+    """Each built-in task's section by name, with its `Config` (`harness keys` lists them)."""
+    classes = [task_class(name) for name in TASKS]
+    return {cls.section: cls.Config for cls in classes if getattr(cls, "Config", None) is not None}
 
 
 def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
-    """The run config (defaults < run file < `--set`), with the task `run.task` names checked and its [task] keys."""
-    return resolve_layers(run_file, overrides, task_ref)
+    """The run config (defaults < run file < `--set`), with the task `run.task` names checked and its section's keys
+    (another built-in task's keys are refused, naming it)."""
+    return resolve_layers(run_file, overrides, task_ref, task_sections())
 
 
 def task_class(name: str) -> type:
@@ -75,13 +86,23 @@ def task_class(name: str) -> type:
     if missing:
         raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
                           f"harness/tasks/interface.py lists what a task provides)")
-    section = getattr(cls, "Config", None)
-    if section is not None and not dataclasses.is_dataclass(section):
-        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
+    _check_section(name, cls_name, getattr(cls, "Config", None))
     for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
         if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
             setattr(cls, attr, TaskDefaults.__dict__[attr])
     return cls
+
+
+def _check_section(name: str, cls_name: str, section: type | None) -> None:
+    """A plug-in's `Config`, checked before anything is built: a dataclass whose every field has a default."""
+    if section is None:
+        return
+    if not dataclasses.is_dataclass(section):
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
+    for f in dataclasses.fields(section):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"run.task = {name!r}: {cls_name}.Config.{f.name} has no default (every [task] key "
+                              f"needs one)")
 
 
 def _import_file(path: str):

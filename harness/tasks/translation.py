@@ -18,13 +18,14 @@ is called as `model(input_ids, attention_mask, decoder_input_ids)`, its own toke
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config.run import ConfigError, RunConfig, TranslationSection
+from ..config.run import ConfigError, RunConfig, setting
 from ..data.batches import eval_batches
 from ..data.tokenizer import BOS, EOS, PAD
 from ..distributed.world import all_reduce
@@ -37,7 +38,19 @@ from .interface import ReadData, TaskData
 from .metrics import bleu_chrf
 
 
+@dataclass(frozen=True)
+class TranslationSection:
+    source_lang: str = setting("en", "language code of the source side (a field name or file suffix in the data)")
+    target_lang: str = setting("fr", "language code of the target side")
+    label_smoothing: float = setting(0.1, "label smoothing of the cross-entropy; padding never counts")
+    beam_size: int = setting(4, "beam width for evaluation and `harness translate`; 1 is greedy decoding")
+    length_penalty: float = setting(0.6, "GNMT length-penalty exponent for beam search; 0 turns it off")
+    eval_max_sentences: int = setting(200, "sentences decoded for BLEU at the end of training; 0 means all "
+                                      "(`harness evaluate` always decodes the whole split)")
+
+
 class TranslationTask:
+    section, Config = "translation", TranslationSection  # the run file's [translation]: the task's settings
     HF_CLASS = "AutoModelForSeq2SeqLM"
     items = "tokens"  # target tokens
     prepared: Path | None = None  # a run's stored artefacts (RUN/data/), read instead of preparing from data.path
@@ -48,11 +61,11 @@ class TranslationTask:
         self.label_smoothing, self.pad, self.hf = TranslationSection().label_smoothing, PAD, False
 
     def _bind(self, cfg: RunConfig) -> None:
-        self.label_smoothing, self.hf = cfg.translation.label_smoothing, bool(cfg.model.hf)
+        self.label_smoothing, self.hf = cfg.task.label_smoothing, bool(cfg.model.hf)
         self.pad = prep.hf_tokenizer(cfg).pad_id if hf.own_tokenizer(cfg) else PAD
 
     def check(self, cfg: RunConfig) -> None:
-        t, m = cfg.translation, cfg.model
+        t, m = cfg.task, cfg.model
         if m.hf:
             hf.check(cfg, self.HF_CLASS)
         self._bind(cfg)
@@ -78,7 +91,7 @@ class TranslationTask:
     def read(self, cfg: RunConfig, path: Path, stored: Path) -> list[ReadData]:
         """New pairs, tokenized by the stored tokenizer: the data `evaluate` takes is (pairs, tokenizer)."""
         self._bind(cfg)
-        t, tok = cfg.translation, prep.tokenizer(stored)
+        t, tok = cfg.task, prep.tokenizer(stored)
         out = []
         for part, raw, files in prep.scoring_sources(path, t.source_lang, t.target_lang):
             rows, counts = prep.tokenize(raw, tok, cfg.data.seq_len, is_train=False)
@@ -174,13 +187,13 @@ class TranslationTask:
         else:
             rows, tok = data  # `harness evaluate --data` refuses data that kept no pair
         if max_sentences is None:
-            max_sentences = cfg.translation.eval_max_sentences if in_training else 0
+            max_sentences = cfg.task.eval_max_sentences if in_training else 0
         n = len(rows) if not max_sentences else min(max_sentences, len(rows))
         chosen = [i * len(rows) // n for i in range(n)]
         # Sorted by source length, so a batch's sentences pad and finish alike; ranks take strided shares.
         chosen.sort(key=lambda i: len(rows[i]["src_ids"]))
         batches, steps = eval_batches(n, cfg.train.micro_batch_size, world.dp_rank, world.dp_size)
-        t, dev = cfg.translation, world.device
+        t, dev = cfg.task, world.device
 
         def any_rank(active: bool) -> bool:  # sync point: decode until every rank's batch is done
             return bool(all_reduce(torch.tensor([float(active)], device=dev)).item())
@@ -223,7 +236,7 @@ class TranslationTask:
 
     def _decode(self, model, src: torch.Tensor, tok, cfg: RunConfig, any_rank=None) -> list[list[int]]:
         """Token ids of each source row's translation; `any_rank` (several ranks): decode in step with them."""
-        t = cfg.translation
+        t = cfg.task
         args = dict(bos=tok.bos_id, eos=tok.eos_id, pad=self.pad, max_len=min(cfg.data.seq_len, 2 * src.shape[1] + 10),
                     beam_size=t.beam_size, length_penalty=t.length_penalty)
         if self.hf:
