@@ -52,10 +52,12 @@ def plan_text(p) -> str:
 
 
 def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resume: str | None = None,
-          overwrite: bool = False, stop_at: int | None = None, trust_checkpoint: bool = False) -> dict[str, Any]:
+          overwrite: bool = False, stop_at: int | None = None, trust_checkpoint: bool = False,
+          data_changed_ok: bool = False) -> dict[str, Any]:
     """Train (`harness train`); returns the last evaluation's metrics and the step reached (with train.select_best,
     `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0).
-    `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`)."""
+    `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`).
+    `data_changed_ok`: resume on a prepared corpus other than the checkpoint's (`--data-changed-ok`)."""
     from .config.run import ConfigError
     from .distributed.world import barrier, close_world, init_world
     from .run.loop import train as run_training
@@ -63,7 +65,7 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     from .run.trust import trusting
 
     p = plan(run, sets, ds, task)
-    resume_from = preflight(p, resume, overwrite)
+    resume_from = preflight(p, resume, overwrite, data_changed_ok)
     if stop_at is not None and stop_at <= 0:
         raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
     with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's

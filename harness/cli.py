@@ -28,7 +28,7 @@ def _run_dir(p: argparse.ArgumentParser) -> None:
                    "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
 
-BENCH = ("sweep", "overhead", "proxy", "suite", "seeds")
+BENCH = ("sweep", "overhead", "proxy", "suite", "seeds", "corpus")
 
 
 def _bench_parsers(b: argparse.ArgumentParser) -> None:
@@ -45,6 +45,13 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
                            "each ZeRO stage and precision, on this CPU; writes OUT/proxy.json and proxy.md")
     suite = sub.add_parser("suite", help="the GPU suite: MFU, overhead, largest model and the recipes' quality, each "
                            "part under its own time budget (harness/bench/suite.py)")
+    corpus = sub.add_parser("corpus", help="prepared corpora: prepare throughput, disk bytes a token, the loader's "
+                            "tokens/s, start-up and peak memory from 100 MB to 10 GB (docs/corpora.md)")
+    corpus.add_argument("--sizes", default="100MB,1GB,10GB", help="corpus sizes, smallest first (100MB, 1GB, 10GB)")
+    corpus.add_argument("--repeats", type=int, default=3, help="start-ups per size, alternated (default 3)")
+    corpus.add_argument("--work", default="bench/corpus-work", help="where the text and the prepared corpora go (a "
+                        "10 GB run needs about 25 GB)")
+    corpus.add_argument("--out", default="bench/corpus", help="the report's directory (default bench/corpus)")
     for p in (sweep, overhead, seeds):
         p.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
         p.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
@@ -100,6 +107,33 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
         p.set_defaults(command_parser=p)
 
 
+def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
+    """`harness prepare lm` (a corpus of any size into shards, docs/corpora.md) and the case studies'."""
+    sub = pr.add_subparsers(dest="task", required=True, metavar="{lm,translation,protein,prices}")
+    lm = sub.add_parser("lm", help="a text corpus of any size into token shards that training reads by memory map "
+                        "(data.path = OUT)")
+    lm.add_argument("--input", nargs="+", default=[], metavar="PATH", help="files, directories and globs of .txt, "
+                    ".jsonl/.json, .csv/.tsv, .parquet (also .gz, .bz2, .xz, .zst)")
+    lm.add_argument("--out", required=True, metavar="DIR", help="the prepared directory; the same command again "
+                    "continues an interrupted prepare, or does nothing")
+    lm.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")
+    lm.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="a Hugging Face tokenizer (default: the lm's bytes)")
+    lm.add_argument("--text-field", default="text", help="the field or column of JSON, csv and parquet rows")
+    lm.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for validation (default "
+                    "0.01; the same documents whatever the workers or parts)")
+    lm.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
+    lm.add_argument("--on-error", choices=["stop", "skip"], default="stop", help="an unreadable or truncated input: "
+                    "stop naming it (default), or keep what was read, count it and go on")
+    lm.add_argument("--part", metavar="I/N", help="prepare only part I of N (e.g. one task of a SLURM array)")
+    lm.add_argument("--merge", nargs="+", metavar="DIR", help="instead: join prepared parts into OUT (no data copied)")
+    for name in ("translation", "protein", "prices"):
+        p = sub.add_parser(name, help=f"the {name} case study's data")
+        p.add_argument("--data", metavar="SRC", help="the source (sets data.path): a directory such as "
+                       "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
+        p.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
+
+
 OLD_BENCH = {"--overhead": "overhead", "--proxy": "proxy", "--suite": "suite", "--seeds": "seeds"}
 
 
@@ -142,6 +176,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
                    "the job's time ran out; continue later with --resume auto")
+    t.add_argument("--data-changed-ok", action="store_true", help="resume on a prepared corpus other than the one the "
+                   "checkpoint trained on (refused without it: the steps after would read other samples)")
     t.add_argument("--trust-checkpoint", action="store_true", help="load checkpoints that hold more than weights "
                    "and the harness's own state (unpickled: they can run code); only for files from a source you "
                    "trust")
@@ -170,12 +206,9 @@ def parser() -> argparse.ArgumentParser:
                    "peak memory replace the 6N-FLOPs and activation formulas")
     p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed without --profile")
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
-    pr = sub.add_parser("prepare", help="clean, split and tokenize a case study's data once (training reuses it)")
-    pr.add_argument("task", choices=["translation", "protein", "prices"])
-    pr.add_argument("--data", metavar="SRC", help="the source (sets data.path): a directory such as "
-                    "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
-    pr.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
-    pr.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
+    pr = sub.add_parser("prepare", help="tokenize a corpus into shards once (lm), or clean, split and tokenize a "
+                        "case study's data once (training reuses it)")
+    _prepare_parsers(pr)
     ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split or on new data; writes "
                         "RUN/eval.json")
     _run_dir(ev)
@@ -227,7 +260,32 @@ def _evaluate(args) -> int:
     return 0
 
 
+def _prepare_corpus(args) -> int:
+    """`harness prepare lm`: prepare (or continue, or merge) a corpus; one line of what it holds."""
+    from .prepare.corpus import merge, prepare_corpus
+
+    if args.merge:
+        if args.input or args.part:
+            raise ConfigError("--merge joins prepared parts: leave out --input and --part")
+        m = merge(args.merge, args.out)
+        missing = f"; units {m['missing_units'][:5]} are in no part yet" if m["missing_units"] else ""
+    else:
+        if not args.input:
+            raise ConfigError("harness prepare lm needs --input PATH... (or --merge DIR...)")
+        m = prepare_corpus(args.input, args.out, args.workers, args.tokenizer, args.text_field, args.val_fraction,
+                           args.seed, args.part, args.on_error)
+        missing = ""
+    c = m["counts"]
+    skipped = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in c["rows"].items() if k != "ok") or "none skipped"
+    print(f"prepared {args.out}: train {c['train']['tokens']:,} tokens in {c['train']['documents']:,} documents, "
+          f"validation {c['validation']['tokens']:,} tokens in {c['validation']['documents']:,}; {len(m['shards'])} "
+          f"shards ({m['dtype']}); rows {skipped}{missing}")
+    return 0
+
+
 def _prepare(args) -> int:
+    if args.task == "lm":
+        return _prepare_corpus(args)
     from .config.run import read_toml
     from .prepare import read_meta, summary
     from .tasks import get_task, resolve
@@ -253,6 +311,14 @@ def _bench(args) -> int:
         from .bench.proxy import run_proxy
 
         return 1 if run_proxy(args)["failed"] else 0
+    if args.study == "corpus":
+        from .bench.corpus import SIZES, run_corpus
+
+        bad = [s for s in args.sizes.split(",") if s.strip() not in SIZES]
+        if bad:
+            raise ConfigError(f"--sizes: {', '.join(bad)} is none of {', '.join(SIZES)}")
+        run_corpus(args)
+        return 0
     if args.study == "seeds":
         from .bench.seeds import run_seeds
 
@@ -344,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop_at is not None and args.stop_at <= 0:
             raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
         train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
-              trust_checkpoint=args.trust_checkpoint)
+              trust_checkpoint=args.trust_checkpoint, data_changed_ok=args.data_changed_ok)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED

@@ -133,7 +133,7 @@ def check(train_args: list[str], settings: dict, parse):
                 os.environ[k] = v
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-    preflight(plan, args.resume, args.overwrite)
+    preflight(plan, args.resume, args.overwrite, args.data_changed_ok)
     return plan
 
 

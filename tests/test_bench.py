@@ -82,7 +82,7 @@ def test_bench_checks_every_configuration_before_launching(tmp_path):
 
 
 @pytest.mark.parametrize("argv, usage, error", [
-    ([], "usage: harness bench [-h] {sweep,overhead,proxy,suite,seeds}", "the following arguments are required"),
+    ([], "usage: harness bench [-h] {sweep,overhead,proxy,suite,seeds,corpus}", "the following arguments are required"),
     (["overhead", "--vary", "model.d_model=32,64"], "usage: harness bench overhead", "unrecognized arguments: --vary"),
     (["overhead", "--largest", "n_layers"], "usage: harness bench overhead", "unrecognized arguments: --largest"),
     (["proxy", "--seeds", "0,1"], "usage: harness bench proxy", "unrecognized arguments: --seeds 0,1"),

@@ -226,7 +226,7 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
     from harness.run.step import MAX_SPAN, Ledger, StepResult, span_length
 
     logged, written = [], []
-    work = [10.0, 1e12, 9, 10]  # items, FLOPs, real and padded positions
+    work = [10.0, 1e12, 9, 10, 7]  # items, FLOPs, real and padded positions, the batches' data hash
 
     def made_up(books: Ledger, step: int, loss: float, span: int = 0, signal: int = 0, step_s: float = 0.0,
                 skipped: bool = False) -> StepResult:

@@ -135,7 +135,8 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     root = tmp_path / "repo"
     (root / "results" / "gpu" / "smoke").mkdir(parents=True)
     (root / "docs").mkdir()
-    shutil.copy(ROOT / "docs" / "benchmarks.md", root / "docs" / "benchmarks.md")
+    for page in results.PAGES:
+        shutil.copy(ROOT / page, root / page)
     shutil.copytree(ROOT / "results" / "cpu", root / "results" / "cpu")
     suite = json.loads((smoke / "suite.json").read_text())
     (root / "results" / "gpu" / "smoke" / "suite.json").write_text(json.dumps(suite))

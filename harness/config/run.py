@@ -85,8 +85,9 @@ class ModelSection:
 @dataclass(frozen=True)
 class DataSection:
     path: str = setting("", "the data: a local file or directory in a format the task reads (see data/README.md: "
-                        ".txt/.json/.jsonl/.csv for lm; pairs, fasta, FLIP or csv sources for the case studies; .gz "
-                        "too), or `hub:NAME` for a Hugging Face data set; empty means the task's embedded default")
+                        ".txt/.json/.jsonl/.csv for lm, or a corpus of any size prepared by `harness prepare lm`; "
+                        "pairs, fasta, FLIP or csv sources for the case studies; .gz too), or `hub:NAME` for a "
+                        "Hugging Face data set; empty means the task's embedded default")
     format: str = setting("auto", "how to read `path`", ("auto", "text", "json", "csv"))
     text_field: str = setting("text", "column holding the text in json/csv data")
     val_path: str = setting("", "validation data in the same format; empty means hold out `val_fraction` of the rows")

@@ -62,8 +62,8 @@ def check_paths(d: DataSection) -> None:
             if p.is_dir():  # the lm task reads one file (the case studies read their own directory layouts)
                 files = sorted(f.name for f in p.iterdir() if f.is_file())[:3]
                 raise ConfigError(f"{path}: {key} is a directory ({', '.join(files) or 'empty'}"
-                                  f"{', ...' if len(files) == 3 else ''}); name one file of text, json or csv "
-                                  f"(join several into one)")
+                                  f"{', ...' if len(files) == 3 else ''}); name one file of text, json or csv, "
+                                  f"or for the lm prepare them once: harness prepare lm --input {path} --out DIR")
             if not p.is_file():
                 raise ConfigError(f"{path}: {key} not found")
             try:

@@ -228,6 +228,9 @@ def render(plan: Plan) -> str:
         f"device {size_text(mem['device'])}, CPU {size_text(mem['cpu'])}",
         f"run directory: {plan.run_dir}",
     ]
+    if hasattr(plan.task, "describe_data"):  # a prepared corpus: its size, a step's tokens, the epochs covered
+        line = plan.task.describe_data(run.cfg, ds.global_batch_size)
+        lines += [line] if line else []
     return "\n".join(lines)
 
 

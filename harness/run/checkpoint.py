@@ -34,6 +34,7 @@ BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop
 # good checkpoint at a later step is saved
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
 LAYOUT = "layout.json"
+DATA = "data.json"  # what the run trained on (a prepared corpus's fingerprint): a resume on other data is refused
 LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "sp_size", "zero_stage", "offload_optimizer", "offload_params")
 
 
@@ -167,6 +168,20 @@ def saved_layout(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
+    """Before launch: a checkpoint trained on a prepared corpus resumes on that corpus (its fingerprint), else the
+    samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it."""
+    try:
+        saved = json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / DATA).read_text())
+    except (OSError, ValueError):
+        return  # saved without a prepared corpus (or before data.json existed)
+    if saved != data and not changed_ok:
+        now = f"{data['path']} (fingerprint {data['fingerprint']})" if data else "data that is no prepared corpus"
+        raise ConfigError(f"--resume {path}: trained on {saved['path']} (fingerprint {saved['fingerprint']}), now "
+                          f"{now}: the steps after it would not read what the uninterrupted run read; pass "
+                          f"--data-changed-ok to resume on the new data anyway")
+
+
 def reshape(path: Path, ds) -> bool:
     """Before launch: whether resuming checkpoint `path` under `ds` needs the universal conversion (another data-
     parallel size or ZeRO stage). Raises ConfigError, naming both layouts, for a change it cannot make: another
@@ -250,9 +265,9 @@ def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
-         best: int | None = None, layout: dict[str, Any] | None = None) -> Path:
+         best: int | None = None, layout: dict[str, Any] | None = None, data: dict | None = None) -> Path:
     """Collective: every rank calls it. `best`: the step of the best checkpoint (`train.select_best`), named in
-    `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json."""
+    `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json, `data` as data.json."""
     name = step_name(step)
     partial = root / f"{name}.partial"
     if world.is_main:
@@ -266,6 +281,8 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
         if world.is_main and layout is not None:
             (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
+        if world.is_main and data is not None:
+            (partial / DATA).write_text(json.dumps(data) + "\n")
     except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
         failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
     failures = [f for f in all_gather_objects(failed) if f]  # every rank's shards are on disk, or none goes on

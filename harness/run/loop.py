@@ -39,7 +39,7 @@ from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
 from .preemption import Watch
 from .selection import Selection
-from .startup import STDERR_TTY_ENV, check_free_space, prepare_run_dir
+from .startup import STDERR_TTY_ENV, check_free_space, data_identity, prepare_run_dir
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -211,7 +211,8 @@ def _data(plan: Plan, world: World) -> tuple:
             print(note)
     sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=plan.ds.grad_accum_steps,
                         dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
-                        lengths=task.lengths(data.train) if cfg.data.bucket else None)
+                        lengths=task.lengths(data.train) if cfg.data.bucket else None,
+                        lazy=hasattr(task, "lazy_order") and task.lazy_order(cfg))
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
     try:  # epochs and counts per run become steps now that the data's size is known
@@ -323,7 +324,8 @@ def _save(run: Run, step: int, result, progress) -> None:
         best = selection.step if selection and selection.value is not None else None
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
-                        run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds))
+                        run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
+                        data=data_identity(run.plan))
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 

@@ -323,7 +323,12 @@ def check_same_model(plan: Plan, found: Path) -> None:
                       f"run.output_dir)")
 
 
-def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
+def data_identity(plan: Plan) -> dict | None:
+    """What a checkpoint records of the data (a prepared corpus's path and fingerprint; None for other data)."""
+    return plan.task.data_identity(plan.run.cfg) if hasattr(plan.task, "data_identity") else None
+
+
+def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
@@ -353,6 +358,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool) -> Path | None:
         if found is not None:
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
+            checkpoint.check_same_data(found, data_identity(plan), data_changed_ok)
     elif run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "

@@ -73,6 +73,7 @@ class Work(Fields):
     flops: float    # model training FLOPs
     real: float     # real positions
     padded: float   # positions with padding
+    data_hash: float  # `batch_hash` of its batches: the same whatever the ranks and micro-batches hold
 
     def __add__(self, other: Work) -> Work:
         return Work(*(a + b for a, b in zip(self.pack(), other.pack())))
@@ -170,7 +171,7 @@ class Ledger:
         self.span = 1  # steps in the next span (`span_length`)
         self.step, self.result = None, None  # the last step read
         self.nonfinite, self.give_up, self.signal = 0, False, 0
-        self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0), 0, time.perf_counter()
+        self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0, 0), 0, time.perf_counter()
 
     def carry(self) -> torch.Tensor:
         """What the next span's collective carries: this rank's figures of the steps not yet read, in order."""
@@ -197,7 +198,7 @@ class Ledger:
 
     def _global_work(self, rows: list[list[float]], at: int) -> Work:
         """A step's work over the ranks, from each rank's `Work` at `at` in its row."""
-        total = sum((Work.unpack(r, at) for r in rows), Work(0, 0, 0, 0))
+        total = sum((Work.unpack(r, at) for r in rows), Work(0, 0, 0, 0, 0))
         return Work(*(x / self.world.replicas for x in total.pack()))
 
     def settle(self, last: bool = False) -> None:
@@ -253,7 +254,7 @@ class Ledger:
                   "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
                   "peak_mem_bytes": r.peak_mem, "epoch": step / self.steps_per_epoch,
                   "flops_method": self.flops.method, **self.fixed,  # the method: once the first batch was counted
-                  "skipped_steps": r.skipped_steps}  # updates skipped for a non-finite gradient, so far
+                  "skipped_steps": r.skipped_steps, "data_hash": int(w.data_hash)}  # updates skipped for a non-finite gradient, so far
         if r.loss_scale is not None:
             record["loss_scale"] = r.loss_scale
         if self.compiled:
@@ -261,7 +262,7 @@ class Ledger:
         self.tracker.log(record)
         self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-        self.window_start, self.window_work, self.window_steps = ended, Work(0, 0, 0, 0), 0
+        self.window_start, self.window_work, self.window_steps = ended, Work(0, 0, 0, 0, 0), 0
 
 
 class Steps:
@@ -326,12 +327,27 @@ class Steps:
 
 def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]]) -> Work:
     """This rank's share of a step, from its host-side batches (FLOPs: `models/flops.py`, analytic or counted)."""
-    items = model_flops = real = padded = 0
+    items = model_flops = real = padded = hashed = 0
     for b in batches:
         n = task.count(b)
         r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
         items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
-    return Work(float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded))
+        hashed += batch_hash(b)
+    return Work(float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded), float(hashed))
+
+
+def batch_hash(batch: dict[str, torch.Tensor]) -> int:
+    """A checksum of a batch's integer tensors (token ids, labels) summed over its samples, each sample's taken mod
+    2^24 over its positions in order: a step's is the same however its samples are split into ranks and
+    micro-batches, so a resumed run shows it read what the uninterrupted one read (metrics `data_hash`)."""
+    total = 0
+    for key in sorted(batch):
+        x = batch[key]
+        if x.ndim and not x.is_floating_point() and x.dtype != torch.bool:
+            flat = x.reshape(len(x), -1).long() + 1
+            weights = (torch.arange(flat.shape[1], dtype=torch.long) * 2654435761 + 12345) % (1 << 20)
+            total += int(((flat * weights).sum(1) % (1 << 24)).sum())
+    return total
 
 
 def train_step(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]], world: World, span: Span,

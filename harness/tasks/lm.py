@@ -1,4 +1,5 @@
-"""Built-in task: a byte-level Transformer language model on a local text file.
+"""Built-in task: a byte-level Transformer language model on a local text file or a prepared corpus of any size
+(`harness prepare lm`, read by memory map: `data/corpus.py`).
 
 Its embedded default corpus is the Python documentation's topic pages that ship with every CPython
 (`pydoc_data.topics`, Python Software Foundation License), written once to the cache directory.
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
 from ..config.run import ConfigError, RunConfig
+from ..data.corpus import Corpus, Windows, is_corpus
 from ..data.rows import DataSummary, check_paths, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM
@@ -19,6 +22,7 @@ from ..prepare import cache_dir
 from .interface import TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
+LARGE_RAW_BYTES = 100 << 20  # a raw file this big is tokenized at every start: say how to do it once
 
 
 def default_corpus() -> str:
@@ -44,7 +48,10 @@ class LanguageModelTask:
     hf_model = False  # a Hugging Face model (model.hf), set by build_model
 
     def check(self, cfg: RunConfig) -> None:
-        check_paths(cfg.data)
+        if is_corpus(cfg.data.path):
+            self._check_corpus(cfg)
+        else:
+            check_paths(cfg.data)
         if cfg.model.hf:
             hf.check(cfg, self.HF_CLASS)
             if cfg.train.loss_chunk:
@@ -66,7 +73,61 @@ class LanguageModelTask:
                                                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
 
+    def _check_corpus(self, cfg: RunConfig) -> None:
+        """A prepared corpus: its shards whole, its tokens those of the run's model, a validation set named."""
+        corpus = Corpus(cfg.data.path)
+        corpus.check()
+        kind, own = corpus.tokenizer["kind"], hf.own_tokenizer(cfg)
+        if own:
+            from ..prepare.corpus import fingerprint
+
+            tok = hf.tokenizer(cfg)
+            if kind != "hf" or corpus.tokenizer["fingerprint"] != fingerprint(tok):
+                raise ConfigError(f"data.path = {cfg.data.path}: prepared with {corpus.tokenizer.get('name', kind)} "
+                                  f"tokens, but {cfg.model.hf} has its own tokenizer; prepare it with "
+                                  f"--tokenizer {hf.tokenizer_dir(cfg)}")
+        elif kind != "bytes":
+            raise ConfigError(f"data.path = {cfg.data.path}: prepared with the tokenizer {corpus.tokenizer['name']} "
+                              f"(vocabulary {corpus.tokenizer['vocab_size']}), but the run's model reads bytes; "
+                              f"prepare it without --tokenizer, or name a model.hf with that tokenizer")
+        if cfg.data.val_path and not is_corpus(cfg.data.val_path):
+            raise ConfigError(f"data.val_path = {cfg.data.val_path}: with a prepared data.path, validation is a "
+                              f"prepared directory too (or the corpus's own, --val-fraction at prepare)")
+
+    def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
+        """`harness plan`'s line on a prepared corpus: its size, a step's tokens, the epochs the run covers."""
+        if not is_corpus(cfg.data.path):
+            return None
+        corpus, seq = Corpus(cfg.data.path), cfg.data.seq_len
+        windows = max(1, (corpus.tokens() - 1) // seq)
+        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (windows // global_batch))
+        covered = f"; {steps:,} steps cover {steps * global_batch / windows:.3g} epochs" if steps else ""
+        return (f"data: prepared corpus {cfg.data.path}: {corpus.tokens():,} tokens in {corpus.documents():,} "
+                f"documents, {len(corpus.shards['train'])} shards ({corpus.dtype.name}); validation "
+                f"{corpus.tokens('validation'):,} tokens; a step reads {global_batch * seq:,} tokens "
+                f"({global_batch} x {seq}){covered}")
+
     def build_data(self, cfg: RunConfig) -> TaskData:
+        d = cfg.data
+        if is_corpus(d.path):
+            return self._corpus_data(cfg)
+        started = time.monotonic()
+        data = self._raw_data(cfg)
+        path = d.path or default_corpus()
+        if os.path.isfile(path) and os.path.getsize(path) > LARGE_RAW_BYTES:
+            print(f"data: tokenizing {os.path.getsize(path) / 2**20:,.0f} MB of {path} took "
+                  f"{time.monotonic() - started:.0f} s; `harness prepare lm --input {path} --out DIR` does it once "
+                  f"(then data.path = DIR starts in seconds)", flush=True)
+        return data
+
+    def _corpus_data(self, cfg: RunConfig) -> TaskData:
+        d, corpus = cfg.data, Corpus(cfg.data.path)
+        train = Windows(corpus, "train", d.seq_len)
+        val = Windows(Corpus(d.val_path), "train", d.seq_len) if d.val_path else \
+            Windows(corpus, "validation", d.seq_len)
+        return TaskData(train, val, CorpusSummary(corpus, train, val))
+
+    def _raw_data(self, cfg: RunConfig) -> TaskData:
         d = cfg.data
         rows = load_rows(d.path or default_corpus(), d)
         if d.val_path:
@@ -92,6 +153,15 @@ class LanguageModelTask:
         return lambda texts: [i for ids in tok(list(texts), add_special_tokens=False)["input_ids"]
                               for i in (*ids, tok.eos_token_id)]
 
+    def data_identity(self, cfg: RunConfig) -> dict | None:
+        """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
+        return {"path": cfg.data.path, "fingerprint": Corpus(cfg.data.path).fingerprint} \
+            if is_corpus(cfg.data.path) else None
+
+    def lazy_order(self, cfg: RunConfig) -> bool:
+        """A prepared corpus's samples are ordered without holding the order (StepSampler's `lazy`)."""
+        return is_corpus(cfg.data.path)
+
     def tokenizer(self, cfg: RunConfig):
         return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None
 
@@ -108,7 +178,7 @@ class LanguageModelTask:
         return packed.with_format("torch")
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        ids = torch.stack([s["ids"] for s in samples])  # (B, T + 1)
+        ids = torch.stack([s["ids"] for s in samples]).long()  # (B, T + 1); a prepared corpus's come narrower
         return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
 
     def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -142,3 +212,15 @@ class LanguageModelTask:
     def metrics(self, mean_loss: float) -> dict[str, float]:
         out = {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
         return {**out, "bits_per_byte": mean_loss / math.log(2)} if self.byte_level else out
+
+
+class CorpusSummary:
+    """The start line's account of a prepared corpus."""
+
+    def __init__(self, corpus: Corpus, train: Windows, val: Windows):
+        self.corpus, self.train, self.val = corpus, train, val
+
+    def line(self) -> str:
+        c = self.corpus
+        return (f"data: prepared corpus {c.dir}: train {c.tokens():,} tokens, {c.documents():,} documents, "
+                f"{len(c.shards['train'])} shards, {len(self.train):,} samples; validation {len(self.val):,} samples")

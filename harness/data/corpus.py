@@ -1,0 +1,153 @@
+"""A prepared corpus (`harness prepare lm`), read by memory map: its format, its checks, its fixed-length windows.
+
+The format (docs/corpora.md says it for other tools): a directory with `manifest.json` and, per shard, `NAME.bin`
+(the token ids, little-endian, of the manifest's `dtype`: each document followed by the separator token) and
+`NAME.idx` (little-endian uint32: the end offset of each document in the shard, in tokens). A split's token stream is
+its shards in manifest order. Nothing here reads a shard whole: starting costs the same for 100 MB as for 10 GB.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config.run import ConfigError
+
+MANIFEST = "manifest.json"
+FORMAT = "harness-corpus"
+VERSION = 1
+VERIFIED = "verified.json"  # shard -> (size, mtime_ns) whose sha256 matched: an unchanged shard is not read again
+SPLITS = ("train", "validation")
+INDEX = np.dtype("<u4")  # a document's end in its shard
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest unsigned type that holds every token id."""
+    return "uint8" if vocab_size <= 1 << 8 else "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_corpus(path: str | Path) -> bool:
+    return bool(path) and (Path(path) / MANIFEST).is_file()
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path       # NAME.bin; its index is NAME.idx beside it
+    tokens: int
+    documents: int
+    sha256: str
+
+
+class Corpus:
+    """A prepared directory's manifest, its shards checked (present, of their size, their checksum once)."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        try:
+            self.manifest = json.loads((self.dir / MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.dir}: no readable {MANIFEST} ({e}); prepare it with `harness prepare lm`") \
+                from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise ConfigError(f"{self.dir / MANIFEST}: not a {FORMAT} manifest of version {VERSION}")
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.tokenizer = self.manifest["tokenizer"]
+        self.shards = {split: [Shard((self.dir / s["file"]).resolve(), s["tokens"], s["documents"], s["sha256"])
+                               for s in self.manifest["shards"] if s["split"] == split] for split in SPLITS}
+
+    @property
+    def fingerprint(self) -> str:
+        """What a checkpoint records of the data it trained on: the shards' checksums, in order."""
+        digest = hashlib.sha256("".join(s.sha256 for split in SPLITS for s in self.shards[split]).encode())
+        return digest.hexdigest()[:16]
+
+    def tokens(self, split: str = "train") -> int:
+        return sum(s.tokens for s in self.shards[split])
+
+    def documents(self, split: str = "train") -> int:
+        return sum(s.documents for s in self.shards[split])
+
+    def check(self) -> None:
+        """Every shard there, of the size its manifest says, and (once per change of the file) its checksum."""
+        stamp_path = self.dir / VERIFIED
+        try:
+            stamps = json.loads(stamp_path.read_text())
+        except (OSError, ValueError):
+            stamps = {}
+        fresh = {}
+        for shard in (s for split in SPLITS for s in self.shards[split]):
+            index = shard.path.with_suffix(".idx")
+            for file, size in ((shard.path, shard.tokens * self.dtype.itemsize), (index, shard.documents * INDEX.itemsize)):
+                if not file.is_file():
+                    raise ConfigError(f"{self.dir}: shard {file.name} is missing; prepare the corpus again "
+                                      f"(`harness prepare lm` continues where it stopped)")
+                if file.stat().st_size != size:
+                    raise ConfigError(f"{self.dir}: shard {file.name} holds {file.stat().st_size} bytes, its "
+                                      f"manifest says {size}: truncated or changed; prepare it again")
+            stat = shard.path.stat()
+            key, seen = str(shard.path), [stat.st_size, stat.st_mtime_ns]
+            if stamps.get(key) != seen:
+                if sha256(shard.path) != shard.sha256:
+                    raise ConfigError(f"{self.dir}: shard {shard.path.name} fails its checksum (sha256): the file "
+                                      f"changed since it was prepared; prepare the corpus again")
+            fresh[key] = seen
+        if fresh != stamps:
+            try:
+                tmp = stamp_path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(fresh))
+                os.replace(tmp, stamp_path)
+            except OSError:  # a read-only corpus: checked again next time
+                pass
+
+
+class Windows(torch.utils.data.Dataset):
+    """Sample i: the tokens [i * seq_len, i * seq_len + seq_len + 1) of a split's stream (inputs and shifted
+    targets), read from the memory-mapped shards; the maps are opened in each process on first use."""
+
+    def __init__(self, corpus: Corpus, split: str, seq_len: int):
+        self.paths = [str(s.path) for s in corpus.shards[split]]
+        self.starts = np.cumsum([0] + [s.tokens for s in corpus.shards[split]])
+        self.dtype, self.seq_len = corpus.dtype, seq_len
+        self.n = max(0, (int(self.starts[-1]) - 1) // seq_len)
+        self._maps: list | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        if self._maps is None:  # per process: a DataLoader worker opens its own
+            self._maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
+        parts = []
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            local = start - int(self.starts[shard])
+            take = min(stop - start, int(self.starts[shard + 1]) - start)
+            parts.append(self._maps[shard][local:local + take])
+            start, shard = start + take, shard + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A batch's windows at once (torch's DataLoader asks so), copied out of the maps in their own dtype (int32
+        for 16- and 32-bit ids: torch's own unsigned types do little); the task's collate makes them int64."""
+        if any(not 0 <= i < self.n for i in indices):
+            raise IndexError(indices)
+        span = self.seq_len + 1
+        rows = np.stack([self.tokens(i * self.seq_len, i * self.seq_len + span) for i in indices])
+        ids = torch.from_numpy(rows if rows.dtype == np.uint8 else rows.astype(np.int32))
+        return [{"ids": row} for row in ids]

@@ -1,0 +1,540 @@
+"""`harness prepare lm --input PATH... --out DIR`: a corpus of any size tokenized once into shards (`data/corpus.py`
+reads them), never held whole in memory.
+
+The inputs (files, directories, globs) are cut into units: a plain text or JSON-lines file in byte ranges of
+`UNIT_BYTES` aligned to its lines, any other file whole (a compressed one, a csv) or by row group (parquet). Each
+unit becomes its own shards, written under temporary names and renamed when whole, then a record in `units/`: an
+interrupted prepare redoes only the units without a record, and the same command again redoes none. Units go to
+`--workers` processes; `--part I/N` takes every N-th unit only, and `--merge` joins parts into one manifest that
+points at their shards. A document is a line of text, a JSON line's or csv row's or parquet row's text field; it is
+held out for validation with probability `--val-fraction`, drawn from (seed, unit, document): the same documents
+whatever the workers or parts. Rows are cleaned by the rules of `data/rows.py` (empty, whitespace-only, undecodable
+or fieldless rows skipped and counted); an unreadable file or a truncated compressed one stops the prepare naming
+the file and line, or with `--on-error skip` is counted and skipped.
+"""
+from __future__ import annotations
+
+import bz2
+import csv
+import errno
+import glob
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config.run import ConfigError
+from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for, sha256
+
+UNIT_BYTES = 64 << 20
+BLOCK = 16 << 20  # bytes of text tokenized at a time
+TEXT, JSON, CSV, PARQUET = ".txt", ".jsonl", ".csv", ".parquet"
+KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV, ".tsv": CSV, ".parquet": PARQUET}
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
+WHITESPACE = np.array([9, 10, 11, 12, 13, 32], dtype=np.uint8)
+NEWLINE = 10
+MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
+
+
+@dataclass(frozen=True)
+class Unit:
+    id: int
+    path: str
+    kind: str
+    start: int = 0       # byte range, or the row group (parquet)
+    end: int = -1
+    size: int = 0        # the input file's size and mtime when planned: a changed file is prepared again
+    mtime_ns: int = 0
+
+    @property
+    def source(self) -> str:
+        return f"{self.path}[{self.start}:{self.end}]" if self.end >= 0 else self.path
+
+
+def _compression(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    return suffix if suffix in OPENERS else ""
+
+
+def kind_of(path: str) -> str | None:
+    p = Path(path.lower())
+    return KINDS.get((p.with_suffix("") if _compression(path) else p).suffix)
+
+
+def expand(inputs: list[str]) -> list[str]:
+    """Files named, found in directories (recursively) or matched by globs, sorted, each once; one line for a name
+    that matches nothing."""
+    files: list[str] = []
+    for name in inputs:
+        if name.startswith("hub:"):
+            raise ConfigError(f"--input {name}: prepare a hub data set by saving it first (datasets' to_json or "
+                              f"to_parquet) and naming the files")
+        matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else [name]
+        found = []
+        for m in matches:
+            p = Path(m)
+            if p.is_dir():
+                found += sorted(str(f) for f in p.rglob("*") if f.is_file() and kind_of(str(f)))
+            elif p.is_file():
+                found.append(m)
+        if not found:
+            raise ConfigError(f"--input {name}: matches no file" + (" of a known kind (.txt, .jsonl, .json, .csv, "
+                              ".tsv, .parquet, compressed .gz/.bz2/.xz/.zst)" if Path(name).is_dir() else ""))
+        for f in found:
+            if kind_of(f) is None:
+                raise ConfigError(f"--input {f}: cannot tell its kind from its name (.txt, .jsonl, .json, .csv, "
+                                  f".tsv, .parquet, optionally compressed .gz/.bz2/.xz/.zst)")
+        files += [str(Path(f).resolve()) for f in found]
+    return list(dict.fromkeys(files))
+
+
+def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """Every unit of the inputs, numbered in order: what `--part` divides and a record names."""
+    units: list[Unit] = []
+    for path in files:
+        stat, kind = os.stat(path), kind_of(path)
+        ranges: list[tuple[int, int]] = [(0, -1)]
+        if kind in (TEXT, JSON) and not _compression(path) and stat.st_size > unit_bytes:
+            ranges = [(s, min(s + unit_bytes, stat.st_size)) for s in range(0, stat.st_size, unit_bytes)]
+        elif kind == PARQUET:
+            import pyarrow.parquet as pq
+
+            try:
+                groups = pq.ParquetFile(path).num_row_groups
+            except Exception as e:  # noqa: BLE001 - pyarrow's own errors: one line naming the file
+                raise ConfigError(f"--input {path}: not a readable parquet file ({e})") from None
+            ranges = [(g, g) for g in range(groups)]
+        units += [Unit(len(units) + i, path, kind, s, e, stat.st_size, stat.st_mtime_ns)
+                  for i, (s, e) in enumerate(ranges)]
+    return units
+
+
+def parse_part(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    i, slash, n = text.partition("/")
+    if not slash or not i.isdigit() or not n.isdigit() or not 1 <= int(i) <= int(n):
+        raise ConfigError(f"--part {text}: expected I/N with 1 <= I <= N, e.g. 1/4")
+    return int(i), int(n)
+
+
+# --- reading documents ---------------------------------------------------------------------------------------------
+
+def _open(path: str):
+    comp = _compression(path)
+    if comp == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise ConfigError(f"--input {path}: reading .zst needs the zstandard package (pip install zstandard)") \
+                from None
+        return zstandard.open(path, "rb")
+    return OPENERS[comp](path, "rb") if comp else open(path, "rb")
+
+
+def text_blocks(unit: Unit):
+    """The unit's bytes in blocks that end at a line's end: the lines that start in its range (`data/rows.py`'s
+    line rule), the last one completed."""
+    with _open(unit.path) as f:
+        pos, end = 0, unit.end
+        if unit.start > 0:
+            f.seek(unit.start - 1)
+            f.readline()  # the line under way belongs to the unit before
+            pos = f.tell()
+        block = BLOCK if not _compression(unit.path) else 1 << 18  # a truncated stream loses at most its last block
+        while end < 0 or pos < end:
+            chunk = f.read(block if end < 0 else min(block, end - pos))
+            if not chunk:
+                return
+            pos += len(chunk)
+            if not chunk.endswith(b"\n"):
+                rest = f.readline()
+                chunk, pos = chunk + rest, pos + len(rest)
+            yield chunk
+
+
+def documents(unit: Unit, text_field: str, counts: Counter):
+    """The unit's documents, as lists of str (a block's worth at a time); what is skipped is counted."""
+    if unit.kind == TEXT:
+        for block in text_blocks(unit):
+            lines = block.split(b"\n")
+            if lines and lines[-1] == b"":
+                lines.pop()
+            yield _clean_lines(lines, counts)
+    elif unit.kind == JSON:
+        for block in text_blocks(unit):
+            texts = []
+            for line in block.split(b"\n"):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    counts["malformed"] += 1
+                    continue
+                texts.append(row.get(text_field) if isinstance(row, dict) else None)
+            yield _clean_texts(texts, counts)
+    elif unit.kind == CSV:
+        with _open(unit.path) as raw:
+            text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+            delimiter = "\t" if ".tsv" in unit.path.lower() else ","
+            reader = csv.DictReader(text, delimiter=delimiter)
+            if reader.fieldnames is None or text_field not in reader.fieldnames:
+                raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field) in its header "
+                                  f"{reader.fieldnames}")
+            batch = []
+            for row in reader:
+                batch.append(row.get(text_field))
+                if len(batch) >= 10_000:
+                    yield _clean_texts(batch, counts)
+                    batch = []
+            yield _clean_texts(batch, counts)
+    else:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(unit.path)
+        if text_field not in pf.schema_arrow.names:
+            raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field); its columns are "
+                              f"{pf.schema_arrow.names}")
+        for batch in pf.iter_batches(row_groups=[unit.start], columns=[text_field], batch_size=10_000):
+            yield _clean_texts(batch.column(0).to_pylist(), counts)
+
+
+def _clean_lines(lines: list[bytes], counts: Counter) -> list[str]:
+    out = []
+    for line in lines:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            counts["undecodable"] += 1
+            continue
+        if text.strip():
+            out.append(text.removesuffix("\r"))
+        else:
+            counts["empty"] += 1
+    return out
+
+
+def _clean_texts(texts: list, counts: Counter) -> list[str]:
+    out = []
+    for t in texts:
+        if not isinstance(t, str):
+            counts["malformed"] += 1
+        elif not t.strip():
+            counts["empty"] += 1
+        else:
+            out.append(t)
+    return out
+
+
+# --- tokenizers ----------------------------------------------------------------------------------------------------
+
+class Bytes:
+    """The lm task's own tokens: UTF-8 bytes, each document followed by "\\n" (as the raw-file path joins rows)."""
+    spec = {"kind": "bytes", "vocab_size": 256, "separator": NEWLINE, "fingerprint": "utf-8"}
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        data = [t.encode("utf-8") + b"\n" for t in texts]
+        return np.frombuffer(b"".join(data), dtype=np.uint8), np.cumsum([len(d) for d in data], dtype=np.int64)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (fast, batched), each document followed by its EOS token."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._load()
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(self.name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--tokenizer {self.name}: no tokenizer there ({str(e).splitlines()[0]})") from None
+        if self.tok.eos_token_id is None:
+            raise ConfigError(f"--tokenizer {self.name}: it has no EOS token to end each document with")
+        self.spec = {"kind": "hf", "name": self.name, "vocab_size": len(self.tok), "separator": self.tok.eos_token_id,
+                     "fingerprint": fingerprint(self.tok)}
+
+    def __getstate__(self):  # a worker loads its own
+        return {"name": self.name}
+
+    def __setstate__(self, state):
+        self.name = state["name"]
+        self._load()
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        eos = self.spec["separator"]
+        flat = np.fromiter((i for doc in ids for i in (*doc, eos)), dtype=np.int64, count=sum(len(d) + 1 for d in ids))
+        return flat, np.cumsum([len(d) + 1 for d in ids], dtype=np.int64)
+
+
+def fingerprint(tok) -> str:
+    """What identifies a Hugging Face tokenizer's mapping from text to ids."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+class ShardWriter:
+    """One split's shards of a unit: tokens and document ends appended under temporary names, each shard's sha256
+    taken as it goes; a shard that would pass `limit` tokens (its index's uint32) is closed and the next opened;
+    `close` renames them into place and returns their records."""
+
+    def __init__(self, out: Path, name: str, dtype: str):
+        self.out, self.name, self.dtype, self.limit, self.done = out, name, np.dtype(dtype), MAX_SHARD_TOKENS, []
+        self._open()
+
+    def _open(self) -> None:
+        stem = self.name if not self.done else f"{self.name}-{len(self.done)}"
+        self.bin, self.idx = self.out / f"{stem}.bin", self.out / f"{stem}.idx"
+        self.tmp_bin, self.tmp_idx = (p.with_name(p.name + ".tmp") for p in (self.bin, self.idx))
+        self.f_bin, self.f_idx = open(self.tmp_bin, "wb"), open(self.tmp_idx, "wb")
+        self.tokens, self.documents, self.hash = 0, 0, hashlib.sha256()
+
+    def add(self, ids: np.ndarray, ends: np.ndarray) -> None:
+        while len(ends):
+            fit = int(np.searchsorted(ends, self.limit - self.tokens, side="right"))  # whole documents that fit
+            if not fit and self.documents:
+                self._finish()
+                self._open()
+                continue
+            fit = max(fit, 1)
+            cut = int(ends[fit - 1])
+            data = ids[:cut].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+            self.hash.update(data)
+            self.f_bin.write(data)
+            self.f_idx.write((ends[:fit] + self.tokens).astype(INDEX).tobytes())
+            self.tokens, self.documents = self.tokens + cut, self.documents + fit
+            ids, ends = ids[cut:], ends[fit:] - cut
+
+    def _finish(self) -> None:
+        self.f_bin.close()
+        self.f_idx.close()
+        self.done.append(((self.tmp_bin, self.bin), (self.tmp_idx, self.idx),
+                          {"file": self.bin.name, "tokens": self.tokens, "documents": self.documents,
+                           "sha256": self.hash.hexdigest()}))
+
+    def close(self) -> list[dict]:
+        self._finish()
+        if not self.done[-1][2]["documents"]:  # an empty last shard (a split the unit gave no document)
+            for tmp, _ in self.done.pop()[:2]:
+                tmp.unlink()
+        for (tmp_bin, final_bin), (tmp_idx, final_idx), _ in self.done:
+            os.replace(tmp_bin, final_bin)
+            os.replace(tmp_idx, final_idx)
+        return [record for *_, record in self.done]
+
+    def abort(self) -> None:
+        for f in (self.f_bin, self.f_idx):
+            f.close()
+        for p in [self.tmp_bin, self.tmp_idx, *(tmp for pair in self.done for tmp, _ in pair[:2])]:
+            p.unlink(missing_ok=True)
+
+
+def prepare_unit(unit: Unit, out: Path, tokenizer, text_field: str, val_fraction: float, seed: int,
+                 on_error: str) -> dict:
+    """The unit's shards and its record (`units/NNNNNN.json`, written last): what a rerun finds done."""
+    dtype, counts = dtype_for(tokenizer.spec["vocab_size"]), Counter()
+    writers = {s: ShardWriter(out, f"{s}-{unit.id:06d}", dtype) for s in ("train", "validation")}
+    rng = np.random.default_rng([seed, unit.id])
+    try:
+        for texts in _guarded(documents(unit, text_field, counts), unit, on_error, counts):
+            ids, ends = tokenizer.encode(texts)
+            held = rng.random(len(ends)) < val_fraction
+            starts = np.concatenate([[0], ends[:-1]])
+            for split, mask in (("train", ~held), ("validation", held)):
+                if mask.any():
+                    keep = np.repeat(mask, ends - starts)
+                    writers[split].add(ids[keep], np.cumsum((ends - starts)[mask]))
+            counts["ok"] += len(ends)
+    except OSError as e:
+        for w in writers.values():
+            w.abort()
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise ConfigError(f"the disk filled while writing {out}/{unit.id:06d}'s shards ({e.strerror}); the "
+                              f"partial shard is removed: free space and run the same command again, it continues") \
+                from None
+        raise
+    shards = [{**s, "split": split, "unit": unit.id, "source": unit.source}
+              for split, w in writers.items() for s in w.close()]
+    record = {"unit": asdict(unit), "shards": shards, "counts": dict(counts)}
+    tmp = out / "units" / f"{unit.id:06d}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, tmp.with_suffix(""))
+    return record
+
+
+def _guarded(blocks, unit: Unit, on_error: str, counts: Counter):
+    """The blocks of documents; a read that fails (a truncated or corrupt file) stops the prepare in one line naming
+    the file, or with `--on-error skip` ends the unit there, counted."""
+    try:
+        yield from blocks
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, lzma.LZMAError) as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        row = sum(counts.values()) + 1
+        if on_error == "stop":
+            raise ConfigError(f"--input {unit.source}: unreadable at about row {row} ({type(e).__name__}: {e}); "
+                              f"--on-error skip keeps the rows before it and goes on") from None
+        counts["unreadable_tail"] += 1
+
+
+def _run_unit(args) -> dict:
+    return prepare_unit(*args)
+
+
+def done_records(out: Path, units: list[Unit]) -> dict[int, dict]:
+    """The records of units prepared from the same input (its size and mtime) whose shards are all there."""
+    done = {}
+    for unit in units:
+        path = out / "units" / f"{unit.id:06d}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if record["unit"] == asdict(unit) and all((out / s["file"]).is_file() for s in record["shards"]):
+            done[unit.id] = record
+    return done
+
+
+def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str | None = None,
+                   text_field: str = "text", val_fraction: float = 0.0, seed: int = 0, part: str | None = None,
+                   on_error: str = "stop", unit_bytes: int = UNIT_BYTES) -> dict:
+    """Prepare (or continue preparing) `out`; returns its manifest."""
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be >= 1")
+    which = parse_part(part)
+    files = expand(inputs)
+    units = plan_units(files, unit_bytes)
+    mine = [u for u in units if which is None or u.id % which[1] == which[0] - 1]
+    tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
+    settings = {"inputs": [{"path": f, "size": os.stat(f).st_size} for f in files], "tokenizer": tok.spec, "text_field": text_field, "val_fraction": val_fraction,
+                "seed": seed, "unit_bytes": unit_bytes, "units": len(units), "part": part}
+    root = Path(out)
+    _claim(root, settings)
+    done = done_records(root, mine)
+    todo = [u for u in mine if u.id not in done]
+    _work(todo, root, tok, text_field, val_fraction, seed, on_error, workers, done)
+    return _write_manifest(root, settings, [done[u.id] for u in mine], dtype_for(tok.spec["vocab_size"]))
+
+
+def _claim(root: Path, settings: dict) -> None:
+    """`out` for these settings: new, or a prepare of the same settings to continue; anything else is refused."""
+    settings_file = root / "units" / "settings.json"
+    if settings_file.is_file():
+        before = json.loads(settings_file.read_text())
+        changed = [k for k in settings if k != "inputs" and before.get(k) != settings[k]]
+        if before.get("inputs") != settings["inputs"]:
+            changed.insert(0, "inputs")
+        if changed:
+            raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)")
+    elif root.exists() and any(root.iterdir()):
+        raise ConfigError(f"{root}: exists and is not a prepared corpus; use another --out")
+    (root / "units").mkdir(parents=True, exist_ok=True)
+    settings_file.write_text(json.dumps(settings, indent=1))
+
+
+def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: float, seed: int, on_error: str,
+          workers: int, done: dict) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(map(_weight, todo)), unit="B", unit_scale=True, desc=f"prepare {root.name}", disable=not todo)
+    started, tokens, docs = time.monotonic(), 0, 0
+    jobs = [(u, root, tok, text_field, val_fraction, seed, on_error) for u in todo]
+
+    def finished(unit: Unit, record: dict) -> None:
+        nonlocal tokens, docs
+        done[unit.id] = record
+        tokens += sum(s["tokens"] for s in record["shards"])
+        docs += sum(s["documents"] for s in record["shards"])
+        bar.set_postfix_str(f"{docs:,} docs, {tokens / max(1e-9, time.monotonic() - started):,.0f} tokens/s")
+        bar.update(_weight(unit))
+
+    try:
+        if workers == 1 or len(jobs) <= 1:
+            for job in jobs:
+                finished(job[0], prepare_unit(*job))
+        else:
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+                for job, record in zip(jobs, pool.imap(_run_unit, jobs)):
+                    finished(job[0], record)
+    finally:
+        bar.close()  # an error's line then starts a line of its own
+
+
+def _weight(unit: Unit) -> int:
+    """A unit's share of the progress bar: its bytes (a whole file's for a parquet row group)."""
+    return unit.end - unit.start if unit.end >= 0 and unit.kind != PARQUET else unit.size
+
+
+def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str) -> dict:
+    counts = Counter()
+    for r in records:
+        counts.update(r["counts"])
+    shards = [s for r in records for s in r["shards"]]
+    if not any(s["split"] == "train" for s in shards):
+        if counts["malformed"] and not counts["ok"]:
+            raise ConfigError(f"{root}: no row has the field {settings['text_field']!r} (--text-field) as text "
+                              f"({counts['malformed']} rows without it)")
+        raise ConfigError(f"{root}: the inputs hold no document to train on ({dict(counts) or 'nothing read'})")
+    manifest = {"format": FORMAT, "version": VERSION, "dtype": dtype, **settings,
+                "counts": {"rows": dict(counts), **{split: {
+                    "tokens": sum(s["tokens"] for s in shards if s["split"] == split),
+                    "documents": sum(s["documents"] for s in shards if s["split"] == split)}
+                    for split in ("train", "validation")}},
+                "shards": shards}
+    tmp = root / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, root / MANIFEST)
+    stamps = {str((root / s["file"]).resolve()): [(st := (root / s["file"]).stat()).st_size, st.st_mtime_ns]
+              for s in shards}  # checksums taken while writing: a run need not read the shards again
+    (root / VERIFIED).write_text(json.dumps(stamps))
+    return manifest
+
+
+def merge(parts: list[str], out: str) -> dict:
+    """One manifest over prepared parts (`--part I/N` each), pointing at their shards: no data copied."""
+    manifests = []
+    for p in parts:
+        path = Path(p) / MANIFEST
+        if not path.is_file():
+            raise ConfigError(f"--merge {p}: no {MANIFEST}: not a prepared part (or not finished)")
+        manifests.append(json.loads(path.read_text()))
+    first = manifests[0]
+    for p, m in zip(parts[1:], manifests[1:]):
+        for key in ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes", "units", "dtype"):
+            if m.get(key) != first.get(key):
+                raise ConfigError(f"--merge {p}: its {key} differs from {parts[0]}'s: parts of one corpus only")
+    owner: dict[int, int] = {}
+    for i, (p, m) in enumerate(zip(parts, manifests)):
+        for s in m["shards"]:
+            if owner.setdefault(s["unit"], i) != i:
+                raise ConfigError(f"--merge: {p} and {parts[owner[s['unit']]]} both hold unit {s['unit']} "
+                                  f"({s['source']}): the parts overlap")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    shards = sorted(({**s, "file": os.path.relpath(Path(p) / s["file"], root)} for p, m in zip(parts, manifests)
+                     for s in m["shards"]), key=lambda s: (s["unit"], s["split"] != "train"))
+    settings = {k: first[k] for k in ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes",
+                                      "units")}
+    counts = sum((Counter(m["counts"]["rows"]) for m in manifests), Counter())
+    merged = _write_manifest(root, {**settings, "part": None, "merged": [str(Path(p).resolve()) for p in parts]},
+                             [{"shards": shards, "counts": counts}], first["dtype"])
+    return {**merged, "missing_units": sorted(set(range(first["units"])) - set(owner))}

@@ -1,0 +1,244 @@
+"""Corpora of any size (`harness prepare lm`, `data.path = DIR`): prepared once into shards, read by memory map,
+continued after an interruption, split into parts and merged, refused in one line when bad; training reads them."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, assert_losses_close, cli, command, harness, rewind, write_corpus
+from harness.config.run import ConfigError
+from harness.data.batches import StepSampler, permute
+from harness.data.corpus import MANIFEST, Corpus, Windows
+from harness.prepare.corpus import merge, prepare_corpus
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Text, JSON lines (one row without the field, one malformed), a csv and a gzip file, in a directory tree."""
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    write_corpus(root / "a.txt", lines=300, seed=1)
+    with open(root / "a.txt", "a") as f:
+        f.write("   \n\nlast line without newline")
+    rows = [{"text": f"json document {i} " * 3} for i in range(50)] + [{"other": 1}]
+    (root / "sub" / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    (root / "sub" / "c.csv").write_text("id,text\n" + "".join(f"{i},csv row {i}\n" for i in range(40)))
+    with gzip.open(root / "sub" / "d.txt.gz", "wt") as f:
+        f.write("".join(f"gzipped line {i}\n" for i in range(60)))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    pq.write_table(pa.table({"text": [f"parquet row {i}" for i in range(30)] + [None]}), root / "e.parquet",
+                   row_group_size=8)  # 4 row groups: 4 units
+    (root / "f.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": f"zstd row {i}"}) + "\n" for i in range(20)).encode()))
+    return root
+
+
+def documents(directory) -> list[bytes]:
+    """Every document of a prepared corpus (train and validation), from its shards and indexes."""
+    corpus, docs = Corpus(directory), []
+    for split in ("train", "validation"):
+        for shard in corpus.shards[split]:
+            data = np.fromfile(shard.path, dtype=corpus.dtype).tobytes()
+            ends = np.fromfile(shard.path.with_suffix(".idx"), dtype="<u4")
+            docs += [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    return docs
+
+
+def test_prepare_reads_every_kind_cleans_by_the_rows_rules_and_is_read_back_whole(inputs, tmp_path):
+    out = tmp_path / "corpus"
+    m = prepare_corpus([str(inputs)], str(out), workers=2, val_fraction=0.1, unit_bytes=4096)
+    assert m["dtype"] == "uint8" and m["tokenizer"]["kind"] == "bytes" and m["units"] > 4  # a.txt in ranges
+    expected = [line for line in (inputs / "a.txt").read_text().split("\n") if line.strip()]
+    expected += [f"json document {i} " * 3 for i in range(50)] + [f"csv row {i}" for i in range(40)]
+    expected += [f"gzipped line {i}" for i in range(60)]
+    expected += [f"parquet row {i}" for i in range(30)] + [f"zstd row {i}" for i in range(20)]
+    assert sorted(documents(out)) == sorted((t + "\n").encode() for t in expected)  # each once, in whole
+    assert m["counts"]["rows"] == {"ok": len(expected), "empty": 2, "malformed": 3}
+    c = m["counts"]
+    assert 0 < c["validation"]["documents"] < c["train"]["documents"]
+    disk = sum(f.stat().st_size for f in out.glob("*.bin"))
+    assert disk == c["train"]["tokens"] + c["validation"]["tokens"]  # a byte a token
+    # the same command again: nothing redone, in well under a second
+    before = {f.name: f.stat().st_mtime_ns for f in out.glob("*.bin")}
+    assert prepare_corpus([str(inputs)], str(out), workers=2, val_fraction=0.1, unit_bytes=4096) == m
+    assert before == {f.name: f.stat().st_mtime_ns for f in out.glob("*.bin")}
+    # an interrupted prepare (a unit without its record) redoes that unit only
+    (out / "units" / "000001.json").unlink()
+    for f in out.glob("*-000001.bin"):
+        f.unlink()
+    assert prepare_corpus([str(inputs)], str(out), workers=1, val_fraction=0.1, unit_bytes=4096) == m
+    assert {n: t for n, t in before.items() if "000001" not in n} == \
+        {f.name: f.stat().st_mtime_ns for f in out.glob("*.bin") if "000001" not in f.name}
+
+
+def test_a_full_shard_is_closed_and_the_unit_goes_on_in_the_next(inputs, tmp_path, monkeypatch):
+    """A shard's document ends are uint32: a unit that would pass that many tokens goes on in another shard (here,
+    a limit of 500 tokens), each document whole in one."""
+    whole = documents(prepare_corpus([str(inputs / "a.txt")], str(tmp_path / "one"), unit_bytes=1 << 20) and
+                      tmp_path / "one")
+    monkeypatch.setattr("harness.prepare.corpus.MAX_SHARD_TOKENS", 500)
+    m = prepare_corpus([str(inputs / "a.txt")], str(tmp_path / "many"), unit_bytes=1 << 20)
+    assert len(m["shards"]) > 20 and all(s["tokens"] <= 500 for s in m["shards"])
+    assert {s["unit"] for s in m["shards"]} == {0} and documents(tmp_path / "many") == whole
+    Corpus(tmp_path / "many").check()
+
+
+def test_parts_merge_into_the_corpus_one_prepare_makes(inputs, tmp_path):
+    whole = prepare_corpus([str(inputs)], str(tmp_path / "whole"), val_fraction=0.2, unit_bytes=4096)
+    parts = [str(tmp_path / f"part{i}") for i in (1, 2, 3)]
+    for i, p in enumerate(parts, 1):
+        prepare_corpus([str(inputs)], p, val_fraction=0.2, part=f"{i}/3", unit_bytes=4096)
+    merged = merge(parts, str(tmp_path / "merged"))
+    assert merged["missing_units"] == []
+    key = lambda s: (s["unit"], s["split"], s["sha256"], s["tokens"])  # noqa: E731
+    assert sorted(map(key, merged["shards"])) == sorted(map(key, whole["shards"]))
+    assert Corpus(tmp_path / "merged").fingerprint == Corpus(tmp_path / "whole").fingerprint
+    Corpus(tmp_path / "merged").check()  # the parts' shards, where they lie: nothing copied
+    assert not list((tmp_path / "merged").glob("*.bin"))
+    with pytest.raises(ConfigError, match="both hold unit"):
+        merge([parts[0], parts[0]], str(tmp_path / "twice"))
+    with pytest.raises(ConfigError, match="--part 3/2: expected I/N"):
+        prepare_corpus([str(inputs)], str(tmp_path / "bad"), part="3/2")
+
+
+def test_windows_cross_shards_and_the_lazy_order_is_a_permutation(inputs, tmp_path):
+    out = tmp_path / "corpus"
+    prepare_corpus([str(inputs)], str(out), unit_bytes=2048)
+    corpus = Corpus(out)
+    stream = b"".join(np.fromfile(s.path, dtype=np.uint8).tobytes() for s in corpus.shards["train"])
+    w = Windows(corpus, "train", 64)
+    assert len(w) == (len(stream) - 1) // 64 and len(corpus.shards["train"]) > 2
+    for i in (0, 1, len(w) // 2, len(w) - 1):
+        assert bytes(w[i]["ids"].tolist()) == stream[i * 64:i * 64 + 65]
+    for n in (1, 2, 5, 1000, 4099):
+        assert sorted(permute(torch.arange(n), n, 7).tolist()) == list(range(n))
+    assert permute(torch.arange(100), 100, 1).tolist() != permute(torch.arange(100), 100, 2).tolist()
+    # an epoch's order is the same however the ranks split it, and costs nothing to set up for any size
+    one = StepSampler(10**9, 4, 2, 0, 1, 0, 0, 3, lazy=True)
+    two = [StepSampler(10**9, 4, 1, r, 2, 0, 0, 3, lazy=True) for r in (0, 1)]
+    for step in range(3):
+        assert sorted(one.step_indices(step).flatten().tolist()) == sorted(
+            i for s in two for i in s.step_indices(step)[:, s.dp_rank].flatten().tolist())
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no match", "matches no file"),
+    ("empty", "hold no document to train on"),
+    ("no field", "no row has the field 'body' (--text-field)"),
+    ("truncated gz", "unreadable at about row"),
+])
+def test_prepare_refuses_bad_input_in_one_line(case, message, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    args = ["prepare", "lm", "--out", str(tmp_path / "out")]
+    if case == "no match":
+        args += ["--input", str(src / "*.txt")]
+    elif case == "empty":
+        (src / "e.txt").write_text("\n  \n")
+        args += ["--input", str(src / "e.txt")]
+    elif case == "no field":
+        (src / "r.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
+        args += ["--input", str(src / "r.jsonl"), "--text-field", "body"]
+    else:
+        data = gzip.compress(b"".join(b"line %d\n" % i for i in range(200_000)))
+        (src / "t.txt.gz").write_bytes(data[:len(data) // 2])
+        args += ["--input", str(src / "t.txt.gz")]
+    done = cli(*args)
+    last = done.stderr.strip().splitlines()[-1]  # after the progress bar, if it started: the error, one line
+    assert done.returncode == 2 and last.startswith("harness: error: ") and message in last, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    if case == "truncated gz":  # or kept up to where it breaks, counted
+        done = cli(*args, "--on-error", "skip")
+        assert done.returncode == 0, done.stderr
+        rows = json.loads((tmp_path / "out" / MANIFEST).read_text())["counts"]["rows"]
+        assert rows["unreadable_tail"] == 1 and 0 < rows["ok"] < 200_000
+
+
+def test_a_disk_that_fills_removes_the_partial_shard_and_the_prepare_continues(tmp_path):
+    src = write_corpus(tmp_path / "big.txt", lines=40_000)
+    out = tmp_path / "out"
+    code = (f"import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)); "
+            f"import sys; from harness.cli import main; sys.exit(main(['prepare', 'lm', '--input', {str(src)!r}, "
+            f"'--out', {str(out)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "the disk filled" in done.stderr, done.stderr[-2000:]
+    assert not list(out.glob("*.tmp")) and not (out / MANIFEST).exists()
+    done = cli("prepare", "lm", "--input", str(src), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert Corpus(out).tokens() + Corpus(out).tokens("validation") == src.stat().st_size
+
+
+def test_training_reads_a_prepared_corpus_and_refuses_a_damaged_one(tmp_path, corpus):
+    prepared = tmp_path / "prepared"
+    done = cli("prepare", "lm", "--input", str(corpus), "--out", str(prepared), "--val-fraction", "0.05")
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "run"
+    train = subprocess.run(command(run, prepared), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "prepared corpus" in train.stdout + train.stderr
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    plan = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
+    assert plan.returncode == 0 and "prepared corpus" in plan.stdout and "epochs" in plan.stdout, plan.stderr
+    shard = Corpus(prepared).shards["train"][0].path
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1  # the same size, another byte: the checksum tells
+    shard.write_bytes(bytes(data))
+    bad = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
+    assert bad.returncode == 2 and "fails its checksum" in bad.stderr
+    shard.write_bytes(bytes(data[:-10]))
+    bad = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
+    assert bad.returncode == 2 and "truncated or changed" in bad.stderr
+    shard.unlink()
+    bad = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
+    assert bad.returncode == 2 and "is missing" in bad.stderr
+
+
+def test_a_prepared_corpus_resumes_exactly_on_another_world_size_stage_or_sequence_split(tmp_path, corpus):
+    """Stopped on 2 processes (ZeRO-2) and resumed on 1 with accumulation 2, under ZeRO-3, and split over 2 sequence
+    ranks: every step reads the samples the uninterrupted run read (its `data_hash`) and reaches its loss."""
+    prepared = tmp_path / "prepared"
+    prepare_corpus([str(corpus)], str(prepared), val_fraction=0.05, unit_bytes=8192)
+    assert len(Corpus(prepared).shards["train"]) > 3  # windows cross shards
+    sets = ["train.max_steps=10", "train.save_every=2", "train.keep_checkpoints=10"]
+    whole = harness(tmp_path / "whole", prepared, nproc=2, ds="zero2.json", sets=sets, args=["--stop-at", "8"])
+    hashes = {m["step"]: m["data_hash"] for m in whole.metrics}
+    assert len(set(hashes.values())) == 8  # each step its own samples
+    out = rewind(whole.dir, tmp_path / "run", 2)
+
+    def leg(nproc: int, ds: str, stop: int, *extra: str) -> None:
+        run = harness(out, prepared, nproc=nproc, ds=ds, sets=[*sets, *extra], args=["--resume", "auto", "--stop-at",
+                                                                                     str(stop)])
+        assert {m["step"]: m["data_hash"] for m in run.metrics} == {k: v for k, v in hashes.items() if k <= stop}
+        assert_losses_close(run.losses, {k: v for k, v in whole.losses.items() if k <= stop}, 1e-5)
+
+    leg(1, "zero1.json", 4, "train.grad_accum_steps=2")
+    leg(2, "zero3.json", 6)
+    leg(2, "sp2_zero3.json", 8, "train.grad_accum_steps=2")
+
+
+def test_a_resume_on_other_data_is_refused_unless_the_user_says_so(tmp_path, corpus):
+    prepared, other = tmp_path / "prepared", tmp_path / "other"
+    prepare_corpus([str(corpus)], str(prepared), val_fraction=0.05)
+    prepare_corpus([str(write_corpus(tmp_path / "b.txt", lines=1500, seed=7))], str(other), val_fraction=0.05)
+    run = tmp_path / "run"
+    harness(run, prepared, sets=["train.save_every=2"], args=["--stop-at", "2"])
+    refused = harness(run, other, args=["--resume", "auto"], check=False)
+    last = refused.proc.stderr.strip().splitlines()[-1]
+    assert refused.proc.returncode == 2 and f"trained on {prepared} (fingerprint" in last and \
+        "--data-changed-ok" in last, refused.proc.stderr[-2000:]
+    done = harness(run, other, args=["--resume", "auto", "--data-changed-ok", "--stop-at", "4"])
+    assert [m["step"] for m in done.metrics] == [1, 2, 3, 4]
