@@ -1,0 +1,40 @@
+"""The Python API (`import harness`): each public function callable any number of times in one process, whatever
+was imported before it."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, TINY, _env, python
+
+SCRIPT = """
+import sys
+if sys.argv[1] == "cli first":
+    import harness.cli  # noqa: F401 - the command line's modules (harness.plan.render, ...) imported before the API
+import harness
+sets = {sets!r}
+for i in (1, 2):
+    p = harness.plan(sets=sets)
+    print("PLAN", p.ds.global_batch_size, harness.plan_text(p).count("\\n") > 10)
+    r = harness.train(sets=[*sets, f"run.output_dir={{sys.argv[2]}}/run{{i}}"])
+    print("TRAIN", r["step"])
+    print("EVAL", sorted(harness.evaluate(f"{{sys.argv[2]}}/run{{i}}", "validation")))
+    model, cfg = harness.load_model(f"{{sys.argv[2]}}/run{{i}}")
+    print("LOAD", type(model).__name__, cfg.train.max_steps)
+import harness.plan.render  # the subpackage is still there, and harness.plan still the function
+print("AGAIN", harness.plan(sets=sets).ds.global_batch_size, harness.plan.render.__name__)
+"""
+
+
+@pytest.mark.parametrize("order", ["api first", "cli first"])
+def test_every_api_function_is_callable_twice_in_one_process(order, tmp_path, corpus):
+    sets = [*TINY, "train.max_steps=2", f"data.path={json.dumps(str(corpus))}"]
+    proc = subprocess.run([python(), "-c", SCRIPT.format(sets=sets), order, str(tmp_path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in proc.stdout.splitlines() if line.split(" ")[0].isupper()]
+    assert [k for k, _ in lines] == ["PLAN", "TRAIN", "EVAL", "LOAD"] * 2 + ["AGAIN"], proc.stdout[-2000:]
+    assert dict(lines)["PLAN"] == "4 True" and dict(lines)["TRAIN"] == "2"
+    assert dict(lines)["AGAIN"] == "4 harness.plan.render"
