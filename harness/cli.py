@@ -113,7 +113,7 @@ def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
     lm = sub.add_parser("lm", help="a text corpus of any size into token shards that training reads by memory map "
                         "(data.path = OUT)")
     lm.add_argument("--input", nargs="+", default=[], metavar="PATH", help="files, directories and globs of .txt, "
-                    ".jsonl/.json, .csv/.tsv, .parquet (also .gz, .bz2, .xz, .zst)")
+                    ".jsonl/.json, .csv/.tsv, .parquet (also .gz, .bz2, .xz, .zst), or hub:NAME (streamed)")
     lm.add_argument("--out", required=True, metavar="DIR", help="the prepared directory; the same command again "
                     "continues an interrupted prepare, or does nothing")
     lm.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")

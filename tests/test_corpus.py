@@ -95,6 +95,24 @@ def test_a_full_shard_is_closed_and_the_unit_goes_on_in_the_next(inputs, tmp_pat
     Corpus(tmp_path / "many").check()
 
 
+def test_a_hub_data_set_is_streamed_and_one_out_of_reach_is_one_line(tmp_path):
+    """`hub:NAME` goes through `datasets.load_dataset(NAME, streaming=True)`: here NAME is a local data set folder
+    (the Hub is out of reach on this machine and on CI), then a name that is no data set."""
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps({"body": f"streamed row {i}"}) + "\n" for i in range(40)))
+    m = prepare_corpus([f"hub:{folder}"], str(tmp_path / "out"), text_field="body")
+    assert m["counts"]["rows"] == {"ok": 40} and sorted(documents(tmp_path / "out")) == sorted(
+        f"streamed row {i}\n".encode() for i in range(40))
+    with pytest.raises(ConfigError, match="no column 'text'"):
+        prepare_corpus([f"hub:{folder}"], str(tmp_path / "other"))
+    done = cli("prepare", "lm", "--input", "hub:no-such-org/no-such-set", "--out", str(tmp_path / "missing"),
+               env={"HF_HUB_OFFLINE": "1"})  # offline, as this machine and CI are: datasets says so at once
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("harness: error: --input hub:no-such-org/no-such-set: cannot be "
+                                                    "loaded"), done.stderr[-2000:]
+
+
 def test_parts_merge_into_the_corpus_one_prepare_makes(inputs, tmp_path):
     whole = prepare_corpus([str(inputs)], str(tmp_path / "whole"), val_fraction=0.2, unit_bytes=4096)
     parts = [str(tmp_path / f"part{i}") for i in (1, 2, 3)]

@@ -331,3 +331,16 @@ def test_an_agreeing_sgd_section_is_accepted(tmp_path):
                                                                                      "momentum": 0.9}}}))
     r = resolve_ds(resolve(None, ["train.max_steps=3", "optimizer.name=\"sgd\""]), ds, 1)
     assert "optimizer" not in r.config  # the run file's optimizer is what trains
+
+
+def test_ds_names_a_shipped_config_the_same_way_in_every_command(capsys):
+    """`--ds zero2` is configs/ds/zero2.json in plan and train as in bench; a name that is neither a file nor a
+    shipped config is one line listing them."""
+    from harness.cli import main
+
+    assert main(["plan", "--ds", "zero2", "--set", "train.max_steps=3"]) == 0
+    assert "ZeRO stage 2" in capsys.readouterr().out
+    assert main(["plan", "--ds", "zero9", "--set", "train.max_steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("harness: error: --ds zero9: neither a file nor one of configs/ds/*.json (") and \
+        "zero3_offload" in err

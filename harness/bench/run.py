@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from ..config.ds import model_state_bytes
+from ..config.ds import ds_path, model_state_bytes
 from ..config.run import ConfigError
 from ..plan.render import count_params, largest_fitting
 from ..run.startup import clear_stale_build_locks
 from . import device, overhead, report
-from .sweep import Config, ds_path, grid, measure, model_parallel_size, plan_for
+from .sweep import Config, grid, measure, model_parallel_size, plan_for
 
 SEQ_UNIT = 64  # --largest seq_len searches multiples of this
 

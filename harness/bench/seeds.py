@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.ds import ds_path
 from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
 from ..run.selection import direction, metric_key
@@ -19,7 +20,6 @@ from .device import cpu_threads, torch_threads
 from .sweep import (
     Config,
     as_text,
-    ds_path,
     env_for,
     grid,
     last_error,

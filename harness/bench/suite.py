@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.ds import ds_path
 from ..config.run import ConfigError
 from ..distributed.optim import deepspeed_arch_list
 from ..plan.render import count_params
@@ -29,7 +30,7 @@ from . import device, overhead, report
 from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe
 from .results import suite_markdown
 from .run import largest
-from .sweep import ROOT, Config, as_text, ds_path, last_error, measure, plan_for, python
+from .sweep import ROOT, Config, as_text, last_error, measure, plan_for, python
 
 SCHEMA = 1
 PARTS = ("ops", "speed", "overhead", "largest", "quality")

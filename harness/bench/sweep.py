@@ -67,16 +67,6 @@ def model_parallel_size(ds: str) -> int:
     return tp * (cfg.get("pipeline") or {}).get("stages", 1) * (cfg.get("sequence_parallel_size") or 1)
 
 
-def ds_path(name: str) -> str:
-    """A DeepSpeed config by path, or by its name in configs/ds (`zero2` or `zero2.json`)."""
-    if Path(name).is_file():
-        return name
-    shipped = ROOT / "configs" / "ds" / (name if name.endswith(".json") else f"{name}.json")
-    if not shipped.is_file():
-        raise ConfigError(f"--ds {name}: neither a file nor one of configs/ds/*.json")
-    return str(shipped)
-
-
 def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
     """The configuration resolved and checked as `harness train` would (the bench sets the length itself)."""
     return make_plan(run_file, [*sets, *config.sets, "train.epochs=0.0", "train.max_steps=1"], config.ds,

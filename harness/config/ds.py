@@ -79,6 +79,21 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return read_file(path, "DeepSpeed config", json.loads, json.JSONDecodeError, "JSON")
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "ds"  # the repository's DeepSpeed files
+
+
+def ds_path(name: str) -> str:
+    """`--ds`, the same rule in every command: a file's path, or the name of one of configs/ds/*.json (`zero2` or
+    `zero2.json`)."""
+    if Path(name).is_file() or "/" in name:  # a path: its reader says if it is missing
+        return name
+    shipped = SHIPPED / (name if name.endswith(".json") else f"{name}.json")
+    if shipped.is_file():
+        return str(shipped)
+    names = ", ".join(sorted(f.stem for f in SHIPPED.glob("*.json"))) or "none here"
+    raise ConfigError(f"--ds {name}: neither a file nor one of configs/ds/*.json ({names})")
+
+
 def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precision: str = "no",
                accel: dict[str, str] | None = None) -> DSResolved:
     """`accel_precision` is accelerate's mixed_precision ("no", "fp16", "bf16") for this launch; `accel` its

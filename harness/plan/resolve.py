@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.ds import DSResolved, fill_zero_auto, resolve_ds
+from ..config.ds import DSResolved, ds_path, fill_zero_auto, resolve_ds
 from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
@@ -27,7 +27,9 @@ class Plan:
 
 
 def ds_file_arg(ds_file: str | None) -> str | None:
-    """--ds, else the DeepSpeed file named in the accelerate launch config (deepspeed_config_file)."""
+    """--ds (a path, or a name in configs/ds), else the DeepSpeed file named in the accelerate launch config
+    (deepspeed_config_file)."""
+    ds_file = ds_path(ds_file) if ds_file else None
     from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
     if ds_file and from_accelerate and Path(ds_file).resolve() != Path(from_accelerate).resolve():
         raise ConfigError(f"--ds {ds_file} contradicts the accelerate launch config's deepspeed_config_file "

@@ -36,7 +36,7 @@ from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for,
 
 UNIT_BYTES = 64 << 20
 BLOCK = 16 << 20  # bytes of text tokenized at a time
-TEXT, JSON, CSV, PARQUET = ".txt", ".jsonl", ".csv", ".parquet"
+TEXT, JSON, CSV, PARQUET, HUB = ".txt", ".jsonl", ".csv", ".parquet", "hub"
 KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV, ".tsv": CSV, ".parquet": PARQUET}
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
 WHITESPACE = np.array([9, 10, 11, 12, 13, 32], dtype=np.uint8)
@@ -74,9 +74,9 @@ def expand(inputs: list[str]) -> list[str]:
     that matches nothing."""
     files: list[str] = []
     for name in inputs:
-        if name.startswith("hub:"):
-            raise ConfigError(f"--input {name}: prepare a hub data set by saving it first (datasets' to_json or "
-                              f"to_parquet) and naming the files")
+        if name.startswith("hub:"):  # streamed by `datasets`, never held whole
+            files.append(name)
+            continue
         matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else [name]
         found = []
         for m in matches:
@@ -96,14 +96,22 @@ def expand(inputs: list[str]) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+def _stat(path: str) -> tuple[int, int]:
+    """(size, mtime_ns) of an input file; (0, 0) for a hub data set."""
+    if path.startswith("hub:"):
+        return 0, 0
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
 def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Every unit of the inputs, numbered in order: what `--part` divides and a record names."""
     units: list[Unit] = []
     for path in files:
-        stat, kind = os.stat(path), kind_of(path)
+        (size, mtime), kind = _stat(path), HUB if path.startswith("hub:") else kind_of(path)
         ranges: list[tuple[int, int]] = [(0, -1)]
-        if kind in (TEXT, JSON) and not _compression(path) and stat.st_size > unit_bytes:
-            ranges = [(s, min(s + unit_bytes, stat.st_size)) for s in range(0, stat.st_size, unit_bytes)]
+        if kind in (TEXT, JSON) and not _compression(path) and size > unit_bytes:
+            ranges = [(s, min(s + unit_bytes, size)) for s in range(0, size, unit_bytes)]
         elif kind == PARQUET:
             import pyarrow.parquet as pq
 
@@ -112,8 +120,7 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
             except Exception as e:  # noqa: BLE001 - pyarrow's own errors: one line naming the file
                 raise ConfigError(f"--input {path}: not a readable parquet file ({e})") from None
             ranges = [(g, g) for g in range(groups)]
-        units += [Unit(len(units) + i, path, kind, s, e, stat.st_size, stat.st_mtime_ns)
-                  for i, (s, e) in enumerate(ranges)]
+        units += [Unit(len(units) + i, path, kind, s, e, size, mtime) for i, (s, e) in enumerate(ranges)]
     return units
 
 
@@ -197,6 +204,8 @@ def documents(unit: Unit, text_field: str, counts: Counter):
                     yield _clean_texts(batch, counts)
                     batch = []
             yield _clean_texts(batch, counts)
+    elif unit.kind == HUB:
+        yield from _hub(unit.path[4:], text_field, counts)
     else:
         import pyarrow.parquet as pq
 
@@ -206,6 +215,22 @@ def documents(unit: Unit, text_field: str, counts: Counter):
                               f"{pf.schema_arrow.names}")
         for batch in pf.iter_batches(row_groups=[unit.start], columns=[text_field], batch_size=10_000):
             yield _clean_texts(batch.column(0).to_pylist(), counts)
+
+
+def _hub(name: str, text_field: str, counts: Counter):
+    """A Hugging Face data set's train split, streamed (`datasets`, streaming=True): never downloaded whole."""
+    import datasets
+
+    try:
+        stream = datasets.load_dataset(name, split="train", streaming=True)
+        columns = stream.column_names
+    except Exception as e:  # noqa: BLE001 - the hub out of reach, a name that is no data set: one line
+        raise ConfigError(f"--input hub:{name}: cannot be loaded ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]})") from None
+    if columns is not None and text_field not in columns:
+        raise ConfigError(f"--input hub:{name}: no column {text_field!r} (--text-field); its columns are {columns}")
+    for batch in stream.iter(batch_size=10_000):
+        yield _clean_texts(batch.get(text_field, [None] * len(next(iter(batch.values()), []))), counts)
 
 
 def _clean_lines(lines: list[bytes], counts: Counter) -> list[str]:
@@ -423,7 +448,7 @@ def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str
     units = plan_units(files, unit_bytes)
     mine = [u for u in units if which is None or u.id % which[1] == which[0] - 1]
     tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
-    settings = {"inputs": [{"path": f, "size": os.stat(f).st_size} for f in files], "tokenizer": tok.spec, "text_field": text_field, "val_fraction": val_fraction,
+    settings = {"inputs": [{"path": f, "size": _stat(f)[0]} for f in files], "tokenizer": tok.spec, "text_field": text_field, "val_fraction": val_fraction,
                 "seed": seed, "unit_bytes": unit_bytes, "units": len(units), "part": part}
     root = Path(out)
     _claim(root, settings)
