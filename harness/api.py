@@ -79,24 +79,46 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
             close_world()
 
 
+def _task_reference(task, run_dir: str | Path) -> str | None:
+    """A task passed as an object, named as the run directory's config.toml names its task (a file by its path, a
+    module by its import name), so that it is trusted as that task if it is the same class; a name stays as given."""
+    if task is None or isinstance(task, str):
+        return task
+    import inspect
+
+    from .config.run import ConfigError, read_toml
+
+    try:
+        named = str(read_toml(Path(run_dir) / "config.toml").get("run", {}).get("task", ""))
+    except ConfigError:  # no readable config.toml: evaluate says so itself
+        named = ""
+    cls = type(task)
+    where = inspect.getfile(cls) if named.rpartition(":")[0].endswith(".py") else cls.__module__
+    return f"{where}:{cls.__qualname__}"
+
+
 def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None,
-             task: str | None = None, trust_run_dir: bool = False):
+             task=None, trust_run_dir: bool = False):
     """The field's metrics of a finished run on a split (`harness evaluate`), or with `data` on new data read with
     the run's stored tokenizer and statistics (`--data`: {entry name: metrics}, one entry per data set); also
     written to RUN/eval.json. A run of a plug-in task needs `task` (its name, as you trust it) or `trust_run_dir`
-    (see harness/run/trust.py)."""
+    (see harness/run/trust.py); a task object is used as it is, and trusted as the run's task if it is the one
+    config.toml names."""
     from .eval.evaluate import evaluate_data, evaluate_run
     from .run.trust import trusting
 
-    with trusting(task=task, run_dir=trust_run_dir):
-        return evaluate_run(run_dir, split) if data is None else evaluate_data(run_dir, data, name)
+    given = None if task is None or isinstance(task, str) else task
+    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
+        if data is None:
+            return evaluate_run(run_dir, split, task=given)
+        return evaluate_data(run_dir, data, name, task=given)
 
 
-def load_model(run_dir: str | Path, task: str | None = None, trust_run_dir: bool = False):
+def load_model(run_dir: str | Path, task=None, trust_run_dir: bool = False):
     """(model, RunConfig): the task's model with the run's exported weights, in eval mode, on the CPU. `task` and
     `trust_run_dir` as for `evaluate`."""
     from .run.export import load_model as load
     from .run.trust import trusting
 
-    with trusting(task=task, run_dir=trust_run_dir):
-        return load(run_dir)
+    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
+        return load(run_dir, None if task is None or isinstance(task, str) else task)

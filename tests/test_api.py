@@ -38,3 +38,27 @@ def test_every_api_function_is_callable_twice_in_one_process(order, tmp_path, co
     assert [k for k, _ in lines] == ["PLAN", "TRAIN", "EVAL", "LOAD"] * 2 + ["AGAIN"], proc.stdout[-2000:]
     assert dict(lines)["PLAN"] == "4 True" and dict(lines)["TRAIN"] == "2"
     assert dict(lines)["AGAIN"] == "4 harness.plan.render"
+
+
+TASK_OBJECT = """
+import sys
+import harness
+from examples.digits_task import DigitsTask
+run = sys.argv[1]
+harness.train("examples/digits.toml", sets=["train.max_steps=3", f"run.output_dir={run!r}".replace("'", '"')],
+              ds="configs/ds/zero0.json")
+for _ in (1, 2):
+    print("EVAL", sorted(harness.evaluate(run, "test", task=DigitsTask())))
+    model, cfg = harness.load_model(run, task=DigitsTask())
+    print("LOAD", type(model).__name__)
+"""
+
+
+def test_evaluate_and_load_model_take_the_task_as_an_object(tmp_path):
+    """`task=` takes the object in every function that takes a task: a run of the file plug-in
+    examples/digits_task.py, evaluated and loaded with an instance of the class imported as a module."""
+    proc = subprocess.run([python(), "-c", TASK_OBJECT, str(tmp_path / "digits")], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("EVAL", "LOAD"))]
+    assert len(lines) == 4 and lines[0] == lines[2] and "mse" in lines[0] and lines[1] == lines[3], proc.stdout

@@ -27,13 +27,14 @@ RESULTS = "eval.json"
 SPLITS = ("train", "validation", "test")  # names an entry for new data may not take
 
 
-def _task(run_dir: Path, reader: bool = False, periods: int | None = None) -> tuple[RunConfig, object]:
+def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None) -> tuple[RunConfig, object]:
+    """The run's config and its task (`given`: the object the caller passed, used as it is)."""
     for name in ("config.toml", MODEL_FILE):
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
                               f"continued with `harness train ... --resume auto`)")
     cfg = run_config(run_dir)
-    task = get_task(cfg.run.task)
+    task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
                           f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
@@ -61,9 +62,9 @@ def _record(run_dir: Path, entries: dict[str, dict]) -> None:
     tmp.replace(path)
 
 
-def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None) -> dict[str, float | str]:
+def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None) -> dict[str, float | str]:
     run_dir = Path(run_dir)
-    cfg, task = _task(run_dir, periods=periods)
+    cfg, task = _task(run_dir, periods=periods, given=task)
     saved = stored(run_dir)
     if saved is not None and hasattr(task, "prepare"):
         changed = differences(saved, task.prepare(cfg))
@@ -101,11 +102,11 @@ def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float
 
 
 def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None,
-                  periods: int | None = None) -> dict[str, dict[str, float | str]]:
+                  periods: int | None = None, task=None) -> dict[str, dict[str, float | str]]:
     """`harness evaluate --data PATH [--name NAME]`: {entry name: metrics} for each data set PATH holds (a directory
     may hold several: NAME/part), read with the run's stored tokenizer and statistics; also written to eval.json."""
     run_dir, path = Path(run_dir), Path(path)
-    cfg, task = _task(run_dir, reader=True, periods=periods)
+    cfg, task = _task(run_dir, reader=True, periods=periods, given=task)
     saved = stored(run_dir)
     if saved is None and hasattr(task, "store"):
         raise ConfigError(f"{run_dir}: holds no stored tokenizer and statistics ({STORED}/{CHECKSUMS}), which "
