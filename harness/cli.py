@@ -28,6 +28,14 @@ def _run_dir(p: argparse.ArgumentParser) -> None:
                    "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
 
+EXAMPLES = """examples:
+  harness train --run configs/runs/lm_demo.toml --ds zero2          # one process; --ds names a file or configs/ds/NAME
+  harness launch --config_file launch/cpu_2proc.yaml train --run configs/runs/lm_demo.toml --ds zero2
+  harness plan --run configs/runs/lm_demo.toml --ds zero3 --world-size 8   # everything checked, nothing trained
+  harness prepare lm --input 'corpus/*.jsonl.gz' --out prepared/corpus      # then --set data.path='"prepared/corpus"'
+  harness evaluate --run-dir runs/lm_demo --split test
+  harness bench sweep --run configs/runs/lm_demo.toml --ds zero0,zero2 --nproc 1,2
+"""
 BENCH = ("sweep", "overhead", "proxy", "suite", "seeds", "corpus")
 
 
@@ -166,8 +174,9 @@ def _old_bench(argv: list[str], bench: argparse.ArgumentParser) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="harness", description="Train Transformers with DeepSpeed strategies "
-                                 "chosen by a JSON file; launch with `accelerate launch -m harness train ...`.")
+    ap = argparse.ArgumentParser(prog="harness", description="Train Transformers with DeepSpeed strategies chosen "
+                                 "by a JSON file: one process with `harness train`, several with `harness launch`.",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a run")
     _common(t)

@@ -262,6 +262,17 @@ def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_more_ranks_than_cpus_on_a_node_is_said_in_one_line(monkeypatch):
+    from harness.distributed.world import oversubscribed
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert oversubscribed() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert oversubscribed() == ("warning: 3 ranks on this node share 2 CPUs: they take turns, and every step waits for "
+                                "the slowest; launch at most 2 processes per node")
+
+
 BEST = ["train.max_steps=12", "train.eval_every=1", "train.save_every=1", "train.keep_checkpoints=2",
         "train.select_best=\"val_loss\"", "train.select_mode=\"max\"", "train.early_stopping_patience=3"]
 

@@ -45,6 +45,17 @@ def cpu_threads() -> str:
     return f"{torch.get_num_threads()} ({cpus} this process may use, {ranks} on the node)"
 
 
+def oversubscribed() -> str | None:
+    """One line where this node runs more CPU ranks than it has CPUs for them (they take turns: every step waits for
+    the slowest); None on a GPU or where they fit."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.cuda.is_available() or local <= usable:
+        return None
+    return (f"warning: {local} ranks on this node share {usable} CPU{'s' * (usable != 1)}: they take turns, and every "
+            f"step waits for the slowest; launch at most {usable} processes per node")
+
+
 def accelerate_mixed_precision() -> str:
     """What `accelerate launch` was told (yaml `mixed_precision` or --mixed_precision); "no" without accelerate."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()

@@ -28,7 +28,7 @@ from ..distributed.parallel import (
     pipeline_loss_sum,
     release,
 )
-from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads
+from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads, oversubscribed
 from ..models import sequence
 from ..models.flops import ForwardFlops
 from ..plan.render import build_report, start_line
@@ -156,6 +156,9 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     cfg, ds, task = plan.run.cfg, plan.ds, plan.task
     say = print if world.is_main else (lambda *a, **k: None)
     threads = cpu_threads()  # before anything computes: a shared CPU's share, not torch's guess of the machine
+    crowded = oversubscribed()
+    if crowded:
+        say(crowded)
     data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world)
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
