@@ -62,3 +62,29 @@ def test_evaluate_and_load_model_take_the_task_as_an_object(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("EVAL", "LOAD"))]
     assert len(lines) == 4 and lines[0] == lines[2] and "mse" in lines[0] and lines[1] == lines[3], proc.stdout
+
+
+BOOM = """
+import sys
+import harness
+from harness.tasks.lm import LanguageModelTask
+
+
+class Boom(LanguageModelTask):
+    def loss_from(self, outputs, batch):
+        raise RuntimeError("boom in the loss")
+
+
+harness.train(sets=[*{sets!r}, f"run.output_dir={{sys.argv[1]!r}}".replace("'", '"')], task=Boom())
+"""
+
+
+def test_an_error_in_one_process_is_printed_once_as_python_prints_it(tmp_path, corpus):
+    """torch's process group wraps sys.excepthook to prefix every line with "[rank0]: "; a world of one that the
+    harness started itself gives the hook back when it closes."""
+    sets = [*TINY, f"data.path={json.dumps(str(corpus))}"]
+    # cold: the task class lives in the script's __main__, which a warm fork's is not
+    proc = subprocess.run([python(cold=True), "-c", BOOM.format(sets=sets), str(tmp_path / "run")], cwd=ROOT,
+                          env=_env(cold=True), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
+    assert "RuntimeError: boom in the loss" in proc.stderr and "[rank0]" not in proc.stderr

@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -113,6 +114,7 @@ class World:
 
 _OWN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _set_env: list[str] = []  # what init_world put in the environment itself (no launcher), for close_world
+_excepthook: list = []  # sys.excepthook before torch's rank-prefixing one, restored by close_world in a world of one
 
 
 def init_world(layout=None, timeout_s: float | None = None) -> World:
@@ -123,6 +125,7 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         _set_env[:] = _OWN_ENV
+        _excepthook[:] = [sys.excepthook]  # torch's group start wraps it for good: "[rank0]: " on every line
     quiet_deepspeed()
     # Before the group exists: DeepSpeed's TorchBackend.barrier and torch.distributed.nn's collectives take
     # `group=WORLD` as a default argument, so importing them after the group is made keeps that group alive past
@@ -197,6 +200,8 @@ def close_world() -> None:
     for name in _set_env:
         os.environ.pop(name, None)
     _set_env.clear()
+    if _excepthook:  # one process, no launcher: an error after the run reads as Python prints it, once
+        sys.excepthook = _excepthook.pop()
 
 
 def single_world(device: str | torch.device = "cpu") -> World:
