@@ -9,7 +9,7 @@ import types
 __version__ = "0.1.0"
 
 from . import api  # noqa: E402
-from .api import evaluate, load_model, plan, plan_text, train  # noqa: E402,F401 - light: they import on call
+from .api import evaluate, load_model, plan_text, train  # noqa: E402,F401 - light: they import on call
 from .config import ConfigError, TrainingStopped  # noqa: E402,F401
 
 
@@ -22,6 +22,6 @@ class _CallablePackage(types.ModuleType):
         return api.plan(*args, **kwargs)
 
 
-plan = importlib.import_module(".plan", __name__)  # noqa: F811 - the package, callable as the function
+plan = importlib.import_module(".plan", __name__)  # the package, callable as the API's function
 plan.__class__ = _CallablePackage
 plan.__signature__ = inspect.signature(api.plan)

@@ -177,6 +177,7 @@ def test_prepare_refuses_bad_input_in_one_line(case, message, tmp_path):
     last = done.stderr.strip().splitlines()[-1]  # after the progress bar, if it started: the error, one line
     assert done.returncode == 2 and last.startswith("harness: error: ") and message in last, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+    assert not list((tmp_path / "out").glob("*.tmp"))  # a refusal mid-unit leaves no partial shard
     if case == "truncated gz":  # or kept up to where it breaks, counted
         done = cli(*args, "--on-error", "skip")
         assert done.returncode == 0, done.stderr
@@ -222,6 +223,11 @@ def test_training_reads_a_prepared_corpus_and_refuses_a_damaged_one(tmp_path, co
     assert bad.returncode == 2 and "truncated or changed" in bad.stderr
     shard.unlink()
     bad = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
+    assert bad.returncode == 2 and "is missing" in bad.stderr
+    good = tmp_path / "good"
+    prepare_corpus([str(corpus)], str(good))
+    bad = cli("plan", "--set", f"data.path={json.dumps(str(good))}", "--set", f"data.val_path={json.dumps(str(prepared))}",
+              "--set", "train.max_steps=10")  # a separate validation corpus is checked as the training one
     assert bad.returncode == 2 and "is missing" in bad.stderr
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..config.run import ConfigError
 
@@ -113,9 +112,10 @@ class Corpus:
                 pass
 
 
-class Windows(torch.utils.data.Dataset):
+class Windows:
     """Sample i: the tokens [i * seq_len, i * seq_len + seq_len + 1) of a split's stream (inputs and shifted
-    targets), read from the memory-mapped shards; the maps are opened in each process on first use."""
+    targets), read from the memory-mapped shards; the maps are opened in each process on first use. A map-style data
+    set for torch's DataLoader; torch is imported on first read, so `harness prepare lm`'s workers never import it."""
 
     def __init__(self, corpus: Corpus, split: str, seq_len: int):
         self.paths = [str(s.path) for s in corpus.shards[split]]
@@ -139,15 +139,17 @@ class Windows(torch.utils.data.Dataset):
             start, shard = start + take, shard + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict:
         return self.__getitems__([i])[0]
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+    def __getitems__(self, indices: list[int]) -> list[dict]:
         """A batch's windows at once (torch's DataLoader asks so), copied out of the maps in their own dtype (int32
         for 16- and 32-bit ids: torch's own unsigned types do little); the task's collate makes them int64."""
         if any(not 0 <= i < self.n for i in indices):
             raise IndexError(indices)
         span = self.seq_len + 1
         rows = np.stack([self.tokens(i * self.seq_len, i * self.seq_len + span) for i in indices])
+        import torch
+
         ids = torch.from_numpy(rows if rows.dtype == np.uint8 else rows.astype(np.int32))
         return [{"ids": row} for row in ids]

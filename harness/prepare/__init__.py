@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config.run import ConfigError
+from ..data.corpus import sha256
 from ..data.rows import DataSummary
 
 META = "meta.json"
@@ -99,14 +100,6 @@ def summary(meta: dict[str, Any]) -> DataSummary:
 
 
 # --- the run's stored artefacts (RUN/data/) ----------------------------------------------------------------------
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def _files(root: Path) -> list[str]:
     return sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() and f.name != CHECKSUMS)

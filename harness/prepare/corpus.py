@@ -32,14 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from ..config.run import ConfigError
-from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for, sha256
+from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for
 
 UNIT_BYTES = 64 << 20
 BLOCK = 16 << 20  # bytes of text tokenized at a time
 TEXT, JSON, CSV, PARQUET, HUB = ".txt", ".jsonl", ".csv", ".parquet", "hub"
 KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV, ".tsv": CSV, ".parquet": PARQUET}
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
-WHITESPACE = np.array([9, 10, 11, 12, 13, 32], dtype=np.uint8)
 NEWLINE = 10
 MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
 
@@ -385,10 +384,10 @@ def prepare_unit(unit: Unit, out: Path, tokenizer, text_field: str, val_fraction
                     keep = np.repeat(mask, ends - starts)
                     writers[split].add(ids[keep], np.cumsum((ends - starts)[mask]))
             counts["ok"] += len(ends)
-    except OSError as e:
+    except BaseException as e:  # a refusal, a full disk, Ctrl-C: no partial shard is left behind
         for w in writers.values():
             w.abort()
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise ConfigError(f"the disk filled while writing {out}/{unit.id:06d}'s shards ({e.strerror}); the "
                               f"partial shard is removed: free space and run the same command again, it continues") \
                 from None

@@ -93,13 +93,15 @@ class LanguageModelTask:
         if cfg.data.val_path and not is_corpus(cfg.data.val_path):
             raise ConfigError(f"data.val_path = {cfg.data.val_path}: with a prepared data.path, validation is a "
                               f"prepared directory too (or the corpus's own, --val-fraction at prepare)")
+        if cfg.data.val_path:
+            Corpus(cfg.data.val_path).check()
 
     def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
         """`harness plan`'s line on a prepared corpus: its size, a step's tokens, the epochs the run covers."""
         if not is_corpus(cfg.data.path):
             return None
         corpus, seq = Corpus(cfg.data.path), cfg.data.seq_len
-        windows = max(1, (corpus.tokens() - 1) // seq)
+        windows = max(1, len(Windows(corpus, "train", seq)))
         steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (windows // global_batch))
         covered = f"; {steps:,} steps cover {steps * global_batch / windows:.3g} epochs" if steps else ""
         return (f"data: prepared corpus {cfg.data.path}: {corpus.tokens():,} tokens in {corpus.documents():,} "
