@@ -343,7 +343,8 @@ def _bench(args) -> int:
             print(f"harness: error: {len(failed)} of the suite's measurements failed: {'; '.join(failed)}",
                   file=sys.stderr)
         return 1 if failed else 0
-    from .bench.run import run_bench, run_overhead
+    from .bench.overhead import run_overhead
+    from .bench.sweep import run_bench
 
     args.out = args.out or "bench"
     (run_overhead if args.study == "overhead" else run_bench)(args)

@@ -12,10 +12,10 @@ import torch
 
 from conftest import ROOT, TINY, cli
 from harness.bench import overhead, report
-from harness.bench.run import largest_fitting
 from harness.models.flops import TRAIN_FACTOR
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
 from harness.models.transformer import TransformerConfig, TransformerLM
+from harness.plan.render import largest_fitting
 
 
 def bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -1,6 +1,5 @@
-"""What the GPU suite measures: the speed part's models (each at its GPU size and a toy twin for `--smoke`), the
-quality part's recipes with the figure and target each is judged by, and the targets of the overhead and largest-model
-parts. `suite.py` runs them; `results.py` reports them in the same order."""
+"""What the GPU suite measures, in the order `suite.py` runs and `results.py` reports it: the speed part's models (at
+their GPU size and a toy twin for `--smoke`), the quality part's recipes, and each part's target."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,8 +20,7 @@ class SpeedModel:
 TOY = ("model.d_model=32", "model.n_heads=2", "model.n_layers=1", "train.micro_batch_size=8")
 ONE = ("train.global_batch_size=0", "train.grad_accum_steps=1", "data.bucket=0")
 # GPU sizes with the batches the anchors train them with (Transformer base: ~25K tokens a batch; protein 32 x 512;
-# the lm 16 x 1024): 256 pairs of Multi30k (~6.5K tokens) could not pass ~7% MFU on an H100 however little the host
-# spent. Activation checkpointing stays off (the run files' default).
+# the lm 16 x 1024): a smaller batch leaves an H100 waiting on the host. Activation checkpointing stays off.
 SPEED = (
     SpeedModel("translation base", "translation_multi30k.toml", "multi30k",
                ONE + ("model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=6",

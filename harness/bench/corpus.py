@@ -1,21 +1,24 @@
 """`harness bench corpus`: what a prepared corpus costs (docs/corpora.md): prepare throughput, bytes on disk a token,
-the loader's tokens/s a rank, and start-up and peak memory of a run on 100 MB to 10 GB against the embedded default.
-
-Synthetic text (words of random letters, lines of 5-30 words) is written once into `--work` at each size. Each
-start-up is a 1-step run of a toy model (one evaluation batch, no checkpoint) timed from its launch to its end,
-alternated with the same run on the embedded default `--repeats` times; the median is reported.
-"""
+the loader's tokens/s a rank, and a toy 1-step run's start-up and peak memory on synthetic text of 100 MB to 10 GB,
+alternated with the same run on the embedded default."""
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+from ..data.batches import StepSampler
+from ..data.corpus import Corpus, Windows
+from ..tasks.lm import LanguageModelTask
+from .report import save
 from .sweep import ROOT, python
 
 SIZES = {"100MB": 100 << 20, "1GB": 1 << 30, "10GB": 10 << 30}
@@ -42,8 +45,6 @@ def text(path: Path, size: int) -> Path:
 
 def prepare(source: Path, out: Path, workers: int, tokenizer: str | None = None) -> dict:
     """A fresh prepare: seconds, tokens/s (all, and a worker's), bytes on disk a token."""
-    import shutil
-
     shutil.rmtree(out, ignore_errors=True)
     cmd = [python(), "-m", "harness", "prepare", "lm", "--input", str(source), "--out", str(out),
            "--workers", str(workers), *(["--tokenizer", tokenizer] if tokenizer else [])]
@@ -55,8 +56,7 @@ def prepare(source: Path, out: Path, workers: int, tokenizer: str | None = None)
     disk = sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".bin", ".idx"))
     t = m["tokenizer"]
     return {"workers": workers, "tokenizer": "bytes" if t["kind"] == "bytes" else f"BPE, {t['vocab_size']:,} ids",
-            "dtype": m["dtype"],
-            "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "dtype": m["dtype"], "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
             "tokens_per_s_per_worker": tokens / seconds / workers, "disk_bytes_per_token": disk / tokens}
 
 
@@ -79,12 +79,6 @@ def bpe(work: Path, source: Path) -> str:
 
 def loader(directory: Path, seq_len: int = 1024, micro: int = 16, ranks: int = 8, steps: int = 400) -> dict:
     """Rank 0 of `ranks` reading its micro-batches of random windows, as training does: tokens/s."""
-    import torch
-
-    from ..data.batches import StepSampler
-    from ..data.corpus import Corpus, Windows
-    from ..tasks.lm import LanguageModelTask
-
     windows = Windows(Corpus(directory), "train", seq_len)
     batches = torch.utils.data.DataLoader(windows, collate_fn=LanguageModelTask().collate, batch_sampler=StepSampler(
         len(windows), micro, 1, 0, ranks, 0, 0, steps, lazy=True))
@@ -125,9 +119,7 @@ def run_corpus(args) -> dict:
     result["start_up"] = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
                                  "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in rs), "runs": rs}
                           for name, rs in runs.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "corpus.json").write_text(json.dumps({**result, "cpus": os.cpu_count()}, indent=2) + "\n")
-    (out / "corpus.md").write_text(markdown(result) + "\n")
+    save(out, "corpus", {**result, "cpus": os.cpu_count()}, markdown(result))
     print(markdown(result))
     return result
 

@@ -1,34 +1,40 @@
-"""`harness bench overhead`: the harness's step against a plain PyTorch step (`plain.py`) on the same model and batches.
-
-For each configuration, `--rounds` times, the two programs in turn (the order reversed every other round): `harness
-train` as the sweep times it, and `python -m harness.bench.plain`, which after its own timed steps alternates blocks
-of plain and harness steps in the same processes (`paired`: the harness's step code measured without the spread
-between launches). What each figure means and how it is read: docs/benchmarks.md.
-"""
+"""`harness bench overhead`: the harness's step against a plain PyTorch step (`plain.py`) on the same model and batches,
+launch by launch and block by block in the same processes. What each figure means: docs/benchmarks.md."""
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import subprocess
 from pathlib import Path
 
 from ..config.run import ConfigError
 from ..plan.resolve import Plan
-from .sweep import ROOT, Config, env_for, launcher, measure, plan_for, python, schedule_length, summary
+from . import report
+from .sweep import (Config, cpu_threads, describe, env_for, json_line, measure, plan_for, plans, program,
+                    schedule_length, summary)
 
 PROGRAMS = ("harness", "plain")
 BLOCK = 17  # steps per paired block, the first one not timed: 16 timed, a span's worth
 
 
-def study(plans: dict[Config, Plan], run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int,
-          steps: int, timeout: float) -> dict:
-    """`one` for each configuration, with the plan it was checked by before any launch."""
-    entries = []
-    for i, (c, plan) in enumerate(plans.items()):
-        print(f"[{i + 1}/{len(plans)}] overhead {c.name}", flush=True)
-        entries.append(one(c, run_file, sets, out, rounds, warmup, steps, timeout, plan))
-    return {"rounds": rounds, "warmup": warmup, "steps": steps, "configs": entries}
+def run_overhead(args) -> dict:
+    planned = plans(args)
+    split = [c.name for c in planned if json.loads(Path(c.ds).read_text()).get("sequence_parallel_size", 1) > 1]
+    if split:
+        raise ConfigError(f"the overhead study with sequence parallelism ({', '.join(split)}): the plain loop it "
+                          f"compares with does not split sequences; time those configurations with the sweep instead")
+    precisions = sorted({p.ds.precision for p in planned.values()})
+    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": args.set,
+              "device": describe(precisions, cpu_threads(max(c.nproc for c in planned))),
+              "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "configs": []}
+    for i, (c, plan) in enumerate(planned.items()):
+        print(f"[{i + 1}/{len(planned)}] overhead {c.name}", flush=True)
+        result["configs"].append(one(c, args.run, args.set, Path(args.out), args.rounds, args.warmup, args.steps,
+                                     args.timeout, plan))
+    for path in report.save(Path(args.out), "overhead", result, markdown(result)):
+        print(f"wrote {path}")
+    print(markdown(result))
+    return result
 
 
 def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int, steps: int,
@@ -38,39 +44,34 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
              "precision": plan.ds.precision, "layout": plan.ds.layout.describe()}
     if plan.ds.layout.pp_size > 1:
         return {**entry, "status": "skipped", "error": "a pipeline has no plain loop to compare with"}
-    times, losses = {p: [] for p in PROGRAMS}, {}  # per program, per round: the timed steps' seconds
-    pairs = {p: [] for p in PROGRAMS}  # block by block, over the rounds
-    # What the harness's timed run is told about its length, so the plain loop follows the same schedule.
-    length = [f"train.max_steps={schedule_length(warmup, steps)}", "train.epochs=0.0"]
+    # per program: each round's timed steps' seconds, the paired blocks' over the rounds, the first round's losses
+    times, pairs, losses = {p: [] for p in PROGRAMS}, {p: [] for p in PROGRAMS}, {}
+    # the plain loop follows the schedule the harness's timed run is told
+    plain = program(config, run_file, [*sets, *config.sets, f"train.max_steps={schedule_length(warmup, steps)}",
+                                       "train.epochs=0.0"], "harness.bench.plain", "--steps", str(warmup + steps),
+                    "--ds", config.ds, "--paired", str(max(2, (warmup + steps) // 5)), "--block", str(BLOCK))
     for r in range(rounds):  # a drift in the machine's speed over the study weighs on both alike
-        for program in PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]:
-            if program == "harness":
+        for name in PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]:
+            if name == "harness":
                 h = measure(config, plan, run_file, sets, out / "overhead", warmup, steps, timeout)
                 if h["status"] != "ok":
                     return {**entry, "status": h["status"], "error": f"harness: {h['error']}"}
                 result = {"step_s": h["step_s_values"], "loss": h["loss_values"]}
             else:  # with its paired blocks, about 7x the steps: twice the time allowed
-                result = script(config, run_file, [*sets, *config.sets, *length], warmup + steps, 2 * timeout)
+                result = json_line(plain, env_for(config), 2 * timeout, prefix='{"step_s"')
                 if "error" in result:
                     return {**entry, "status": "failed", "error": f"plain: {result['error']}"}
-                for name, blocks in result.get("paired", {}).items():
-                    pairs[name] += blocks
+                for p, blocks in result.get("paired", {}).items():
+                    pairs[p] += blocks
                 result = {k: result[k][warmup:] for k in ("step_s", "loss")}  # as the harness's record leaves them
-            times[program].append(result["step_s"])
-            losses.setdefault(program, result["loss"])
+            times[name].append(result["step_s"])
+            losses.setdefault(name, result["loss"])
     return {**entry, "status": "ok", **figures(times), "paired": paired(pairs),
             "loss_max_diff": max(abs(a - b) for a, b in zip(losses["harness"], losses["plain"]))}
 
 
-def paired_blocks(steps: int) -> int:
-    """Blocks of each loop per plain run: about 6.8x `steps` more steps in all."""
-    return max(2, steps // 5)
-
-
 def paired(pairs: dict[str, list[list[float]]]) -> dict | None:
-    """The harness's step against the plain one in the same processes, block by block: each pair's ratio of means
-    - 1 (`ratios`, sorted; a block holds a span of the harness's steps, with the step that syncs); their median with
-    a 95% confidence interval (None below 6 pairs), and the pooled mean steps."""
+    """The block pairs' ratios of means - 1 (a block holds the step that syncs), their median and its 95% interval."""
     if not pairs["harness"] or len(pairs["harness"]) != len(pairs["plain"]):
         return None
     each = sorted(statistics.fmean(h) / statistics.fmean(p) - 1 for h, p in zip(pairs["harness"], pairs["plain"]))
@@ -80,10 +81,8 @@ def paired(pairs: dict[str, list[list[float]]]) -> dict | None:
 
 
 def median_ci(ordered: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """The distribution-free confidence interval for the median of a sorted sample: its order statistics j and
-    n + 1 - j (1-based), j the largest with P(Bin(n, 1/2) < j) <= (1 - level) / 2, so that it covers the median
-    with probability at least `level` whatever the distribution; None where no such j exists (fewer than 6 values
-    at 95%)."""
+    """The distribution-free interval for the median of a sorted sample: its order statistics j and n + 1 - j,
+    j the largest with P(Bin(n, 1/2) < j) <= (1 - level) / 2; None where there is none (under 6 values at 95%)."""
     n, tail = len(ordered), (1 - level) / 2
     j, below = 0, 0.0
     while j < n and below + math.comb(n, j) / 2 ** n <= tail:
@@ -100,31 +99,6 @@ def figures(times: dict[str, list[list[float]]]) -> dict:
     each = [m["harness"] / m["plain"] - 1 for m in per_round]  # round by round: a round's runs were neighbours
     return {"step_s": pooled, "per_round": per_round,
             "vs_plain": {"median": statistics.median(each), "min": min(each), "max": max(each)}}
-
-
-def script(config: Config, run_file: str | None, sets: list[str], steps: int, timeout: float) -> dict:
-    """`python -m harness.bench.plain`, launched as the harness is; its JSON line, or an error."""
-    cmd = [python(), *launcher(config), "-m", "harness.bench.plain", "--steps", str(steps), "--ds", config.ds,
-           "--paired", str(paired_blocks(steps)), "--block", str(BLOCK)]
-    cmd += ["--run", run_file] if run_file else []
-    for s in sets:
-        cmd += ["--set", s]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env_for(config), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"step_s"')]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
-        return {"error": f"exit {proc.returncode}: {tail[-300:]}"}
-    return json.loads(lines[-1])
-
-
-def check(configs: list[Config]) -> None:
-    split = [c.name for c in configs if json.loads(Path(c.ds).read_text()).get("sequence_parallel_size", 1) > 1]
-    if split:
-        raise ConfigError(f"the overhead study with sequence parallelism ({', '.join(split)}): the plain loop it "
-                          f"compares with does not split sequences; time those configurations with the sweep instead")
 
 
 def markdown(result: dict) -> str:
@@ -152,11 +126,3 @@ def paired_text(p: dict | None) -> str:
     if p["ci_low"] is None:
         return f"{p['median']:+.1%} ({p['blocks']} block pairs, too few for a 95% CI)"
     return f"{p['median']:+.1%} (95% CI {p['ci_low']:+.1%}..{p['ci_high']:+.1%}; {p['blocks']} block pairs)"
-
-
-def write(result: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "overhead.json", out / "overhead.md"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    paths[1].write_text(markdown(result) + "\n")
-    return paths

@@ -1,21 +1,31 @@
-"""The one reference the benchmarks compare the harness with: a plain PyTorch loop on the same model and batches.
-
-`PlainLoop` is what a plain script trains with; `HarnessSteps` is the harness loop's own step (`step.Steps`) on an
-engine built as `harness train` builds it. `python -m harness.bench.plain --run RUN.toml --ds DS.json --steps N
-[--paired BLOCKS]` (under `accelerate launch` for several processes) is the overhead study's second program: it
-times N plain steps, then alternates blocks of plain and harness steps in the same processes. Rank 0 prints one
-JSON line: {"step_s": [...], "loss": [each step's loss, the ranks' mean], "paired": {"plain": [[...]], "harness":
-[[...]]}}. How the study reads it: docs/benchmarks.md.
-"""
+"""The one reference the benchmarks compare the harness with: a plain PyTorch loop (`PlainLoop`) on the same model and
+batches, and the harness loop's own step (`HarnessSteps`). `python -m harness.bench.plain` is the overhead study's
+second program: N plain steps timed, then blocks of each loop alternated in the same processes; rank 0 prints
+{"step_s": [...], "loss": [the ranks' mean a step], "paired": {"plain": [[...]], "harness": [[...]]}}."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+from ..config.run import ConfigError, length_buckets
+from ..data.batches import StepSampler, train_batches, training_collate
+from ..distributed.optim import make_schedule, param_groups
+from ..distributed.parallel import build_engine, release
+from ..distributed.world import accelerate_mixed_precision, all_gather_objects, barrier, close_world, init_world, \
+    launched_world_size
+from ..models.flops import ForwardFlops
+from ..plan.resolve import make_plan
+from ..run.loop import _progress
+from ..run.step import Ledger, Steps
+from ..run.tracking import Tracker
+from ..tasks import get_task
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,24 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paired", type=int, default=0, help="then this many blocks of each loop's steps, alternated")
     ap.add_argument("--block", type=int, default=17, help="steps per paired block, the first one not timed")
     args = ap.parse_args(argv)
-
-    from ..config.run import ConfigError
-    from ..distributed.world import accelerate_mixed_precision, all_gather_objects, barrier, close_world, \
-        init_world, launched_world_size
-    from ..plan.resolve import make_plan
-
     plan = make_plan(args.run, args.set, args.ds, launched_world_size(), accelerate_mixed_precision())
     if plan.ds.layout.pp_size > 1:
         raise ConfigError("a plain loop has no pipeline schedule: leave pipeline configs out of the overhead study")
     world = init_world(plan.ds.layout)
     plain = PlainLoop(plan.run.cfg, plan.ds.precision, world.device, world.rank, world.world_size,
                       args.steps + args.paired * args.block)
-    times, losses, last = [], [], time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(plain.step())
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
+    times, losses = timed(plain.step, args.steps)
     per_rank = all_gather_objects(losses)
     paired = _paired(plan, world, plain, args.paired, args.block) if args.paired else None
     if world.is_main:
@@ -55,17 +54,21 @@ def main(argv: list[str] | None = None) -> None:
     close_world()
 
 
+def timed(fn, n: int) -> tuple[list[float], list]:
+    """Seconds of each of `n` calls, end to end so that nothing between them goes untimed; what each returned."""
+    seconds, out, last = [], [], time.perf_counter()
+    for _ in range(n):
+        out.append(fn())
+        now = time.perf_counter()
+        seconds.append(now - last)
+        last = now
+    return seconds, out
+
+
 class PlainLoop:
-    """The task's model and data, torch AdamW (fused), the run's schedule and clipping, autocast for bf16/fp16: what a
-    plain PyTorch script trains with. `step()` trains one step and returns its loss (a sync point, as a script
-    prints it)."""
+    """What a plain PyTorch script trains with: torch's fused AdamW, the run's schedule and clipping, autocast."""
 
     def __init__(self, cfg, precision: str, device: torch.device, rank: int = 0, ranks: int = 1, steps: int = 0):
-        from ..config.run import length_buckets
-        from ..data.batches import StepSampler, training_collate
-        from ..distributed.optim import lr_factor
-        from ..tasks import get_task
-
         task = get_task(cfg.run.task)
         task.check(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -78,13 +81,9 @@ class PlainLoop:
                                                        collate_fn=training_collate(task, length_buckets(cfg)),
                                                        pin_memory=device.type == "cuda"))
         o = cfg.optimizer
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)  # one kernel for every parameter
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, t.max_steps or steps, cfg.schedule))
+        self.optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           fused=True)  # one kernel for every parameter
+        self.schedule = make_schedule(self.optimizer, cfg, t.max_steps or steps)
         self.model, self.task, self.device, self.t, self.ranks = model, task, device, t, ranks
         self.wrapped = model if ranks == 1 else torch.nn.parallel.DistributedDataParallel(model)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -117,23 +116,11 @@ class PlainLoop:
 
 
 class HarnessSteps:
-    """The harness loop's own step (`step.Steps`: counting, the span's collective, the grad norm, the `Ledger` reading
-    the steps before and writing metrics records into a scratch directory, the progress bar) on an engine built as
-    `harness train` builds it, over the run's batches (`batches` wraps their iterator; `workers` replaces data.num_workers). `step()` trains the next step,
-    up to `stop`; `settle()` reads the steps not yet read; `close()` settles and lets go of the engine."""
+    """The harness loop's own step (`step.Steps`, its `Ledger` writing into a scratch directory) on an engine built as
+    `harness train` builds it; `batches` wraps the batches' iterator, `workers` replaces data.num_workers."""
 
     def __init__(self, plan, world, stop: int, log_every: int | None = None, batches=lambda it: it,
                  workers: int | None = None):
-        import tempfile
-        from pathlib import Path
-
-        from ..data.batches import StepSampler, train_batches, training_collate
-        from ..distributed.parallel import build_engine
-        from ..models.flops import ForwardFlops
-        from ..run.loop import _progress
-        from ..run.step import Ledger, Steps
-        from ..run.tracking import Tracker
-
         cfg, task = plan.run.cfg, plan.task
         t = cfg.train if log_every is None else dataclasses.replace(cfg.train, log_every=log_every)
         data = task.build_data(cfg)
@@ -158,12 +145,7 @@ class HarnessSteps:
         self.n += 1
         self.steps.run(self.n, self.lr, 0)
 
-    def settle(self) -> None:
-        self.ledger.settle()
-
     def close(self) -> None:
-        from ..distributed.parallel import release
-
         self.ledger.settle()
         self.progress.close()
         self.tracker.close()
@@ -172,23 +154,16 @@ class HarnessSteps:
 
 
 def _paired(plan, world, plain: PlainLoop, blocks: int, block: int) -> dict:
-    """Each loop's step seconds, block by block, the order reversed every other block and each block's first step
-    (the switch from the other loop) not timed: {"plain": [[...], ...], "harness": [[...], ...]}."""
+    """Each loop's step seconds, block by block, the order reversed every other block and its first step not timed."""
     harness = HarnessSteps(plan, world, blocks * block, log_every=1)  # a metrics record every step, as when timed
     out = {"plain": [], "harness": []}
     for b in range(blocks):
         for name in ("plain", "harness") if b % 2 == 0 else ("harness", "plain"):
             if name == "plain":
-                harness.settle()  # the harness's last step read now, not inside the plain loop's block
+                harness.ledger.settle()  # the harness's last step read now, not inside the plain loop's block
             fn = plain.step if name == "plain" else harness.step
             fn()
-            seconds, last = [], time.perf_counter()
-            for _ in range(block - 1):
-                fn()
-                now = time.perf_counter()
-                seconds.append(now - last)
-                last = now
-            out[name].append(seconds)
+            out[name].append(timed(fn, block - 1)[0])
     harness.close()
     return out
 

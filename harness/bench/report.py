@@ -1,28 +1,20 @@
-"""What a sweep reports: utilisation and scaling derived from the measurements, bench.json, a table, a plot.
-
-- MFU = the model's achieved FLOP/s (the median step's analytic training FLOPs, `models/flops.py`, over the
-  median step time) / (peak FLOP/s per device x devices), against the datasheet peak and against the matmul peak
-  measured right before the configuration ran (`peak_flops_measured`). On a CPU a "device" is one process with
-  its share of the cores (`threads_per_process`, the same in every configuration of a sweep).
-- speedup = tokens/s of a configuration / tokens/s of its 1-process baseline (same precision and compared
-  values; the same DeepSpeed file if it ran on 1 process, else the first 1-process one); scaling efficiency =
-  speedup / processes. Data parallel keeps the micro-batch per rank, so the global batch grows with the
-  processes: this is weak scaling, the way data parallelism is used.
-- An MFU or a scaling efficiency above 100% cannot be true (a busy machine during the peak measurement, a
-  baseline that ran slow): it is not reported. Its field is null, and `invalid` keeps the raw value and why.
-"""
+"""What a sweep reports: MFU and scaling derived from its measurements, bench.json, a table and a plot. How each
+figure is derived, and why one above 100% is set aside as invalid: docs/benchmarks.md."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 SCHEMA = 2
-BOUNDED = ("mfu_table", "mfu_measured", "scaling_efficiency")  # fractions that cannot exceed 1
+INVALID = {  # the fractions that cannot exceed 1: why one that does is not true
+    "mfu_table": "above the datasheet peak",
+    "mfu_measured": "above the matmul peak measured before the run (the machine was busier then, or the processes "
+                    "shared cores)",
+    "scaling_efficiency": "faster per process than the 1-process baseline (it ran slow, or the machine was busy then)"}
 
 
-def derive(entries: list[dict], device: dict) -> list[dict]:
-    """Adds model_flops_per_s, mfu_table, mfu_measured, speedup and scaling_efficiency to each measured entry,
-    and `invalid` for a bounded figure above 1."""
+def derive(entries: list[dict], device: dict) -> None:
+    """Adds MFU against both peaks and the speedup over each entry's 1-process baseline to the measured entries."""
     for e in entries:
         if e["status"] != "ok":
             continue
@@ -35,19 +27,10 @@ def derive(entries: list[dict], device: dict) -> list[dict]:
         e["baseline"] = base["name"] if base else None
         e["speedup"] = e["tokens_per_s"] / base["tokens_per_s"] if base else None
         e["scaling_efficiency"] = e["speedup"] * base["nproc"] / e["nproc"] if base else None
-        flag_invalid(e)
-    return entries
-
-
-def flag_invalid(e: dict) -> None:
-    why = {"mfu_table": "above the datasheet peak", "mfu_measured": "above the matmul peak measured before the run "
-           "(the machine was busier then, or the processes shared cores)",
-           "scaling_efficiency": "faster per process than the 1-process baseline (it ran slow, or the machine was "
-           "busy then)"}
-    for key in BOUNDED:
-        if e.get(key) is not None and e[key] > 1.0:
-            e.setdefault("invalid", {})[key] = {"value": e[key], "why": why[key]}
-            e[key] = None
+        for key, why in INVALID.items():
+            if e[key] is not None and e[key] > 1.0:
+                e.setdefault("invalid", {})[key] = {"value": e[key], "why": why}
+                e[key] = None
 
 
 def baseline(entry: dict, entries: list[dict]) -> dict | None:
@@ -57,13 +40,13 @@ def baseline(entry: dict, entries: list[dict]) -> dict | None:
     return (same or ones or [None])[0]
 
 
-def write(result: dict, out: Path) -> list[Path]:
+def save(out: Path, name: str, result, table: str) -> list[Path]:
+    """OUT/NAME.json and OUT/NAME.md, the files every bench study writes."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "bench.md"]
+    paths = [out / f"{name}.json", out / f"{name}.md"]
     paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    paths[1].write_text(markdown(result) + "\n")
-    png = plot(result, out / "bench.png")
-    return paths + ([png] if png else [])
+    paths[1].write_text(table + "\n")
+    return paths
 
 
 def _num(x, fmt: str) -> str:
@@ -75,12 +58,8 @@ def bounded(e: dict, key: str) -> str:
     return "invalid (>100%)" if key in e.get("invalid", {}) else _num(e.get(key), ".1%" if "mfu" in key else ".0%")
 
 
-def _mib(value) -> str:
-    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
-
-
-def _per_rank(values) -> str:
-    """What building the model took at its peak on each rank ("-" where not measured)."""
+def _mib(values) -> str:
+    """Each rank's bytes in MiB; "-" where one was not measured."""
     if not values or None in values:
         return "-"
     return " / ".join(f"{v / 2**20:,.1f}" for v in values) + " MiB"
@@ -105,23 +84,18 @@ def markdown(result: dict) -> str:
             f"| {e['name']} | {e['layout']} | {e['precision']} | {e['params']:,} | {s['median']:.4f} "
             f"({s['p10']:.4f}-{s['p90']:.4f}) | {e['tokens_per_s']:,.0f} | {e['samples_per_s']:,.1f} | "
             f"{e['model_flops_per_s'] / 1e12:.3f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} "
-            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_mib(e.get('activation_bytes'))} "
-            f"| {_per_rank(e.get('build_peak_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
+            f"| {e['peak_mem_bytes'] / 2**20:,.0f} MiB | {_mib([e.get('activation_bytes')])} "
+            f"| {_mib(e.get('build_peak_bytes'))} | {e['padding']:.1%} | {_num(e['speedup'], '.2f')} | "
             f"{bounded(e, 'scaling_efficiency')} |")
     peaks = ", ".join(f"{p}: table {_num(v['table'] and v['table'] / 1e12, '.1f')}, measured "
                       f"{v['measured'] / 1e12:.2f} TFLOP/s" for p, v in d["peak_flops"].items())
     per_process = f" ({d['threads_per_process']} thread(s) per process)" if d.get("threads_per_process") else ""
     methods = sorted({e.get("flops_method", "analytic") for e in result["configs"] if e["status"] == "ok"})
-    how = {"analytic": "the model's analytic forward_flops", "counted": "counted by FlopCounterMode on the meta "
-           "device", "6N per item": "6 N per item (N parameters; the forward could not run on the meta device)"}
+    how = {"analytic": "the model's analytic forward_flops", "counted": "counted by FlopCounterMode on the meta device"}
     lines += ["", "Model FLOPs: " + "; ".join(how.get(m, m) for m in methods) + "."] if methods else []
     lines += ["", f"Peaks per device{per_process} at the start: {peaks}; each configuration measured its own right "
                   f"before it ran, and its MFU is against that one. \"invalid\": above 100%, which cannot be true; "
                   f"bench.json keeps the raw value."]
-    if result.get("overhead"):
-        o = result["overhead"]
-        lines += ["", f"Harness overhead against a plain PyTorch loop on the same model and batches: "
-                      f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s)."]
     if any(e.get("activation_bytes") for e in result["configs"]):
         lines += ["", "Activations: the bytes the first micro-batch's forward keeps for backward on rank 0 (autograd's "
                       "saved tensors, each storage once, parameters not counted): measured, on any device."]
@@ -148,14 +122,12 @@ def plot(result: dict, path: Path) -> Path | None:
     ok = [e for e in result["configs"] if e["status"] == "ok"]
     if not ok:
         return None
-    names = [e["name"] for e in ok]
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.5 * len(ok) + 2.5), sharey=True)
-    mfu = [100 * e["mfu_measured"] if e["mfu_measured"] is not None else 0.0 for e in ok]  # percent, as the table
     panels = [("tokens/s (median)", [e["tokens_per_s"] for e in ok]),
-              ("MFU vs measured peak (%)", mfu),
+              ("MFU vs measured peak (%)", [100 * (e["mfu_measured"] or 0.0) for e in ok]),  # percent, as the table
               ("peak memory per rank (GiB)", [e["peak_mem_bytes"] / 2**30 for e in ok])]
     for ax, (title, values) in zip(axes, panels):
-        ax.barh(names, values)
+        ax.barh([e["name"] for e in ok], values)
         ax.set_title(title)
         ax.locator_params(axis="x", nbins=5)  # readable tick labels at any magnitude
     axes[0].xaxis.set_major_formatter(lambda x, _: f"{x / 1e3:g}k" if x >= 1e3 else f"{x:g}")

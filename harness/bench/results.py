@@ -1,11 +1,9 @@
-"""What the result files say: `suite.md` beside each GPU `suite.json`, and `harness results`, the tables of
-docs/benchmarks.md generated from `results/`: the GPU table from `results/gpu/*/suite.json` (every figure from the
-newest full suite run that measured it, linked to its file, or "not measured"), and each block that names a table
-under `results/` (`<!-- results:file PATH -->`) filled with it. `harness results --check` fails when the page
-differs from what the files give, so a figure can neither be typed in by hand nor go stale.
-"""
+"""`suite.md` beside each GPU `suite.json`, and `harness results`: docs/benchmarks.md's GPU table, each figure from
+the newest full suite run that measured it, and each `<!-- results:file PATH -->` block filled with that file under
+`results/`. `--check` fails where the pages differ from the files: a figure can be neither typed in nor stale."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -25,12 +23,9 @@ LINK_UP = "../" * (len(PAGE.parts) - 1)  # from the page back to the repository 
 
 def load(root: Path) -> list[tuple[str, dict]]:
     """(path relative to the repository, suite.json) of every full run, newest first."""
-    runs = []
-    for path in sorted((root / "results" / "gpu").glob("*/suite.json")):
-        data = json.loads(path.read_text())
-        if not data.get("smoke"):
-            runs.append((path.relative_to(root).as_posix(), data))
-    return sorted(runs, key=lambda r: r[1]["environment"]["date"], reverse=True)
+    runs = [(p.relative_to(root).as_posix(), json.loads(p.read_text()))
+            for p in sorted((root / "results" / "gpu").glob("*/suite.json"))]
+    return sorted([r for r in runs if not r[1].get("smoke")], key=lambda r: r[1]["environment"]["date"], reverse=True)
 
 
 def _first(runs, pick):
@@ -67,8 +62,7 @@ def _recipe(name: str, fmt):
 
 
 def _overhead(parts):
-    """The launches' ratio and, where measured, the two steps' in the same processes; the first suites (2026-11-23)
-    kept only the ratio of median steps (`overhead`)."""
+    """The first suites (2026-11-23) kept only the ratio of median steps (`overhead`)."""
     o = parts["overhead"]
     if o.get("status") != "ok":
         return None
@@ -128,15 +122,13 @@ FILE_BLOCK = re.compile(r"(<!-- results:file (\S+) -->\n).*?(<!-- results:end --
 
 def update_page(page: Path, block: str | None, root: Path = ROOT) -> tuple[str, str]:
     """(current text, text with the GPU block (where `block` is given) and every file block filled again)."""
-    text = page.read_text()
+    text = new = page.read_text()
     if block is not None:
         if START not in text or END not in text:
             raise ConfigError(f"{page}: no generated-results block ({START} ... {END})")
         head, rest = text.split(START, 1)
-        text_new = head + block + rest.split(END, 1)[1]
-    else:
-        text_new = text
-    return text, FILE_BLOCK.sub(lambda m: m.group(1) + _table(root, page, m.group(2)) + m.group(3), text_new)
+        new = head + block + rest.split(END, 1)[1]
+    return text, FILE_BLOCK.sub(lambda m: m.group(1) + _table(root, page, m.group(2)) + m.group(3), new)
 
 
 def _table(root: Path, page: Path, path: str) -> str:
@@ -144,15 +136,12 @@ def _table(root: Path, page: Path, path: str) -> str:
     file = root / path
     if not path.startswith("results/") or not file.is_file():
         raise ConfigError(f"{page.relative_to(root)}: its block names {path}, which is no file under results/")
-    lines = file.read_text().splitlines()
-    while lines and (lines[0].startswith("#") or not lines[0].strip()):
-        lines.pop(0)
+    lines = itertools.dropwhile(lambda line: line.startswith("#") or not line.strip(), file.read_text().splitlines())
     return "\n".join(lines) + f"\n\n(generated from [{path}]({LINK_UP}{path}))\n"
 
 
 def main(check: bool, root: Path = ROOT) -> int:
-    """Regenerate (or with `check`, compare) the tables of docs/benchmarks.md (the GPU one too) and the other
-    pages that show results."""
+    """Regenerate (or with `check`, compare) every generated table of the pages that show results."""
     stale = 0
     for name in PAGES:
         page = root / name
@@ -184,63 +173,64 @@ def suite_markdown(result: dict) -> str:
     lines += ["", result["note"]] if result.get("note") else []  # what a reader must know beside the figures
     lines += [f"\nPart {k} failed: {v['error']}" for k, v in failed.items()]
     if "ops" in parts:
-        lines += ["", "## DeepSpeed ops", ""]
-        lines += [f"- {k}: {'built' if v['built'] else 'did not build (' + v['error'] + '); fallback ' + v['fallback']}"
-                  f" in {v['seconds']:.0f} s" for k, v in parts["ops"]["ops"].items()]
+        lines += ["", "## DeepSpeed ops", ""] + [
+            f"- {k}: {'built' if v['built'] else 'did not build (' + v['error'] + '); fallback ' + v['fallback']}"
+            f" in {v['seconds']:.0f} s" for k, v in parts["ops"]["ops"].items()]
     if "speed" in parts:
         lines += ["", "## Speed (one device)", "", "| model | precision | params | step s | tokens/s | MFU (datasheet) "
                   "| MFU (measured peak) | target | where the time went (profiled step) |", "|---|---|---|---|---|---|---|---|---|"]
-        for e in parts["speed"]["bench"]["configs"]:
-            if e["status"] != "ok":
-                lines.append(f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | |")
-                continue
-            p = e.get("profile", {})
-            where = (f"loader {p['loader_wait_s'] * 1e3:.1f} ms, host {_ms(p.get('host_overhead_s'))}, top: "
-                     + ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])) if p else "-"
-            target = f"{e['target_mfu']:.0%}: {_met(e)}" if e.get("target_mfu") else "-"
-            lines.append(f"| {e['name']} | {e['precision']} | {e['params'] / 1e6:.1f}M | {e['step_s']['median']:.4f} | "
-                         f"{e['tokens_per_s']:,.0f} | {bounded(e, 'mfu_table')} | "
-                         f"{bounded(e, 'mfu_measured')} | {target} | {where} |")
+        lines += [_speed_row(e) for e in parts["speed"]["bench"]["configs"]]
     o = parts.get("overhead")
     if o and "vs_plain" in o:
         from .overhead import markdown as overhead_table
 
         lines += ["", overhead_table({**o, "configs": [o]}).replace("## ", "### "),
                   "", f"Target harness vs plain PyTorch <= +{OVERHEAD_TARGET:.0%}: {_met(o)}."]
-    elif o:
+    elif o:  # the first suites kept only the ratio of median steps
         lines += ["", "## Overhead", "", f"Harness against the plain PyTorch loop ({o.get('model', '-')}): " + (
             f"{o['overhead']:+.1%} (median step {o['harness_step_s']:.4f} s vs {o['plain_step_s']:.4f} s, "
             f"{o['precision']})." if o.get("status") == "ok" else o.get("error", "-"))]
-    g = parts.get("largest")
-    if g:
-        lines += ["", "## Largest model", ""]
-        for c in g["configs"]:
-            if not c["params"]:  # no size finished: say what was tried and how it ended
-                tried = "; ".join(f"{c['key']} = {k} ({t['params'] / 1e9:.2f}B): {t['status']}"
-                                  + (f", {cell(t['error'][:60])}" if t.get("error") else "")
-                                  for k, t in c.get("tried", {}).items())
-                lines.append(f"- {c['name']}: no size trained within the budget (tried {tried or 'none'})")
-                continue
-            lines.append(f"- {c['name']}: {c['params']:,} parameters ({c['key']} = {c['value']}) within "
-                         f"{c['budget_bytes'] / 2**30:.0f} GiB" + (" (search stopped by the time budget: a lower "
-                                                                   "bound)" if c["stopped_by_budget"] else ""))
+    if g := parts.get("largest"):
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x" + (" or more" if g["bounds"] == "lower" else "")
-        lines.append(f"- ratio ZeRO-3 + offload / ZeRO-0: {ratio} (target >= {LARGEST_TARGET:g}x: {_met(g)})")
-    q = parts.get("quality")
-    if q:
+        lines += ["", "## Largest model", "", *map(_largest_line, g["configs"]),
+                  f"- ratio ZeRO-3 + offload / ZeRO-0: {ratio} (target >= {LARGEST_TARGET:g}x: {_met(g)})"]
+    if q := parts.get("quality"):
         lines += ["", "## Quality (test split, scored once)", "", "| recipe | metric | value | target | steps | "
-                  "other figures |", "|---|---|---|---|---|---|"]
-        for e in q["recipes"]:
-            if e["status"] != "ok":
-                lines.append(f"| {e['name']} | {e['metric']} | {e['status']}: {cell(e.get('error', '')[:80])} | | | |")
-                continue
-            others = ", ".join(f"{k} {_fmt(e['test'].get(k))}" for k in e.get("compare", ()))
-            lines.append(f"| {e['name']} | {e['metric']} | {_fmt(e['value'])} | "
-                         f"{'-' if e['target'] is None else e['target']}: {_met(e)} | {e['steps']} "
-                         f"({e['schedule']}) | {others} |")
+                  "other figures |", "|---|---|---|---|---|---|", *map(_quality_row, q["recipes"])]
         lines += [f"\n{e['name']}: the result above is command {e.get('command', 0) + 1}'s; a later command's attempt "
                   f"gave {cell(e['later_attempt'])}" for e in q["recipes"] if e.get("later_attempt")]
     return "\n".join(lines)
+
+
+def _speed_row(e: dict) -> str:
+    if e["status"] != "ok":
+        return f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | |"
+    p = e.get("profile", {})
+    host = "-" if p.get("host_overhead_s") is None else f"{p['host_overhead_s'] * 1e3:.1f} ms"
+    top = ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])
+    where = f"loader {p['loader_wait_s'] * 1e3:.1f} ms, host {host}, top: {top}" if p else "-"
+    target = f"{e['target_mfu']:.0%}: {_met(e)}" if e.get("target_mfu") else "-"
+    return (f"| {e['name']} | {e['precision']} | {e['params'] / 1e6:.1f}M | {e['step_s']['median']:.4f} | "
+            f"{e['tokens_per_s']:,.0f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} | {target} | "
+            f"{where} |")
+
+
+def _largest_line(c: dict) -> str:
+    if not c["params"]:  # no size finished: say what was tried and how it ended
+        tried = "; ".join(f"{c['key']} = {k} ({t['params'] / 1e9:.2f}B): {t['status']}" + (
+            f", {cell(t['error'][:60])}" if t.get("error") else "") for k, t in c.get("tried", {}).items())
+        return f"- {c['name']}: no size trained within the budget (tried {tried or 'none'})"
+    return (f"- {c['name']}: {c['params']:,} parameters ({c['key']} = {c['value']}) within "
+            f"{c['budget_bytes'] / 2**30:.0f} GiB" + (" (search stopped by the time budget: a lower bound)"
+                                                       if c["stopped_by_budget"] else ""))
+
+
+def _quality_row(e: dict) -> str:
+    if e["status"] != "ok":
+        return f"| {e['name']} | {e['metric']} | {e['status']}: {cell(e.get('error', '')[:80])} | | | |"
+    others = ", ".join(f"{k} {_fmt(e['test'].get(k))}" for k in e.get("compare", ()))
+    return (f"| {e['name']} | {e['metric']} | {_fmt(e['value'])} | {'-' if e['target'] is None else e['target']}: "
+            f"{_met(e)} | {e['steps']} ({e['schedule']}) | {others} |")
 
 
 def _fmt(x) -> str:
@@ -250,7 +240,3 @@ def _fmt(x) -> str:
 def cell(text: str) -> str:
     """Text safe inside a Markdown table cell (sacreBLEU signatures are |-separated)."""
     return text.replace("|", "\\|")
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f} ms"

@@ -1,34 +1,20 @@
-"""`harness bench seeds 0,1,2`: a recipe's figures as a mean and a spread over seeds, not one seed's: every
-configuration trained to its end once per seed and scored as `harness evaluate` scores it, every seed asked for
-reported (OUT/seeds.json, seeds.md; docs/benchmarks.md).
-"""
+"""`harness bench seeds 0,1,2`: a recipe's figures as a mean and a spread over seeds, not one seed's: each configuration
+trained to its end once per seed and scored as `harness evaluate` scores it (OUT/seeds.json, seeds.md)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import statistics
-import subprocess
 from pathlib import Path
 
 import torch
 
-from ..config.ds import ds_path
 from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
 from ..run.selection import direction, metric_key
-from .device import cpu_threads, torch_threads
-from .sweep import (
-    Config,
-    as_text,
-    env_for,
-    grid,
-    last_error,
-    launcher,
-    plan_for,
-    python,
-)
-
-SEEDS_FILE = "seeds.json"
+from .report import save
+from .sweep import Config, cpu_threads, env_for, grid, last_error, plan_for, program, run_program, torch_threads
 
 
 def seeds_of(text: str) -> list[int]:
@@ -49,18 +35,12 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def train_and_score(config: Config, run_file: str | None, sets: list[str], seed: int, run_dir: Path, split: str,
                     threads: int, timeout: int) -> dict:
-    """One seed of one configuration trained to its end (a launch, `threads` threads a process on a CPU) and scored
-    on `split` in this process with as many threads: the evaluation's metrics, or {"error": the line that says why}."""
-    train = [python(), *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite"]
-    train += ["--run", run_file] if run_file else []
-    for s in [*sets, *config.sets, f"run.output_dir={json.dumps(str(run_dir))}", f"train.seed={seed}",
-              'logging.backend="none"', "logging.plots=false"]:
-        train += ["--set", s]
-    try:
-        proc = subprocess.run(train, env=env_for(config, threads), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        return {"error": f"timed out after {timeout} s: {last_error(as_text(e.stdout) + as_text(e.stderr))}"}
-    if proc.returncode:
+    """The metrics of one seed trained to its end, scored here with as many threads; or {"error": why}."""
+    sets = [*sets, *config.sets, f"run.output_dir={json.dumps(str(run_dir))}", f"train.seed={seed}",
+            'logging.backend="none"', "logging.plots=false"]
+    proc = run_program(program(config, run_file, sets, "harness", "train", "--ds", config.ds, "--overwrite"),
+                       env_for(config, threads), timeout, cwd=None)
+    if proc.returncode != 0:
         return {"error": last_error(proc.stdout + proc.stderr)}
     try:
         with contextlib.nullcontext() if torch.cuda.is_available() else torch_threads(threads):
@@ -70,10 +50,7 @@ def train_and_score(config: Config, run_file: str | None, sets: list[str], seed:
 
 
 def run_seeds(args) -> dict:
-    """The sweep's configurations x `--seeds`, each trained and scored; writes OUT/seeds.json and OUT/seeds.md."""
-    seeds, sets = seeds_of(args.seeds), list(args.set)
-    configs = grid([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
-                   args.mixed_precision.split(","), args.vary)
+    seeds, sets, configs = seeds_of(args.seeds), list(args.set), grid(args)
     plans = {c: plan_for(c, args.run, sets) for c in configs}  # every configuration checked before any training
     metric = metric_key(args.metric or next(iter(plans.values())).run.cfg.train.select_best)
     if not metric:
@@ -83,34 +60,26 @@ def run_seeds(args) -> dict:
     out = Path(args.out)
     result = {"run_file": args.run, "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
               "baseline": args.baseline, "threads_per_process": threads, "configs": []}
-    total, done = len(configs) * len(seeds), 0
-    for c in configs:
-        entry = {"name": c.name, "sets": list(c.sets), "runs": []}
-        result["configs"].append(entry)
-        for seed in seeds:
-            done += 1
-            print(f"[{done}/{total}] {c.name} seed {seed}", flush=True)
-            scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split,
-                                     threads, args.timeout)
-            if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
-                scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
-            if "error" in scored:
-                print(f"  failed: {scored['error']}", flush=True)
-            else:
-                print(f"  {metric} {scored[metric]:.4f}" + (f", {args.baseline} {scored[args.baseline]:.4f}"
-                                                           if args.baseline in scored else ""), flush=True)
-            entry["runs"].append({"seed": seed, **scored})
-            entry.update(summarise(entry["runs"], metric, args.baseline))
-            write(result, out)  # after every seed: a sweep cut short keeps what it measured
+    for i, (c, seed) in enumerate(itertools.product(configs, seeds)):
+        if seed == seeds[0]:  # a configuration's entry joins the report as it starts
+            result["configs"].append({"name": c.name, "sets": list(c.sets), "runs": []})
+        entry = result["configs"][-1]
+        print(f"[{i + 1}/{len(configs) * len(seeds)}] {c.name} seed {seed}", flush=True)
+        scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split,
+                                 threads, args.timeout)
+        if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
+            scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
+        if "error" in scored:
+            print(f"  failed: {scored['error']}", flush=True)
+        else:
+            print(f"  {metric} {scored[metric]:.4f}" + (f", {args.baseline} {scored[args.baseline]:.4f}"
+                                                       if args.baseline in scored else ""), flush=True)
+        entry["runs"].append({"seed": seed, **scored})
+        entry.update(summarise(entry["runs"], metric, args.baseline))
+        save(out, "seeds", result, markdown(result))  # after every seed: a sweep cut short keeps what it measured
     print(markdown(result))
-    print(f"wrote {out / SEEDS_FILE}, {out / 'seeds.md'}")
+    print(f"wrote {out / 'seeds.json'}, {out / 'seeds.md'}")
     return result
-
-
-def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SEEDS_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    (out / "seeds.md").write_text(markdown(result) + "\n")
 
 
 def summarise(runs: list[dict], metric: str, baseline: str | None) -> dict:
@@ -129,11 +98,9 @@ def summarise(runs: list[dict], metric: str, baseline: str | None) -> dict:
 
 def markdown(result: dict) -> str:
     metric, baseline = result["metric"], result["baseline"]
-    head = f"| configuration | {metric} per seed ({', '.join(map(str, result['seeds']))}) | mean | sd |"
-    sep = "|---|---|---|---|"
-    if baseline:
-        head += f" {baseline} mean (sd) | seeds better than {baseline} |"
-        sep += "---|---|"
+    head = f"| configuration | {metric} per seed ({', '.join(map(str, result['seeds']))}) | mean | sd |" + (
+        f" {baseline} mean (sd) | seeds better than {baseline} |" if baseline else "")
+    sep = "|---|---|---|---|" + ("---|---|" if baseline else "")
     lines = [f"{result['split']} split, {len(result['seeds'])} seeds, {result['threads_per_process']} CPU thread(s) "
              f"per process; run file {result['run_file']}" + (f", --set {' '.join(result['sets'])}"
                                                              if result["sets"] else ""), "", head, sep]

@@ -1,14 +1,10 @@
-"""`harness bench suite`: every speed and quality figure a GPU can give, in parts with their own time budgets.
-
-GPU time comes rarely and in short stretches: the suite runs in commands of under 10 minutes (`--parts`), each
-part under its budget (what one leaves unused goes to the next), a part that breaks is recorded and the rest runs,
-and every command adds to `--out`'s `suite.json` (with `suite.md` and `speed.png`; docs/benchmarks.md's table is
-generated from them by `harness results`). The parts, in order of value: `ops`, `speed`, `overhead`, `largest`,
-`quality` (docs/benchmarks.md says what each measures). `--smoke` runs them all at toy size on a CPU.
-"""
+"""`harness bench suite`: every speed and quality figure a GPU can give (docs/benchmarks.md), in parts each under its
+own time budget, since GPU time comes in short stretches; each command adds to `--out`'s suite.json. `--smoke`: all
+of it, at toy size, on a CPU."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -17,6 +13,7 @@ import re
 import subprocess
 import time
 from argparse import Namespace
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -24,21 +21,21 @@ import torch
 from ..config.ds import ds_path
 from ..config.run import ConfigError
 from ..distributed.optim import deepspeed_arch_list
+from ..eval.evaluate import evaluate_run
 from ..plan.render import count_params
 from ..run.startup import clear_stale_build_locks
-from . import device, overhead, report
+from ..tasks import resolve
+from . import overhead, report
 from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe
 from .results import suite_markdown
-from .run import largest
-from .sweep import ROOT, Config, as_text, last_error, measure, plan_for, python
+from .sweep import (ROOT, Config, cpu_threads, device_name, largest, last_error, measure, measured_peak, plan_for,
+                    program, run_program, table_peak)
 
 SCHEMA = 1
 PARTS = ("ops", "speed", "overhead", "largest", "quality")
 BUDGET_S = {"ops": 90, "speed": 320, "overhead": 150, "largest": 240, "quality": 330}  # two commands < 10 min
 SMOKE_BUDGET_S = {"ops": 60, "speed": 90, "overhead": 90, "largest": 60, "quality": 160}
 MIN_LAUNCH_S = {False: 20, True: 5}  # (by --smoke) a launch given less than this would only time out
-
-
 PROBE_STEPS = 30
 EVAL_SHARE = 0.25  # of a recipe's budget kept for its final evaluation, export and the test-split scoring
 
@@ -60,8 +57,8 @@ class Budget:
         return Budget(self.left / parts, self.launch_s)
 
 
-def not_run(name: str, why: str = "budget") -> dict:
-    return {"name": name, "status": "not run", "error": why}
+def not_run(name: str) -> dict:
+    return {"name": name, "status": "not run", "error": "budget"}
 
 
 def _sets(recipe_data: str, data_root: Path | None, sets: tuple[str, ...]) -> list[str]:
@@ -94,7 +91,8 @@ def run_suite(args) -> dict:
             raise ConfigError(f"--data {data}: no {', '.join(m if '.' in m else m + '/' for m in missing)} in it (the benchmark sets the "
                               f"speed and quality parts read)")
     clear_stale_build_locks()
-    out = Path(args.out or default_out(args.smoke))
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name().lower()).strip("-")[:40]  # the default --out: day and device
+    out = Path(args.out or ("bench/suite-smoke" if args.smoke else f"results/gpu/{dt.date.today()}-{slug}"))
     work = Path(args.work or ROOT / "bench" / "suite-work")  # runs and checkpoints: never under results/
     out.mkdir(parents=True, exist_ok=True)
     path = out / "suite.json"
@@ -107,7 +105,8 @@ def run_suite(args) -> dict:
                           f"another --out")
     result.update(schema=SCHEMA, suite="gpu", smoke=args.smoke, environment=env,
                   budgets_s={**result.get("budgets_s", {}), **{p: budgets[p] for p in parts}})
-    result.setdefault("commands", []).append(" ".join(["python -m harness", *map(_quote, args.argv)]))
+    argv = (a if re.fullmatch(r"[\w./=,:@+-]+", a) else json.dumps(a) for a in args.argv)  # quoted where needed
+    result.setdefault("commands", []).append(" ".join(["python -m harness", *argv]))
     result.setdefault("parts", {})
     spare = 0.0  # what earlier parts of this command left unused goes to the next: the total stays the sum
     failed: list[str] = []
@@ -125,14 +124,12 @@ def run_suite(args) -> dict:
             for r in done.get("recipes", []):
                 r.setdefault("command", len(result["commands"]) - 1)
             done = merge_quality(result["parts"].get(part), done)
-        result["parts"][part] = done
-        result["parts"][part]["wall_s"] = time.monotonic() - started
+        result["parts"][part] = {**done, "wall_s": time.monotonic() - started}
         spare = max(0.0, budget.left)
         path.write_text(json.dumps(result, indent=2) + "\n")  # after every part: a killed command keeps the rest
     (out / "suite.md").write_text(suite_markdown(result) + "\n")
-    speed = result["parts"].get("speed")
-    if speed and speed.get("bench"):
-        report.plot(speed["bench"], out / "speed.png")
+    if (result["parts"].get("speed") or {}).get("bench"):
+        report.plot(result["parts"]["speed"]["bench"], out / "speed.png")
     print(suite_markdown(result))
     print(f"wrote {path}, {out / 'suite.md'}")
     result["failures"] = failed
@@ -143,49 +140,25 @@ FAILED = ("failed", "timeout", "oom")
 
 
 def failures(parts: dict[str, dict]) -> list[str]:
-    """What a command's parts ({part: its result}) could not measure, one phrase each: a part that broke, a speed
-    configuration that failed, ran out of memory or timed out, a recipe that failed, a largest-model probe that
-    failed (not one that ran out of memory or time: that is how the search finds the largest). "not run: budget" is
-    a budget spent, not a failure."""
+    """What a command's parts could not measure, one phrase each. Neither a budget spent ("not run") nor a largest-model
+    try that ran out of memory or time (how the search finds the largest) is a failure."""
     out = []
     for part, done in parts.items():
-        if done.get("status") in FAILED:
-            out.append(f"{part}: {done.get('error', done['status'])}"[:200])
-        for e in (done.get("bench") or {}).get("configs", []):
-            if e.get("status") in FAILED:
-                out.append(f"{part} {e.get('name', '')}: {e['status']}")
-        for r in done.get("recipes", []):
-            if r.get("status") in FAILED:
-                out.append(f"{part} {r['name']}: {r.get('error', r['status'])}"[:200])
-        for c in done.get("configs", []) if part == "largest" else []:
-            for size, probe in (c.get("tried") or {}).items():
-                if isinstance(probe, dict) and probe.get("status") == "failed":
-                    out.append(f"{part} {c.get('name', c.get('ds', ''))} at {size}: {probe.get('error', 'failed')}"[:200])
+        out += [f"{part}: {done.get('error', done['status'])}"[:200]] if done.get("status") in FAILED else []
+        out += [f"{part} {e.get('name', '')}: {e['status']}" for e in (done.get("bench") or {}).get("configs", [])
+                if e.get("status") in FAILED]
+        out += [f"{part} {r['name']}: {r.get('error', r['status'])}"[:200] for r in done.get("recipes", [])
+                if r.get("status") in FAILED]
+        out += [f"{part} {c.get('name', c.get('ds', ''))} at {size}: {probe.get('error', 'failed')}"[:200]
+                for c in (done.get("configs", []) if part == "largest" else [])
+                for size, probe in (c.get("tried") or {}).items()
+                if isinstance(probe, dict) and probe.get("status") == "failed"]
     return out
 
 
-
-def default_out(smoke: bool) -> str:
-    if smoke:
-        return "bench/suite-smoke"
-    slug = re.sub(r"[^a-z0-9]+", "-", device.device_name().lower()).strip("-")[:40]
-    return f"results/gpu/{dt.date.today().isoformat()}-{slug}"
-
-
-def _quote(s: str) -> str:
-    return s if re.fullmatch(r"[\w./=,:@+-]+", s) else json.dumps(s)
-
-
 def environment() -> dict:
-    def version(name: str) -> str | None:
-        try:
-            from importlib.metadata import version as v
-
-            return v(name)
-        except Exception:  # noqa: BLE001 - not installed
-            return None
     cuda = torch.cuda.is_available()
-    return {"device": device.device_name(), "kind": "cuda" if cuda else "cpu",
+    return {"device": device_name(), "kind": "cuda" if cuda else "cpu",
             "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
             "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
@@ -205,8 +178,6 @@ def commit() -> str:
         pass
     return os.environ.get("HARNESS_COMMIT", "unknown")
 
-
-# --- parts -------------------------------------------------------------------------------------------------------
 
 def part_ops(args, data, work: Path, budget: Budget) -> dict:
     """Build (or load from the cache) the DeepSpeed ops the harness uses on this device, timing each."""
@@ -234,10 +205,9 @@ def part_ops(args, data, work: Path, budget: Budget) -> dict:
 
 def part_speed(args, data, work: Path, budget: Budget) -> dict:
     """Each model x compile off/on, one process, the precision DeepSpeed picks on this device."""
-    entries, models = [], [m for m in SPEED if m.smoke or not args.smoke]
-    peaks: dict[str, dict] = {}
+    entries, models, peaks = [], [m for m in SPEED if m.smoke or not args.smoke], {}
     # Every model uncompiled first: a slow compile then costs the compiled rows, not the eager ones.
-    for compile_, m in [(c, m) for c in (("false",) if args.smoke else ("false", "true")) for m in models]:
+    for compile_, m in itertools.product(("false",) if args.smoke else ("false", "true"), models):
         base = _sets(m.data, data, m.smoke if args.smoke else m.sets)
         name = f"{m.name}, compile {'on' if compile_ == 'true' else 'off'}"
         if not budget.allows():
@@ -251,19 +221,17 @@ def part_speed(args, data, work: Path, budget: Budget) -> dict:
             entries.append({"name": name, "model": m.name, "status": "failed", "error": str(e)[:300]})
             continue
         precision = plan.ds.precision
-        peak = device.measured_peak(precision, threads=device.cpu_threads(1))
-        if precision not in peaks:
-            peaks[precision] = {"table": device.table_peak(device.device_name(), precision), "measured": peak}
+        peak = measured_peak(precision, threads=cpu_threads(1))
+        peaks.setdefault(precision, {"table": table_peak(device_name(), precision), "measured": peak})
         params = count_params(plan)
         print(f"  {name} ({precision}, {params:,} parameters)", flush=True)
         e = measure(config, plan, run_file, base, work, args.warmup, args.steps, budget.left, profile=True)
         entries.append({**e, "name": name, "model": m.name, "params": params, "peak_flops_measured": peak,
                         "target_mfu": m.target_mfu})
-    dev = {"name": device.device_name(), "kind": "cuda" if torch.cuda.is_available() else "cpu",
-           "count": 1, "threads_per_process": None if torch.cuda.is_available() else device.cpu_threads(1),
-           "peak_flops": peaks}
-    if peaks:
-        report.derive(entries, dev)
+    cuda = torch.cuda.is_available()
+    dev = {"name": device_name(), "kind": "cuda" if cuda else "cpu", "count": 1,
+           "threads_per_process": None if cuda else cpu_threads(1), "peak_flops": peaks}
+    report.derive(entries, dev)  # the measured entries: each has its precision's peaks
     for e in entries:
         target, mfu = e.get("target_mfu"), e.get("mfu_table")
         if e["status"] == "ok" and target is not None:
@@ -326,9 +294,8 @@ def chosen_recipes(names: str | None, parts: list[str]) -> tuple[Recipe, ...]:
 
 
 def merge_quality(before: dict | None, now: dict) -> dict:
-    """A later command's quality part into the same results: its recipes replace the same recipes' earlier results
-    and the others are kept, except that a result never gives way to a worse one (scored > failed > not run, for lack
-    of budget): the earlier one then stays, with the later attempt noted on it (`later_attempt`)."""
+    """A later command's recipes replace the same recipes' earlier results, except that a result never gives way to a
+    worse one (scored > failed > not run): the earlier one then stays, the later attempt noted on it."""
     rank = {"ok": 2, "failed": 1, "not run": 0}
     kept = {r["name"]: r for r in (before or {}).get("recipes", [])}
     for r in now.get("recipes", []):
@@ -354,9 +321,8 @@ def part_quality(args, data, work: Path, budget: Budget) -> dict:
 
 
 def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -> dict:
-    """Probe: the recipe for PROBE_STEPS steps (inside its warm-up, so its schedule is the same whatever the final
-    length); then resume it to the steps that fit the budget (or its own length, if that is shorter); then score
-    the test split once."""
+    """A probe of PROBE_STEPS steps (inside the warm-up: the schedule is the same whatever the final length), resumed
+    to the steps the budget allows, then the test split scored once."""
     run_file = str(ROOT / "configs" / "runs" / r.run)
     sets = [*_sets(r.data, data, (*r.sets, *(r.smoke if smoke else ()))), f"run.output_dir={json.dumps(str(run_dir))}",
             'logging.backend="none"', "logging.plots=false", "train.log_every=10", "train.save_every=0"]
@@ -366,37 +332,28 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     launched = time.monotonic()
     # A smoke run trains the probe's steps to the end (an export to score) in one launch instead of two
     smoke_sets = ["train.epochs=0.0", f"train.max_steps={probe}"] if smoke else []
-    proc = _train(run_file, ds_path(r.ds), [*sets, *smoke_sets],
-                  ["--overwrite"] if smoke else ["--overwrite", "--stop-at", str(probe)], budget)
+    proc = _train(run_file, r.ds, [*sets, *smoke_sets], budget, "--overwrite",
+                  *([] if smoke else ["--stop-at", str(probe)]))
     if proc.returncode != 0:
         return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr)}
     planned = re.search(r"steps (\d+)->(\d+) \((\d+) per epoch", proc.stdout + proc.stderr)
     recipe_steps = int(planned.group(2)) if planned else None
     if smoke and planned:  # the recipe's own length, from its run file and the steps per epoch just printed
-        from ..tasks import resolve
-
         t = resolve(run_file, sets).cfg.train
         recipe_steps = t.max_steps or math.ceil(t.epochs * int(planned.group(3)))
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step_s = records[-1]["step_s"]  # the last window: past the first steps' start-up
+    step_s = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step_s"]  # past the start-up
     start_up = max(0.0, time.monotonic() - launched - probe * step_s)  # the second launch pays it again
-    train_s = budget.left - start_up - EVAL_SHARE * budget.seconds
-    steps = max(probe, probe + int(train_s / step_s))
-    if recipe_steps:
-        steps = min(steps, recipe_steps)
-    if smoke:
-        steps = probe
-    else:
-        proc = _train(run_file, ds_path(r.ds), [*sets, "train.epochs=0.0", f"train.max_steps={steps}"],
-                      ["--resume", "auto"], budget)
+    steps = max(probe, probe + int((budget.left - start_up - EVAL_SHARE * budget.seconds) / step_s))
+    steps = probe if smoke else min(steps, recipe_steps or steps)
+    if not smoke:
+        proc = _train(run_file, r.ds, [*sets, "train.epochs=0.0", f"train.max_steps={steps}"], budget, "--resume",
+                      "auto")
         if proc.returncode != 0:
             return {**entry, "status": "failed", "error": last_error(proc.stdout + proc.stderr), "steps": steps}
-    from ..eval.evaluate import evaluate_run
-
     metrics = evaluate_run(run_dir, "test")
     value = metrics.get(r.metric)
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    return {**entry, "status": "ok", "value": value, "test": metrics, "validation": evals[-1],
+    validation = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
+    return {**entry, "status": "ok", "value": value, "test": metrics, "validation": validation,
             "target_met": None if r.target is None or value is None else value >= r.target,
             "missed_by": None if r.target is None or value is None else max(0.0, r.target - value),
             "probe_step_s": step_s, "steps": steps, "recipe_steps": recipe_steps,
@@ -406,17 +363,9 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
             "wall_s": budget.seconds - budget.left}
 
 
-def _train(run_file: str, ds: str, sets: list[str], extra: list[str], budget: Budget) -> subprocess.CompletedProcess:
-    cmd = [python(), "-m", "harness", "train", "--run", run_file, "--ds", ds, *extra]
-    for s in sets:
-        cmd += ["--set", s]
-    try:
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, budget.left),
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(cmd, -1, as_text(e.stdout), f"{as_text(e.stderr)}\ntimed out: the budget "
-                                                                         f"ran out")
-
+def _train(run_file: str, ds: str, sets: list[str], budget: Budget, *flags: str) -> subprocess.CompletedProcess:
+    return run_program(program(Config(ds_path(ds), 1, "no"), run_file, sets, "harness", "train", "--ds", ds_path(ds),
+                               *flags), {**os.environ, "PYTHONUNBUFFERED": "1"}, max(1.0, budget.left))
 
 
 PART_RUNNERS = {"ops": part_ops, "speed": part_speed, "overhead": part_overhead, "largest": part_largest,

@@ -1,32 +1,35 @@
-"""`harness bench`: a sweep of configurations, one launch each, timed from the runs' own metrics.
-
-A configuration is a DeepSpeed file x a number of processes x accelerate's mixed precision x any run-config
-values being compared (`--vary model.d_model=256,512`, `--vary train.compile=false,true`). Each is resolved
-with `harness plan`'s checks before anything launches, then trained for `warmup + steps` steps with a metrics
-record every step; the warm-up steps are dropped and the rest summarised by their median and spread. The run
-stops with `--stop-at` (a checkpoint, no final evaluation or export), so only training steps are timed.
-"""
+"""`harness bench sweep`: every configuration resolved and checked first, then launched once and timed from its own
+metrics records beside the device's peak FLOP/s, from a datasheet (a promise) and measured here (what this machine does
+today); `--largest` also finds the largest model each fits. What the figures mean: docs/benchmarks.md."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import platform
 import re
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..config.ds import ds_path, model_state_bytes
 from ..config.run import ConfigError
+from ..plan.render import count_params, largest_fitting
 from ..plan.resolve import Plan, make_plan
+from ..plan.scaling import PEAK_TFLOPS
 from ..run.profiling import PROFILE_FILE
-from ..run.startup import FIT_CHECK_ENV
-from .device import cpu_threads
+from ..run.startup import FIT_CHECK_ENV, clear_stale_build_locks
+from . import report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
+SEQ_UNIT = 64  # --largest seq_len searches multiples of this
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -38,59 +41,94 @@ class Config:
 
     @property
     def name(self) -> str:
-        parts = [Path(self.ds).stem, f"x{self.nproc}"]
-        parts += [self.mixed_precision] if self.mixed_precision != "no" else []
-        return " ".join(parts + list(self.sets))
+        precision = [self.mixed_precision] if self.mixed_precision != "no" else []
+        return " ".join([Path(self.ds).stem, f"x{self.nproc}", *precision, *self.sets])
 
     @property
     def slug(self) -> str:
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name)
 
 
-def grid(ds_files: list[str], nprocs: list[int], precisions: list[str], varies: list[str]) -> list[Config]:
-    """Every combination; `varies` are "section.key=v1,v2,..." (values as on the command line)."""
+def grid(args) -> list[Config]:
+    """Every combination of --ds, --nproc, --mixed-precision and each --vary's values."""
     axes = []
-    for vary in varies:
+    for vary in getattr(args, "vary", []):  # the overhead study has no --vary
         key, eq, values = vary.partition("=")
         if not eq or not values:
             raise ConfigError(f"--vary expects section.key=value1,value2; got {vary!r}")
         axes.append([f"{key}={v}" for v in values.split(",")])
-    return [Config(ds, n, p, tuple(sets)) for ds, n, p in itertools.product(ds_files, nprocs, precisions)
-            for sets in itertools.product(*axes)]
+    runs = itertools.product([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
+                             args.mixed_precision.split(","))
+    return [Config(ds, n, p, tuple(sets)) for ds, n, p in runs for sets in itertools.product(*axes)]
 
 
 def model_parallel_size(ds: str) -> int:
-    """Tensor x pipeline x sequence size named in a DeepSpeed file: the process counts it can run on are its
-    multiples."""
+    """Tensor x pipeline x sequence size: the process counts a DeepSpeed file can run on are its multiples."""
     cfg = json.loads(Path(ds).read_text())
     tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
     return tp * (cfg.get("pipeline") or {}).get("stages", 1) * (cfg.get("sequence_parallel_size") or 1)
 
 
 def plan_for(config: Config, run_file: str | None, sets: list[str]) -> Plan:
-    """The configuration resolved and checked as `harness train` would (the bench sets the length itself)."""
+    """The configuration checked as `harness train` would (the bench sets the length itself)."""
     return make_plan(run_file, [*sets, *config.sets, "train.epochs=0.0", "train.max_steps=1"], config.ds,
                      config.nproc, config.mixed_precision)
 
 
+def plans(args) -> dict[Config, Plan]:
+    """Every configuration that fits its process count, checked before any launch (and stale build locks cleared)."""
+    configs = grid(args)
+    fitting = [c for c in configs if c.nproc % model_parallel_size(c.ds) == 0]  # tp2 on 1 process: not a config
+    for c in [c for c in configs if c not in fitting]:
+        print(f"skipped {c.name}: its tensor x pipeline x sequence size {model_parallel_size(c.ds)} needs a "
+              f"multiple of it in processes", flush=True)
+    if not fitting:
+        raise ConfigError("no configuration of the sweep fits its process counts (--nproc)")
+    planned = {c: plan_for(c, args.run, args.set) for c in fitting}
+    clear_stale_build_locks()
+    return planned
+
+
 def python() -> str:
-    """The interpreter that starts the bench's programs: torchrun's own override, PYTHON_EXEC, where it is set (the
-    tests set it to start them warm), else this one."""
+    """The bench's programs' interpreter: PYTHON_EXEC where set (the tests start them warm), else this one."""
     return os.environ.get("PYTHON_EXEC") or sys.executable
 
 
 def launcher(config: Config) -> list[str]:
-    """What goes between `python` and `-m module`: `accelerate launch` for several processes; one process is
-    started directly (a world of one, as `harness train` without a launcher), which saves accelerate's few
-    seconds of start-up per launch."""
+    """`accelerate launch` for several processes; one starts directly, saving accelerate's seconds per launch."""
     launch = ROOT / "launch" / ("multi_gpu.yaml" if torch.cuda.is_available() else "cpu_2proc.yaml")
     return ["-m", "accelerate.commands.launch", "--config_file", str(launch), "--num_processes",
             str(config.nproc), "--mixed_precision", config.mixed_precision] if config.nproc > 1 else []
 
 
+def program(config: Config, run_file: str | None, sets: list[str], *module: str) -> list[str]:
+    """`python -m MODULE ARGS...`, launched as `launcher` says, with the run file and `sets` as --set."""
+    return [python(), *launcher(config), "-m", *module, *(["--run", run_file] if run_file else []),
+            *(a for s in sets for a in ("--set", s))]
+
+
+def run_program(cmd: list[str], env: dict[str, str], timeout: float,
+                cwd: Path | None = ROOT) -> subprocess.CompletedProcess:
+    """The finished process; a timed-out one has returncode None and says so as its last line."""
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # its partial output: bytes even under text=True on some Pythons
+        out, err = (o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
+        return subprocess.CompletedProcess(cmd, None, out, f"{err}\ntimed out after {timeout:.0f} s")
+
+
+def json_line(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path | None = ROOT,
+              prefix: str = "{") -> dict:
+    """The last line a program prints that starts with `prefix`, read as JSON; or {"error": the line that says why}."""
+    proc = run_program(cmd, env, timeout, cwd)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+    if proc.returncode != 0 or not lines:
+        return {"error": last_error(proc.stdout + proc.stderr)}
+    return json.loads(lines[-1])
+
+
 def env_for(config: Config, threads: int | None = None) -> dict[str, str]:
-    """The launch's environment: accelerate's precision, no refusal of a batch on paper, and on a CPU `threads` per
-    process (default: its share of the cores)."""
+    """On a CPU each process gets `threads` threads (default: its share of the cores)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCELERATE_MIXED_PRECISION": config.mixed_precision,
            FIT_CHECK_ENV: "0"}  # a bench measures what fits (--largest tries sizes until one runs out of memory)
     if not torch.cuda.is_available():  # the processes share the cores
@@ -98,33 +136,75 @@ def env_for(config: Config, threads: int | None = None) -> dict[str, str]:
     return env
 
 
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"  # threads: per configuration
+
+
+def table_peak(name: str, precision: str) -> float | None:
+    """FLOP/s from the table, or None for a device (or precision) it does not list (every CPU)."""
+    for key, rates in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100": first match wins
+        if key in name and precision in rates:
+            return rates[precision] * 1e12
+    return None
+
+
+def cpu_threads(max_nproc: int) -> int:
+    """Each process's share of the cores: the same in every configuration of a sweep, so that they compare alike."""
+    return max(1, (os.cpu_count() or 1) // max(1, max_nproc))
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Within: `threads` torch threads (a CPU process's share of the cores); as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measured_peak(precision: str, threads: int | None = None) -> float:
+    """FLOP/s of a square matrix product in `precision`: the median of 5 after a warm-up, on random data (zeros can
+    run faster); on a CPU with `threads` threads."""
+    cuda, times = torch.cuda.is_available(), []
+    n = 8192 if cuda else 1024
+    a, b = (torch.randn(n, n, device="cuda" if cuda else "cpu", dtype=DTYPES[precision]) for _ in range(2))
+    with torch_threads(threads) if threads and not cuda else contextlib.nullcontext():
+        a @ b  # warm-up: kernel selection, thread pool start
+        for _ in range(5):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                a @ b
+                end.record()
+                torch.cuda.synchronize()  # sync point
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+    return 2 * n**3 / sorted(times)[len(times) // 2]
+
+
+def describe(precisions: list[str], threads: int | None = None) -> dict:
+    """bench.json's device, with both peaks per precision (per device, or per process's share of a CPU)."""
+    name, cuda = device_name(), torch.cuda.is_available()
+    return {"name": name, "kind": "cuda" if cuda else "cpu", "count": torch.cuda.device_count() if cuda else 1,
+            "threads_per_process": None if cuda else threads,
+            "peak_flops": {p: {"table": table_peak(name, p), "measured": measured_peak(p, threads=threads)}
+                           for p in precisions}}
+
+
 def schedule_length(warmup: int, steps: int) -> int:
-    """The training length a timed run is told (its learning-rate schedule's): past the timed steps and the profiled
-    one after them, so the run stops by --stop-at (no final evaluation or export), whether profiled or not."""
+    """Past the timed steps and a profiled one: the run stops by --stop-at, with no final evaluation or export."""
     return warmup + steps + 2
 
 
-def command(config: Config, run_file: str | None, sets: list[str], run_dir: Path, stop_at: int,
-            max_steps: int) -> list[str]:
-    """`harness train` for `stop_at` steps with a metrics record every step, launched as `launcher` says."""
-    cmd = [python(), *launcher(config), "-m", "harness", "train", "--ds", config.ds, "--overwrite", "--stop-at",
-           str(stop_at)]
-    cmd += ["--run", run_file] if run_file else []
-    timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
-              "train.save_every=0", 'logging.backend="none"', "logging.plots=false", f"train.max_steps={max_steps}",
-              "train.epochs=0.0"]
-    for s in [*sets, *config.sets, *timing]:
-        cmd += ["--set", s]
-    return cmd
-
-
-def as_text(output: str | bytes | None) -> str:
-    """A timed-out process's partial output: bytes even under text=True on some Pythons."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
 def last_error(text: str) -> str:
-    """The line of a failed run's output that says why: its last error line, else its last line."""
+    """A failed run's last error line, else its last line."""
     errors = [line for line in text.splitlines() if "Error" in line or "error:" in line or "timed out" in line]
     return ((errors or text.splitlines() or [""])[-1])[-300:]
 
@@ -139,31 +219,25 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], out: Path, warmup: int,
             steps: int, timeout: float, threads: int | None = None, profile: bool = False) -> dict:
-    """Launch one configuration and summarise its timed steps; a failure is recorded, not raised. On a CPU each
-    process runs `threads` threads (default: its share of the cores). `profile` adds one step after the timed
-    ones, traced by torch.profiler (`train.profile_step`): its summary lands in the entry as "profile"."""
-    run_dir = out / "runs" / config.slug
-    log = out / "runs" / f"{config.slug}.log"
+    """One launch, its timed steps summarised; a failure is recorded, not raised. `profile` traces one more step."""
+    run_dir, log = out / "runs" / config.slug, out / "runs" / f"{config.slug}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     entry = {"name": config.name, **asdict(config), "ds": os.path.relpath(config.ds, ROOT),
              "precision": plan.ds.precision, "zero_stage": plan.ds.zero_stage, "layout": plan.ds.layout.describe(),
              "global_batch": plan.ds.global_batch_size, "micro_batch": plan.run.cfg.train.micro_batch_size,
              "grad_accum": plan.ds.grad_accum_steps, "seq_len": plan.run.cfg.data.seq_len}
-    env = env_for(config, threads)
-    stop_at, extra = warmup + steps, []
-    if profile:
-        stop_at += 1
-        extra = [f"train.profile_step={stop_at}"]
-    try:
-        proc = subprocess.run(command(config, run_file, [*sets, *extra], run_dir, stop_at,
-                                      schedule_length(warmup, steps)), cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        log.write_text(proc.stdout + proc.stderr)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        log.write_text(f"timed out after {timeout:.0f} s\n{as_text(e.stdout)}{as_text(e.stderr)}")
+    stop_at = warmup + steps + int(profile)
+    timing = [f"run.output_dir={json.dumps(str(run_dir))}", "train.log_every=1", "train.eval_every=0",
+              "train.save_every=0", 'logging.backend="none"', "logging.plots=false",
+              f"train.max_steps={schedule_length(warmup, steps)}", "train.epochs=0.0"]
+    sets = [*sets, *([f"train.profile_step={stop_at}"] if profile else []), *config.sets, *timing]
+    proc = run_program(program(config, run_file, sets, "harness", "train", "--ds", config.ds, "--overwrite",
+                               "--stop-at", str(stop_at)), env_for(config, threads), timeout)
+    text = proc.stdout + proc.stderr
+    log.write_text(text)
+    if proc.returncode is None:
         return {**entry, "status": "timeout", "error": f"timed out after {timeout:.0f} s"}
-    if rc != 0:
+    if proc.returncode != 0:
         oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
         return {**entry, "status": "oom" if oom else "failed", "error": last_error(text)}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -185,3 +259,84 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
             "activation_bytes": timed[-1].get("activation_bytes"),  # rank 0's first micro-batch, kept for backward
             **({"profile": json.loads((run_dir / PROFILE_FILE).read_text())}
                if profile and (run_dir / PROFILE_FILE).is_file() else {})}
+
+
+def run_bench(args) -> dict:
+    if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
+        raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
+    planned, sets, out = plans(args), list(args.set), Path(args.out)
+    threads = cpu_threads(max(c.nproc for c in planned))  # every process the same share of the cores
+    result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task, "run_file": args.run,
+              "sets": sets, "steps": args.steps, "warmup": args.warmup,
+              "device": describe(sorted({p.ds.precision for p in planned.values()}), threads), "configs": []}
+    for i, (c, plan) in enumerate(planned.items()):
+        print(f"[{i + 1}/{len(planned)}] {c.name}", flush=True)
+        peak = measured_peak(plan.ds.precision, threads=threads)  # beside the run: the machine now
+        entry = measure(c, plan, args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
+        result["configs"].append({**entry, "params": count_params(plan), "peak_flops_measured": peak})
+    report.derive(result["configs"], result["device"])
+    if args.largest:
+        result["largest"] = [largest(c, args, sets, out, measured) for c, measured in zip(planned, result["configs"])]
+    written = report.save(out, "bench", result, report.markdown(result)) + [report.plot(result, out / "bench.png")]
+    for path in filter(None, written):  # no plot where nothing was measured
+        print(f"wrote {path}")
+    print(report.markdown(result))
+    return result
+
+
+def predicted_size(plan_of, budget_bytes: float, host_bytes: float) -> int:
+    """Where a search at billions of parameters starts, so it needs few slow tries: the size at which the model states
+    fill the device's budget, or the host (offloaded states and the fp32 model every rank first builds there)."""
+    one = plan_of(1)
+    p1, p2 = count_params(one), count_params(plan_of(2))
+    per_unit, fixed = max(1, p2 - p1), max(0, 2 * p1 - p2)
+    states = model_state_bytes(10**6, one.ds)
+    device_per_param, host_per_param = states["device"] / 1e6, states["cpu"] / 1e6 + 4
+    k = min((0.9 * budget_bytes / max(device_per_param, 1e-9) - fixed) / per_unit,
+            (0.8 * host_bytes / host_per_param - fixed) / per_unit)
+    return max(1, int(k))
+
+
+def largest(config: Config, args, sets: list[str], out: Path, measured: dict | None = None) -> dict:
+    """The largest `args.largest` whose 2-step run fits the memory budget; past `args.deadline` no try starts and the
+    result is a lower bound. `measured`, the sweep's entry, stands for the try at the configuration's own size."""
+    key = "data.seq_len" if args.largest == "seq_len" else f"model.{args.largest}"
+    plan = plan_for(config, args.run, sets)
+    # widths that split into heads; lengths that split over sequence-parallel ranks (up to 64)
+    unit = {"n_layers": 1, "d_model": plan.run.cfg.model.n_heads * 8, "seq_len": SEQ_UNIT}[args.largest]
+    budget = (args.memory_budget_gb * 2**30 if args.memory_budget_gb
+              else torch.cuda.get_device_properties(0).total_memory)
+    deadline, resolution = getattr(args, "deadline", None), getattr(args, "resolution", 0.0)
+    tried, stopped = {}, []
+    own = plan.run.cfg.data.seq_len if args.largest == "seq_len" else getattr(plan.run.cfg.model, args.largest)
+
+    def trial(k: int) -> Config:
+        return replace(config, sets=(*config.sets, f"{key}={k * unit}"))
+
+    def fits(k: int) -> bool:
+        left = None if deadline is None else deadline - time.monotonic()
+        if measured and measured.get("status") == "ok" and k * unit == own:
+            entry = measured  # the sweep's own run had the try's 2 steps and more
+        elif left is not None and left < 10:
+            stopped.append(k)
+            return False
+        else:
+            try:
+                trial_plan = plan_for(trial(k), args.run, sets)
+            except ConfigError:
+                return False
+            entry = {**measure(trial(k), trial_plan, args.run, sets, out / "largest", 0, 2,
+                               args.timeout if left is None else min(args.timeout, left)),
+                     "params": count_params(trial_plan)}
+        tried[k * unit] = {f: entry.get(f) for f in ("status", "peak_mem_bytes", "params", "error")}
+        if entry["status"] == "timeout":
+            stopped.append(k)  # out of time, not out of memory: the result is a lower bound
+        return entry["status"] == "ok" and entry["peak_mem_bytes"] <= budget
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    start = predicted_size(lambda k: plan_for(trial(k), args.run, sets), budget, host) \
+        if resolution and args.largest != "seq_len" else max(1, own // unit)
+    k = largest_fitting(fits, min(start, args.largest_max), args.largest_max, resolution)
+    return {"name": config.name, "key": key, "value": k * unit, "params": tried.get(k * unit, {}).get("params", 0),
+            "capped": k == args.largest_max, "budget_bytes": budget, "stopped_by_budget": bool(stopped),
+            "tried": tried}
