@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config.run import ConfigError, Preempted, TrainingStopped
+from .config.run import UNSET_PREFIX, ConfigError, Preempted, TrainingStopped
 from .distributed.world import launched_rank, quiet_deepspeed
 from .run.heartbeat import EXIT_HUNG, RankHung
 from .run.trust import trusting
@@ -17,6 +17,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ds", metavar="DS.json", help="DeepSpeed config; default: ZeRO-0 (plain data parallel), fp32")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one run-config value (TOML literal); repeatable; wins over the run file")
+    p.add_argument("--unset", action="append", dest="set", metavar="SECTION.KEY", type=lambda key: UNSET_PREFIX + key,
+                   help="give a key the run file sets its default back (e.g. --unset schedule.kind, to take a "
+                   "DeepSpeed file's scheduler); repeatable")
 
 
 def _run_dir(p: argparse.ArgumentParser) -> None:
@@ -120,26 +123,37 @@ def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
     sub = pr.add_subparsers(dest="task", required=True, metavar="{lm,translation,protein,prices}")
     lm = sub.add_parser("lm", help="a text corpus of any size into token shards that training reads by memory map "
                         "(data.path = OUT)")
-    lm.add_argument("--input", nargs="+", default=[], metavar="PATH", help="files, directories and globs of .txt, "
-                    ".jsonl/.json, .csv/.tsv, .parquet (also .gz, .bz2, .xz, .zst), or hub:NAME (streamed)")
-    lm.add_argument("--out", required=True, metavar="DIR", help="the prepared directory; the same command again "
-                    "continues an interrupted prepare, or does nothing")
-    lm.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")
+    _corpus_options(lm, "files, directories and globs of .txt, .jsonl/.json, .csv/.tsv, .parquet (also .gz, .bz2, "
+                    ".xz, .zst), or hub:NAME (streamed)")
     lm.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="a Hugging Face tokenizer (default: the lm's bytes)")
-    lm.add_argument("--text-field", default="text", help="the field or column of JSON, csv and parquet rows")
-    lm.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for validation (default "
-                    "0.01; the same documents whatever the workers or parts)")
-    lm.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
-    lm.add_argument("--on-error", choices=["stop", "skip"], default="stop", help="an unreadable or truncated input: "
-                    "stop naming it (default), or keep what was read, count it and go on")
-    lm.add_argument("--part", metavar="I/N", help="prepare only part I of N (e.g. one task of a SLURM array)")
-    lm.add_argument("--merge", nargs="+", metavar="DIR", help="instead: join prepared parts into OUT (no data copied)")
     for name in ("translation", "protein", "prices"):
-        p = sub.add_parser(name, help=f"the {name} case study's data")
+        p = sub.add_parser(name, help=f"the {name} case study's data" + (
+            "; with --input, sequences of any number into residue shards for masked-LM pre-training (data.path = "
+            "OUT)" if name == "protein" else ""))
         p.add_argument("--data", metavar="SRC", help="the source (sets data.path): a directory such as "
                        "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
         p.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
+        if name == "protein":
+            _corpus_options(p, "instead of --data: FASTA files (.fasta, .fa, .faa; also .gz, .bz2, .xz, .zst), "
+                            "directories and globs, one sequence a document; or .txt/.jsonl/.csv/.parquet of "
+                            "sequences (--text-field)", out_required=False)
+
+
+def _corpus_options(p: argparse.ArgumentParser, inputs: str, out_required: bool = True) -> None:
+    """What preparing a corpus of any size takes (docs/corpora.md)."""
+    p.add_argument("--input", nargs="+", default=[], metavar="PATH", help=inputs)
+    p.add_argument("--out", required=out_required, metavar="DIR", help="the prepared directory; the same command "
+                   "again continues an interrupted prepare, or does nothing")
+    p.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")
+    p.add_argument("--text-field", default="text", help="the field or column of JSON, csv and parquet rows")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for validation (default "
+                   "0.01; the same documents whatever the workers or parts)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
+    p.add_argument("--on-error", choices=["stop", "skip"], default="stop", help="an unreadable or truncated input: "
+                   "stop naming it (default), or keep what was read, count it and go on")
+    p.add_argument("--part", metavar="I/N", help="prepare only part I of N (e.g. one task of a SLURM array)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="instead: join prepared parts into OUT (no data copied)")
 
 
 OLD_BENCH = {"--overhead": "overhead", "--proxy": "proxy", "--suite": "suite", "--seeds": "seeds"}
@@ -246,6 +260,7 @@ def parser() -> argparse.ArgumentParser:
     _run_dir(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
     ap.bench = b  # `harness bench`'s own usage line, for the old spellings' errors
+    ap.plan = p  # `harness plan`'s own options: the others are accelerate launch's
     return ap
 
 
@@ -280,7 +295,7 @@ def _prepare_corpus(args) -> int:
         missing = f"; units {m['missing_units'][:5]} are in no part yet" if m["missing_units"] else ""
     else:
         if not args.input:
-            raise ConfigError("harness prepare lm needs --input PATH... (or --merge DIR...)")
+            raise ConfigError(f"harness prepare {args.task} needs --input PATH... (or --merge DIR...)")
         m = prepare_corpus(args.input, args.out, args.workers, args.tokenizer, args.text_field, args.val_fraction,
                            args.seed, args.part, args.on_error)
         missing = ""
@@ -293,7 +308,20 @@ def _prepare_corpus(args) -> int:
 
 
 def _prepare(args) -> int:
-    if args.task == "lm":
+    corpus = args.task == "lm" or bool(getattr(args, "input", None) or getattr(args, "merge", None))
+    if corpus and args.task == "protein":
+        if args.data or args.run or args.set:
+            raise ConfigError("harness prepare protein: --input (a corpus of sequences) or --data/--run/--set (the "
+                              "case study's data), not both")
+        if not args.out:
+            raise ConfigError("harness prepare protein --input needs --out DIR")
+        from .prepare.corpus import RESIDUES
+
+        args.tokenizer = RESIDUES
+    elif getattr(args, "out", None) and args.task != "lm":
+        raise ConfigError(f"harness prepare {args.task}: --out goes with --input (a corpus of sequences); the case "
+                          f"study's data is prepared into the cache")
+    if corpus:
         return _prepare_corpus(args)
     from .config.run import read_toml
     from .prepare import read_meta, summary
@@ -356,8 +384,19 @@ def _plan(args) -> int:
     from .plan.render import count_params, ds_json, render
     from .plan.resolve import make_plan
 
-    plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
+    if args.launch:  # accelerate launch's options: the world and settings that launch gives
+        from .launcher import launch_settings, plan_launch
+
+        if args.world_size or args.mixed_precision:
+            raise ConfigError("harness plan: --world-size and --mixed-precision, or accelerate launch's options "
+                              f"({' '.join(args.launch)}), not both")
+        plan = plan_launch(args.run, args.set, args.ds, launch_settings(args.launch))
+    else:
+        plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
     print(ds_json(plan) if args.ds_json else render(plan))
+    if not args.launch and not args.world_size and plan.ds.layout.world_size == 1 and not args.ds_json:
+        print("(planned for 1 process: `harness plan` takes what `harness launch` takes before `train`, e.g. "
+              "--config_file launch/cpu_2proc.yaml or --num_processes 4, and plans that launch's world)")
     if args.gpus_per_node is not None and not args.ds_json:
         from .plan.scaling import render_scaling
 
@@ -376,10 +415,17 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
-    ap = parser()
+    ap, launch = parser(), []
+    if argv[:1] == ["plan"]:  # accelerate's options, as `harness launch` takes them before `train`
+        from .launcher import launch_options
+
+        own = {o for a in ap.plan._actions for o in a.option_strings}
+        launch, rest = launch_options(argv[1:], own)
+        argv = ["plan", *rest]
     if argv[:1] == ["bench"]:
         argv = _old_bench(argv, ap.bench)
     args, extra = ap.parse_known_args(argv)
+    args.launch = launch
     if extra:  # a bench study's usage line names its own flags
         getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv  # recorded by the suite with its results

@@ -111,26 +111,55 @@ def _deepspeed_env(args) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
 
 
-def check(train_args: list[str], settings: dict, parse):
-    """Everything `harness train` checks before its process group, for this launch's world; `parse` reads `harness
-    train`'s arguments as the command line does (the CLI's parser, which owns them)."""
-    from .plan.resolve import make_plan
-    from .run.startup import preflight
+def launch_options(argv: list[str], own: set[str]) -> tuple[list[str], list[str]]:
+    """`harness plan`'s arguments split into accelerate launch's options (as `harness launch` takes them before
+    `train`) and the rest: an option accelerate's parser knows and `own` does not, with its value, is accelerate's."""
+    if all(a.split("=")[0] in own for a in argv if a.startswith("-")):
+        return [], argv  # accelerate not imported: a plain plan stays quick
+    from accelerate.commands.launch import launch_command_parser
 
-    args = parse(train_args)
+    takes = {o: a.nargs != 0 for a in launch_command_parser()._actions for o in a.option_strings
+             if o not in own and o not in ("-m", "--module")}
+    accelerate, rest, i = [], [], 0
+    while i < len(argv):
+        name = argv[i].split("=")[0]
+        if name in takes:
+            value = takes[name] and "=" not in argv[i] and i + 1 < len(argv)
+            accelerate += argv[i:i + 1 + value]
+            i += 1 + value
+        else:
+            rest.append(argv[i])
+            i += 1
+    return accelerate, rest
+
+
+def plan_launch(run_file: str | None, sets: list[str], ds_file: str | None, settings: dict):
+    """The plan of a launch with `settings` (`launch_settings`): its world, precision and accelerate's DeepSpeed
+    settings as the ranks will see them."""
+    from .plan.resolve import make_plan
+
     exported = dict(settings.get("env", {}))  # as accelerate will export them to the ranks
     if settings["deepspeed_config_file"]:
         exported["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = settings["deepspeed_config_file"]
     before = {k: os.environ.get(k) for k in exported}
     os.environ.update(exported)
     try:
-        plan = make_plan(args.run, args.set, args.ds, settings["num_processes"], settings["mixed_precision"])
+        return make_plan(run_file, sets, ds_file, settings["num_processes"], settings["mixed_precision"])
     finally:
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def check(train_args: list[str], settings: dict, parse):
+    """Everything `harness train` checks before its process group, for this launch's world; `parse` reads `harness
+    train`'s arguments as the command line does (the CLI's parser, which owns them)."""
+    from .run.startup import preflight
+
+    args = parse(train_args)
+    plan = plan_launch(args.run, args.set, args.ds, settings)
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
     preflight(plan, args.resume, args.overwrite, args.data_changed_ok)
@@ -165,7 +194,7 @@ def main(argv: list[str], parse) -> int:
            # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
            "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
     if sys.stderr.isatty():  # the ranks' stderr is a file this process relays to a terminal: draw as on one
-        from .run.startup import STDERR_TTY_ENV  # imported by `check` already
+        from .console import STDERR_TTY_ENV
 
         env[STDERR_TTY_ENV] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "harness", *train_args]

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import LAUNCH, ROOT, TINY, _env, command, harness
+from conftest import LAUNCH, ROOT, TINY, _env, cli, command, harness
 
 from harness.config.ds import resolve_ds
 from harness.config.run import ConfigError
@@ -216,3 +216,35 @@ def test_config_wins_deepspeed_takes_the_file_s_values_over_the_user_s(tmp_path)
         make_plan(None, [*BASE, "optimizer.lr=0.001"], ds, 1)
     plan = make_plan(None, [*BASE, "optimizer.lr=0.001", 'run.config_wins="deepspeed"'], ds, 1)
     assert plan.run.cfg.optimizer.lr == 5e-4
+
+
+MAIN_JOB = str(ROOT / "configs" / "runs" / "lm_demo.toml")
+HF_FILES = ("zero1", "zero2_offload", "zero3", "zero3_bf16_offload")  # the four HF Trainer and accelerate ship
+
+
+@pytest.mark.parametrize("name", HF_FILES)
+def test_the_main_job_s_run_file_takes_a_hf_deepspeed_file_s_scheduler_where_the_user_says(name, tmp_path):
+    """The main job's run file names the harness's cosine schedule: with an HF DeepSpeed file (AdamW and a WarmupLR
+    or WarmupDecayLR section) it is refused naming both ways out; `run.config_wins = "deepspeed"` (or `--unset
+    schedule.kind`) trains a few steps under the file's scheduler, the plan and the start line naming the run keys it
+    overrides and those its scheduler does not read."""
+    ds = write(tmp_path, name, SHAPES[name])
+    with pytest.raises(ConfigError) as e:
+        make_plan(MAIN_JOB, [], ds, 1)
+    assert "--unset schedule.kind" in str(e.value) and 'run.config_wins = "deepspeed"' in str(e.value)
+    unset = make_plan(MAIN_JOB, ["--unset schedule.kind"], ds, 1)
+    assert unset.run.source["schedule.kind"] == "default" and not unset.ds.sections.overridden
+    out = tmp_path / "run"
+    sets = ['run.config_wins="deepspeed"', "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
+            "train.save_every=0", 'logging.backend="none"', "logging.plots=false",
+            f"run.output_dir={json.dumps(str(out))}"]
+    done = cli("train", "--run", MAIN_JOB, "--ds", ds, *[a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    kind = SHAPES[name]["scheduler"]["type"]
+    assert f"run keys the DeepSpeed settings override (run.config_wins = \"deepspeed\"): schedule.kind = 'cosine' " \
+           f"(run file {MAIN_JOB}) -> DeepSpeed's {kind}" in said, said[-3000:]
+    assert f"run keys the DeepSpeed scheduler does not use: schedule.min_lr_ratio = 0.1 (run file {MAIN_JOB})" in said
+    plan = cli("plan", "--run", MAIN_JOB, "--ds", ds, "--set", 'run.config_wins="deepspeed"')
+    assert plan.returncode == 0 and "# run keys the DeepSpeed scheduler does not use" in plan.stdout, plan.stderr
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

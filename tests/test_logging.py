@@ -1,7 +1,9 @@
-"""Trackers: W&B offline in the run directory when no API key is configured, TensorBoard as the other choice."""
+"""Trackers: W&B offline in the run directory when no API key is configured, TensorBoard as the other choice; what a
+run writes when its output is a log, not a terminal."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 from conftest import harness
@@ -45,6 +47,16 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     assert (meta.display_name, meta.project) == ("tiny", "proj")
     config = [r.config for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "config"]
     assert any(item.key == "train.max_steps" for c in config for item in c.update)
+
+
+def test_a_log_gets_plain_progress_lines_and_deepspeed_s_chatter_stays_in_the_run(tmp_path, corpus):
+    """stderr a pipe: progress as whole lines (no carriage-return frames), the last one at the end; DeepSpeed's op
+    builder lines go to RUN/deepspeed.log, not the output."""
+    run = harness(tmp_path / "run", corpus, sets=["train.max_steps=6"])
+    out = run.proc.stdout + run.proc.stderr
+    assert "\r" not in out and "built successfully" not in out
+    assert re.search(r"^train: 100%.*\| 6/6 \[", run.proc.stderr, re.M), run.proc.stderr[-2000:]
+    assert "built successfully" in (run.dir / "deepspeed.log").read_text()
 
 
 def test_tensorboard_backend_writes_event_files(tmp_path, corpus):

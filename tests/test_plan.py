@@ -344,3 +344,20 @@ def test_ds_names_a_shipped_config_the_same_way_in_every_command(capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("harness: error: --ds zero9: neither a file nor one of configs/ds/*.json (") and \
         "zero3_offload" in err
+
+
+def test_plan_takes_the_launch_s_options_and_plans_its_world():
+    """What `harness launch` takes before `train` (an accelerate config file, --num_processes) sets the planned world
+    and global batch; without them the plan says it planned one process and how to plan the launch."""
+    main_job = ["--run", str(ROOT / "configs" / "runs" / "lm_demo.toml"), "--ds", "zero2"]
+    launched = cli("plan", "--config_file", str(ROOT / "launch" / "cpu_2proc.yaml"), *main_job)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    assert "global batch 16 = micro 8 x accumulation 1 x data parallel 2" in launched.stdout
+    assert "planned for 1 process" not in launched.stdout
+    four = cli("plan", *main_job, "--num_processes=4")
+    assert four.returncode == 0 and "data parallel 4" in four.stdout, four.stderr[-2000:]
+    alone = cli("plan", *main_job)
+    assert "global batch 8 " in alone.stdout and "(planned for 1 process: `harness plan` takes what `harness launch` " \
+        "takes before `train`" in alone.stdout
+    both = cli("plan", *main_job, "--num_processes", "2", "--world-size", "2")
+    assert both.returncode == 2 and "not both" in both.stderr

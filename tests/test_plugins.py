@@ -115,6 +115,7 @@ class NoDefault:
 
 class T:
     Config = {config}
+    Data = {data}
 
     def build_model(self, cfg): ...
     def build_data(self, cfg): ...
@@ -125,13 +126,15 @@ class T:
 """
 
 
-@pytest.mark.parametrize("config,message", [
-    ("NoDefault", "T.Config.depth has no default (every [task] key needs one)"),
-    ("Settings", "T.Config must be a dataclass (the [task] section's keys)"),
+@pytest.mark.parametrize("config,data,message", [
+    ("NoDefault", "None", "T.Config.depth has no default (every [task] key needs one)"),
+    ("Settings", "None", "T.Config must be a dataclass (the [task] section's keys)"),
+    ("None", "NoDefault", "T.Data must be a dataclass subclassing harness.config.run.DataSection (the task's own "
+                          "[data] keys)"),
 ])
-def test_a_plugin_s_malformed_config_is_one_line_before_anything_is_built(tmp_path, config, message):
+def test_a_plugin_s_malformed_config_is_one_line_before_anything_is_built(tmp_path, config, data, message):
     file = tmp_path / "bad_task.py"
-    file.write_text(MALFORMED_CONFIG.format(config=config))
+    file.write_text(MALFORMED_CONFIG.format(config=config, data=data))
     proc = cli("plan", "--set", f"run.task={json.dumps(f'{file}:T')}", "--set", "train.max_steps=1", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"harness: error: run.task = '{file}:T': {message}"]

@@ -61,6 +61,14 @@ class Sections:
     optimizer: dict[str, Any] | None = None  # an optimizer section DeepSpeed builds (not Adam, AdamW, SGD), filled
     source: dict[str, str] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
+    overridden: list[str] = field(default_factory=list)  # run keys you set that the file's values replace
+    unused: list[str] = field(default_factory=list)      # run keys you set that the file's scheduler does not read
+
+    def notes(self) -> list[str]:
+        """The plan's and the start's lines on what the DeepSpeed file took from the run config."""
+        return [f"{what}: {'; '.join(keys)}" for what, keys in (
+            ("run keys the DeepSpeed settings override (run.config_wins = \"deepspeed\")", self.overridden),
+            ("run keys the DeepSpeed scheduler does not use", self.unused)) if keys]
 
     def take(self, key: str, value: Any, run: Resolved, run_key: str, label: str) -> Any:
         """A section's `key` against the run's `run_key`: "auto" is the run's value; an explicit one is adopted
@@ -74,6 +82,8 @@ class Sections:
         if any(run.is_set(k) for k in _run_keys(run_key)) and run.cfg.run.config_wins != "deepspeed":
             self.mismatches.append(f"{key} = {value!r} vs {run_key} = {mine!r} ({_run_source(run, run_key)})")
         else:
+            if any(run.is_set(k) for k in _run_keys(run_key)):
+                self.overridden.append(f"{run_key} = {mine!r} ({_run_source(run, run_key)}) -> {key} = {value!r}")
             for k, v in zip(_run_keys(run_key), value if run_key == "optimizer.beta1/beta2" else [value]):
                 self.adopt[k] = (v, f"{key} ({label})")
         return value
@@ -107,7 +117,7 @@ def resolve_sections(ds: dict, run: Resolved, label: str, offload: bool, stage: 
     if out.mismatches:
         raise ConfigError(f"the DeepSpeed settings ({', '.join(dict.fromkeys([label, *(o[3] for o in others)]))}) "
                           f"contradict the run config: {'; '.join(out.mismatches)}; set each to \"auto\", make them "
-                          f"agree, drop the run-file value, or set run.config_wins = \"deepspeed\"")
+                          f"agree, drop the run-file value (--unset KEY), or set run.config_wins = \"deepspeed\"")
     return out
 
 
@@ -213,10 +223,15 @@ def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:
         raise ConfigError(f"scheduler.type = {given!r} ({label}) is not a DeepSpeed scheduler: "
                           f"{', '.join(SCHEDULERS)}")
     kind, known = section["type"], SCHEDULERS[section["type"]]
-    given = [k for k in ("schedule.kind",) if run.is_set(k)]
-    if given:
+    if run.is_set("schedule.kind") and run.cfg.run.config_wins != "deepspeed":
         raise ConfigError(f"scheduler ({label}) runs DeepSpeed's {kind}, but {run.describe('schedule.kind')} names "
-                          f"the harness's own: keep one")
+                          f"the harness's own: remove the key (--unset schedule.kind), or set run.config_wins = "
+                          f"\"deepspeed\" to take the file's")
+    if run.is_set("schedule.kind"):
+        out.overridden.append(f"{run.describe('schedule.kind')} -> DeepSpeed's {kind}")
+    read = {k for fills in known.values() if fills for k in _run_keys(fills)}
+    out.unused += [run.describe(k) for k in ("schedule.warmup_steps", "schedule.min_lr_ratio")
+                   if run.is_set(k) and k not in read]
     params = dict(section.get("params", {}))
     for key, value in params.items():
         if key not in known:

@@ -40,12 +40,13 @@ BOUNDS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
           "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 
 
-def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None):
+def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None, parse=None):
     """A documented config field: its help is what `harness keys` prints; `choices` and `bound` (a key of BOUNDS)
-    are checked when the config is resolved. A task's `Config` declares its fields with it too."""
+    are checked when the config is resolved; `parse(key, value)` turns what a file or `--set` gives into the field's
+    type first (raising ValueError with the reason). A task's `Config` declares its fields with it too."""
     if bound is not None and bound not in BOUNDS:
         raise ValueError(f"bound {bound!r} is none of {', '.join(BOUNDS)}")
-    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound})
+    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound, "parse": parse})
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class DataSection:
                                   "\"32,64,128\"; a TOML list works too) each training batch is padded up to: a few "
                                   "fixed shapes, so train.compile compiles each once, static, instead of one dynamic "
                                   "graph; empty = pad to the batch's longest; tasks with variable-length samples only "
-                                  "(translation, protein)")
+                                  "(translation, protein)", parse=lambda key, v: ",".join(map(str, v))
+                                  if isinstance(v, list) else v)  # a TOML list of lengths
     bucket: int = setting(0, "length-bucketed batches: sort samples by length within windows of this many global "
                           "batches, so a micro-batch pads little (the batches' order stays random); 0 = off; tasks "
                           "with variable-length samples only (translation, protein)", bound=">= 0")
@@ -211,8 +213,10 @@ class RunConfig:
         return self.task if name == self.task_section else getattr(self, name)
 
     def sections(self) -> dict[str, type]:
-        """Each section's run-file name and class: the core ones, then the task's."""
-        return SECTIONS if self.task is None else {**SECTIONS, self.task_section: type(self.task)}
+        """Each section's run-file name and class: the core ones (a task's own [data] keys in `data`), then the
+        task's."""
+        core = {**SECTIONS, "data": type(self.data)}
+        return core if self.task is None else {**core, self.task_section: type(self.task)}
 
     def replacing(self, key: str, value: Any) -> RunConfig:
         """This config with `section.key` = value (unchecked: `resolve` checks)."""
@@ -222,7 +226,9 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section by its run-file name: the core ones, then the task's (none for a task without one)."""
-        return {name: dataclasses.asdict(self.section(name)) for name in self.sections()}
+        plain = lambda v: [plain(x) for x in v] if isinstance(v, (list, tuple)) else v  # noqa: E731 - as TOML reads
+        return {name: {k: plain(v) for k, v in dataclasses.asdict(self.section(name)).items()}
+                for name in self.sections()}
 
 
 SECTIONS: dict[str, type] = {"run": RunSection, "model": ModelSection, "data": DataSection, "train": TrainSection,
@@ -279,8 +285,12 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
     expected = get_type_hints(sections[section])[name]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if key == "data.length_buckets" and isinstance(value, list):  # a TOML list of lengths
-        value = ",".join(map(str, value))
+    parse = all_keys(sections)[key].metadata.get("parse")
+    if parse is not None:
+        try:
+            value = parse(key, value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e} ({origin})") from None
     allowed = get_args(expected) if get_origin(expected) is not None else (expected,)  # int | str: a cadence
     if type(value) not in allowed:
         raise ConfigError(f"{key} must be {' or '.join(a.__name__ for a in allowed)}, got {type(value).__name__} "
@@ -313,8 +323,18 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     return read_file(path, "run file", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
 
 
+UNSET_PREFIX = "--unset "  # an override `--unset section.key`: the key back to its default, whoever set it
+UNSET = object()
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """`section.key=value`; the value is read as a TOML literal, else taken as a string."""
+    """`section.key=value`; the value is read as a TOML literal, else taken as a string. `--unset section.key`
+    (the command line's `--unset KEY`) gives UNSET."""
+    if item.startswith(UNSET_PREFIX):
+        key = item.removeprefix(UNSET_PREFIX).strip()
+        if key.count(".") != 1:
+            raise ConfigError(f"--unset expects section.key, got {key!r}")
+        return key, UNSET
     key, eq, raw = item.partition("=")
     if not eq or "." not in key:
         raise ConfigError(f"--set expects section.key=value, got {item!r}")
@@ -325,24 +345,32 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def resolve(run_file: str | None, overrides: list[str], task_ref,
-            task_sections: dict[str, type] | None = None) -> Resolved:
+def resolve(run_file: str | None, overrides: list[str], task_ref, task_sections: dict[str, type] | None = None,
+            task_data: dict[str, type] | None = None) -> Resolved:
     """The run config from defaults, the run file and `--set` overrides. `task_ref(name)` is the task registry's word
     on `run.task` (`harness.tasks.registry.task_ref`): the name as stored (a plug-in file's path made absolute), the
-    name of the task's section in the run file and its class (the task's `Config` dataclass, or None); it raises for
-    a name that is no task. `task_sections` holds every built-in task's section by name, so that another task's keys
-    are refused naming it. Callers use `harness.tasks.resolve`, which passes both: the config knows no task."""
+    name of the task's section in the run file, its class (the task's `Config` dataclass, or None) and the task's
+    [data] section (a subclass of DataSection with keys of its own, or None); it raises for a name that is no task.
+    `task_sections` holds every built-in task's section by name and `task_data` their own [data] classes, so that
+    another task's keys are refused naming it. Callers use `harness.tasks.resolve`: the config knows no task."""
     layers = _layers(run_file, overrides)
     task = RunSection.task
     for origin, flat in layers:
         task = flat.get("run.task", task)
-    stored, own, config = task_ref(task) if isinstance(task, str) else (task, PLUGIN_SECTION, None)
-    sections = SECTIONS if config is None else {**SECTIONS, own: config}
+        task = RunSection.task if task is UNSET else task
+    stored, own, config, data = task_ref(task) if isinstance(task, str) else (task, PLUGIN_SECTION, None, None)
+    core = {**SECTIONS, "data": data or DataSection}
+    sections = core if config is None else {**core, own: config}
     known = {**(task_sections or {}), **sections}  # another task's keys too: typos in them get a did-you-mean
+    for origin, flat in layers:  # another task's own [data] keys: name the task they belong to
+        for key in flat.keys() - all_keys(sections).keys():
+            owner = next((t for t, cls in (task_data or {}).items() if key in all_keys({"data": cls})), None)
+            if owner:
+                raise ConfigError(f"{key} ({origin}) belongs to run.task = {owner!r}; run.task is {task!r}")
     values, source = _given(layers, known)
     if "task" in values["run"]:
         values["run"]["task"] = stored  # a plug-in file found again from any directory
-    cfg = RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS},
+    cfg = RunConfig(**{s: core[s](**values[s]) for s in SECTIONS},
                     task=None if config is None else config(**values[own]), task_section=own)
     resolved = Resolved(cfg, {k: v for k, v in source.items() if k.split(".")[0] in sections})
     _check(resolved)
@@ -379,6 +407,10 @@ def _given(layers: list[tuple[str, dict[str, Any]]],
             if key not in source:
                 raise _unknown(key if "." in key else f"{key}.", sections)
             section, name = key.split(".")
+            if value is UNSET:
+                values[section].pop(name, None)
+                source[key] = "default"
+                continue
             values[section][name] = _coerce(key, value, origin, sections)
             source[key] = origin
     return values, source

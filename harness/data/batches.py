@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..config.run import ConfigError
+from .corpus import permute
 
 PREFETCH = 4  # batches each loader worker keeps ready
 
@@ -51,28 +52,6 @@ class BucketedCollate:
 def training_collate(task, buckets: tuple[int, ...]):
     """What turns a training micro-batch's samples into tensors: the task's collate, bucketed where asked."""
     return BucketedCollate(task, buckets) if buckets else task.collate
-
-
-def permute(positions: torch.Tensor, n: int, key: int) -> torch.Tensor:
-    """A seeded permutation of range(n) evaluated at `positions` alone: a 4-round Feistel network over the smallest
-    even number of bits that covers n, walked again while a value falls outside it (cycle walking), so an epoch's
-    order costs nothing to set up and nothing to keep, whatever n. In numpy: a step's few hundred positions cost
-    microseconds, where torch's per-operation overhead made it the loader's slowest part."""
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
-    rounds = np.random.default_rng(key).integers(0, 1 << 31, 4, dtype=np.uint64)
-    out = positions.numpy().astype(np.uint64)
-    todo = np.ones(len(out), dtype=bool)
-    while todo.any():
-        x = out[todo]
-        left, right = x >> np.uint64(half), x & mask
-        for k in rounds:
-            mixed = (right * np.uint64(0x9E3779B1) + k) & np.uint64(0xFFFFFFFF)
-            mixed = ((mixed ^ (mixed >> np.uint64(15))) * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
-            left, right = right, left ^ ((mixed ^ (mixed >> np.uint64(12))) & mask)
-        out[todo] = (left << np.uint64(half)) | right
-        todo = out >= n
-    return torch.from_numpy(out.astype(np.int64))
 
 
 class StepSampler(Sampler[list[int]]):
@@ -119,7 +98,8 @@ class StepSampler(Sampler[list[int]]):
         epoch, offset = divmod(step, self.steps_per_epoch)
         start = offset * self.global_batch
         if self.lazy:
-            order = permute(torch.arange(start, start + self.global_batch), self.n, self.seed * 100_003 + epoch)
+            order = torch.from_numpy(permute(np.arange(start, start + self.global_batch), self.n,
+                                             self.seed * 100_003 + epoch))
         else:
             order = self.epoch_order(epoch)[start:start + self.global_batch]
         return order.view(self.accum, self.dp_size, self.micro)

@@ -112,17 +112,44 @@ class Corpus:
                 pass
 
 
+def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A seeded permutation of range(n) evaluated at `positions` alone: a 4-round Feistel network over the smallest
+    even number of bits that covers n, walked again while a value falls outside it (cycle walking), so an epoch's
+    order costs nothing to set up and nothing to keep, whatever n. In numpy: torch's per-operation overhead made it
+    the loader's slowest part."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    rounds = np.random.default_rng(key).integers(0, 1 << 31, 4, dtype=np.uint64)
+    out = np.asarray(positions).astype(np.uint64)
+    todo = np.ones(len(out), dtype=bool)
+    while todo.any():
+        x = out[todo]
+        left, right = x >> np.uint64(half), x & mask
+        for k in rounds:
+            mixed = (right * np.uint64(0x9E3779B1) + k) & np.uint64(0xFFFFFFFF)
+            mixed = ((mixed ^ (mixed >> np.uint64(15))) * np.uint64(0x2C1B3C6D)) & np.uint64(0xFFFFFFFF)
+            left, right = right, left ^ ((mixed ^ (mixed >> np.uint64(12))) & mask)
+        out[todo] = (left << np.uint64(half)) | right
+        todo = out >= n
+    return out.astype(np.int64)
+
+
 class Windows:
     """Sample i: the tokens [i * seq_len, i * seq_len + seq_len + 1) of a split's stream (inputs and shifted
-    targets), read from the memory-mapped shards; the maps are opened in each process on first use. A map-style data
-    set for torch's DataLoader; torch is imported on first read, so `harness prepare lm`'s workers never import it."""
+    targets), read from the memory-mapped shards; the maps are opened in each process on first use. With
+    `documents`, each token's document too (numbered from the window's first), from the shards' indexes. A map-style
+    data set for torch's DataLoader; torch is imported on first read, so `harness prepare lm`'s workers never import
+    it."""
 
-    def __init__(self, corpus: Corpus, split: str, seq_len: int):
-        self.paths = [str(s.path) for s in corpus.shards[split]]
-        self.starts = np.cumsum([0] + [s.tokens for s in corpus.shards[split]])
-        self.dtype, self.seq_len = corpus.dtype, seq_len
+    def __init__(self, corpus: Corpus, split: str, seq_len: int, documents: bool = False):
+        shards = corpus.shards[split]
+        self.paths = [str(s.path) for s in shards]
+        self.starts = np.cumsum([0] + [s.tokens for s in shards])
+        self.doc_starts = np.cumsum([0] + [s.documents for s in shards])
+        self.dtype, self.seq_len, self.documents = corpus.dtype, seq_len, documents
         self.n = max(0, (int(self.starts[-1]) - 1) // seq_len)
         self._maps: list | None = None
+        self._ends: list | None = None
 
     def __len__(self) -> int:
         return self.n
@@ -139,6 +166,19 @@ class Windows:
             start, shard = start + take, shard + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def document_ids(self, start: int, stop: int) -> np.ndarray:
+        """Each token's document in [start, stop), numbered from the first one's: a document ends with its
+        separator, the index's end offset."""
+        if self._ends is None:
+            self._ends = [np.memmap(Path(p).with_suffix(".idx"), dtype=INDEX, mode="r") for p in self.paths]
+        at = np.arange(start, stop)
+        shard = np.searchsorted(self.starts, at, side="right") - 1
+        out = np.empty(len(at), dtype=np.int64)
+        for s in np.unique(shard):
+            mine = shard == s
+            out[mine] = self.doc_starts[s] + np.searchsorted(self._ends[s], at[mine] - self.starts[s], side="right")
+        return (out - out[0]).astype(np.int32)
+
     def __getitem__(self, i: int) -> dict:
         return self.__getitems__([i])[0]
 
@@ -152,4 +192,92 @@ class Windows:
         import torch
 
         ids = torch.from_numpy(rows if rows.dtype == np.uint8 else rows.astype(np.int32))
-        return [{"ids": row} for row in ids]
+        if not self.documents:
+            return [{"ids": row} for row in ids]
+        docs = torch.from_numpy(np.stack([self.document_ids(i * self.seq_len, i * self.seq_len + span)
+                                          for i in indices]))
+        return [{"ids": row, "documents": d} for row, d in zip(ids, docs)]
+
+
+class Documents:
+    """Document i of a split, its tokens without the separator, read from the memory-mapped shards and indexes
+    (e.g. one protein sequence a document, for a masked LM). Opened in each process on first use."""
+
+    def __init__(self, corpus: Corpus, split: str):
+        shards = corpus.shards[split]
+        self.paths = [str(s.path) for s in shards]
+        self.firsts = np.cumsum([0] + [s.documents for s in shards])
+        self.dtype, self.n = corpus.dtype, int(self.firsts[-1])
+        self._maps: list | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self._maps is None:
+            self._maps = [(np.memmap(p, dtype=self.dtype, mode="r"),
+                           np.memmap(Path(p).with_suffix(".idx"), dtype=INDEX, mode="r")) for p in self.paths]
+        shard = int(np.searchsorted(self.firsts, i, side="right")) - 1
+        tokens, ends = self._maps[shard]
+        j = i - int(self.firsts[shard])
+        return tokens[(int(ends[j - 1]) if j else 0):int(ends[j]) - 1]
+
+
+BLEND_PERIOD = 4096  # a mixture repeats its allocation of sources every this many samples
+
+
+class Mixture:
+    """Several sources' windows as one data set. With `weights`, a blend: sample i comes from the source furthest
+    below its share of the first i (Megatron-core's BlendedDataset), the allocation of BLEND_PERIOD samples computed
+    once and repeated, so sample i's source and its number within the source are arithmetic; a source's j-th sample
+    is its window `permute`d in its epoch j // len, so a source read 2.5 times sees every window twice and a random
+    half once more. Without weights, the sources one after another (validation)."""
+
+    def __init__(self, sources: list[Windows], weights: list[float] | None = None, seed: int = 0):
+        self.sources, self.seed = sources, seed
+        self.sizes = np.array([len(s) for s in sources])
+        self.n = int(self.sizes.sum())
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
+        if self.weights is not None:
+            counts = np.zeros(len(sources), dtype=np.int64)
+            self.source_of = np.empty(BLEND_PERIOD, dtype=np.int64)
+            self.rank_in = np.empty(BLEND_PERIOD, dtype=np.int64)  # its number among its source's in the period
+            for p in range(BLEND_PERIOD):
+                k = int(np.argmax(self.weights * (p + 1) - counts))
+                self.source_of[p], self.rank_in[p] = k, counts[k]
+                counts[k] += 1
+            self.per_period = counts
+
+    def __len__(self) -> int:
+        return self.n
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sample's source and its window there."""
+        if self.weights is None:
+            source = np.searchsorted(np.cumsum(self.sizes), indices, side="right")
+            return source, indices - np.concatenate([[0], np.cumsum(self.sizes)])[source]
+        period, p = np.divmod(indices, BLEND_PERIOD)
+        source = self.source_of[p]
+        j = period * self.per_period[source] + self.rank_in[p]
+        epoch, local = np.divmod(j, self.sizes[source])
+        window = np.empty_like(local)
+        for k, e in {(int(k), int(e)) for k, e in zip(source, epoch)}:
+            mine = (source == k) & (epoch == e)
+            window[mine] = permute(local[mine], int(self.sizes[k]), (self.seed * 1_000_003 + k) * 100_003 + e)
+        return source, window
+
+    def __getitem__(self, i: int) -> dict:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        if any(not 0 <= i < self.n for i in indices):
+            raise IndexError(indices)
+        source, window = self.locate(np.asarray(indices, dtype=np.int64))
+        out: list = [None] * len(indices)
+        for k in np.unique(source):
+            at = np.flatnonzero(source == k)
+            for i, sample in zip(at, self.sources[k].__getitems__(window[at].tolist())):
+                out[i] = sample
+        return out

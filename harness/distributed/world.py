@@ -10,8 +10,10 @@ instead, and check its view against torch.distributed before any data is touched
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
+import io
 import os
 import socket
 import sys
@@ -60,6 +62,9 @@ def oversubscribed() -> str | None:
 def accelerate_mixed_precision() -> str:
     """What `accelerate launch` was told (yaml `mixed_precision` or --mixed_precision); "no" without accelerate."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+
+
+LIBRARY_OUTPUT: list[str] = []  # what DeepSpeed printed while the world started: the run's deepspeed.log, not the terminal
 
 
 def quiet_deepspeed() -> None:
@@ -149,7 +154,9 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
     _default_group_timeout(timeout.get("timeout"))
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # its op builder's "... built successfully", each rank
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    LIBRARY_OUTPUT.append(said.getvalue())
     world_size = torch.distributed.get_world_size()
     if state.num_processes != world_size or world_size != launched_world_size():
         raise RuntimeError(f"inconsistent world size: accelerate says {state.num_processes}, torch.distributed "

@@ -79,6 +79,18 @@ def load_config(cfg: RunConfig):
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0]}") from None
 
 
+def takes_packed(cfg: RunConfig, auto_class: str) -> bool:
+    """Whether the model builds its causal mask with transformers' masking utilities (`create_causal_mask`), which
+    keep documents packed in one row apart when their positions restart (transformers >= 4.54)."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    auto = getattr(transformers, cfg.model.hf_class or auto_class)
+    try:
+        cls = auto._model_mapping[type(load_config(cfg))] if hasattr(auto, "_model_mapping") else auto
+    except KeyError:
+        return False
+    return hasattr(sys.modules[cls.__module__], "create_causal_mask")
+
+
 def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
     """The task's Hugging Face model: pretrained weights where `model.hf` has them, else initialised from its config;
     on the meta device (a `torch.device("meta")` context) always from the config."""

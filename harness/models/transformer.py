@@ -111,18 +111,22 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(init_weights)
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-        """Logits (B, T, vocab); with `targets` (B, T) the summed cross-entropy instead, computed `chunk` positions
-        at a time (0: at once) so that the logits never exist whole (`chunked_loss`)."""
-        x = _embed(self, ids)  # (B, T, C)
+    def forward(self, ids: torch.Tensor, documents: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                chunk: int = 0) -> torch.Tensor:
+        """Logits (B, T, vocab); with `documents` (B, T: each position's document, packed data), attention stays
+        inside each document and positions count from its start; with `targets` (B, T) the summed cross-entropy
+        instead, computed `chunk` positions at a time (0: at once) so that the logits never exist whole."""
+        every = None if documents is None else sequence.whole(documents)  # over all positions (sequence parallel)
+        x = _embed(self, ids, every)  # (B, T, C)
+        mask = None if every is None else (every[:, :, None] == every[:, None, :]).unsqueeze(1)  # (B, 1, T, T)
         for block in self.blocks:
-            x = block(x, causal=True)
+            x = block(x, mask=mask, causal=True)
         if targets is None:
             return _head(self, x)  # (B, T, vocab)
         return chunked_loss(lambda h: _head(self, h), x, targets, chunk)
 
-    def forward_flops(self, ids: torch.Tensor) -> float:
-        """Analytic FLOPs of `forward(ids)` (see `flops.py`)."""
+    def forward_flops(self, ids: torch.Tensor, documents: torch.Tensor | None = None) -> float:
+        """Analytic FLOPs of `forward(ids)` (see `flops.py`); a document mask computes every pair all the same."""
         c, (B, T) = self.cfg, ids.shape
         return flops.uniform_blocks(B, T, c.n_layers, c.d_model, c.d_ff) + flops.linear(B * T, c.d_model, c.vocab_size)
 
@@ -152,10 +156,22 @@ def _chunk_loss(head, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 # Parts of the forward pass, on the model or on a pipeline layer holding the same modules under the same names.
-def _embed(m, ids: torch.Tensor) -> torch.Tensor:
-    start = sequence.offset(ids.shape[1])  # this rank's first position under sequence parallelism, else 0
-    pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+def _embed(m, ids: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """`documents`: of every position (B, T), whole under sequence parallelism."""
+    if documents is not None:  # each position counted from its document's start
+        pos = sequence.own_positions(document_positions(documents))
+    else:
+        start = sequence.offset(ids.shape[1])  # this rank's first position under sequence parallelism, else 0
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
     return m.drop(m.tok_emb(ids) + m.pos_emb(pos))  # (B, T, C)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) documents of packed positions -> each position's place in its document."""
+    at = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return at - torch.where(starts, at, 0).cummax(1).values
 
 
 def _head(m, x: torch.Tensor) -> torch.Tensor:

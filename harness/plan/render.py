@@ -209,6 +209,7 @@ def render(plan: Plan) -> str:
                  f"{'DeepSpeed ' + sched['type'] if sched else 'the run file [schedule] ' + run.cfg.schedule.kind}")
     for key, value in flatten({"scheduler": sched} if sched else {}).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")
+    lines += [f"# {note}" for note in ds.sections.notes()]
     model = meta_model(plan)
     n = sum(p.numel() for p in model.parameters())
     layout_lines, per_rank = parallel_lines(plan, model)
@@ -235,13 +236,16 @@ def render(plan: Plan) -> str:
 
 
 def render_keys() -> str:
-    from ..tasks import PLUGIN_HINT, TASKS, task_sections
+    from ..tasks import PLUGIN_HINT, TASKS, task_data, task_sections
 
+    own = {key: (f, f" ({task} only)") for task, cls in task_data().items()
+           for key, f in all_keys({"data": cls}).items() if key not in all_keys()}  # a task's own [data] keys
     lines = []
-    for key, f in {**all_keys(), **all_keys(task_sections())}.items():  # the core sections, then each task's
+    for key, (f, owner) in {**{k: (f, "") for k, f in {**all_keys(), **all_keys(task_sections())}.items()},
+                            **own}.items():  # the core sections, then each task's
         choices = f.metadata["choices"]
         extra = f" (one of {', '.join(choices)})" if choices else ""
-        lines.append(f"{key:30} {json.dumps(f.default):10} {f.metadata['help']}{extra}")
+        lines.append(f"{key:30} {json.dumps(f.default):10} {f.metadata['help']}{extra}{owner}")
     lines += ["", f"run.task: the built-in tasks are {', '.join(TASKS)}; {PLUGIN_HINT}. A plug-in task's own keys "
               f"go in the [task] section (its Config dataclass)."]
     return "\n".join(lines)

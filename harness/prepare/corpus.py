@@ -36,10 +36,13 @@ from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for
 
 UNIT_BYTES = 64 << 20
 BLOCK = 16 << 20  # bytes of text tokenized at a time
-TEXT, JSON, CSV, PARQUET, HUB = ".txt", ".jsonl", ".csv", ".parquet", "hub"
-KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV, ".tsv": CSV, ".parquet": PARQUET}
+TEXT, JSON, CSV, PARQUET, HUB, FASTA = ".txt", ".jsonl", ".csv", ".parquet", "hub", ".fasta"
+KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV, ".tsv": CSV, ".parquet": PARQUET,
+         ".fasta": FASTA, ".fa": FASTA, ".faa": FASTA, ".fas": FASTA}
+KNOWN = ".txt, .jsonl, .json, .csv, .tsv, .parquet, .fasta/.fa/.faa"
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
 NEWLINE = 10
+RESIDUES = "residues"  # the protein task's tokenizer (`harness prepare protein --input`)
 MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
 
 
@@ -85,12 +88,12 @@ def expand(inputs: list[str]) -> list[str]:
             elif p.is_file():
                 found.append(m)
         if not found:
-            raise ConfigError(f"--input {name}: matches no file" + (" of a known kind (.txt, .jsonl, .json, .csv, "
-                              ".tsv, .parquet, compressed .gz/.bz2/.xz/.zst)" if Path(name).is_dir() else ""))
+            raise ConfigError(f"--input {name}: matches no file" + (f" of a known kind ({KNOWN}, compressed "
+                              ".gz/.bz2/.xz/.zst)" if Path(name).is_dir() else ""))
         for f in found:
             if kind_of(f) is None:
-                raise ConfigError(f"--input {f}: cannot tell its kind from its name (.txt, .jsonl, .json, .csv, "
-                                  f".tsv, .parquet, optionally compressed .gz/.bz2/.xz/.zst)")
+                raise ConfigError(f"--input {f}: cannot tell its kind from its name ({KNOWN}, optionally "
+                                  f"compressed .gz/.bz2/.xz/.zst)")
         files += [str(Path(f).resolve()) for f in found]
     return list(dict.fromkeys(files))
 
@@ -109,7 +112,7 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     for path in files:
         (size, mtime), kind = _stat(path), HUB if path.startswith("hub:") else kind_of(path)
         ranges: list[tuple[int, int]] = [(0, -1)]
-        if kind in (TEXT, JSON) and not _compression(path) and size > unit_bytes:
+        if kind in (TEXT, JSON, FASTA) and not _compression(path) and size > unit_bytes:
             ranges = [(s, min(s + unit_bytes, size)) for s in range(0, size, unit_bytes)]
         elif kind == PARQUET:
             import pyarrow.parquet as pq
@@ -167,9 +170,41 @@ def text_blocks(unit: Unit):
             yield chunk
 
 
+def fasta_records(unit: Unit):
+    """The sequences of the records whose header line starts in the unit's range, in blocks of 10,000: a record under
+    way at the range's start belongs to the unit before, one under way at its end is read to its end."""
+    with _open(unit.path) as f:
+        if unit.start > 0:
+            f.seek(unit.start - 1)
+            f.readline()  # the line under way belongs to the unit before
+        pos, block, seq, header = f.tell(), [], None, False
+        for line in f:
+            if line.startswith(b">"):
+                if seq is not None:
+                    block.append(b"".join(seq))
+                if len(block) >= 10_000:
+                    yield block
+                    block = []
+                if 0 <= unit.end <= pos:
+                    seq = None
+                    break
+                seq, header = [], True
+            elif seq is not None:
+                seq.append(line.strip())
+            pos += len(line)
+        if seq is not None:
+            block.append(b"".join(seq))
+        if not header and unit.start == 0 and pos:
+            raise ValueError("no record header ('>') in it: not FASTA")
+        yield block
+
+
 def documents(unit: Unit, text_field: str, counts: Counter):
     """The unit's documents, as lists of str (a block's worth at a time); what is skipped is counted."""
-    if unit.kind == TEXT:
+    if unit.kind == FASTA:
+        for block in fasta_records(unit):
+            yield _clean_lines(block, counts)
+    elif unit.kind == TEXT:
         for block in text_blocks(unit):
             lines = block.split(b"\n")
             if lines and lines[-1] == b"":
@@ -268,6 +303,42 @@ class Bytes:
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         data = [t.encode("utf-8") + b"\n" for t in texts]
         return np.frombuffer(b"".join(data), dtype=np.uint8), np.cumsum([len(d) for d in data], dtype=np.int64)
+
+
+class Residues:
+    """The protein task's residue ids: one a residue (upper-cased; a stop codon's trailing "*" dropped, any other
+    character <unk>), each sequence followed by the end token; the vocabulary (`prepare/protein.py`'s: padding,
+    <unk>, begin, end, <mask>, <cls>, then the letters A-Z of its alphabet) is written beside the shards."""
+    spec = {"kind": "residues", "vocab_size": 31, "separator": 3, "fingerprint": "residues-v1"}
+
+    def __init__(self):
+        from ..data.tokenizer import EOS, UNK
+        from .protein import ALPHABET, USER_SYMBOLS
+
+        letters = sorted(ALPHABET)
+        self.table = np.full(256, UNK, dtype=np.uint8)
+        first = 4 + len(USER_SYMBOLS)  # after the four fixed ids and <mask>, <cls>
+        for i, c in enumerate(letters):
+            self.table[ord(c)] = self.table[ord(c.lower())] = first + i
+        self.eos = EOS
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        seqs = [t.strip().removesuffix("*").encode("ascii", "replace") + b"\0" for t in texts]
+        ids = self.table[np.frombuffer(b"".join(seqs), dtype=np.uint8)]
+        ends = np.cumsum([len(q) for q in seqs], dtype=np.int64)
+        ids[ends - 1] = self.eos
+        return ids, ends
+
+    @staticmethod
+    def write_vocabulary(out: Path) -> None:
+        """The residue vocabulary as the protein task reads a prepared directory's: its letters' distinct counts
+        fix their ids in alphabetical order."""
+        from ..data.tokenizer import train_tokenizer
+        from .protein import ALPHABET, TOKENIZER, USER_SYMBOLS
+
+        text = "".join(c * (40 - i) for i, c in enumerate(sorted(ALPHABET)))
+        tok = train_tokenizer([text], out / TOKENIZER, vocab_size=64, model_type="char", user_symbols=USER_SYMBOLS)
+        assert tok.vocab_size == Residues.spec["vocab_size"] and tok.piece_id("A") == 6, tok.vocab_size
 
 
 class HFTokenizer:
@@ -446,7 +517,7 @@ def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str
     files = expand(inputs)
     units = plan_units(files, unit_bytes)
     mine = [u for u in units if which is None or u.id % which[1] == which[0] - 1]
-    tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
+    tok = Residues() if tokenizer == RESIDUES else HFTokenizer(tokenizer) if tokenizer else Bytes()
     settings = {"inputs": [{"path": f, "size": _stat(f)[0]} for f in files], "tokenizer": tok.spec, "text_field": text_field, "val_fraction": val_fraction,
                 "seed": seed, "unit_bytes": unit_bytes, "units": len(units), "part": part}
     root = Path(out)
@@ -475,9 +546,10 @@ def _claim(root: Path, settings: dict) -> None:
 
 def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: float, seed: int, on_error: str,
           workers: int, done: dict) -> None:
-    from tqdm.auto import tqdm
+    from ..console import progress
 
-    bar = tqdm(total=sum(map(_weight, todo)), unit="B", unit_scale=True, desc=f"prepare {root.name}", disable=not todo)
+    bar = progress(total=sum(map(_weight, todo)), unit="B", unit_scale=True, desc=f"prepare {root.name}",
+                   disable=not todo)
     started, tokens, docs = time.monotonic(), 0, 0
     jobs = [(u, root, tok, text_field, val_fraction, seed, on_error) for u in todo]
 
@@ -530,6 +602,14 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str)
     stamps = {str((root / s["file"]).resolve()): [(st := (root / s["file"]).stat()).st_size, st.st_mtime_ns]
               for s in shards}  # checksums taken while writing: a run need not read the shards again
     (root / VERIFIED).write_text(json.dumps(stamps))
+    if settings["tokenizer"]["kind"] == RESIDUES:  # what the protein task reads of a prepared directory
+        from . import META
+
+        Residues.write_vocabulary(root)
+        split_counts = {split: {"ok": manifest["counts"][split]["documents"]} for split in ("train", "validation")}
+        (root / META).write_text(json.dumps({"task": "protein", "corpus": True, "labels": "none", "classes": [],
+                                             "values": {}, "vocab_size": Residues.spec["vocab_size"], "sites": None,
+                                             "counts": {**split_counts, "test": {}}}, indent=1))
     return manifest
 
 

@@ -175,7 +175,7 @@ def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
         saved = json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / DATA).read_text())
     except (OSError, ValueError):
         return  # saved without a prepared corpus (or before data.json existed)
-    if saved != data and not changed_ok:
+    if (data or {}).get("fingerprint") != saved.get("fingerprint") and not changed_ok:  # moved is the same data
         now = f"{data['path']} (fingerprint {data['fingerprint']})" if data else "data that is no prepared corpus"
         raise ConfigError(f"--resume {path}: trained on {saved['path']} (fingerprint {saved['fingerprint']}), now "
                           f"{now}: the steps after it would not read what the uninterrupted run read; pass "

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from ..config.run import (  # raised here, caught by the CLI
     Preempted,
     TrainingStopped,
 )
+from ..console import progress
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
 from ..distributed.optim import follow_config_lr
 from ..distributed.parallel import (
@@ -39,7 +38,7 @@ from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
 from .preemption import Watch
 from .selection import Selection
-from .startup import STDERR_TTY_ENV, check_free_space, data_identity, prepare_run_dir
+from .startup import check_free_space, data_identity, prepare_run_dir
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -54,9 +53,7 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)
     was_training = engine.training
     engine.eval()
-    if desc:
-        from tqdm.auto import tqdm
-    shown = tqdm(range(steps), desc=desc, leave=False, disable=not world.is_main) if desc else range(steps)
+    shown = progress(range(steps), desc=desc, leave=False, disable=not world.is_main) if desc else range(steps)
     for i in shown:
         real = i < len(batches)
         batch = to_device(task.collate([samples[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
@@ -191,7 +188,11 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                    steps_per_epoch, every.describe(steps_per_epoch), threads))
     for line in [build_report(build_peaks, n_params)] if build_peaks[0]["host"] is not None else []:
         say(line)
-    say(data.summary.line() if data.summary else f"data train: {len(data.train)} samples; validation: {len(data.val)}")
+    for line in ds.sections.notes():  # run keys the DeepSpeed file overrides, or its scheduler does not read
+        say(line)
+    described = task.describe_data(cfg, ds.global_batch_size) if hasattr(task, "describe_data") else None
+    say(described or (data.summary.line() if data.summary else
+                      f"data train: {len(data.train)} samples; validation: {len(data.val)}"))
     return Run(plan, world, data, engine, schedule, every, StepSampler(**sampler_args, start_step=start_step,
                max_steps=max_steps), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
                state.get("samples_seen", 0), selection, tracker, flops,
@@ -403,10 +404,5 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
 
 
 def _progress(world: World, start: int, total: int):
-    from tqdm.auto import tqdm
-
-    # a terminal, or `harness launch` relaying to one: redrawn every second; a log: every 30 s
-    tty = sys.stderr.isatty() or os.environ.get(STDERR_TTY_ENV)
-    return tqdm(total=total, initial=start, disable=not world.is_main, desc="train", unit="step",
-                dynamic_ncols=True, mininterval=1.0 if tty else 30.0, file=sys.stderr)
+    return progress(total=total, initial=start, disable=not world.is_main, desc="train", unit="step")
 

@@ -53,7 +53,9 @@ class Tracker:
         else:
             self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
         self.backend.start()
-        self.backend.store_init_configuration(flatten(cfg.to_dict()))
+        config = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)  # TensorBoard's hparams: scalars
+                  for k, v in flatten(cfg.to_dict()).items()}
+        self.backend.store_init_configuration(config)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:

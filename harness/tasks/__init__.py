@@ -15,10 +15,11 @@ from .registry import (
            plugin_path,
            resolve,
            task_class,
+           task_data,
            task_ref,
            task_sections,
 )
 
 __all__ = ["CaseStudy", "DataSummary", "PLUGIN_HINT", "REQUIRED", "ReadData", "TASKS", "Task", "TaskData",
-           "TaskDefaults", "get_task", "is_plugin_name", "plugin_path", "resolve", "task_class", "task_ref",
-           "task_sections"]
+           "TaskDefaults", "get_task", "is_plugin_name", "plugin_path", "resolve", "task_class", "task_data",
+           "task_ref", "task_sections"]

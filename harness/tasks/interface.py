@@ -28,7 +28,9 @@ class Task(Protocol):
     of `TaskDefaults` (stated there). Batches are dicts of tensors; a model is a plain `nn.Module`.
 
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
-    Optional: `check`, `loss`, `metrics`, `Config` (the task's own `[task]` section), `lengths` (length-bucketed
+    Optional: `check`, `check_layout(cfg, layout)` (what the task needs of the parallel layout, before launch),
+    `loss`, `metrics`, `Config` (the task's own `[task]` section), `Data` (a DataSection subclass: keys of its own
+    in [data], e.g. the lm's `data.mix`), `lengths` (length-bucketed
     batches), `pad_values` (the batch's (B, length) tensors and their padding value: `data.length_buckets` pads
     them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`; without it,
     the mean loss and `metrics` of the split: validation, or `TaskData.test` for test), `prepare`,

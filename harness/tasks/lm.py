@@ -6,23 +6,59 @@ Its embedded default corpus is the Python documentation's topic pages that ship 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..config.run import ConfigError, RunConfig
-from ..data.corpus import Corpus, Windows, is_corpus
+from ..config.run import ConfigError, DataSection, RunConfig, setting
+from ..data.corpus import Corpus, Mixture, Windows, is_corpus
 from ..data.rows import DataSummary, check_paths, keep, load_rows
 from ..models import hf, sequence
-from ..models.transformer import TransformerConfig, TransformerLM
+from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
 from .interface import TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
 LARGE_RAW_BYTES = 100 << 20  # a raw file this big is tokenized at every start: say how to do it once
+MAX_REPEATS = 4  # a mixture source read more often than this is named at the start
+
+
+def parse_mix(key: str, value) -> tuple[tuple[str, float], ...]:
+    """data.mix as ((directory, weight), ...), from a table of directory = weight, a list of directories (equal
+    weights) or a list of [directory, weight] pairs."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        pairs = [(v, 1.0) if isinstance(v, str) else tuple(v) for v in value]
+    else:
+        raise ValueError(f"must be a table of directory = weight or a list of directories, got {value!r}")
+    seen = set()
+    for pair in pairs:
+        if len(pair) != 2 or not isinstance(pair[0], str) or isinstance(pair[1], bool) or \
+                not isinstance(pair[1], (int, float)):
+            raise ValueError(f"{list(pair)!r} is not a directory and its weight")
+        if not (math.isfinite(pair[1]) and pair[1] > 0):
+            raise ValueError(f"the weight of {pair[0]} must be a positive number, got {pair[1]!r}")
+        if os.path.realpath(pair[0]) in seen:
+            raise ValueError(f"lists {pair[0]} twice")
+        seen.add(os.path.realpath(pair[0]))
+    return tuple((path, float(weight)) for path, weight in pairs)
+
+
+@dataclass(frozen=True)
+class Data(DataSection):
+    """The lm task's [data] keys beyond the core ones."""
+    mix: tuple = setting((), "a weighted blend of prepared corpora instead of data.path, e.g. {\"web\" = 0.7, "
+                         "\"books\" = 0.3} (or a list of directories, equal weights): each step draws from each in "
+                         "that proportion (docs/corpora.md)", parse=parse_mix)
+    document_mask: bool = setting(False, "with a prepared corpus: attention stays inside each document of a "
+                                  "window and positions restart at each (the built-in model, and Hugging Face causal "
+                                  "LMs that take packed sequences)")
 
 
 def default_corpus() -> str:
@@ -42,23 +78,42 @@ class LanguageModelTask:
     """Byte-level with the built-in Transformer; with a Hugging Face causal LM (`model.hf`), its own tokenizer."""
 
     HF_CLASS = "AutoModelForCausalLM"
+    Data = Data
     items = "tokens"
     byte_level = True  # until a run names a Hugging Face model
     loss_chunk = 0  # train.loss_chunk, set by build_model
     hf_model = False  # a Hugging Face model (model.hf), set by build_model
 
     def check(self, cfg: RunConfig) -> None:
-        if is_corpus(cfg.data.path):
-            self._check_corpus(cfg)
-        else:
-            check_paths(cfg.data)
+        d = cfg.data
+        if d.mix and d.path:
+            raise ConfigError(f"data.mix and data.path = {d.path} are both set: a run reads one or the other")
+        for path in [p for p, _ in d.mix] or ([d.path] if is_corpus(d.path) else []):
+            self._check_corpus(cfg, path)
+        if not d.mix and not is_corpus(d.path):
+            check_paths(d)
+            if d.document_mask:
+                raise ConfigError(f"data.document_mask = true needs a prepared corpus (its document index), and "
+                                  f"data.path = {d.path or 'the default corpus'} is none; `harness prepare lm` makes "
+                                  f"one")
         if cfg.model.hf:
             hf.check(cfg, self.HF_CLASS)
             if cfg.train.loss_chunk:
                 raise ConfigError(f"train.loss_chunk = {cfg.train.loss_chunk}: the chunked loss is the lm's own "
                                   f"model's; a Hugging Face model (model.hf) computes its own logits; set it to 0")
+            if d.document_mask and not hf.takes_packed(cfg, self.HF_CLASS):
+                raise ConfigError(f"data.document_mask = true: {cfg.model.hf} does not build its attention mask with "
+                                  f"transformers' masking utilities, which keep packed documents apart; set it to "
+                                  f"false")
         elif cfg.model.vocab_size not in (0, BYTE_VOCAB):
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the lm task is byte-level; use 0 or 256")
+
+    def check_layout(self, cfg: RunConfig, layout) -> None:
+        """Before launch: a document mask's positions are not cut into pipeline stages, nor split by DeepSpeed's
+        Hugging Face sequence parallelism (the built-in model's is the harness's own and takes it)."""
+        if cfg.data.document_mask and (layout.pp_size > 1 or (layout.sp_size > 1 and cfg.model.hf)):
+            why = "a pipeline" if layout.pp_size > 1 else "DeepSpeed's sequence parallelism for Hugging Face models"
+            raise ConfigError(f"data.document_mask = true is not supported under {why}; set it to false")
 
     def build_model(self, cfg: RunConfig):
         m = cfg.model
@@ -73,9 +128,13 @@ class LanguageModelTask:
                                                d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
 
-    def _check_corpus(self, cfg: RunConfig) -> None:
+    def _check_corpus(self, cfg: RunConfig, path: str) -> None:
         """A prepared corpus: its shards whole, its tokens those of the run's model, a validation set named."""
-        corpus = Corpus(cfg.data.path)
+        key = "data.mix" if cfg.data.mix else "data.path"
+        if not is_corpus(path):
+            raise ConfigError(f"{key}: {path} is no prepared corpus (no manifest.json); `harness prepare lm --input "
+                              f"FILES --out {path}` makes one")
+        corpus = Corpus(path)
         corpus.check()
         kind, own = corpus.tokenizer["kind"], hf.own_tokenizer(cfg)
         if own:
@@ -83,35 +142,45 @@ class LanguageModelTask:
 
             tok = hf.tokenizer(cfg)
             if kind != "hf" or corpus.tokenizer["fingerprint"] != fingerprint(tok):
-                raise ConfigError(f"data.path = {cfg.data.path}: prepared with {corpus.tokenizer.get('name', kind)} "
-                                  f"tokens, but {cfg.model.hf} has its own tokenizer; prepare it with "
-                                  f"--tokenizer {hf.tokenizer_dir(cfg)}")
+                raise ConfigError(f"{key} = {path}: prepared with {corpus.tokenizer.get('name', kind)} tokens, but "
+                                  f"{cfg.model.hf} has its own tokenizer; prepare it with --tokenizer "
+                                  f"{hf.tokenizer_dir(cfg)}")
         elif kind != "bytes":
-            raise ConfigError(f"data.path = {cfg.data.path}: prepared with the tokenizer {corpus.tokenizer['name']} "
-                              f"(vocabulary {corpus.tokenizer['vocab_size']}), but the run's model reads bytes; "
-                              f"prepare it without --tokenizer, or name a model.hf with that tokenizer")
+            raise ConfigError(f"{key} = {path}: prepared with the tokenizer {corpus.tokenizer['name']} (vocabulary "
+                              f"{corpus.tokenizer['vocab_size']}), but the run's model reads bytes; prepare it without "
+                              f"--tokenizer, or name a model.hf with that tokenizer")
         if cfg.data.val_path and not is_corpus(cfg.data.val_path):
-            raise ConfigError(f"data.val_path = {cfg.data.val_path}: with a prepared data.path, validation is a "
+            raise ConfigError(f"data.val_path = {cfg.data.val_path}: with a prepared {key}, validation is a "
                               f"prepared directory too (or the corpus's own, --val-fraction at prepare)")
         if cfg.data.val_path:
             Corpus(cfg.data.val_path).check()
 
     def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
-        """`harness plan`'s line on a prepared corpus: its size, a step's tokens, the epochs the run covers."""
-        if not is_corpus(cfg.data.path):
+        """The plan's and the start's account of prepared data: each corpus's size, a step's tokens, the epochs the
+        run covers (of each source of a mixture, naming one read more than MAX_REPEATS times)."""
+        d, seq = cfg.data, cfg.data.seq_len
+        if not d.mix and not is_corpus(d.path):
             return None
-        corpus, seq = Corpus(cfg.data.path), cfg.data.seq_len
-        windows = max(1, len(Windows(corpus, "train", seq)))
-        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (windows // global_batch))
-        covered = f"; {steps:,} steps cover {steps * global_batch / windows:.3g} epochs" if steps else ""
-        return (f"data: prepared corpus {cfg.data.path}: {corpus.tokens():,} tokens in {corpus.documents():,} "
-                f"documents, {len(corpus.shards['train'])} shards ({corpus.dtype.name}); validation "
-                f"{corpus.tokens('validation'):,} tokens; a step reads {global_batch * seq:,} tokens "
-                f"({global_batch} x {seq}){covered}")
+        sources = [(p, w) for p, w in d.mix] or [(d.path, 1.0)]
+        corpora = [Corpus(p) for p, _ in sources]
+        windows = [max(1, len(Windows(c, "train", seq))) for c in corpora]
+        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (sum(windows) // global_batch))
+        total = sum(w for _, w in sources)
+        lines = [f"data: {'a mixture of prepared corpora' if d.mix else 'a prepared corpus'}; a step reads "
+                 f"{global_batch * seq:,} tokens ({global_batch} x {seq}), {steps:,} steps"]
+        for (path, weight), corpus, n in zip(sources, corpora, windows):
+            epochs = steps * global_batch * weight / total / n
+            share = f"weight {weight / total:.3g}: " if d.mix else ""
+            lines.append(f"  {path}: {share}{corpus.tokens():,} tokens in {corpus.documents():,} documents, "
+                         f"{len(corpus.shards['train'])} shard(s) of {corpus.dtype.name}, validation "
+                         f"{corpus.tokens('validation'):,} tokens; the run reads it {epochs:.3g} times"
+                         + (f" -- more than {MAX_REPEATS} repeats: a model may memorise it" if epochs > MAX_REPEATS
+                            else ""))
+        return "\n".join(lines)
 
     def build_data(self, cfg: RunConfig) -> TaskData:
         d = cfg.data
-        if is_corpus(d.path):
+        if d.mix or is_corpus(d.path):
             return self._corpus_data(cfg)
         started = time.monotonic()
         data = self._raw_data(cfg)
@@ -123,11 +192,15 @@ class LanguageModelTask:
         return data
 
     def _corpus_data(self, cfg: RunConfig) -> TaskData:
-        d, corpus = cfg.data, Corpus(cfg.data.path)
-        train = Windows(corpus, "train", d.seq_len)
-        val = Windows(Corpus(d.val_path), "train", d.seq_len) if d.val_path else \
-            Windows(corpus, "validation", d.seq_len)
-        return TaskData(train, val, CorpusSummary(corpus, train, val))
+        """Windows over a prepared corpus, or a blend of several (data.mix); validation: data.val_path's, else the
+        corpora's own held-out documents."""
+        d = cfg.data
+        corpora = [Corpus(p) for p, _ in d.mix] or [Corpus(d.path)]
+        train = [Windows(c, "train", d.seq_len, d.document_mask) for c in corpora]
+        val = [Windows(Corpus(d.val_path), "train", d.seq_len, d.document_mask)] if d.val_path else \
+            [Windows(c, "validation", d.seq_len, d.document_mask) for c in corpora]
+        return TaskData(Mixture(train, [w for _, w in d.mix], cfg.train.seed) if d.mix else train[0],
+                        Mixture(val) if len(val) > 1 else val[0])
 
     def _raw_data(self, cfg: RunConfig) -> TaskData:
         d = cfg.data
@@ -156,13 +229,18 @@ class LanguageModelTask:
                               for i in (*ids, tok.eos_token_id)]
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
-        """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
-        return {"path": cfg.data.path, "fingerprint": Corpus(cfg.data.path).fingerprint} \
-            if is_corpus(cfg.data.path) else None
+        """What a checkpoint records of prepared data, so that a resume on other data is refused: the corpora's
+        fingerprints (and a mixture's weights)."""
+        d = cfg.data
+        if d.mix:
+            parts = "".join(f"{Corpus(p).fingerprint}:{w!r};" for p, w in d.mix)
+            return {"path": "data.mix of " + ", ".join(p for p, _ in d.mix),
+                    "fingerprint": hashlib.sha256(parts.encode()).hexdigest()[:16]}
+        return {"path": d.path, "fingerprint": Corpus(d.path).fingerprint} if is_corpus(d.path) else None
 
     def lazy_order(self, cfg: RunConfig) -> bool:
-        """A prepared corpus's samples are ordered without holding the order (StepSampler's `lazy`)."""
-        return is_corpus(cfg.data.path)
+        """Prepared data's samples are ordered without holding the order (StepSampler's `lazy`)."""
+        return bool(cfg.data.mix) or is_corpus(cfg.data.path)
 
     def tokenizer(self, cfg: RunConfig):
         return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None
@@ -181,11 +259,14 @@ class LanguageModelTask:
 
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         ids = torch.stack([s["ids"] for s in samples]).long()  # (B, T + 1); a prepared corpus's come narrower
-        return {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+        batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+        if "documents" in samples[0]:  # data.document_mask: each input position's document
+            batch["documents"] = torch.stack([s["documents"] for s in samples])[:, :-1].long()
+        return batch
 
     def sequence_split(self, batch: dict[str, torch.Tensor]) -> dict[str, str]:
-        """Sequence parallelism: inputs and targets split by positions."""
-        return {"inputs": "positions", "targets": "positions"}
+        """Sequence parallelism: inputs, targets (and documents) split by positions."""
+        return {key: "positions" for key in batch}
 
     def sequence_length(self, cfg: RunConfig) -> tuple[int, tuple[str, ...]]:
         """The positions of every sample and the key that sets them."""
@@ -194,7 +275,11 @@ class LanguageModelTask:
     def count(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["targets"].numel()
 
-    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+    def inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The built-in model takes each position's document (data.document_mask); a Hugging Face one its positions
+        (`loss`)."""
+        if "documents" in batch and not self.hf_model:
+            return batch["inputs"], batch["documents"]
         return (batch["inputs"],)
 
     def loss_from(self, outputs, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -203,8 +288,10 @@ class LanguageModelTask:
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.loss_chunk:  # the model sums the loss itself, a chunk of positions at a time (train.loss_chunk)
-            return model(batch["inputs"], batch["targets"], self.loss_chunk)
+            return model(*self.inputs(batch), targets=batch["targets"], chunk=self.loss_chunk)
         ids = batch["inputs"]
+        if self.hf_model and "documents" in batch:  # packed documents: transformers masks by restarting positions
+            return self.loss_from(model(ids, position_ids=document_positions(batch["documents"])), batch)
         if self.hf_model and sequence.current() is not None:  # split by DeepSpeed's HF Ulysses: global positions,
             start = sequence.offset(ids.shape[1])  # contiguous (its wrapper all-gathers them; NCCL takes no views)
             positions = torch.arange(start, start + ids.shape[1], device=ids.device).repeat(len(ids), 1)
@@ -214,15 +301,3 @@ class LanguageModelTask:
     def metrics(self, mean_loss: float) -> dict[str, float]:
         out = {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
         return {**out, "bits_per_byte": mean_loss / math.log(2)} if self.byte_level else out
-
-
-class CorpusSummary:
-    """The start line's account of a prepared corpus."""
-
-    def __init__(self, corpus: Corpus, train: Windows, val: Windows):
-        self.corpus, self.train, self.val = corpus, train, val
-
-    def line(self) -> str:
-        c = self.corpus
-        return (f"data: prepared corpus {c.dir}: train {c.tokens():,} tokens, {c.documents():,} documents, "
-                f"{len(c.shards['train'])} shards, {len(self.train):,} samples; validation {len(self.val):,} samples")

@@ -40,10 +40,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..config.run import ConfigError, RunConfig, read_toml, setting
+from ..console import progress
 from ..data.batches import eval_batches
+from ..data.corpus import Corpus, Documents, is_corpus
 from ..data.tokenizer import PAD
 from ..distributed.world import launched_rank
 from ..models import hf
@@ -166,6 +167,46 @@ class Samples(torch.utils.data.Dataset):
         return {"ids": masked, "targets": targets}
 
 
+class CorpusRows:
+    """A prepared corpus's sequences (`harness prepare protein --input`) as the rows `Samples` reads: {"ids": residue
+    ids}, one longer than `residues` cropped to a window of them at an offset drawn from (seed, sequence), or its
+    start where `seed` is None (evaluation). Nothing is read before a row is asked for."""
+
+    def __init__(self, corpus: Corpus, split: str, residues: int, seed: int | None):
+        self.docs = Documents(corpus, split) if split in corpus.shards else None
+        self.residues, self.seed = residues, seed
+
+    def with_format(self, _):
+        return self
+
+    def __len__(self) -> int:
+        return len(self.docs) if self.docs is not None else 0
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.docs[i]
+        start = 0
+        if len(ids) > self.residues and self.seed is not None:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            start = int(torch.randint(len(ids) - self.residues + 1, (), generator=g))
+        return {"ids": torch.from_numpy(ids[start:start + self.residues].astype("int64"))}
+
+
+def check_corpus(cfg: RunConfig) -> None:
+    """A prepared corpus of sequences: residue ids for masked-LM pre-training, its shards whole."""
+    corpus, p = Corpus(cfg.data.path), cfg.task
+    corpus.check()
+    if corpus.tokenizer["kind"] != "residues":
+        raise ConfigError(f"data.path = {cfg.data.path}: a corpus of {corpus.tokenizer['kind']} tokens; the protein "
+                          f"task reads residues: `harness prepare protein --input FASTA... --out DIR`")
+    if p.objective != "mlm":
+        raise ConfigError(f"protein.objective = {p.objective!r}: a prepared corpus of sequences has no labels; "
+                          f"pre-train with 'mlm' on it (then start from that run: protein.init_from)")
+    if cfg.data.val_path or cfg.data.bucket:
+        key = "data.val_path" if cfg.data.val_path else "data.bucket"
+        raise ConfigError(f"{key}: with a prepared corpus, validation is its held-out sequences (--val-fraction) "
+                          f"and samples are not bucketed; leave it out")
+
+
 def windows(length: int, window: int) -> list[tuple[int, int, int]]:
     """(first residue, owned from, owned to) of windows of `window` residues over a chain of `length`: starts every
     window // 2 residues, the last aligned to the chain's end; where two overlap, each owns the half nearer its own
@@ -233,7 +274,10 @@ class ProteinTask:
         return vocab
 
     def check(self, cfg: RunConfig) -> None:
-        prep.check(cfg)
+        if is_corpus(cfg.data.path):
+            check_corpus(cfg)
+        else:
+            prep.check(cfg)
         p = cfg.task
         if cfg.model.hf:
             hf.check(cfg, HF_CLASSES[p.objective])
@@ -266,7 +310,9 @@ class ProteinTask:
                               f"sequences differ (protein.sites), so its positions are not residue positions")
 
     def prepare(self, cfg: RunConfig) -> Path:
-        return self.prepared or prep.prepare(cfg)
+        if self.prepared:
+            return self.prepared
+        return Path(cfg.data.path) if is_corpus(cfg.data.path) else prep.prepare(cfg)
 
     def store(self, cfg: RunConfig, out: Path) -> None:
         store(self.prepare(cfg), out, prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
@@ -315,11 +361,34 @@ class ProteinTask:
 
     def samples(self, cfg: RunConfig, split: str, train: bool = False, rows=None) -> Samples:
         directory, vocab = self.prepare(cfg), self._bind(cfg)
-        p = cfg.task
+        p, corpus = cfg.task, rows is None and is_corpus(directory)
         variants = p.mask_variants if train and p.objective == "mlm" else 1
+        if corpus:  # sequences of any number, read by memory map, each cropped to data.seq_len residues
+            rows = CorpusRows(Corpus(directory), split, cfg.data.seq_len, cfg.train.seed if train else None)
         return Samples(prep.load(directory, split) if rows is None else rows, p.objective, vocab, p.mask_prob,
                        cfg.train.seed if train else EVAL_MASK_SEED, variants, scale(read_meta(directory)),
-                       window=0 if train else cfg.data.seq_len)
+                       window=0 if train or corpus else cfg.data.seq_len)
+
+    def lazy_order(self, cfg: RunConfig) -> bool:
+        """A prepared corpus's samples are ordered without holding the order (StepSampler's `lazy`)."""
+        return is_corpus(cfg.data.path)
+
+    def data_identity(self, cfg: RunConfig) -> dict | None:
+        """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
+        return {"path": cfg.data.path, "fingerprint": Corpus(cfg.data.path).fingerprint} \
+            if is_corpus(cfg.data.path) else None
+
+    def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
+        """The plan's and the start's account of a prepared corpus: its sequences, the epochs the run covers."""
+        if not is_corpus(cfg.data.path):
+            return None
+        corpus = Corpus(cfg.data.path)
+        n = corpus.documents() * cfg.task.mask_variants
+        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (n // global_batch))
+        return (f"data: a prepared corpus {cfg.data.path}: {corpus.documents():,} sequences ({corpus.tokens():,} "
+                f"tokens) in {len(corpus.shards['train'])} shard(s), validation {corpus.documents('validation'):,}; "
+                f"each cropped to data.seq_len = {cfg.data.seq_len} residues; a step reads {global_batch} of them, "
+                f"{steps:,} steps cover {steps * global_batch / n:.3g} epochs of {n:,} samples")
 
     def tokenizer(self, cfg: RunConfig):
         """A Hugging Face model's own tokenizer, for its export (the residue vocabulary stays with the data)."""
@@ -408,7 +477,7 @@ class ProteinTask:
         if choose:
             blended.ridge_mix.zero_()
         mine = []
-        for i in tqdm(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
+        for i in progress(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
             real = i < len(batches)
             index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
             batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ..config.run import PLUGIN_SECTION, ConfigError, Resolved
+from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved
 from ..config.run import resolve as resolve_layers
 from .interface import REQUIRED, Task, TaskDefaults
 
@@ -37,14 +37,15 @@ def is_plugin_name(task: str) -> bool:
     return isinstance(task, str) and ":" in task
 
 
-def task_ref(name: str) -> tuple[str, str, type | None]:
+def task_ref(name: str) -> tuple[str, str, type | None, type | None]:
     """`run.task` as the run config stores it, the name of the task's section in the run file (a built-in task's
-    `section`, [task] for a plug-in) and that section (its `Config` dataclass; None for a task without one); raises
-    for a name that is no task."""
+    `section`, [task] for a plug-in), that section (its `Config` dataclass; None for a task without one) and the
+    task's own [data] section (`Data`, a subclass of DataSection; None for the core one); raises for a name that is
+    no task."""
     cls = task_class(name)
     if is_plugin_name(name):
-        return plugin_path(name), PLUGIN_SECTION, cls.Config
-    return name, getattr(cls, "section", PLUGIN_SECTION), getattr(cls, "Config", None)
+        return plugin_path(name), PLUGIN_SECTION, cls.Config, getattr(cls, "Data", None)
+    return name, getattr(cls, "section", PLUGIN_SECTION), getattr(cls, "Config", None), getattr(cls, "Data", None)
 
 
 def task_sections() -> dict[str, type]:
@@ -53,10 +54,17 @@ def task_sections() -> dict[str, type]:
     return {cls.section: cls.Config for cls in classes if getattr(cls, "Config", None) is not None}
 
 
+def task_data() -> dict[str, type]:
+    """Each built-in task's own [data] section by task name, where it has keys of its own (`harness keys` lists
+    them)."""
+    classes = {name: task_class(name) for name in TASKS}
+    return {name: cls.Data for name, cls in classes.items() if getattr(cls, "Data", None) is not None}
+
+
 def resolve(run_file: str | None, overrides: list[str] = ()) -> Resolved:
     """The run config (defaults < run file < `--set`), with the task `run.task` names checked and its section's keys
     (another built-in task's keys are refused, naming it)."""
-    return resolve_layers(run_file, overrides, task_ref, task_sections())
+    return resolve_layers(run_file, overrides, task_ref, task_sections(), task_data())
 
 
 def task_class(name: str) -> type:
@@ -87,6 +95,10 @@ def task_class(name: str) -> type:
         raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
                           f"harness/tasks/interface.py lists what a task provides)")
     _check_section(name, cls_name, getattr(cls, "Config", None))
+    data = getattr(cls, "Data", None)
+    if data is not None and not (isinstance(data, type) and issubclass(data, DataSection)):
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Data must be a dataclass subclassing "
+                          f"harness.config.run.DataSection (the task's own [data] keys)")
     for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
         if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
             setattr(cls, attr, TaskDefaults.__dict__[attr])

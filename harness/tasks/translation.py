@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..config.run import ConfigError, RunConfig, setting
+from ..console import progress
 from ..data.batches import eval_batches
 from ..data.tokenizer import BOS, EOS, PAD
 from ..distributed.world import all_reduce
@@ -201,7 +201,7 @@ class TranslationTask:
         was_training = model.training
         model.eval()
         out, nll = [], torch.zeros(2, dtype=torch.float64, device=dev)
-        for i in tqdm(range(steps), desc=f"decoding {split}", disable=not world.is_main, leave=False):
+        for i in progress(range(steps), desc=f"decoding {split}", disable=not world.is_main, leave=False):
             real = i < len(batches)
             ids = [chosen[j] for j in (batches[i] if real else batches[-1] if batches else [0])]
             batch = {k: v.to(dev) for k, v in self.collate([rows[j] for j in ids]).items()}

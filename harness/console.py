@@ -1,0 +1,42 @@
+"""Progress on a terminal or in a log: a tqdm bar where stderr is a terminal (or `harness launch` relays the ranks'
+stderr to one), else one plain line every `every` seconds, with no carriage-return frames in the log."""
+from __future__ import annotations
+
+import os
+import sys
+
+STDERR_TTY_ENV = "HARNESS_STDERR_TTY"  # set by `harness launch`: the ranks' stderr is a file it relays to a terminal
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty() or bool(os.environ.get(STDERR_TTY_ENV))
+
+
+def progress(iterable=None, *, every: float = 30.0, **kwargs):
+    """tqdm(iterable, **kwargs) on stderr: redrawn each second on a terminal, a line every `every` s in a log."""
+    from tqdm.auto import tqdm
+
+    if on_terminal():
+        return tqdm(iterable, mininterval=1.0, dynamic_ncols=True, file=sys.stderr, **kwargs)
+    return _lines()(iterable, mininterval=every, ncols=100, file=sys.stderr, **kwargs)
+
+
+def _lines():
+    from tqdm import tqdm
+
+    class Lines(tqdm):
+        """Each refresh one plain line; a bar that leaves nothing behind (leave=False) leaves no empty line."""
+
+        def display(self, msg=None, pos=None):
+            if msg != "":
+                self.fp.write((msg or self.__str__()) + "\n")
+                self.fp.flush()
+            return True
+
+        def close(self):  # tqdm ends a bar it leaves with a newline of its own: the last line alone instead
+            if not self.disable and self.leave:
+                self.leave = False
+                self.display()
+            super().close()
+
+    return Lines
