@@ -118,6 +118,9 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
         p.set_defaults(command_parser=p)
 
 
+RECIPES_READ = "../shared/data"  # where configs/runs/*.toml read the benchmark sets (prepare/benchmarks.py)
+
+
 def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
     """`harness prepare lm` (a corpus of any size into shards, docs/corpora.md) and the case studies'."""
     sub = pr.add_subparsers(dest="task", required=True, metavar="{lm,translation,protein,prices}")
@@ -134,10 +137,16 @@ def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
                        "../shared/data/multi30k, your own file, or hub:NAME; default: the embedded default")
         p.add_argument("--run", metavar="RUN.toml", help="take the data and model settings from a run file")
         p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="as for train")
+        sets = {"translation": "multi30k", "protein": "flip_ss and flip_gb1", "prices": "ett"}[name]
+        p.add_argument("--from", dest="release", metavar="PATH", help=f"instead: lay out the benchmark set ({sets}) "
+                       f"from the file or folder its authors publish, into --out (default {RECIPES_READ}, where the "
+                       f"GPU recipes read it; docs/case-studies.md names the sources)")
         if name == "protein":
             _corpus_options(p, "instead of --data: FASTA files (.fasta, .fa, .faa; also .gz, .bz2, .xz, .zst), "
                             "directories and globs, one sequence a document; or .txt/.jsonl/.csv/.parquet of "
                             "sequences (--text-field)", out_required=False)
+        else:
+            p.add_argument("--out", metavar="DIR", help="with --from: the folder the benchmark set goes in")
 
 
 def _corpus_options(p: argparse.ArgumentParser, inputs: str, out_required: bool = True) -> None:
@@ -308,6 +317,15 @@ def _prepare_corpus(args) -> int:
 
 
 def _prepare(args) -> int:
+    if getattr(args, "release", None):  # a benchmark set from its authors' release
+        from .prepare.benchmarks import from_release
+
+        if args.data or args.run or args.set or getattr(args, "input", None):
+            raise ConfigError(f"harness prepare {args.task}: --from (a benchmark's release) or --data/--run/--set/"
+                              f"--input, not both")
+        for path in from_release(args.task, args.release, args.out or RECIPES_READ):
+            print(f"wrote {path}")
+        return 0
     corpus = args.task == "lm" or bool(getattr(args, "input", None) or getattr(args, "merge", None))
     if corpus and args.task == "protein":
         if args.data or args.run or args.set:
@@ -319,8 +337,9 @@ def _prepare(args) -> int:
 
         args.tokenizer = RESIDUES
     elif getattr(args, "out", None) and args.task != "lm":
-        raise ConfigError(f"harness prepare {args.task}: --out goes with --input (a corpus of sequences); the case "
-                          f"study's data is prepared into the cache")
+        sequences = " or --input (a corpus of sequences)" if args.task == "protein" else ""
+        raise ConfigError(f"harness prepare {args.task}: --out goes with --from (a benchmark set){sequences}; the "
+                          f"case study's data is prepared into the cache")
     if corpus:
         return _prepare_corpus(args)
     from .config.run import read_toml

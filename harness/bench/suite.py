@@ -78,13 +78,20 @@ def run_suite(args) -> dict:
             raise ConfigError(f"--budget {b}: expected PART=SECONDS with a part of {', '.join(PARTS)}")
         budgets[part] = float(seconds)
     args.recipes = chosen_recipes(args.recipes, parts)
+    work = Path(args.work or ROOT / "bench" / "suite-work")  # runs and checkpoints: never under results/
     data = Path(args.data) if args.data else None
+    if data is None and args.smoke:  # no benchmark sets at hand: tiny stand-ins in their layout, made here
+        from ..prepare.benchmarks import make_smoke
+
+        data = make_smoke(work / "smoke-data")
+        print(f"suite --smoke: no --data; made-up stand-ins of the benchmark sets in {data}", flush=True)
     if data is not None and not data.is_dir():
         raise ConfigError(f"--data {data}: not a directory (expected the benchmark sets: multi30k/, flip_ss/, flip_gb1/, ett/)")
     if any(p in parts for p in ("speed", "quality")):
         if data is None:
             raise ConfigError("--data DIR is needed for the speed and quality parts: the folder holding multi30k/, "
-                              "flip_ss/, flip_gb1/ and ett/ (e.g. ../shared/data)")
+                              "flip_ss/, flip_gb1/ and ett/ (e.g. ../shared/data; `harness prepare TASK --from` lays "
+                              "them out from their authors' files; --smoke makes stand-ins)")
         read = (*(SPEED if "speed" in parts else ()), *(args.recipes if "quality" in parts else ()))
         missing = sorted({x.data for x in read if x.data and not (data / x.data).exists()})
         if missing:
@@ -93,7 +100,6 @@ def run_suite(args) -> dict:
     clear_stale_build_locks()
     slug = re.sub(r"[^a-z0-9]+", "-", device_name().lower()).strip("-")[:40]  # the default --out: day and device
     out = Path(args.out or ("bench/suite-smoke" if args.smoke else f"results/gpu/{dt.date.today()}-{slug}"))
-    work = Path(args.work or ROOT / "bench" / "suite-work")  # runs and checkpoints: never under results/
     out.mkdir(parents=True, exist_ok=True)
     path = out / "suite.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
