@@ -12,6 +12,23 @@ from .run.heartbeat import EXIT_HUNG, RankHung
 from .run.trust import trusting
 
 
+COMMAND_EXAMPLES = {
+    "train": "python -m harness train --run configs/runs/lm_demo.toml --set train.max_steps=50   # one process; "
+             "several: harness launch",
+    "launch": "harness launch --config_file launch/cpu_2proc.yaml train --run configs/runs/lm_demo.toml --ds zero2",
+    "plan": "python -m harness plan --config_file launch/cpu_2proc.yaml --run configs/runs/lm_demo.toml --ds zero2",
+    "keys": "python -m harness keys | grep ^data.",
+    "prepare": "python -m harness prepare lm --input 'corpus/*.jsonl.gz' --out prepared/corpus --workers 4",
+    "evaluate": "python -m harness evaluate --run-dir runs/lm_demo --split validation",
+    "export": "python -m harness export --run-dir runs/lm_demo --hf exported/lm_demo",
+    "plot": "python -m harness plot runs/lm_demo runs/lm_compare --out compare.png",
+    "results": "python -m harness results --check",
+    "translate": "python -m harness translate --run-dir runs/translation_cpu \"And he went up into a mountain.\"",
+    "bench": "python -m harness bench proxy --stages 0,3 --precisions fp32",
+    "docs": "python -m harness docs --quick",
+}
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", metavar="RUN.toml", help="run file (TOML); values not given take their defaults")
     p.add_argument("--ds", metavar="DS.json", help="DeepSpeed config; default: ZeRO-0 (plain data parallel), fp32")
@@ -222,21 +239,7 @@ def parser() -> argparse.ArgumentParser:
                         "continues)")
     la.add_argument("argv", nargs=argparse.REMAINDER, metavar="... train ...")
     p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing")
-    _common(p)
-    p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
-    p.add_argument("--ds-json", action="store_true", help="print only the resolved DeepSpeed config in full (\"auto\" "
-                   "filled, the optimizer and DeepSpeed scheduler included), for another tool")
-    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
-                   help="accelerate's mixed_precision to check against (default: $ACCELERATE_MIXED_PRECISION or no)")
-    p.add_argument("--gpus-per-node", type=int, metavar="G", help="also estimate on paper the memory per GPU, step "
-                   "time and speedup of this strategy on G GPUs per node x --nodes (nothing is run)")
-    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes for the scaling estimate (default 1)")
-    p.add_argument("--interconnect", default="ib-ndr400", metavar="[INTRA:]INTER", help="inter-node link preset: "
-                   "nvlink4, nvlink3, pcie5, pcie4, ib-ndr400, ib-hdr200, ethernet-100g; INTRA:INTER also sets the "
-                   "intra-node link (default nvlink4), e.g. pcie4:ethernet-100g")
-    p.add_argument("--profile", metavar="bench.json", help="a `harness bench` result: its one-process step time and "
-                   "peak memory replace the 6N-FLOPs and activation formulas")
-    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed without --profile")
+    _plan_options(p)
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
     pr = sub.add_parser("prepare", help="tokenize a corpus into shards once (lm), or clean, split and tokenize a "
                         "case study's data once (training reuses it)")
@@ -265,12 +268,41 @@ def parser() -> argparse.ArgumentParser:
                     "compare.png beside the first run directory")
     r = sub.add_parser("results", help="regenerate the tables of docs/benchmarks.md from their files under results/")
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
+    dc = sub.add_parser("docs", help="re-measure the figures the README and docs state, each by the command stated "
+                        "beside it (docs/checks.toml), and compare them within their tolerance; exit 1 on a difference")
+    dc.add_argument("--quick", action="store_true", help="only the checks of a minute or less (with what they run "
+                    "after)")
+    dc.add_argument("--only", metavar="NAME,...", help="these checks (and those they run after)")
+    dc.add_argument("--static", action="store_true", help="run nothing: check that every figure is still written in "
+                    "its page as docs/checks.toml states it")
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     _run_dir(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
+    for name, example in COMMAND_EXAMPLES.items():  # each command's help ends with one it runs as written
+        sub.choices[name].epilog = f"example: {example}"
+        sub.choices[name].formatter_class = argparse.RawDescriptionHelpFormatter
     ap.bench = b  # `harness bench`'s own usage line, for the old spellings' errors
     ap.plan = p  # `harness plan`'s own options: the others are accelerate launch's
     return ap
+
+
+def _plan_options(p: argparse.ArgumentParser) -> None:
+    """`harness plan`'s own options (the others it is given are accelerate launch's: `launcher.launch_options`)."""
+    _common(p)
+    p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
+    p.add_argument("--ds-json", action="store_true", help="print only the resolved DeepSpeed config in full (\"auto\" "
+                   "filled, the optimizer and DeepSpeed scheduler included), for another tool")
+    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"],
+                   help="accelerate's mixed_precision to check against (default: $ACCELERATE_MIXED_PRECISION or no)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="also estimate on paper the memory per GPU, step "
+                   "time and speedup of this strategy on G GPUs per node x --nodes (nothing is run)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes for the scaling estimate (default 1)")
+    p.add_argument("--interconnect", default="ib-ndr400", metavar="[INTRA:]INTER", help="inter-node link preset: "
+                   "nvlink4, nvlink3, pcie5, pcie4, ib-ndr400, ib-hdr200, ethernet-100g; INTRA:INTER also sets the "
+                   "intra-node link (default nvlink4), e.g. pcie4:ethernet-100g")
+    p.add_argument("--profile", metavar="bench.json", help="a `harness bench` result: its one-process step time and "
+                   "peak memory replace the 6N-FLOPs and activation formulas")
+    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed without --profile")
 
 
 def _evaluate(args) -> int:
@@ -458,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "prepare":
             return _prepare(args)
+        if args.command == "docs":
+            from .docs import main as docs
+
+            return docs(args.only, args.quick, args.static)
         if args.command == "bench":
             return _bench(args)
         if args.command == "results":

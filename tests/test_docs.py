@@ -1,0 +1,41 @@
+"""The figures the README and docs state (docs/checks.toml): each still written in its page, and the quickest
+re-measured by its command here; `harness docs` tells a figure that moved from one that holds."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import cli
+from harness import docs
+from harness.config.run import ConfigError
+
+
+def test_every_stated_figure_is_still_in_its_page_and_the_quickest_holds():
+    static = cli("docs", "--static")
+    assert static.returncode == 0, static.stdout + static.stderr
+    checks = docs.load()
+    quickest = min(checks, key=lambda c: c.minutes)
+    done = cli("docs", "--only", quickest.name)
+    assert done.returncode == 0 and f"| {quickest.name} | " in done.stdout and "| yes (" in done.stdout, \
+        done.stdout + done.stderr[-2000:]
+    assert all(c.minutes > 0 for c in checks) and {c.doc for c in checks} >= {"README.md", "docs/case-studies.md"}
+
+
+def test_a_figure_that_moved_or_left_its_page_fails_the_check(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("The answer is\n42.0 units.\n")
+    (tmp_path / "checks.toml").write_text(
+        '[[check]]\nname = "held"\ndoc = "page.md"\ncommand = "echo answer 42.04"\npattern = \'answer ([0-9.]+)\'\n'
+        'value = "42.0"\nwritten = "is 42.0 units"\ntolerance = 0.05\nminutes = 0.1\n'
+        '[[check]]\nname = "moved"\ndoc = "page.md"\ncommand = "echo answer 43"\npattern = \'answer ([0-9.]+)\'\n'
+        'value = "42.0"\ntolerance = 0.05\nminutes = 0.1\nafter = "held"\n')
+    monkeypatch.setattr(docs, "ROOT", tmp_path)
+    monkeypatch.setattr(docs, "CHECKS", tmp_path / "checks.toml")
+    assert docs.main(only="held") == 0
+    assert docs.main(only="moved") == 1
+    out = capsys.readouterr().out
+    assert "| held | page.md | 42.0 | 42.04 | yes (0.05)" in out and "| moved | page.md | 42.0 | 43 | NO (0.05)" in out
+    page.write_text("The answer is 41 units.\n")
+    assert docs.main(static=True) == 1
+    assert "held: page.md no longer says 'is 42.0 units'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no check warp"):
+        docs.main(only="warp")
