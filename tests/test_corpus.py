@@ -262,3 +262,7 @@ def test_a_resume_on_other_data_is_refused_unless_the_user_says_so(tmp_path, cor
         "--data-changed-ok" in last, refused.proc.stderr[-2000:]
     done = harness(run, other, args=["--resume", "auto", "--data-changed-ok", "--stop-at", "4"])
     assert [m["step"] for m in done.metrics] == [1, 2, 3, 4]
+    moved = tmp_path / "moved"  # the same corpus elsewhere: its fingerprint is the same, the resume goes on
+    other.rename(moved)
+    done = harness(run, moved, args=["--resume", "auto", "--stop-at", "6"])
+    assert [m["step"] for m in done.metrics] == [1, 2, 3, 4, 5, 6]
