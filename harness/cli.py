@@ -159,7 +159,7 @@ def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
                        f"from the file or folder its authors publish, into --out (default {RECIPES_READ}, where the "
                        f"GPU recipes read it; docs/case-studies.md names the sources)")
         if name == "protein":
-            _corpus_options(p, "instead of --data: FASTA files (.fasta, .fa, .faa; also .gz, .bz2, .xz, .zst), "
+            _corpus_options(p, "instead of --data: FASTA files (.fasta, .fa, .faa, .fas; also .gz, .bz2, .xz, .zst), "
                             "directories and globs, one sequence a document; or .txt/.jsonl/.csv/.parquet of "
                             "sequences (--text-field)", out_required=False)
         else:
@@ -441,7 +441,7 @@ def _plan(args) -> int:
         if args.world_size or args.mixed_precision:
             raise ConfigError("harness plan: --world-size and --mixed-precision, or accelerate launch's options "
                               f"({' '.join(args.launch)}), not both")
-        plan = plan_launch(args.run, args.set, args.ds, launch_settings(args.launch))
+        plan = plan_launch(args.run, args.set, args.ds, launch_settings(args.launch, "harness plan"))
     else:
         plan = make_plan(args.run, args.set, args.ds, args.world_size, args.mixed_precision)
     print(ds_json(plan) if args.ds_json else render(plan))

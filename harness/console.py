@@ -28,10 +28,14 @@ def _lines():
         """Each refresh one plain line; a bar that leaves nothing behind (leave=False) leaves no empty line."""
 
         def display(self, msg=None, pos=None):
-            if msg != "":
-                self.fp.write((msg or self.__str__()) + "\n")
-                self.fp.flush()
+            if msg == "":  # tqdm's "clear the line": nothing to clear in a log (False: no "\r" either)
+                return False
+            self.fp.write((msg or self.__str__()) + "\n")
+            self.fp.flush()
             return True
+
+        def clear(self, nolock=False):  # around tqdm.write's lines (the evaluations): nothing drawn to clear
+            pass
 
         def close(self):  # tqdm ends a bar it leaves with a newline of its own: the last line alone instead
             if not self.disable and self.leave:

@@ -30,7 +30,10 @@ class Check:
     written: str = ""   # the page's words around the figure, where the figure alone is ambiguous
 
     def stated(self) -> bool:  # as words: a figure may wrap over two lines of the page
-        return " ".join((self.written or self.value).split()) in " ".join((ROOT / self.doc).read_text().split())
+        page = ROOT / self.doc
+        if not page.is_file():
+            raise ConfigError(f"{CHECKS.name}: check {self.name!r} names {self.doc}, which is no file")
+        return " ".join((self.written or self.value).split()) in " ".join(page.read_text().split())
 
     def agrees(self, measured: str) -> bool:
         if not self.tolerance:
@@ -85,8 +88,12 @@ def minutes(c: Check, by_name: dict[str, Check]) -> float:
 def measure(c: Check) -> tuple[str | None, float, str]:
     """The figure the command prints (None: not found), its seconds, and the output's tail."""
     started = time.monotonic()
-    done = subprocess.run(["bash", "-c", c.command], cwd=ROOT, capture_output=True, text=True)
-    out = done.stdout + done.stderr
+    try:  # four times the stated minutes: a hang is a failure, not a wait
+        done = subprocess.run(["bash", "-c", c.command], cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(120.0, 240 * c.minutes))
+        out = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        out = f"{(e.stdout or b'').decode(errors='replace')}{(e.stderr or b'').decode(errors='replace')}\ntimed out"
     found = re.search(c.pattern, out, re.M)
     return (found.group(1) if found else None), time.monotonic() - started, out[-1500:]
 

@@ -28,6 +28,7 @@ script cannot tell bad input from a crash from a preemption.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -57,9 +58,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i:]
 
 
-def launch_settings(accelerate_args: list[str]) -> dict:
+def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> dict:
     """What the launch will be, as accelerate reads it: its options over its config file (default: accelerate's
-    default config, where there is one)."""
+    default config, where there is one). `who` names the command in errors."""
     from accelerate.commands.config import default_config_file
     from accelerate.commands.launch import launch_command_parser
 
@@ -68,27 +69,27 @@ def launch_settings(accelerate_args: list[str]) -> dict:
     try:
         args = parser.parse_args([*accelerate_args, "-m", "harness"])
     except (SystemExit, Exception) as e:  # noqa: BLE001 - argparse's own message is already printed
-        raise ConfigError(f"harness launch: accelerate launch refuses {' '.join(accelerate_args)}: {e}") from e
+        raise ConfigError(f"{who}: accelerate launch refuses {' '.join(accelerate_args)}: {e}") from e
     file = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
     saved = {}
     if file:
         from accelerate.commands.config.config_args import load_config_from_file
 
         if not Path(file).is_file():
-            raise ConfigError(f"harness launch: --config_file {file}: no such file")
+            raise ConfigError(f"{who}: --config_file {file}: no such file")
         saved = load_config_from_file(file).to_dict()
     ds = saved.get("deepspeed_config") or {}
     processes = args.num_processes if args.num_processes is not None else saved.get("num_processes", 1)
     if not isinstance(processes, int) or processes < 1:  # accelerate would start torchrun with it and fail inside
         where = "--num_processes" if args.num_processes is not None else f"num_processes in {file}"
-        raise ConfigError(f"harness launch: {where} = {processes}: must be 1 or more (the processes on each machine)")
+        raise ConfigError(f"{who}: {where} = {processes}: must be 1 or more (the processes on each machine)")
     return {"num_processes": processes, "machine_rank": int(args.machine_rank or saved.get("machine_rank") or 0),
             "mixed_precision": (args.mixed_precision or saved.get("mixed_precision") or "no").lower(),
             "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file"),
-            "env": _deepspeed_env(args)}
+            "env": _deepspeed_env(args, who)}
 
 
-def _deepspeed_env(args) -> dict[str, str]:
+def _deepspeed_env(args, who: str) -> dict[str, str]:
     """The ACCELERATE_* variables of DeepSpeed that accelerate will give each rank (its config file's deepspeed_config
     and its --use_deepspeed/--zero_stage/... flags) and its PARALLELISM_CONFIG_* ones (--use_parallelism_config),
     computed by accelerate's own code as `accelerate launch` does (accelerate/commands/launch.py, `launch_command`);
@@ -96,10 +97,11 @@ def _deepspeed_env(args) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    try:
-        args, defaults, _ = _validate_launch_command(args)
+    try:  # its note on defaults it chose goes to the terminal when accelerate launch itself runs, not twice
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args, defaults, _ = _validate_launch_command(args)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"harness launch: accelerate launch refuses its settings: {e}") from None
+        raise ConfigError(f"{who}: accelerate launch refuses its settings: {e}") from None
     env = {}
     if getattr(args, "use_parallelism_config", False):  # its sequence-parallel size (config/accelerate.py)
         from accelerate.utils.launch import prepare_extend_env_parallelism_config

@@ -140,8 +140,8 @@ def test_windows_cross_shards_and_the_lazy_order_is_a_permutation(inputs, tmp_pa
         assert sorted(permute(np.arange(n), n, 7).tolist()) == list(range(n))
     assert permute(np.arange(100), 100, 1).tolist() != permute(np.arange(100), 100, 2).tolist()
     # an epoch's order is the same however the ranks split it, and costs nothing to set up for any size
-    one = StepSampler(10**9, 4, 2, 0, 1, 0, 0, 3, lazy=True)
-    two = [StepSampler(10**9, 4, 1, r, 2, 0, 0, 3, lazy=True) for r in (0, 1)]
+    one = StepSampler(10**9, 4, 2, 0, 1, 0, 0, 3, order="lazy")
+    two = [StepSampler(10**9, 4, 1, r, 2, 0, 0, 3, order="lazy") for r in (0, 1)]
     for step in range(3):
         assert sorted(one.step_indices(step).flatten().tolist()) == sorted(
             i for s in two for i in s.step_indices(step)[:, s.dp_rank].flatten().tolist())

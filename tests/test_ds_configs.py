@@ -216,6 +216,11 @@ def test_config_wins_deepspeed_takes_the_file_s_values_over_the_user_s(tmp_path)
         make_plan(None, [*BASE, "optimizer.lr=0.001"], ds, 1)
     plan = make_plan(None, [*BASE, "optimizer.lr=0.001", 'run.config_wins="deepspeed"'], ds, 1)
     assert plan.run.cfg.optimizer.lr == 5e-4
+    assert plan.ds.sections.notes() == ['run keys the DeepSpeed settings override (run.config_wins = "deepspeed"): '
+                                        'optimizer.lr = 0.001 (command line) -> optimizer.params.lr = 0.0005']
+    warmup = write(tmp_path, "warmup", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}})
+    plan = make_plan(None, [*BASE, "schedule.warmup_steps=50", "--unset schedule.kind"], warmup, 1)
+    assert plan.ds.sections.unused == ["schedule.warmup_steps = 50 (command line)"]  # DeepSpeed's default: 1000
 
 
 MAIN_JOB = str(ROOT / "configs" / "runs" / "lm_demo.toml")

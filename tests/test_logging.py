@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import re
 import struct
+import subprocess
 
-from conftest import harness
+from conftest import ROOT, _env, command, harness
 
 
 def wandb_records(path):
@@ -52,11 +53,14 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
 def test_a_log_gets_plain_progress_lines_and_deepspeed_s_chatter_stays_in_the_run(tmp_path, corpus):
     """stderr a pipe: progress as whole lines (no carriage-return frames), the last one at the end; DeepSpeed's op
     builder lines go to RUN/deepspeed.log, not the output."""
-    run = harness(tmp_path / "run", corpus, sets=["train.max_steps=6"])
-    out = run.proc.stdout + run.proc.stderr
-    assert "\r" not in out and "built successfully" not in out
-    assert re.search(r"^train: 100%.*\| 6/6 \[", run.proc.stderr, re.M), run.proc.stderr[-2000:]
-    assert "built successfully" in (run.dir / "deepspeed.log").read_text()
+    out = tmp_path / "run"  # read as bytes: text mode would turn a "\r" into a newline
+    proc = subprocess.run(command(out, corpus, sets=["train.max_steps=6", "train.eval_every=3"]), cwd=ROOT,
+                          env=_env(), capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr
+    assert b"\r" not in said and b"built successfully" not in said and b"eval step 3:" in said
+    assert re.search(rb"^train: 100%.*\| 6/6 \[", proc.stderr, re.M), proc.stderr[-2000:]
+    assert "built successfully" in (out / "deepspeed.log").read_text()
 
 
 def test_tensorboard_backend_writes_event_files(tmp_path, corpus):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import assert_losses_close, cli, harness, rewind, write_corpus
-from harness.data.corpus import BLEND_PERIOD, Corpus, Mixture, Windows
+from harness.data.batches import StepSampler
+from harness.data.corpus import Corpus, Mixture, Windows
 from harness.prepare.corpus import prepare_corpus
 
 
@@ -28,21 +29,30 @@ def mix(*pairs) -> str:
     return "data.mix=" + json.dumps([[str(p), w] for p, w in pairs])
 
 
-def test_a_blend_draws_each_source_in_its_share_and_repeats_a_small_one_whole(sources):
+def test_a_blend_draws_each_source_in_its_share_at_every_step_and_reads_every_window_in_turn(sources):
+    """The run's sample numbers in turn (StepSampler's order "given", past the blend's length): every 8 samples hold
+    each source in its share to a sample, and over three epochs' samples each source's windows are read as often as
+    one another, the big source's too (read more than twice), each epoch of a source a new permutation."""
     big, small = (Windows(Corpus(p), "train", 32) for p in sources)
     blend = Mixture([big, small], [0.7, 0.3], seed=3)
-    n = 4 * BLEND_PERIOD
+    n = 3 * len(blend)
     source, window = blend.locate(np.arange(n))
-    assert abs((source == 1).sum() - 0.3 * n) <= 4  # the share of every prefix, to a sample a period
-    assert abs((source[:100] == 1).sum() - 30) <= 1
-    picked = window[source == 1]  # the small source is read several times over: each window as often as any other
-    times = np.bincount(picked, minlength=len(small))
-    assert len(picked) > 3 * len(small) and times.max() - times.min() <= 1
+    assert all(abs((source[i:i + 8] == 1).sum() - 0.3 * 8) <= 1 for i in range(0, n - 8, 8))
+    for k, w in enumerate((big, small)):
+        times = np.bincount(window[source == k], minlength=len(w))
+        assert times.min() >= 2 and times.max() - times.min() <= 1, (k, times.min(), times.max())
+    first = window[source == 0][:len(big)]
+    second = window[source == 0][len(big):2 * len(big)]
+    assert sorted(first) == list(range(len(big))) and not np.array_equal(first, second)
     assert np.array_equal(Mixture([big, small], [0.7, 0.3], seed=3).locate(np.arange(n))[1], window)  # a function
     assert not np.array_equal(Mixture([big, small], [0.7, 0.3], seed=4).locate(np.arange(n))[1], window)  # of seed
-    assert torch.equal(blend[5]["ids"], (big, small)[source[5]][int(window[5])]["ids"])
+    assert torch.equal(blend[n - 1]["ids"], (big, small)[source[n - 1]][int(window[n - 1])]["ids"])
+    sampler = StepSampler(len(blend), 4, 1, 1, 2, 0, 0, 5, order="given")  # rank 1 of 2: its share of each step
+    assert next(iter(sampler)) == [4, 5, 6, 7]
     every = Mixture([big, small])  # validation: each source's windows once, in order
     assert len(every) == len(big) + len(small) and torch.equal(every[len(big)]["ids"], small[0]["ids"])
+    with pytest.raises(IndexError):
+        every[len(every)]
 
 
 def test_a_window_knows_each_tokens_document_from_the_index(sources):
@@ -136,6 +146,8 @@ def test_bad_mixtures_and_document_masks_are_refused_in_one_line(sources, tmp_pa
         ([mix((big, 1), (big, 1))], "twice"),
         ([mix((big, 1), (tmp_path / "none", 1))], "is no prepared corpus"),
         ([mix((big, 1), (bpe, 1))], "prepared with the tokenizer"),
+        ([mix((big, 1), (small, 1)), "data.seq_len=100000"], "not one window of data.seq_len + 1"),
+        (["data.mix=[3]"], "each item must be a directory or a [directory, weight] pair"),
         ([mix((big, 1)), f"data.path={json.dumps(str(big))}"], "data.mix and data.path"),
         (["data.document_mask=true"], "needs a prepared corpus"),
         ([f"data.path={json.dumps(str(big))}", "data.document_mask=true", "run.task=\"prices\""],

@@ -81,7 +81,7 @@ def loader(directory: Path, seq_len: int = 1024, micro: int = 16, ranks: int = 8
     """Rank 0 of `ranks` reading its micro-batches of random windows, as training does: tokens/s."""
     windows = Windows(Corpus(directory), "train", seq_len)
     batches = torch.utils.data.DataLoader(windows, collate_fn=LanguageModelTask().collate, batch_sampler=StepSampler(
-        len(windows), micro, 1, 0, ranks, 0, 0, steps, lazy=True))
+        len(windows), micro, 1, 0, ranks, 0, 0, steps, order="lazy"))
     start, tokens = time.perf_counter(), 0
     for b in batches:
         tokens += b["targets"].numel()

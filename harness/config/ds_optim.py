@@ -64,6 +64,10 @@ class Sections:
     overridden: list[str] = field(default_factory=list)  # run keys you set that the file's values replace
     unused: list[str] = field(default_factory=list)      # run keys you set that the file's scheduler does not read
 
+    def keep_notes(self, first: "Sections") -> None:
+        self.overridden = list(dict.fromkeys([*first.overridden, *self.overridden]))
+        self.unused = list(dict.fromkeys([*first.unused, *self.unused]))
+
     def notes(self) -> list[str]:
         """The plan's and the start's lines on what the DeepSpeed file took from the run config."""
         return [f"{what}: {'; '.join(keys)}" for what, keys in (
@@ -229,7 +233,8 @@ def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:
                           f"\"deepspeed\" to take the file's")
     if run.is_set("schedule.kind"):
         out.overridden.append(f"{run.describe('schedule.kind')} -> DeepSpeed's {kind}")
-    read = {k for fills in known.values() if fills for k in _run_keys(fills)}
+    given = section.get("params", {}) if isinstance(section.get("params"), dict) else {}
+    read = {k for key in given if known.get(key) for k in _run_keys(known[key])}  # a parameter left out: its default
     out.unused += [run.describe(k) for k in ("schedule.warmup_steps", "schedule.min_lr_ratio")
                    if run.is_set(k) and k not in read]
     params = dict(section.get("params", {}))

@@ -59,15 +59,16 @@ class StepSampler(Sampler[list[int]]):
 
     Step s of epoch e takes the next `global_batch` indices of `epoch_order(e)`, laid out as (accum, dp_size,
     micro): rank r's j-th micro-batch is [j, r, :]. Ranks are disjoint and together cover the global batch, and
-    a 1-process run with the same global batch sees the same samples at each step. `lazy` (a prepared corpus, of
-    any size): the epoch's order is `permute`d position by position, never held whole.
+    a 1-process run with the same global batch sees the same samples at each step. `order`: "held" (an epoch's
+    permutation drawn whole), "lazy" (a prepared corpus of any size: `permute`d position by position, never held) or
+    "given" (a blend that orders itself, `data.corpus.Mixture`: the run's sample numbers in turn, past len(data)).
     """
 
     def __init__(self, n: int, micro: int, accum: int, dp_rank: int, dp_size: int, seed: int,
                  start_step: int, max_steps: int, lengths: list[int] | None = None, bucket: int = 0,
-                 lazy: bool = False):
+                 order: str = "held"):
         self.n, self.micro, self.accum, self.dp_rank, self.dp_size = n, micro, accum, dp_rank, dp_size
-        self.lazy = lazy
+        self.order = order
         self.seed, self.start_step, self.max_steps = seed, start_step, max_steps
         self.global_batch = micro * accum * dp_size
         self.steps_per_epoch = n // self.global_batch
@@ -97,7 +98,9 @@ class StepSampler(Sampler[list[int]]):
         """All indices of global step `step`, shape (accum, dp_size, micro)."""
         epoch, offset = divmod(step, self.steps_per_epoch)
         start = offset * self.global_batch
-        if self.lazy:
+        if self.order == "given":
+            order = torch.arange(step * self.global_batch, (step + 1) * self.global_batch)
+        elif self.order == "lazy":
             order = torch.from_numpy(permute(np.arange(start, start + self.global_batch), self.n,
                                              self.seed * 100_003 + epoch))
         else:

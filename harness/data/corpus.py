@@ -115,8 +115,10 @@ class Corpus:
 def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:
     """A seeded permutation of range(n) evaluated at `positions` alone: a 4-round Feistel network over the smallest
     even number of bits that covers n, walked again while a value falls outside it (cycle walking), so an epoch's
-    order costs nothing to set up and nothing to keep, whatever n. In numpy: torch's per-operation overhead made it
-    the loader's slowest part."""
+    order costs nothing to set up and nothing to keep, whatever n. In numpy: a step's few hundred positions pay no
+    per-operation dispatch."""
+    if n < 1:
+        raise ValueError(f"permute: no order of {n} items")
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
     rounds = np.random.default_rng(key).integers(0, 1 << 31, 4, dtype=np.uint64)
@@ -229,11 +231,13 @@ BLEND_PERIOD = 4096  # a mixture repeats its allocation of sources every this ma
 
 
 class Mixture:
-    """Several sources' windows as one data set. With `weights`, a blend: sample i comes from the source furthest
-    below its share of the first i (Megatron-core's BlendedDataset), the allocation of BLEND_PERIOD samples computed
-    once and repeated, so sample i's source and its number within the source are arithmetic; a source's j-th sample
-    is its window `permute`d in its epoch j // len, so a source read 2.5 times sees every window twice and a random
-    half once more. Without weights, the sources one after another (validation)."""
+    """Several sources' windows as one data set. With `weights`, a blend over the run's sample numbers (any i >= 0:
+    StepSampler's order "given", so each step holds every source in its share): sample i comes from the source
+    furthest below its share of the first i (Megatron-core's BlendedDataset), the allocation of BLEND_PERIOD samples
+    computed once and repeated, so sample i's source and its number within the source are arithmetic; a source's
+    j-th sample is its window `permute`d in its epoch j // len, so a source read 2.5 times sees every window twice
+    and a random half once more. `len` is the sources' windows together: what an epoch of the run reads. Without
+    weights, the sources one after another (validation)."""
 
     def __init__(self, sources: list[Windows], weights: list[float] | None = None, seed: int = 0):
         self.sources, self.seed = sources, seed
@@ -272,7 +276,7 @@ class Mixture:
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
-        if any(not 0 <= i < self.n for i in indices):
+        if any(i < 0 or (self.weights is None and i >= self.n) for i in indices):
             raise IndexError(indices)
         source, window = self.locate(np.asarray(indices, dtype=np.int64))
         out: list = [None] * len(indices)

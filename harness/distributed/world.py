@@ -64,9 +64,6 @@ def accelerate_mixed_precision() -> str:
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
 
 
-LIBRARY_OUTPUT: list[str] = []  # what DeepSpeed printed while the world started: the run's deepspeed.log, not the terminal
-
-
 def quiet_deepspeed() -> None:
     """Name the accelerator up front so DeepSpeed doesn't print its auto-detection warning on every rank."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
@@ -93,6 +90,7 @@ class World:
     pp_size: int = 1
     sp_rank: int = 0      # which chunk of each sequence's positions (sequence parallel)
     sp_size: int = 1
+    library_output: str = ""  # what DeepSpeed printed while the world started (the run's deepspeed.log)
 
     @property
     def is_main(self) -> bool:
@@ -154,9 +152,13 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
     _default_group_timeout(timeout.get("timeout"))
     import deepspeed
 
-    with contextlib.redirect_stdout(io.StringIO()) as said:  # its op builder's "... built successfully", each rank
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-    LIBRARY_OUTPUT.append(said.getvalue())
+    said = io.StringIO()  # its op builder's "... built successfully" on each rank: for the run's log, not the terminal
+    try:
+        with contextlib.redirect_stdout(said):
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+    except BaseException:
+        sys.stdout.write(said.getvalue())  # what it said before failing explains the failure
+        raise
     world_size = torch.distributed.get_world_size()
     if state.num_processes != world_size or world_size != launched_world_size():
         raise RuntimeError(f"inconsistent world size: accelerate says {state.num_processes}, torch.distributed "
@@ -172,7 +174,7 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
         parallel_state_sp.initialize_sequence_parallel(layout.sp_size)
     return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
                  dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, sp_size=layout.sp_size,
-                 **layout.coords(rank))
+                 library_output=said.getvalue(), **layout.coords(rank))
 
 
 def _default_group_timeout(timeout: datetime.timedelta | None) -> None:

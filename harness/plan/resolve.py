@@ -62,8 +62,9 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     ds_args = (ds_file_arg(ds_file), world_size or launched_world_size(), accel_precision or accelerate_mixed_precision())
     ds = resolve_ds(run, *ds_args)
     if ds.sections.adopt:  # the DeepSpeed file's explicit optimizer and schedule values, where the run keeps defaults
-        run = run.adopting(ds.sections.adopt)
+        run, first = run.adopting(ds.sections.adopt), ds.sections
         ds = resolve_ds(run, *ds_args)
+        ds.sections.keep_notes(first)  # what the file overrode is said from the first pass: now the values agree
     if any(v == "auto" for v in ds.config.get("zero_optimization", {}).values()):
         hf = load_config(run.cfg) if run.cfg.model.hf else None
         fill_zero_auto(ds, (getattr(hf, "hidden_size", None) or getattr(hf, "d_model", None)) if hf else

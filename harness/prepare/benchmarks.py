@@ -39,8 +39,13 @@ def from_release(task: str, source: str, root: str) -> list[Path]:
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"--from {source}: no such file or folder")
-    files = _members(path)
-    out = Path(root)
+    try:
+        return _lay_out(task, _members(path), Path(root), source)
+    except (UnicodeDecodeError, zipfile.BadZipFile, gzip.BadGzipFile, EOFError, csv.Error) as e:
+        raise ConfigError(f"--from {source}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _lay_out(task: str, files: dict[str, bytes], out: Path, source: str) -> list[Path]:
     if task == "translation":
         return _multi30k(files, out / "multi30k", source)
     if task == "prices":
@@ -54,11 +59,15 @@ def from_release(task: str, source: str, root: str) -> list[Path]:
     return written
 
 
+KINDS = (".en", ".de", ".fasta", ".csv", ".gz", ".zip")  # what the sets are made of: a folder's other files are not read
+
+
 def _members(path: Path) -> dict[str, bytes]:
-    """Every file under `path` (a folder, a zip, or one file), by its name inside it, read whole (these sets are a
-    few MB)."""
+    """The set's files under `path` (a folder, a zip, or one file), by their names inside it, read whole (these sets
+    are a few MB)."""
     if path.is_dir():
-        found = {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+        found = {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))
+                 if f.is_file() and f.name.endswith(KINDS)}
         zips = {n: b for n, b in found.items() if n.endswith(".zip")}
         for name, data in zips.items():  # FLIP's folders hold their splits zipped
             with zipfile.ZipFile(io.BytesIO(data)) as z:

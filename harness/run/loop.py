@@ -216,7 +216,7 @@ def _data(plan: Plan, world: World) -> tuple:
     sampler_args = dict(n=len(data.train), micro=t.micro_batch_size, accum=plan.ds.grad_accum_steps,
                         dp_rank=world.dp_rank, dp_size=world.dp_size, seed=t.seed, bucket=cfg.data.bucket,
                         lengths=task.lengths(data.train) if cfg.data.bucket else None,
-                        lazy=hasattr(task, "lazy_order") and task.lazy_order(cfg))
+                        order=task.sample_order(cfg) if hasattr(task, "sample_order") else "held")
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
     try:  # epochs and counts per run become steps now that the data's size is known

@@ -433,7 +433,7 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
     """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and writes the resolved
     configs; an --overwrite clears the old run first. Collective: a lock taken meanwhile by another run is refused
     on every rank."""
-    from ..distributed.world import LIBRARY_OUTPUT, all_gather_objects
+    from ..distributed.world import all_gather_objects
     from ..plan.render import ds_json
     from .lock import Lock
 
@@ -460,11 +460,9 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
         saved.write_text(to_toml(plan.run.cfg))
         # in full: the optimizer and scheduler the run trains with too
         (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
-        said = "".join(LIBRARY_OUTPUT)
-        LIBRARY_OUTPUT.clear()
-        if said:  # DeepSpeed's own lines at start-up: kept, out of the terminal
+        if world.library_output:  # DeepSpeed's own lines at start-up: kept, out of the terminal
             with open(plan.run_dir / "deepspeed.log", "a") as f:
-                f.write(said)
+                f.write(world.library_output)
     try:
         check_shared(plan, world)
     except ConfigError:

@@ -34,6 +34,8 @@ def parse_mix(key: str, value) -> tuple[tuple[str, float], ...]:
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, (list, tuple)):
+        if any(not isinstance(v, (str, list, tuple)) for v in value):
+            raise ValueError(f"each item must be a directory or a [directory, weight] pair, got {value!r}")
         pairs = [(v, 1.0) if isinstance(v, str) else tuple(v) for v in value]
     else:
         raise ValueError(f"must be a table of directory = weight or a list of directories, got {value!r}")
@@ -136,6 +138,9 @@ class LanguageModelTask:
                               f"FILES --out {path}` makes one")
         corpus = Corpus(path)
         corpus.check()
+        if cfg.data.mix and corpus.tokens() <= cfg.data.seq_len:
+            raise ConfigError(f"data.mix: {path} holds {corpus.tokens():,} training tokens, not one window of "
+                              f"data.seq_len + 1 = {cfg.data.seq_len + 1}; leave it out or shorten data.seq_len")
         kind, own = corpus.tokenizer["kind"], hf.own_tokenizer(cfg)
         if own:
             from ..prepare.corpus import fingerprint
@@ -166,14 +171,16 @@ class LanguageModelTask:
         windows = [max(1, len(Windows(c, "train", seq))) for c in corpora]
         steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (sum(windows) // global_batch))
         total = sum(w for _, w in sources)
+        val = f"; validation: data.val_path = {d.val_path}" if d.val_path else ""
         lines = [f"data: {'a mixture of prepared corpora' if d.mix else 'a prepared corpus'}; a step reads "
-                 f"{global_batch * seq:,} tokens ({global_batch} x {seq}), {steps:,} steps"]
+                 f"{global_batch * seq:,} tokens ({global_batch} x {seq}), {steps:,} steps{val}"]
         for (path, weight), corpus, n in zip(sources, corpora, windows):
             epochs = steps * global_batch * weight / total / n
             share = f"weight {weight / total:.3g}: " if d.mix else ""
+            own_val = "" if d.val_path else f", validation {corpus.tokens('validation'):,} tokens"
             lines.append(f"  {path}: {share}{corpus.tokens():,} tokens in {corpus.documents():,} documents, "
-                         f"{len(corpus.shards['train'])} shard(s) of {corpus.dtype.name}, validation "
-                         f"{corpus.tokens('validation'):,} tokens; the run reads it {epochs:.3g} times"
+                         f"{len(corpus.shards['train'])} shard(s) of {corpus.dtype.name}{own_val}; the run reads it "
+                         f"{epochs:.3g} times"
                          + (f" -- more than {MAX_REPEATS} repeats: a model may memorise it" if epochs > MAX_REPEATS
                             else ""))
         return "\n".join(lines)
@@ -233,14 +240,16 @@ class LanguageModelTask:
         fingerprints (and a mixture's weights)."""
         d = cfg.data
         if d.mix:
-            parts = "".join(f"{Corpus(p).fingerprint}:{w!r};" for p, w in d.mix)
+            total = sum(w for _, w in d.mix)  # {web = 7, books = 3} is {web = 0.7, books = 0.3}
+            parts = "".join(f"{Corpus(p).fingerprint}:{w / total:.12g};" for p, w in d.mix)
             return {"path": "data.mix of " + ", ".join(p for p, _ in d.mix),
                     "fingerprint": hashlib.sha256(parts.encode()).hexdigest()[:16]}
         return {"path": d.path, "fingerprint": Corpus(d.path).fingerprint} if is_corpus(d.path) else None
 
-    def lazy_order(self, cfg: RunConfig) -> bool:
-        """Prepared data's samples are ordered without holding the order (StepSampler's `lazy`)."""
-        return bool(cfg.data.mix) or is_corpus(cfg.data.path)
+    def sample_order(self, cfg: RunConfig) -> str:
+        """StepSampler's `order`: a blend orders its samples itself (each source permuted within its own epochs, the
+        blend's proportions in every step); one prepared corpus is permuted without holding the order."""
+        return "given" if cfg.data.mix else "lazy" if is_corpus(cfg.data.path) else "held"
 
     def tokenizer(self, cfg: RunConfig):
         return hf.tokenizer(cfg) if hf.own_tokenizer(cfg) else None

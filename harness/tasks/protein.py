@@ -141,7 +141,8 @@ class Samples(torch.utils.data.Dataset):
         return {"ids": sample["ids"][keep], "targets": targets[keep]}
 
     def whole(self, index: int) -> dict[str, torch.Tensor]:
-        row, v = self.rows[index % self.n], self.vocab
+        row = self.rows.at(index) if hasattr(self.rows, "at") else self.rows[index % self.n]
+        v = self.vocab
         residues = row["ids"].long() if v.remap is None else v.remap[row["ids"].long()]
         end = [] if v.eos_id is None else [v.eos_id]
         ids = torch.tensor([v.cls_id, *residues.tolist(), *end])  # (n,)
@@ -169,8 +170,9 @@ class Samples(torch.utils.data.Dataset):
 
 class CorpusRows:
     """A prepared corpus's sequences (`harness prepare protein --input`) as the rows `Samples` reads: {"ids": residue
-    ids}, one longer than `residues` cropped to a window of them at an offset drawn from (seed, sequence), or its
-    start where `seed` is None (evaluation). Nothing is read before a row is asked for."""
+    ids}, one longer than `residues` cropped to a window of them at an offset drawn from (seed, sample): each mask
+    variant of a long sequence sees another part of it; its start where `seed` is None (evaluation). Nothing is read
+    before a row is asked for."""
 
     def __init__(self, corpus: Corpus, split: str, residues: int, seed: int | None):
         self.docs = Documents(corpus, split) if split in corpus.shards else None
@@ -183,10 +185,14 @@ class CorpusRows:
         return len(self.docs) if self.docs is not None else 0
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.docs[i]
+        return self.at(i)
+
+    def at(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample `index`'s row: sequence index % len, cropped as (seed, index) draws."""
+        ids = self.docs[index % len(self)]
         start = 0
         if len(ids) > self.residues and self.seed is not None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
             start = int(torch.randint(len(ids) - self.residues + 1, (), generator=g))
         return {"ids": torch.from_numpy(ids[start:start + self.residues].astype("int64"))}
 
@@ -369,9 +375,9 @@ class ProteinTask:
                        cfg.train.seed if train else EVAL_MASK_SEED, variants, scale(read_meta(directory)),
                        window=0 if train or corpus else cfg.data.seq_len)
 
-    def lazy_order(self, cfg: RunConfig) -> bool:
-        """A prepared corpus's samples are ordered without holding the order (StepSampler's `lazy`)."""
-        return is_corpus(cfg.data.path)
+    def sample_order(self, cfg: RunConfig) -> str:
+        """A prepared corpus's samples are ordered without holding the order (StepSampler's `order`)."""
+        return "lazy" if is_corpus(cfg.data.path) else "held"
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
         """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
