@@ -209,7 +209,10 @@ def main(argv: list[str], parse) -> int:
         os.close(fd)
     relay = Relay(Path(captured), sys.stderr.buffer)
 
+    got: list[int] = []  # the signals this process passed on: the job was being stopped
+
     def forward(signum, frame) -> None:
+        got.append(signum)
         ranks = [p for p in descendants(proc.pid) if _is_rank(p)]
         for pid in ranks or [proc.pid]:  # before the ranks exist, the launcher ends what it started
             try:
@@ -234,7 +237,7 @@ def main(argv: list[str], parse) -> int:
         log = relay.save(plan.run_dir, settings["machine_rank"])
     except OSError:  # a full disk, an unwritable run directory: the job's output stays where it was written
         log = relay.path
-    code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log)
+    code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log, got[0] if got else None)
     if show:
         sys.stderr.write(show)
     if line:
@@ -435,9 +438,20 @@ def root_cause(held: str) -> dict | None:
     return {"rank": int(rank[1]), "host": fields["host"].strip(), "pid": int(exitcode[2]), "code": int(exitcode[1])}
 
 
-def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tuple[int, str | None, str]:
+def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path, signalled: int | None = None
+           ) -> tuple[int, str | None, str]:
     """(exit code, the one line to print, the held-back text to show above it) for a job torchrun ended with
-    `code`, whose ranks reported `reported` (may be {}), and whose stderr from its first failure on was `held`."""
+    `code`, whose ranks reported `reported` (may be {}), and whose stderr from its first failure on was `held`;
+    `signalled`: the first signal this launcher passed on to the ranks. A job that fails while it stops for a
+    signal says so: SLURM's scancel signals every process of a job, not the ranks alone, and a helper that dies
+    of it (wandb's, a data loader's) can take a rank with it."""
+    code, line, show = _ending(code, reported, held, run_dir, log)
+    if signalled is not None and line and code not in (0, EXIT_PREEMPTED):
+        line += f" (the job was stopping: this launcher had passed {signal.Signals(signalled).name} on to the ranks)"
+    return code, line, show
+
+
+def _ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tuple[int, str | None, str]:
     from .run.checkpoint import resume_hint
     from .run.heartbeat import EXIT_HUNG
 

@@ -1,20 +1,29 @@
-"""A SLURM of one machine for tests/test_slurm.py: `sbatch`, `srun`, `scontrol` and `scancel` that start real local
-processes, one srun task per "node" (all on 127.0.0.1), with the variables SLURM gives them.
+"""A SLURM of one machine for tests/test_slurm.py: `sbatch`, `srun`, `scontrol`, `scancel` and `squeue` that start
+real local processes, one srun task per "node" (all on 127.0.0.1), with the variables SLURM gives them.
 
-    python tests/fake_slurm.py install DIR     # DIR/sbatch, srun, scontrol, scancel: put DIR first on PATH
+    python tests/fake_slurm.py install DIR     # DIR/sbatch, srun, scontrol, scancel, squeue: put DIR first on PATH
 
 The job's output goes to slurm-JOBID.out in $FAKE_SLURM_OUT (default: the submit directory). State lives in
-$FAKE_SLURM_DIR: job_N.json (the script, its arguments, its pid, each run's exit code, requeued or
-not), srun.log (every srun command line). `sbatch` forks a controller that runs the batch script as slurmctld
-would: in its own session, with SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_CPUS_PER_TASK,
-SLURM_SUBMIT_DIR and SLURM_RESTART_COUNT; once the script ends, a job `scontrol requeue`d meanwhile runs again
-with the count one higher. `scancel` sends SIGTERM to every process of the job, as SLURM does (`--batch
---signal=SIG`: SIG to the batch script alone). `srun` passes SIGUSR1 and SIGINT to every process of its tasks and
-answers SIGTERM by killing them, as Slurm's srun does; with --kill-on-bad-exit=1 it kills the others when one fails. Set
+$FAKE_SLURM_DIR: job_N.json (the script, its arguments, its pid, its state as squeue shows it, the pids of its
+step's tasks, each run's exit code and state as sacct shows them), srun.log (every srun command line). `sbatch
+[--gpus-per-node=N] SCRIPT ARGS` forks a controller that runs the batch script as slurmctld would: in its own
+session, with SLURM_JOB_ID, SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_CPUS_PER_TASK, SLURM_SUBMIT_DIR,
+SLURM_RESTART_COUNT and, for a job with GPUs, SLURM_GPUS_ON_NODE and SLURM_GPUS_PER_NODE; GPUs beyond the node's
+$FAKE_SLURM_GPUS (default 0) are refused as Slurm refuses them. Once the script ends, a job `scontrol requeue`d
+meanwhile runs again with the count one higher (at once: a real SLURM holds it about 2 minutes).
+
+Signals as Slurm 22.05 delivers them (checked on a real one, launch/slurm_check.sh): `scancel JOB` marks the job
+COMPLETING, sends SIGTERM to every process of it and SIGKILL to what is left $FAKE_SLURM_KILL_WAIT_S later (30,
+KillWait); `scancel --batch --signal=SIG JOB`: SIG to the batch script alone; `scancel --signal=SIG JOB`: SIG to
+every process of the job's step, not to the batch script or srun. `srun` passes SIGUSR1 and SIGINT to every
+process of its tasks and answers SIGTERM by killing them, unless the job is being cancelled already (then the
+cancel's own SIGTERM and KillWait decide); with --kill-on-bad-exit=1 it kills the others when one fails. Set
 FAKE_SLURM_STAGGER_S to start the nodes that many seconds apart.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -25,7 +34,8 @@ import time
 from pathlib import Path
 
 STATE = Path(os.environ.get("FAKE_SLURM_DIR", "/tmp/fake-slurm"))
-TOOLS = ("sbatch", "srun", "scontrol", "scancel")
+TOOLS = ("sbatch", "srun", "scontrol", "scancel", "squeue")
+KILL_WAIT_S = float(os.environ.get("FAKE_SLURM_KILL_WAIT_S", "30"))
 
 
 def job_file(job: str) -> Path:
@@ -42,6 +52,16 @@ def write_job(job: str, state: dict) -> None:
     os.replace(tmp, job_file(job))
 
 
+@contextlib.contextmanager
+def updating(job: str):
+    """The job's state to change in place: the controller, srun and scancel each write it."""
+    with open(job_file(job).with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = read_job(job)
+        yield state
+        write_job(job, state)
+
+
 def directives(script: Path) -> dict[str, str]:
     """The script's #SBATCH --key=value lines."""
     found = {}
@@ -53,12 +73,23 @@ def directives(script: Path) -> dict[str, str]:
 
 
 def sbatch(argv: list[str]) -> int:
+    """`sbatch [--key=value ...] SCRIPT ARGS`: options before the script win over its #SBATCH lines."""
+    given = {}
+    while argv and argv[0].startswith("--"):
+        key, _, value = argv.pop(0)[2:].partition("=")
+        given[key] = value
     script, args = Path(argv[0]), argv[1:]
+    opts = {**directives(script), **given}
+    gpus = int(opts.get("gpus-per-node", "0").rsplit(":", 1)[-1])
+    if gpus > int(os.environ.get("FAKE_SLURM_GPUS", "0")):
+        print("sbatch: error: Batch job submission failed: Invalid generic resource (gres) specification",
+              file=sys.stderr)
+        return 1
     STATE.mkdir(parents=True, exist_ok=True)
     job = str(10000 + (os.getpid() + 997 * len(list(STATE.glob("job_*.json")))) % 80000)  # its port follows it
-    opts = directives(script)
     write_job(job, {"script": str(script.resolve()), "args": args, "cwd": os.getcwd(), "nodes": int(opts["nodes"]),
-                    "cpus": opts.get("cpus-per-task", "1"), "runs": [], "requeue": False, "pid": None})
+                    "cpus": opts.get("cpus-per-task", "1"), "gpus": gpus, "runs": [], "requeue": False,
+                    "pid": None, "state": "PENDING", "steps": []})
     subprocess.Popen([sys.executable, __file__, "_controller", job], start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"Submitted batch job {job}")
@@ -66,24 +97,32 @@ def sbatch(argv: list[str]) -> int:
 
 
 def controller(job: str) -> int:
-    """slurmctld for one job: run the batch script, again for each requeue."""
+    """slurmctld for one job: run the batch script, again for each requeue; KillWait after a cancel."""
     restarts = 0
     while True:
         state = read_job(job)
         env = {**os.environ, "SLURM_JOB_ID": job, "SLURM_NNODES": str(state["nodes"]),
                "SLURM_JOB_NODELIST": ",".join(["127.0.0.1"] * state["nodes"]), "SLURM_CPUS_PER_TASK": state["cpus"],
                "SLURM_SUBMIT_DIR": state["cwd"], "SLURM_RESTART_COUNT": str(restarts)}
+        if state["gpus"]:
+            env.update(SLURM_GPUS_ON_NODE=str(state["gpus"]), SLURM_GPUS_PER_NODE=str(state["gpus"]))
         with open(Path(os.environ.get("FAKE_SLURM_OUT", state["cwd"])) / f"slurm-{job}.out", "ab") as out:
             proc = subprocess.Popen(["bash", state["script"], *state["args"]], cwd=state["cwd"], env=env,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            state.update(pid=proc.pid, requeue=False)
-            write_job(job, state)
-            code = proc.wait()
-        state = read_job(job)
-        state["runs"].append({"code": code, "requeued": state["requeue"]})
-        state["pid"] = None
-        write_job(job, state)
-        if not state["requeue"]:
+            with updating(job) as state:
+                state.update(pid=proc.pid, requeue=False, state="RUNNING")
+            while (code := proc.poll()) is None:
+                cancelled = read_job(job).get("cancelled_at")
+                if cancelled and time.time() - cancelled > KILL_WAIT_S:
+                    kill_tree(proc.pid, signal.SIGKILL)
+                time.sleep(0.1)
+        with updating(job) as state:
+            cancelled = state.pop("cancelled_at", None)
+            ended = "CANCELLED" if cancelled else "REQUEUED" if state["requeue"] else \
+                "COMPLETED" if code == 0 else "FAILED"
+            state["runs"].append({"code": code, "state": ended})
+            state.update(pid=None, steps=[], state="PENDING" if ended == "REQUEUED" else ended)
+        if ended != "REQUEUED":
             return 0
         restarts += 1
 
@@ -106,10 +145,15 @@ def srun(argv: list[str]) -> int:
         tasks.append(subprocess.Popen(command, env={**os.environ, "SLURM_NODEID": str(k), "SLURM_PROCID": str(k),
                                                     "SLURM_LOCALID": "0",
                                                     "SLURM_CPUS_PER_TASK": opts.get("cpus-per-task", "1")}))
+        with updating(os.environ["SLURM_JOB_ID"]) as state:
+            state["steps"].append(tasks[-1].pid)
 
     def forward(signum, frame) -> None:
-        """As Slurm's srun: SIGTERM kills the step ("forcing job termination": SIGKILL); other signals go to every
-        process of the step (slurmstepd signals its whole container)."""
+        """As Slurm's srun: SIGTERM kills the step ("forcing job termination": SIGKILL) unless the job is being
+        cancelled (the cancel has signalled every process itself); other signals go to every process of the step
+        (slurmstepd signals its whole container)."""
+        if signum == signal.SIGTERM and read_job(os.environ["SLURM_JOB_ID"])["state"] == "COMPLETING":
+            return
         for t in tasks:
             if t.poll() is None:
                 kill_tree(t.pid, signal.SIGKILL if signum == signal.SIGTERM else signum)
@@ -133,13 +177,26 @@ def scontrol(argv: list[str]) -> int:
     if argv[:2] == ["show", "hostnames"]:
         print("\n".join(argv[2].split(",")))
         return 0
+    if argv[:2] == ["show", "config"]:
+        print(f"KillWait                = {KILL_WAIT_S:g} sec")
+        return 0
     if argv[0] == "requeue":
-        state = read_job(argv[1])
-        state["requeue"] = True
-        write_job(argv[1], state)
+        with updating(argv[1]) as state:
+            state["requeue"] = True
         return 0
     print(f"fake scontrol: {argv} not known", file=sys.stderr)
     return 1
+
+
+def squeue(argv: list[str]) -> int:
+    """`squeue -h -j JOB -o %T`: the job's state while it is queued or running; nothing once it has ended."""
+    if argv[:2] != ["-h", "-j"] or argv[3:] != ["-o", "%T"]:
+        print(f"fake squeue: {argv} not known", file=sys.stderr)
+        return 1
+    state = read_job(argv[2])["state"]
+    if state in ("PENDING", "RUNNING", "COMPLETING"):
+        print(state)
+    return 0
 
 
 def kill_tree(pid: int, sig: int) -> None:
@@ -155,16 +212,24 @@ def kill_tree(pid: int, sig: int) -> None:
 
 
 def scancel(argv: list[str]) -> int:
-    """`scancel JOB`: SIGTERM to every process of the job (the batch script and all below it). `scancel --batch
-    --signal=SIG JOB`: SIG to the batch script alone."""
+    """`scancel JOB`: SIGTERM to every process of the job, SIGKILL KillWait later (the controller). `scancel --batch
+    --signal=SIG JOB`: SIG to the batch script alone. `scancel --signal=SIG JOB`: SIG to every process of its step."""
     batch = "--batch" in argv
-    sig = next((getattr(signal, f"SIG{a.split('=', 1)[1].removeprefix('SIG')}") for a in argv
-                if a.startswith("--signal=")), signal.SIGTERM)
-    pid = read_job([a for a in argv if not a.startswith("--")][0])["pid"]
-    if pid is not None:
-        if batch:
-            os.kill(pid, sig)
-        else:
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--signal=")), None)
+    job = next(a for a in argv if not a.startswith("--"))
+    with updating(job) as state:
+        if given is None and state["pid"] is not None:
+            state.update(state="COMPLETING", cancelled_at=time.time())
+    if state["pid"] is None:
+        return 0
+    if given is None:
+        kill_tree(state["pid"], signal.SIGTERM)
+        return 0
+    sig = getattr(signal, f"SIG{given.removeprefix('SIG')}")
+    if batch:
+        os.kill(state["pid"], sig)
+    else:
+        for pid in state["steps"]:
             kill_tree(pid, sig)
     return 0
 
@@ -183,5 +248,5 @@ if __name__ == "__main__":
     if name == "install":
         install(Path(rest[0]))
         sys.exit(0)
-    sys.exit({"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "scancel": scancel,
+    sys.exit({"sbatch": sbatch, "srun": srun, "scontrol": scontrol, "scancel": scancel, "squeue": squeue,
               "_controller": lambda a: controller(a[0])}[name](rest))

@@ -81,9 +81,11 @@ def running_here(host: str, pid: int) -> bool | None:
     return Path(f"/proc/{pid}").exists() if host == socket.gethostname() else None
 
 
-def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False) -> RankHung:
-    """The error to raise on rank `me` after a collective timed out (or, `lost`, lost its connection to a peer):
-    the ranks whose process is gone, whose heartbeat went stale or who are behind the others, from their files."""
+def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False,
+             step: int | None = None) -> RankHung:
+    """The error to raise on rank `me`, whose last finished step is `step`, after a collective timed out (or, `lost`,
+    lost its connection to a peer): the ranks whose process is gone, whose heartbeat went stale or who are behind
+    the others, from their files."""
     now, beats = time.time(), {}
     for rank in range(world_size):
         try:
@@ -101,16 +103,19 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
         b = beats[r]
         if b is None:
             return f"rank {r} (never reported)"
+        where = f"pid {b['pid']} on {b['host']}"
+        if lost:  # its file is up to every_s old: its step and age would mislead; the ranks were at `step` together
+            return f"rank {r} ({where}{': its process is gone' if r in gone else ''})"
         state = "its process is gone; " if r in gone else ""
-        return (f"rank {r} (pid {b['pid']} on {b['host']}: {state}last finished step {b['step']}, last heard of "
-                f"{now - b['time']:.0f} s ago)")
+        return f"rank {r} ({where}: {state}last finished step {b['step']}, last heard of {now - b['time']:.0f} s ago)"
 
     from .checkpoint import resume_hint
 
     then = f"Ending the job; {resume_hint(Path(run_dir) / 'checkpoints')}"
     if lost:
-        return RankHung(f"rank {me}: a collective lost its connection to another rank (a rank that died: killed, out "
-                        f"of memory, or its node went down); {'gone' if gone else 'suspects'}: "
+        after = f" after step {step}" if step is not None else ""
+        return RankHung(f"rank {me}: a collective{after} lost its connection to another rank (a rank that died: "
+                        f"killed, out of memory, or its node went down); {'gone' if gone else 'suspects'}: "
                         f"{', '.join(say(r) for r in suspects)}. {then}")
     return RankHung(f"rank {me}: a collective got no answer within train.collective_timeout_s = {timeout_s:g} s; "
                     f"stopped answering: {', '.join(say(r) for r in suspects)}. {then}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from ..prepare import store_run_data
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
-from .preemption import Watch
+from .preemption import EXIT_PREEMPTED, Watch
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir
 from .step import Ledger, Steps, to_device
@@ -86,7 +87,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
     checkpoint: raises Preempted."""
     timeout_s = plan.run.cfg.train.collective_timeout_s
-    with Watch(world.rank) as watch, contextlib.ExitStack() as teardown:
+    with Watch() as watch, contextlib.ExitStack() as teardown:
         held = prepare_run_dir(plan, world, resume_from, overwrite)
         beat = Heartbeat(plan.run_dir, world.rank, min(30.0, timeout_s / 4))  # names a hung rank (heartbeat.py)
         try:
@@ -98,7 +99,7 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
                 for bar in list(tqdm._instances):  # the progress bar's line ends before the error's
                     bar.close()
                 raise diagnose(plan.run_dir, world.world_size, world.rank, timeout_s, beat.every_s,
-                               lost=not is_timeout(e)) from None
+                               lost=not is_timeout(e), step=beat.step) from None
             raise
         finally:
             beat.stop()
@@ -268,6 +269,9 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
                                     want=run.selection and run.selection.metric)
             if run.selection:  # the same verdict on every rank: the metrics are all-reduced
                 improved = _select(run.selection, metrics, step, plan, world, run.tracker, math.isfinite(result.loss))
+        if ledger.signal and world.is_main:  # one line for all ranks, whichever of them got the signal
+            progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}; "
+                           f"saving a checkpoint, then exiting ({EXIT_PREEMPTED})", file=sys.stderr)
         if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
             _save(run, step, result, progress)
         if ledger.signal:

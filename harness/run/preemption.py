@@ -3,13 +3,14 @@
 
 A handler only records the signal. The loop carries "a signal came" in the collective it starts anyway about once
 a second (`step.Span`), so every rank learns of it at the same step, however many got the signal, at no extra
-sync: they finish that step, save a checkpoint, and the command exits with `EXIT_PREEMPTED`. A second signal
-changes nothing (a launcher passes on what the terminal already sent); SIGKILL still ends a run at once.
+sync: they finish that step, save a checkpoint, and the command exits with `EXIT_PREEMPTED`. Rank 0 says so once,
+at that step: which ranks the signal reached first differs from one stop to the next (SLURM signals every process
+of a step, launchers pass it on again), so no rank speaks on receiving it. A second signal changes nothing; SIGKILL
+still ends a run at once.
 """
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -21,8 +22,8 @@ class Watch:
     `watch.name`); the handlers it replaced come back on exit. Outside the main thread (where Python cannot take
     signals) it records nothing."""
 
-    def __init__(self, rank: int = 0):
-        self.rank, self.signal, self._before = rank, None, {}
+    def __init__(self):
+        self.signal, self._before = None, {}
 
     @property
     def name(self) -> str | None:
@@ -31,8 +32,6 @@ class Watch:
     def _handle(self, signum, frame) -> None:
         if self.signal is None:
             self.signal = signum
-            print(f"harness: rank {self.rank} got {signal.Signals(signum).name}: finishing this step, then saving a "
-                  f"checkpoint and exiting ({EXIT_PREEMPTED})", file=sys.stderr, flush=True)
 
     def __enter__(self) -> Watch:
         if threading.current_thread() is threading.main_thread():

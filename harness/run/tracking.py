@@ -3,7 +3,9 @@
 
 W&B runs online when an API key is configured (WANDB_API_KEY or a netrc entry), otherwise offline with its
 files under RUN/wandb/ (`wandb sync` uploads them later); WANDB_MODE, when set, always wins. Nothing here
-waits on the network.
+waits on the network. A tracker that fails is dropped with one line and the run goes on: SLURM sends SIGTERM to
+every process of a job it cancels, wandb's background process among them, and the run must still stop with its
+checkpoint; the jsonl files keep the whole record.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import netrc
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -76,7 +79,7 @@ class Tracker:
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
             values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
-            self.backend.log(values, step=record["step"])
+            self._call("log", values, step=record["step"])
 
     def close(self) -> None:
         for f in self.files.values():
@@ -84,5 +87,14 @@ class Tracker:
                 f.close()
         self.files.clear()
         if self.backend is not None:
-            self.backend.finish()
+            self._call("finish")
+            self.backend = None
+
+    def _call(self, method: str, *args, **kwargs) -> None:
+        try:
+            getattr(self.backend, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - whatever the tracker raises, the run's own record is the jsonl files
+            print(f"harness: logging.backend {self.backend.name}: {method} failed ({type(e).__name__}: {e}); going on "
+                  f"without it (metrics.jsonl and eval.jsonl in {self.run_dir} keep the record)", file=sys.stderr,
+                  flush=True)
             self.backend = None
