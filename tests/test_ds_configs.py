@@ -239,6 +239,10 @@ def test_the_main_job_s_run_file_takes_a_hf_deepspeed_file_s_scheduler_where_the
     assert "--unset schedule.kind" in str(e.value) and 'run.config_wins = "deepspeed"' in str(e.value)
     unset = make_plan(MAIN_JOB, ["--unset schedule.kind"], ds, 1)
     assert unset.run.source["schedule.kind"] == "default" and not unset.ds.sections.overridden
+    for bad, message in (("--unset schedule", "--unset expects section.key, got 'schedule'"),
+                         ("--unset schedule.knd", "did you mean `schedule.kind`")):
+        with pytest.raises(ConfigError, match=message):
+            make_plan(MAIN_JOB, [bad], ds, 1)
     out = tmp_path / "run"
     sets = ['run.config_wins="deepspeed"', "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
             "train.save_every=0", 'logging.backend="none"', "logging.plots=false",

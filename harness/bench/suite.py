@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
-import math
 import os
 import platform
 import re
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..config.ds import ds_path
-from ..config.run import ConfigError
+from ..config.run import ConfigError, run_steps
 from ..distributed.optim import deepspeed_arch_list
 from ..eval.evaluate import evaluate_run
 from ..plan.render import count_params
@@ -346,7 +345,7 @@ def quality(r: Recipe, data: Path, run_dir: Path, budget: Budget, smoke: bool) -
     recipe_steps = int(planned.group(2)) if planned else None
     if smoke and planned:  # the recipe's own length, from its run file and the steps per epoch just printed
         t = resolve(run_file, sets).cfg.train
-        recipe_steps = t.max_steps or math.ceil(t.epochs * int(planned.group(3)))
+        recipe_steps = run_steps(t, int(planned.group(3)))
     step_s = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step_s"]  # past the start-up
     start_up = max(0.0, time.monotonic() - launched - probe * step_s)  # the second launch pays it again
     steps = max(probe, probe + int((budget.left - start_up - EVAL_SHARE * budget.seconds) / step_s))

@@ -492,6 +492,11 @@ def length_buckets(c: RunConfig) -> tuple[int, ...]:
     return tuple(int(x) for x in c.data.length_buckets.split(",") if x.strip())
 
 
+def run_steps(t: TrainSection, steps_per_epoch: int) -> int:
+    """The run's optimizer steps: train.max_steps, else train.epochs of `steps_per_epoch`."""
+    return t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+
+
 def check_training_length(c: RunConfig) -> None:
     """Training needs a length; preparing data or evaluating a run does not."""
     if not c.train.max_steps and not c.train.epochs:

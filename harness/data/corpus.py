@@ -73,6 +73,11 @@ class Corpus:
         digest = hashlib.sha256("".join(s.sha256 for split in SPLITS for s in self.shards[split]).encode())
         return digest.hexdigest()[:16]
 
+    @property
+    def identity(self) -> dict:
+        """What a checkpoint records of the data it trained on (`data.json`); a resume compares the fingerprint."""
+        return {"path": str(self.dir), "fingerprint": self.fingerprint}
+
     def tokens(self, split: str = "train") -> int:
         return sum(s.tokens for s in self.shards[split])
 
@@ -136,7 +141,31 @@ def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:
     return out.astype(np.int64)
 
 
-class Windows:
+class ShardMaps:
+    """A split's shards and their document indexes, memory-mapped in each process on first use (a DataLoader
+    worker opens its own); `starts` and `firsts`: each shard's first token and first document in the split."""
+
+    def __init__(self, corpus: Corpus, split: str):
+        shards = corpus.shards[split]
+        self.paths, self.dtype = [str(s.path) for s in shards], corpus.dtype
+        self.starts = np.cumsum([0] + [s.tokens for s in shards])
+        self.firsts = np.cumsum([0] + [s.documents for s in shards])
+        self._tokens: list | None = None
+        self._ends: list | None = None
+
+    def shard_tokens(self, k: int) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
+        return self._tokens[k]
+
+    def shard_ends(self, k: int) -> np.ndarray:
+        """Shard k's document ends, in tokens (its .idx)."""
+        if self._ends is None:
+            self._ends = [np.memmap(Path(p).with_suffix(".idx"), dtype=INDEX, mode="r") for p in self.paths]
+        return self._ends[k]
+
+
+class Windows(ShardMaps):
     """Sample i: the tokens [i * seq_len, i * seq_len + seq_len + 1) of a split's stream (inputs and shifted
     targets), read from the memory-mapped shards; the maps are opened in each process on first use. With
     `documents`, each token's document too (numbered from the window's first), from the shards' indexes. A map-style
@@ -144,41 +173,32 @@ class Windows:
     it."""
 
     def __init__(self, corpus: Corpus, split: str, seq_len: int, documents: bool = False):
-        shards = corpus.shards[split]
-        self.paths = [str(s.path) for s in shards]
-        self.starts = np.cumsum([0] + [s.tokens for s in shards])
-        self.doc_starts = np.cumsum([0] + [s.documents for s in shards])
-        self.dtype, self.seq_len, self.documents = corpus.dtype, seq_len, documents
+        super().__init__(corpus, split)
+        self.seq_len, self.documents = seq_len, documents
         self.n = max(0, (int(self.starts[-1]) - 1) // seq_len)
-        self._maps: list | None = None
-        self._ends: list | None = None
 
     def __len__(self) -> int:
         return self.n
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        if self._maps is None:  # per process: a DataLoader worker opens its own
-            self._maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
         parts = []
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:
             local = start - int(self.starts[shard])
             take = min(stop - start, int(self.starts[shard + 1]) - start)
-            parts.append(self._maps[shard][local:local + take])
+            parts.append(self.shard_tokens(shard)[local:local + take])
             start, shard = start + take, shard + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def document_ids(self, start: int, stop: int) -> np.ndarray:
         """Each token's document in [start, stop), numbered from the first one's: a document ends with its
         separator, the index's end offset."""
-        if self._ends is None:
-            self._ends = [np.memmap(Path(p).with_suffix(".idx"), dtype=INDEX, mode="r") for p in self.paths]
         at = np.arange(start, stop)
         shard = np.searchsorted(self.starts, at, side="right") - 1
         out = np.empty(len(at), dtype=np.int64)
         for s in np.unique(shard):
             mine = shard == s
-            out[mine] = self.doc_starts[s] + np.searchsorted(self._ends[s], at[mine] - self.starts[s], side="right")
+            out[mine] = self.firsts[s] + np.searchsorted(self.shard_ends(s), at[mine] - self.starts[s], side="right")
         return (out - out[0]).astype(np.int32)
 
     def __getitem__(self, i: int) -> dict:
@@ -201,16 +221,13 @@ class Windows:
         return [{"ids": row, "documents": d} for row, d in zip(ids, docs)]
 
 
-class Documents:
+class Documents(ShardMaps):
     """Document i of a split, its tokens without the separator, read from the memory-mapped shards and indexes
-    (e.g. one protein sequence a document, for a masked LM). Opened in each process on first use."""
+    (e.g. one protein sequence a document, for a masked LM)."""
 
     def __init__(self, corpus: Corpus, split: str):
-        shards = corpus.shards[split]
-        self.paths = [str(s.path) for s in shards]
-        self.firsts = np.cumsum([0] + [s.documents for s in shards])
-        self.dtype, self.n = corpus.dtype, int(self.firsts[-1])
-        self._maps: list | None = None
+        super().__init__(corpus, split)
+        self.n = int(self.firsts[-1])
 
     def __len__(self) -> int:
         return self.n
@@ -218,11 +235,8 @@ class Documents:
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < self.n:
             raise IndexError(i)
-        if self._maps is None:
-            self._maps = [(np.memmap(p, dtype=self.dtype, mode="r"),
-                           np.memmap(Path(p).with_suffix(".idx"), dtype=INDEX, mode="r")) for p in self.paths]
         shard = int(np.searchsorted(self.firsts, i, side="right")) - 1
-        tokens, ends = self._maps[shard]
+        tokens, ends = self.shard_tokens(shard), self.shard_ends(shard)
         j = i - int(self.firsts[shard])
         return tokens[(int(ends[j - 1]) if j else 0):int(ends[j]) - 1]
 
@@ -242,7 +256,8 @@ class Mixture:
     def __init__(self, sources: list[Windows], weights: list[float] | None = None, seed: int = 0):
         self.sources, self.seed = sources, seed
         self.sizes = np.array([len(s) for s in sources])
-        self.n = int(self.sizes.sum())
+        self.offsets = np.cumsum([0, *self.sizes])  # each source's first sample, one after another
+        self.n = int(self.offsets[-1])
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
         if self.weights is not None:
             counts = np.zeros(len(sources), dtype=np.int64)
@@ -260,8 +275,8 @@ class Mixture:
     def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each sample's source and its window there."""
         if self.weights is None:
-            source = np.searchsorted(np.cumsum(self.sizes), indices, side="right")
-            return source, indices - np.concatenate([[0], np.cumsum(self.sizes)])[source]
+            source = np.searchsorted(self.offsets, indices, side="right") - 1
+            return source, indices - self.offsets[source]
         period, p = np.divmod(indices, BLEND_PERIOD)
         source = self.source_of[p]
         j = period * self.per_period[source] + self.rank_in[p]

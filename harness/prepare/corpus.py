@@ -307,20 +307,25 @@ class Bytes:
 
 class Residues:
     """The protein task's residue ids: one a residue (upper-cased; a stop codon's trailing "*" dropped, any other
-    character <unk>), each sequence followed by the end token; the vocabulary (`prepare/protein.py`'s: padding,
-    <unk>, begin, end, <mask>, <cls>, then the letters A-Z of its alphabet) is written beside the shards."""
-    spec = {"kind": "residues", "vocab_size": 31, "separator": 3, "fingerprint": "residues-v1"}
+    character <unk>), each sequence followed by the end token. The ids are the residue vocabulary's
+    (`prepare/protein.py`'s, letter by letter as its `encode` looks them up), which is written beside the shards."""
 
     def __init__(self):
-        from ..data.tokenizer import EOS, UNK
-        from .protein import ALPHABET, USER_SYMBOLS
+        import tempfile
 
-        letters = sorted(ALPHABET)
+        from ..data.tokenizer import EOS, UNK, train_tokenizer
+        from .protein import ALPHABET, TOKENIZER, USER_SYMBOLS, encode
+
+        letters = "".join(sorted(ALPHABET))
+        with tempfile.TemporaryDirectory() as tmp:  # distinct counts: the same vocabulary every time
+            tok = train_tokenizer(["".join(c * (40 - i) for i, c in enumerate(letters))], Path(tmp) / TOKENIZER,
+                                  vocab_size=64, model_type="char", user_symbols=USER_SYMBOLS)
+            self.model = (Path(tmp) / TOKENIZER).read_bytes()
         self.table = np.full(256, UNK, dtype=np.uint8)
-        first = 4 + len(USER_SYMBOLS)  # after the four fixed ids and <mask>, <cls>
-        for i, c in enumerate(letters):
-            self.table[ord(c)] = self.table[ord(c.lower())] = first + i
+        for c, i in zip(letters, encode(tok, [letters])[0]):
+            self.table[ord(c)] = self.table[ord(c.lower())] = i
         self.eos = EOS
+        self.spec = {"kind": RESIDUES, "vocab_size": tok.vocab_size, "separator": EOS, "fingerprint": "residues-v1"}
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         seqs = [t.strip().removesuffix("*").encode("ascii", "replace") + b"\0" for t in texts]
@@ -329,18 +334,10 @@ class Residues:
         ids[ends - 1] = self.eos
         return ids, ends
 
-    @staticmethod
-    def write_vocabulary(out: Path) -> None:
-        """The residue vocabulary as the protein task reads a prepared directory's: its letters' distinct counts
-        fix their ids in alphabetical order."""
-        from ..data.tokenizer import train_tokenizer
-        from .protein import ALPHABET, TOKENIZER, USER_SYMBOLS
+    def write_vocabulary(self, out: Path) -> None:
+        from .protein import TOKENIZER
 
-        text = "".join(c * (40 - i) for i, c in enumerate(sorted(ALPHABET)))
-        tok = train_tokenizer([text], out / TOKENIZER, vocab_size=64, model_type="char", user_symbols=USER_SYMBOLS)
-        if tok.vocab_size != Residues.spec["vocab_size"] or tok.piece_id("A") != 6:  # another sentencepiece's rules
-            raise RuntimeError(f"the residue vocabulary came out with {tok.vocab_size} ids, 'A' at "
-                               f"{tok.piece_id('A')}: not the ids the shards hold")
+        (out / TOKENIZER).write_bytes(self.model)
 
 
 class HFTokenizer:
@@ -607,10 +604,11 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str)
     if settings["tokenizer"]["kind"] == RESIDUES:  # what the protein task reads of a prepared directory
         from . import META
 
-        Residues.write_vocabulary(root)
+        Residues().write_vocabulary(root)
         split_counts = {split: {"ok": manifest["counts"][split]["documents"]} for split in ("train", "validation")}
         (root / META).write_text(json.dumps({"task": "protein", "corpus": True, "labels": "none", "classes": [],
-                                             "values": {}, "vocab_size": Residues.spec["vocab_size"], "sites": None,
+                                             "values": {}, "vocab_size": settings["tokenizer"]["vocab_size"],
+                                             "sites": None,
                                              "counts": {**split_counts, "test": {}}}, indent=1))
     return manifest
 

@@ -18,6 +18,7 @@ from ..config.run import (  # raised here, caught by the CLI
     ConfigError,
     Preempted,
     TrainingStopped,
+    run_steps,
 )
 from ..console import progress
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
@@ -219,7 +220,7 @@ def _data(plan: Plan, world: World) -> tuple:
                         lengths=task.lengths(data.train) if cfg.data.bucket else None,
                         order=task.sample_order(cfg) if hasattr(task, "sample_order") else "held")
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
-    max_steps = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    max_steps = run_steps(t, steps_per_epoch)
     try:  # epochs and counts per run become steps now that the data's size is known
         every = cadence.resolve(t, steps_per_epoch, max_steps, plan.run.describe)
     except ValueError as e:

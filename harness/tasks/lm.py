@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config.run import ConfigError, DataSection, RunConfig, setting
+from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
 from ..data.corpus import Corpus, Mixture, Windows, is_corpus
 from ..data.rows import DataSummary, check_paths, keep, load_rows
 from ..models import hf, sequence
@@ -169,7 +169,7 @@ class LanguageModelTask:
         sources = [(p, w) for p, w in d.mix] or [(d.path, 1.0)]
         corpora = [Corpus(p) for p, _ in sources]
         windows = [max(1, len(Windows(c, "train", seq))) for c in corpora]
-        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (sum(windows) // global_batch))
+        steps = run_steps(cfg.train, sum(windows) // global_batch)
         total = sum(w for _, w in sources)
         val = f"; validation: data.val_path = {d.val_path}" if d.val_path else ""
         lines = [f"data: {'a mixture of prepared corpora' if d.mix else 'a prepared corpus'}; a step reads "
@@ -244,7 +244,7 @@ class LanguageModelTask:
             parts = "".join(f"{Corpus(p).fingerprint}:{w / total:.12g};" for p, w in d.mix)
             return {"path": "data.mix of " + ", ".join(p for p, _ in d.mix),
                     "fingerprint": hashlib.sha256(parts.encode()).hexdigest()[:16]}
-        return {"path": d.path, "fingerprint": Corpus(d.path).fingerprint} if is_corpus(d.path) else None
+        return Corpus(d.path).identity if is_corpus(d.path) else None
 
     def sample_order(self, cfg: RunConfig) -> str:
         """StepSampler's `order`: a blend orders its samples itself (each source permuted within its own epochs, the

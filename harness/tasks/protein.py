@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config.run import ConfigError, RunConfig, read_toml, setting
+from ..config.run import ConfigError, RunConfig, read_toml, run_steps, setting
 from ..console import progress
 from ..data.batches import eval_batches
 from ..data.corpus import Corpus, Documents, is_corpus
@@ -381,8 +381,7 @@ class ProteinTask:
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
         """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
-        return {"path": cfg.data.path, "fingerprint": Corpus(cfg.data.path).fingerprint} \
-            if is_corpus(cfg.data.path) else None
+        return Corpus(cfg.data.path).identity if is_corpus(cfg.data.path) else None
 
     def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
         """The plan's and the start's account of a prepared corpus: its sequences, the epochs the run covers."""
@@ -390,7 +389,7 @@ class ProteinTask:
             return None
         corpus = Corpus(cfg.data.path)
         n = corpus.documents() * cfg.task.mask_variants
-        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * (n // global_batch))
+        steps = run_steps(cfg.train, n // global_batch)
         return (f"data: a prepared corpus {cfg.data.path}: {corpus.documents():,} sequences ({corpus.tokens():,} "
                 f"tokens) in {len(corpus.shards['train'])} shard(s), validation {corpus.documents('validation'):,}; "
                 f"each cropped to data.seq_len = {cfg.data.seq_len} residues; a step reads {global_batch} of them, "
