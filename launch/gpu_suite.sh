@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The GPU suite in two commands of under 10 minutes each, on a GPU machine that may have no network:
+# The GPU suite on a GPU machine that may have no network, in one command or in parts of under 10 minutes each:
+#   bash launch/gpu_suite.sh all OUT [SECONDS]   # all a short lease allows in SECONDS (default 560): FusedAdam's
+#       build, a 5-step GPU check that ends the command at once if training cannot run, speed (330 s), overhead
+#       (50 s), then the translation recipe in what is left (cut short and labelled so)
 #   bash launch/gpu_suite.sh 1 OUT      # parts ops, speed, overhead
 #   bash launch/gpu_suite.sh 2 OUT      # parts largest, quality (adds to OUT/suite.json)
 #   bash launch/gpu_suite.sh 3 OUT [RECIPE,...]   # the quality part alone for 540 s (default: every recipe), e.g.
@@ -11,18 +14,39 @@
 # Set HARNESS_COMMIT to the commit when the tree is a copy without .git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_suite.sh 1|2|3 OUT [RECIPE,...]}
-out=${2:?usage: gpu_suite.sh 1|2|3 OUT [RECIPE,...]}
-extra=()
-case $part:$# in
-  1:2) parts=ops,speed,overhead ;;
-  2:2) parts=largest,quality ;;
-  3:[23]) parts=quality; extra=(--budget quality=540 ${3:+--recipes "$3"}) ;;
-  *) echo "usage: gpu_suite.sh 1|2 OUT, or gpu_suite.sh 3 OUT [RECIPE,...]" >&2; exit 2 ;;
-esac
+start=$SECONDS
+usage="usage: gpu_suite.sh all OUT [SECONDS] | 1 OUT | 2 OUT | 3 OUT [RECIPE,...]"
+part=${1:?$usage}
+out=${2:?$usage}
+mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/harness-site .whl/*.whl
   export PYTHONPATH=/tmp/harness-site:$PWD
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-exec python3 -m harness bench suite --parts "$parts" --data "${DATA:-.bench}" --out "$out" ${extra[@]+"${extra[@]}"}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
+# SMOKE=1: the same steps at toy size, to try this script on a CPU first
+suite() { python3 -m harness bench suite --data "${DATA:-.bench}" --out "$out" ${SMOKE:+--smoke} "$@"; }
+case $part:$# in
+  1:2) suite --parts ops,speed,overhead; exit ;;
+  2:2) suite --parts largest,quality; exit ;;
+  3:[23]) suite --parts quality --budget quality=540 ${3:+--recipes "$3"}; exit ;;
+  all:[23]) ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
+deadline=$((start + ${3:-560}))
+# GPU load and clocks every 2 s, beside the suite's own figures
+(nvidia-smi dmon -s puc -d 2 >"$out/dmon.txt" 2>&1 &) || true
+suite --parts ops
+check=bench/gpu-check
+python3 -m harness train --run configs/runs/lm_demo.toml --ds configs/ds/zero0.json --overwrite \
+  --set train.max_steps=6 --set train.epochs=0.0 --set train.eval_every=0 --set train.save_every=0 \
+  --set 'logging.backend="none"' --set logging.plots=false --set "run.output_dir=\"$check\"" --stop-at 5 \
+  >"$out/check.log" 2>&1 || { tail -30 "$out/check.log"; echo "gpu_suite.sh: 5 steps of the lm failed: stopped"; exit 1; }
+quality=$((deadline - SECONDS - 330 - 50 - 15))  # 15 s for the logs below
+suite --parts speed,overhead,quality --recipes translation_multi30k --budget speed=330 --budget overhead=50 \
+  --budget quality=$((quality > 0 ? quality : 0)) || true
+# every run's log, profile and metrics (no weights or checkpoints), to read where a step's time went
+tar czf "$out/logs.tgz" --exclude='*.safetensors' --exclude='checkpoints' --exclude='*.pt' --exclude='data' \
+  bench/suite-work "$check" 2>/dev/null || true
+pkill -f "nvidia-smi dmon" || true
+echo "gpu_suite.sh: done in $((SECONDS - start)) s"

@@ -178,7 +178,8 @@ def suite_markdown(result: dict) -> str:
             f" in {v['seconds']:.0f} s" for k, v in parts["ops"]["ops"].items()]
     if "speed" in parts:
         lines += ["", "## Speed (one device)", "", "| model | precision | params | step s | tokens/s | MFU (datasheet) "
-                  "| MFU (measured peak) | target | where the time went (profiled step) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| MFU (measured peak) | target | compile s | peak memory | where the time went (profiled step) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_speed_row(e) for e in parts["speed"]["bench"]["configs"]]
     o = parts.get("overhead")
     if o and "vs_plain" in o:
@@ -204,15 +205,20 @@ def suite_markdown(result: dict) -> str:
 
 def _speed_row(e: dict) -> str:
     if e["status"] != "ok":
-        return f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | |"
+        return f"| {e['name']} | | | {e['status']}: {cell(e.get('error', '')[:80])} | | | | | | | |"
     p = e.get("profile", {})
     host = "-" if p.get("host_overhead_s") is None else f"{p['host_overhead_s'] * 1e3:.1f} ms"
     top = ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])
-    where = f"loader {p['loader_wait_s'] * 1e3:.1f} ms, host {host}, top: {top}" if p else "-"
+    busy = "" if p.get("device_busy_s") is None else (  # against the untraced step: the trace's own cost left out
+        f"GPU busy {p['device_busy_s'] * 1e3:.1f} ms ({min(1.0, p['device_busy_s'] / e['step_s']['median']):.0%} of "
+        f"the step), ")
+    where = f"{busy}loader {p['loader_wait_s'] * 1e3:.1f} ms, host {host}, top: {top}" if p else "-"
+    compiled = "-" if e.get("compile_s") is None else f"{e['compile_s']:.0f}"
+    peak = "-" if e.get("peak_mem_bytes") is None else f"{e['peak_mem_bytes'] / 2**30:.1f} GiB"
     target = f"{e['target_mfu']:.0%}: {_met(e)}" if e.get("target_mfu") else "-"
     return (f"| {e['name']} | {e['precision']} | {e['params'] / 1e6:.1f}M | {e['step_s']['median']:.4f} | "
             f"{e['tokens_per_s']:,.0f} | {bounded(e, 'mfu_table')} | {bounded(e, 'mfu_measured')} | {target} | "
-            f"{where} |")
+            f"{compiled} | {peak} | {where} |")
 
 
 def _largest_line(c: dict) -> str:
