@@ -171,7 +171,9 @@ def environment() -> dict:
 
 
 def commit() -> str:
-    """The checkout's commit; a copy of the tree without .git says so through $HARNESS_COMMIT."""
+    """$HARNESS_COMMIT where set (a copy of the tree may carry a stale .git), else the checkout's commit."""
+    if os.environ.get("HARNESS_COMMIT"):
+        return os.environ["HARNESS_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
