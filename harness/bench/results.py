@@ -209,9 +209,9 @@ def _speed_row(e: dict) -> str:
     p = e.get("profile", {})
     host = "-" if p.get("host_overhead_s") is None else f"{p['host_overhead_s'] * 1e3:.1f} ms"
     top = ", ".join(f"{t['name'][:40]} {t['share']:.0%}" for t in p.get("top", [])[:3])
-    busy = "" if p.get("device_busy_s") is None else (  # against the untraced step: the trace's own cost left out
-        f"GPU busy {p['device_busy_s'] * 1e3:.1f} ms ({min(1.0, p['device_busy_s'] / e['step_s']['median']):.0%} of "
-        f"the step), ")
+    busy = "" if p.get("device_busy_s") is None else (  # the traced step's own batch: lengths vary from step to step
+        f"GPU busy {p['device_busy_s'] * 1e3:.1f} ms of the traced step's {p['wall_s'] * 1e3:.1f} ms "
+        f"({p['device_busy_s'] / p['wall_s']:.0%}), ")
     where = f"{busy}loader {p['loader_wait_s'] * 1e3:.1f} ms, host {host}, top: {top}" if p else "-"
     compiled = "-" if e.get("compile_s") is None else f"{e['compile_s']:.0f}"
     peak = "-" if e.get("peak_mem_bytes") is None else f"{e['peak_mem_bytes'] / 2**30:.1f} GiB"

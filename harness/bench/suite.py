@@ -237,7 +237,8 @@ def part_speed(args, data, work: Path, budget: Budget) -> dict:
         peaks.setdefault(precision, {"table": table_peak(device_name(), precision), "measured": peak})
         params = count_params(plan)
         print(f"  {name} ({precision}, {params:,} parameters)", flush=True)
-        e = measure(config, plan, run_file, base, work, args.warmup, args.steps, timeout, profile=True)
+        model_dir = work / re.sub(r"[^a-z0-9]+", "-", m.name.lower()).strip("-")  # runs named by config alone
+        e = measure(config, plan, run_file, base, model_dir, args.warmup, args.steps, timeout, profile=True)
         entries.append({**e, "name": name, "model": m.name, "params": params, "peak_flops_measured": peak,
                         "target_mfu": m.target_mfu})
     cuda = torch.cuda.is_available()

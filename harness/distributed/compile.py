@@ -134,6 +134,8 @@ class CompileWatch:
             new += (m.duration_us or 0) / 1e6
             if m.fail_type is None:
                 self.graphs += 1
+                if m.co_name is None:  # a backward graph (torch 2.11 records it apart, with no code): its frame counts
+                    continue
                 code = f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
                 self.per_code[code] += 1
                 reason = m.recompile_reason or reason
