@@ -160,3 +160,20 @@ def test_bad_mixtures_and_document_masks_are_refused_in_one_line(sources, tmp_pa
     done = plan(f"data.path={json.dumps(str(big))}", "data.document_mask=true",
                 ds=["--ds", "pp2_zero1.json", "--world-size", "2"])
     assert done.returncode == 2 and "not supported under a pipeline" in done.stderr, done.stderr[-1500:]
+    # a causal LM whose modeling code builds no mask with transformers' utilities (Mamba has no attention at all)
+    import shutil
+
+    from transformers import MambaConfig, MambaForCausalLM
+
+    mamba = tmp_path / "tiny-mamba"
+    config = MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4)
+    MambaForCausalLM(config).save_pretrained(mamba)
+    for f in tiny_llama.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, mamba / f.name)
+    bpe_set = f"data.path={json.dumps(str(bpe))}"
+    done = plan(bpe_set, f"model.hf={json.dumps(str(mamba))}", "data.document_mask=true")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "does not build its attention mask with transformers' masking" in last, last
+    done = plan(bpe_set, f"model.hf={json.dumps(str(tiny_llama))}", "data.document_mask=true")
+    assert done.returncode == 0, done.stderr[-1500:]  # the Llama builds it so: the same corpus is taken

@@ -51,7 +51,7 @@ class Recipe:
     metric: str                         # the test-split figure it is judged by
     target: float | None                # metric >= target (None: report next to the baselines only)
     smoke: tuple[str, ...]
-    sets: tuple[str, ...] = ()          # always (e.g. a smaller in-training BLEU sample: the test split is scored after)
+    sets: tuple[str, ...] = ()          # always (e.g. a smaller in-training BLEU sample; the test split comes after)
     compare: tuple[str, ...] = field(default=())  # other figures of the same evaluation shown beside it
 
 
