@@ -55,6 +55,11 @@ class Budget:
         return Budget(self.left / parts, self.launch_s)
 
 
+def slug(text: str) -> str:
+    """`text` as a file name: lower case, each run of other characters one dash."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
 def not_run(name: str) -> dict:
     return {"name": name, "status": "not run", "error": "budget"}
 
@@ -65,7 +70,7 @@ def _sets(recipe_data: str, data_root: Path | None, sets: tuple[str, ...]) -> li
 
 
 def run_suite(args) -> dict:
-    parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
+    parts = args.parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ConfigError(f"--parts: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
@@ -96,8 +101,8 @@ def run_suite(args) -> dict:
             raise ConfigError(f"--data {data}: no {', '.join(m if '.' in m else m + '/' for m in missing)} in it (the benchmark sets the "
                               f"speed and quality parts read)")
     clear_stale_build_locks()
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name().lower()).strip("-")[:40]  # the default --out: day and device
-    out = Path(args.out or ("bench/suite-smoke" if args.smoke else f"results/gpu/{dt.date.today()}-{slug}"))
+    out = Path(args.out or ("bench/suite-smoke" if args.smoke else  # the default --out: day and device
+                            f"results/gpu/{dt.date.today()}-{slug(device_name())[:40]}"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "suite.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
@@ -189,7 +194,7 @@ def part_ops(args, data, work: Path, budget: Budget) -> dict:
     """Build (or load from the cache) the DeepSpeed ops the harness uses on this device, timing each."""
     from deepspeed.accelerator import get_accelerator
 
-    offload = "largest" in (args.parts or ",".join(PARTS))  # CPU Adam only for ZeRO-3 + offload: 50 s of GPU time
+    offload = "largest" in args.parts  # CPU Adam only for ZeRO-3 + offload: 50 s of GPU time
     cuda = torch.cuda.is_available()
     names = ["FusedAdamBuilder"] * cuda + ["CPUAdamBuilder"] * (offload or not cuda)
     ops = {}
@@ -213,39 +218,38 @@ def part_ops(args, data, work: Path, budget: Budget) -> dict:
 
 def part_speed(args, data, work: Path, budget: Budget) -> dict:
     """Each model x compile off/on, one process, the precision DeepSpeed picks on this device."""
-    entries, models, peaks = [], [m for m in SPEED if m.smoke or not args.smoke], {}
+    done, models, peaks = {}, [m for m in SPEED if m.smoke or not args.smoke], {}
+    eager, compiled = [("false", m) for m in models], [] if args.smoke else [("true", m) for m in models]
     # Every model uncompiled first: a slow compile then costs the compiled rows, not the eager ones. Compiled, the
     # models with the highest targets go first, and none may take more than 60% of what is left unless it is the last.
-    runs = [("false", m) for m in models] + ([] if args.smoke else
-                                             [("true", m) for m in sorted(models, key=lambda m: -(m.target_mfu or 0))])
+    runs = eager + sorted(compiled, key=lambda run: -(run[1].target_mfu or 0))
     for i, (compile_, m) in enumerate(runs):
         base = _sets(m.data, data, m.smoke if args.smoke else m.sets)
         name = f"{m.name}, compile {'on' if compile_ == 'true' else 'off'}"
         timeout = budget.left if compile_ == "false" or i == len(runs) - 1 else 0.6 * budget.left
         if not budget.allows():
-            entries.append({**not_run(name), "model": m.name})
+            done[compile_, m.name] = {**not_run(name), "model": m.name}
             continue
         config = Config(ds_path("zero0"), 1, "no", (f"train.compile={compile_}",))
         run_file = str(ROOT / "configs" / "runs" / m.run)
         try:
             plan = plan_for(config, run_file, base)
         except ConfigError as e:
-            entries.append({"name": name, "model": m.name, "status": "failed", "error": str(e)[:300]})
+            done[compile_, m.name] = {"name": name, "model": m.name, "status": "failed", "error": str(e)[:300]}
             continue
         precision = plan.ds.precision
         peak = measured_peak(precision, threads=cpu_threads(1))
         peaks.setdefault(precision, {"table": table_peak(device_name(), precision), "measured": peak})
         params = count_params(plan)
         print(f"  {name} ({precision}, {params:,} parameters)", flush=True)
-        model_dir = work / re.sub(r"[^a-z0-9]+", "-", m.name.lower()).strip("-")  # runs named by config alone
-        e = measure(config, plan, run_file, base, model_dir, args.warmup, args.steps, timeout, profile=True)
-        entries.append({**e, "name": name, "model": m.name, "params": params, "peak_flops_measured": peak,
-                        "target_mfu": m.target_mfu})
+        # a directory per model: measure names its runs by the configuration alone
+        e = measure(config, plan, run_file, base, work / slug(m.name), args.warmup, args.steps, timeout, profile=True)
+        done[compile_, m.name] = {**e, "name": name, "model": m.name, "params": params, "peak_flops_measured": peak,
+                                  "target_mfu": m.target_mfu}
     cuda = torch.cuda.is_available()
     dev = {"name": device_name(), "kind": "cuda" if cuda else "cpu", "count": 1,
            "threads_per_process": None if cuda else cpu_threads(1), "peak_flops": peaks}
-    order = [f"{m.name}, compile {c}" for c in ("off", "on") for m in models]  # the report's order: the catalog's
-    entries.sort(key=lambda e: order.index(e["name"]))
+    entries = [done[compile_, m.name] for compile_, m in eager + compiled]  # the report's order: the catalog's
     report.derive(entries, dev)  # the measured entries: each has its precision's peaks
     for e in entries:
         target, mfu = e.get("target_mfu"), e.get("mfu_table")
