@@ -456,6 +456,79 @@ def _plan(args) -> int:
     return 0
 
 
+def _keys(args) -> int:
+    from .plan.render import render_keys
+
+    print(render_keys())
+    return 0
+
+
+def _docs(args) -> int:
+    from .docs import main as docs
+
+    return docs(args.only, args.quick, args.static)
+
+
+def _results(args) -> int:
+    from .bench.results import main as results
+
+    return results(args.check)
+
+
+def _export(args) -> int:
+    from .run.export import export_hf
+
+    with trusting(task=args.task, run_dir=args.trust_run_dir):
+        print(f"wrote {export_hf(args.run_dir, args.hf)}")
+    return 0
+
+
+def _plot(args) -> int:
+    from .run.plots import default_out, plot
+
+    print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs))}")
+    return 0
+
+
+def _trusted_evaluate(args) -> int:
+    with trusting(task=args.task, run_dir=args.trust_run_dir):
+        return _evaluate(args)
+
+
+def _train(args) -> int:
+    from .api import train
+
+    if args.stop_at is not None and args.stop_at <= 0:
+        raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
+    train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
+          trust_checkpoint=args.trust_checkpoint, data_changed_ok=args.data_changed_ok)
+    return 0
+
+
+COMMANDS = {"keys": _keys, "prepare": _prepare, "docs": _docs, "bench": _bench, "results": _results,
+            "export": _export, "plot": _plot, "evaluate": _trusted_evaluate, "translate": _trusted_evaluate,
+            "plan": _plan, "train": _train}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The subcommand's arguments; `plan` first takes accelerate launch's options as `harness launch` does."""
+    ap, launch = parser(), []
+    if argv[:1] == ["plan"]:
+        from .launcher import launch_options
+
+        own = {o for a in ap.plan._actions for o in a.option_strings}
+        launch, rest = launch_options(argv[1:], own)
+        argv = ["plan", *rest]
+    if argv[:1] == ["bench"]:
+        argv = _old_bench(argv, ap.bench)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # a bench study's usage line names its own flags
+        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
+    args.launch = launch
+    args.argv = argv  # recorded by the suite with its results
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
@@ -466,62 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
-    ap, launch = parser(), []
-    if argv[:1] == ["plan"]:  # accelerate's options, as `harness launch` takes them before `train`
-        from .launcher import launch_options
-
-        own = {o for a in ap.plan._actions for o in a.option_strings}
-        launch, rest = launch_options(argv[1:], own)
-        argv = ["plan", *rest]
-    if argv[:1] == ["bench"]:
-        argv = _old_bench(argv, ap.bench)
-    args, extra = ap.parse_known_args(argv)
-    args.launch = launch
-    if extra:  # a bench study's usage line names its own flags
-        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
-    args.argv = argv  # recorded by the suite with its results
+    args = _parse(argv)
     quiet_deepspeed()
     is_main = launched_rank() == 0
     try:
-        if args.command == "keys":
-            from .plan.render import render_keys
-
-            print(render_keys())
-            return 0
-        if args.command == "prepare":
-            return _prepare(args)
-        if args.command == "docs":
-            from .docs import main as docs
-
-            return docs(args.only, args.quick, args.static)
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "results":
-            from .bench.results import main as results
-
-            return results(args.check)
-        if args.command == "export":
-            from .run.export import export_hf
-
-            with trusting(task=args.task, run_dir=args.trust_run_dir):
-                print(f"wrote {export_hf(args.run_dir, args.hf)}")
-            return 0
-        if args.command == "plot":
-            from .run.plots import default_out, plot
-
-            print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs))}")
-            return 0
-        if args.command in ("evaluate", "translate"):
-            with trusting(task=args.task, run_dir=args.trust_run_dir):
-                return _evaluate(args)
-        if args.command == "plan":
-            return _plan(args)
-        from .api import train
-
-        if args.stop_at is not None and args.stop_at <= 0:
-            raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-        train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
-              trust_checkpoint=args.trust_checkpoint, data_changed_ok=args.data_changed_ok)
+        return COMMANDS[args.command](args)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED
@@ -531,7 +553,6 @@ def main(argv: list[str] | None = None) -> int:
         if is_main and not under_launcher():  # `harness launch` prints it once for the whole job
             print(f"harness: {'' if code == EXIT_PREEMPTED else 'error: '}{e}", file=sys.stderr)
         return report(code, str(e))
-    return 0
 
 
 if __name__ == "__main__":

@@ -67,37 +67,8 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
     pipeline's micro-batches per step if it names them."""
     c = run.cfg
     tp = _tensor_parallel(ds, label, hf=bool(c.model.hf))
-    pipe = ds.get("pipeline", {})
-    if not isinstance(pipe, dict):
-        raise ConfigError(f"pipeline ({label}) must be an object like {{\"stages\": 2}}")
-    for key in pipe:
-        if key not in PIPELINE_KEYS:
-            close = difflib.get_close_matches(key, PIPELINE_KEYS, n=1, cutoff=0.6)
-            raise ConfigError(f"unknown pipeline key `pipeline.{key}` ({label})"
-                              f"{f'; did you mean `pipeline.{close[0]}`?' if close else ''}; the keys are "
-                              f"{', '.join(PIPELINE_KEYS)}")
-    pp = pipe.get("stages", 1)
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ConfigError(f"pipeline.stages = {pp!r} ({label}) must be a whole number >= 1")
-    partition = pipe.get("partition", "parameters")
-    if partition not in PARTITIONS:
-        raise ConfigError(f"pipeline.partition = {partition!r} ({label}) must be one of {', '.join(PARTITIONS)}")
-    interval = pipe.get("activation_checkpoint_interval", 0)
-    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
-        raise ConfigError(f"pipeline.activation_checkpoint_interval = {interval!r} ({label}) must be a whole "
-                          f"number >= 0")
-    micro_batches = pipe.get("micro_batches", "auto")
-    if micro_batches != "auto" and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
-                                    or micro_batches < 1):
-        raise ConfigError(f"pipeline.micro_batches = {micro_batches!r} ({label}) must be \"auto\" or a whole "
-                          f"number >= 1")
-    if pp > 1:
-        pipe.setdefault("use_reentrant", False)  # reentrant checkpointing needs a float input to the first stage
-        source.setdefault("pipeline.use_reentrant", "harness default")
-
-    sp = ds.get("sequence_parallel_size", 1)
-    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-        raise ConfigError(f"sequence_parallel_size = {sp!r} ({label}) must be a whole number >= 1")
+    pp, partition, interval, micro_batches = _pipeline(ds, source, label)
+    sp = _whole(ds.get("sequence_parallel_size", 1), 1, "sequence_parallel_size", label)
     if sp > 1:
         _check_sequence_parallel(ds, sp, tp, pp, world_size, stage, run, label)
     if tp > 1 and pp > 1:
@@ -124,6 +95,40 @@ def resolve_layout(ds: dict, source: dict, run: Resolved, world_size: int, stage
     layout = Layout(world_size=world_size, dp_size=world_size // (tp * pp * sp), tp_size=tp, pp_size=pp, sp_size=sp,
                     partition=partition, checkpoint_interval=interval)
     return layout, (micro_batches if pp > 1 and micro_batches != "auto" else None)
+
+
+def _whole(value, lowest: int, key: str, label: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+        raise ConfigError(f"{key} = {value!r} ({label}) must be a whole number >= {lowest}")
+    return value
+
+
+def _pipeline(ds: dict, source: dict, label: str) -> tuple[int, str, int, int | str]:
+    """The `pipeline` section, checked: stages, partition, activation checkpoint interval, micro-batches."""
+    pipe = ds.get("pipeline", {})
+    if not isinstance(pipe, dict):
+        raise ConfigError(f"pipeline ({label}) must be an object like {{\"stages\": 2}}")
+    for key in pipe:
+        if key not in PIPELINE_KEYS:
+            close = difflib.get_close_matches(key, PIPELINE_KEYS, n=1, cutoff=0.6)
+            raise ConfigError(f"unknown pipeline key `pipeline.{key}` ({label})"
+                              f"{f'; did you mean `pipeline.{close[0]}`?' if close else ''}; the keys are "
+                              f"{', '.join(PIPELINE_KEYS)}")
+    pp = _whole(pipe.get("stages", 1), 1, "pipeline.stages", label)
+    partition = pipe.get("partition", "parameters")
+    if partition not in PARTITIONS:
+        raise ConfigError(f"pipeline.partition = {partition!r} ({label}) must be one of {', '.join(PARTITIONS)}")
+    interval = _whole(pipe.get("activation_checkpoint_interval", 0), 0, "pipeline.activation_checkpoint_interval",
+                      label)
+    micro_batches = pipe.get("micro_batches", "auto")
+    if micro_batches != "auto" and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
+                                    or micro_batches < 1):
+        raise ConfigError(f"pipeline.micro_batches = {micro_batches!r} ({label}) must be \"auto\" or a whole "
+                          f"number >= 1")
+    if pp > 1:
+        pipe.setdefault("use_reentrant", False)  # reentrant checkpointing needs a float input to the first stage
+        source.setdefault("pipeline.use_reentrant", "harness default")
+    return pp, partition, interval, micro_batches
 
 
 def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: int, stage: int, run: Resolved,

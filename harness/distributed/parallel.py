@@ -29,12 +29,9 @@ from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
 
 
-def build_engine(plan, world: World, total_steps: int):
-    """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
-    import deepspeed
-
-    from .optim import build_optimizer, make_schedule, param_groups
-
+def _build_model(plan, world: World):
+    """The task's plain model, checkpointed, compiled and cut into pipeline stages as the plan says, and what
+    building it took on this rank."""
     cfg = plan.run.cfg
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     partitioned = bool(cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init)
@@ -55,15 +52,25 @@ def build_engine(plan, world: World, total_steps: int):
         # dtype "auto"), and DeepSpeed casts a model only for its 16-bit wrappers; stepped in bf16, small updates
         # would be lost with no fp32 copy to keep them
         model = model.float()
-    layout = plan.ds.layout  # what tensor and pipeline parallelism need of the model: checked by make_plan
-    if plan.run.cfg.train.activation_checkpointing:
+    if cfg.train.activation_checkpointing:
         checkpoint_blocks(model)
-    if plan.run.cfg.train.compile:  # torchtitan's order: checkpointing, then compile, then sharding (ZeRO below)
+    if cfg.train.compile:  # torchtitan's order: checkpointing, then compile, then sharding (ZeRO below)
         from .compile import compile_blocks
 
         compile_blocks(model, plan.run.buckets, lambda line: world.is_main and print(line, flush=True))
-    if layout.pp_size > 1:
+    if plan.ds.layout.pp_size > 1:  # what pipeline parallelism needs of the model: checked by make_plan
         model = pipeline_module(model, plan)
+    return model, built
+
+
+def build_engine(plan, world: World, total_steps: int):
+    """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
+    import deepspeed
+
+    from .optim import build_optimizer, make_schedule, param_groups
+
+    cfg, layout = plan.run.cfg, plan.ds.layout
+    model, built = _build_model(plan, world)
     ds_patches.import_muon_lazily()
     sections = plan.ds.sections
     # Sequence parallel: DeepSpeed's Ulysses groups as the mpu (made by world.init_world), so ZeRO partitions and
@@ -72,11 +79,11 @@ def build_engine(plan, world: World, total_steps: int):
         if layout.sp_size > 1 else {}
     if sections.optimizer:  # one of DeepSpeed's other optimizers (or torch's, by name): DeepSpeed builds it
         engine, _, _, schedule = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, plan.run.cfg),
-            lr_scheduler=lambda opt: make_schedule(opt, plan.run.cfg, total_steps, sections),
+            model=model, model_parameters=param_groups(model, cfg),
+            lr_scheduler=lambda opt: make_schedule(opt, cfg, total_steps, sections),
             config={**plan.ds.config, "optimizer": sections.optimizer}, **mpu)
     else:
-        optimizer, schedule = build_optimizer(model, plan.run.cfg, plan.ds.offload_optimizer, total_steps, sections)
+        optimizer, schedule = build_optimizer(model, cfg, plan.ds.offload_optimizer, total_steps, sections)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                config=plan.ds.config, **mpu)
     _check_groups(engine, world)
