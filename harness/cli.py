@@ -531,6 +531,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_deepspeed()
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
         from .launcher import main as launch
 
@@ -540,7 +541,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
     args = _parse(argv)
-    quiet_deepspeed()
     is_main = launched_rank() == 0
     try:
         return COMMANDS[args.command](args)

@@ -28,6 +28,7 @@ script cannot tell bad input from a crash from a preemption.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import json
 import os
@@ -65,11 +66,16 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
-    parser.exit_on_error = False
-    try:
-        args = parser.parse_args([*accelerate_args, "-m", "harness"])
-    except (SystemExit, Exception) as e:  # noqa: BLE001 - argparse's own message is already printed
-        raise ConfigError(f"{who}: accelerate launch refuses {' '.join(accelerate_args)}: {e}") from e
+
+    def refuse(message: str):  # argparse's error, without its usage text and exit: one line
+        options = [o for a in parser._actions for o in a.option_strings]
+        unknown = [w for w in accelerate_args if w.startswith("--") and w.split("=")[0] not in options]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1) if unknown else []
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"{who}: accelerate launch refuses {' '.join(accelerate_args)}: {message}{hint}")
+
+    parser.error = refuse
+    args = parser.parse_args([*accelerate_args, "-m", "harness"])
     file = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
     saved = {}
     if file:

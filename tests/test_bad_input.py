@@ -87,6 +87,9 @@ CASES = [
      "protein.train_subsample = -1 (command line) must be >= 0"),
     ("unknown-task", [S, "run.task=\"nosuch\""], None, None, "nosuch"),
     ("override-syntax", [S, "train.max_steps"], None, None, "--set expects section.key=value"),
+    ("override-toml-duplicate", [S, 'data.mix={"a" = 0.5, "a" = 0.5}'], None, None,
+     "--set data.mix: {\"a\" = 0.5, \"a\" = 0.5} is not a TOML value: Duplicate inline table key 'a'"),
+    ("override-toml-unterminated", [S, 'run.name="runs'], None, None, "is not a TOML value: Unterminated string"),
     # the run file
     ("run-file-syntax", [], "[train]\nmax_steps = 3\nlr = = 2\n", None, "line 3"),
     ("run-file-nan", [], "[train]\nmax_steps = 3\ngrad_clip = nan\n", None, "train.grad_clip must be a finite number"),
@@ -210,6 +213,17 @@ def test_an_accelerate_config_with_no_processes_is_one_line_before_launch(count,
         launch_settings(["--config_file", str(yaml)])
     with pytest.raises(ConfigError, match=f"--num_processes = {count}: must be 1 or more"):
         launch_settings(["--config_file", str(LAUNCH / "cpu_2proc.yaml"), "--num_processes", str(count)])
+
+
+def test_a_misspelled_accelerate_option_is_one_line_naming_the_option_meant(capsys):
+    """accelerate's parser would print its 100-line usage text and exit; `harness launch` says one line."""
+    assert main(["launch", "--num_proceses", "2", "train", "--run", "configs/runs/lm_demo.toml"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "harness: error: harness launch: accelerate launch refuses --num_proceses 2: unrecognized arguments: "
+        "--num_proceses; did you mean --num_processes?\n")
+    assert main(["launch", "--mixed_precision", "bf17", "train", "--run", "configs/runs/lm_demo.toml"]) == 2
+    assert "invalid choice: 'bf17'" in capsys.readouterr().err
 
 
 def test_hub_data_out_of_reach_is_the_same_one_line_in_one_process_and_under_harness_launch(tmp_path, corpus):

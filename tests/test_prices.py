@@ -374,4 +374,8 @@ def test_rolling_origin_periods_score_each_stretch_of_windows_by_hand():
     # 3 periods of 16 windows would hold fewer than 4 blocks of the horizon each: refused, saying how many fit
     with pytest.raises(ConfigError, match="use at most 2"):
         by_period(model, reference, y, windows, 3)
+    from harness.tasks.prices import check_periods
+
+    with pytest.raises(ConfigError, match=r"172 windows .* at most 1 fits \(the whole split, no periods\)"):
+        check_periods(172, 24, 2)  # prices_cpu's test split: 172 windows, 4 x 24 a period
     assert Windows(torch.zeros(20, 1), range(3, 19), 3, 2).targets(0, 15) == "rows 3..19"  # no dates: the rows

@@ -133,6 +133,21 @@ def test_user_file_rules_are_counted(tmp_path):
         prep.prepare(cfg_for(str(train), "translation.target_lang=\"de\"", "model.vocab_size=60"))
 
 
+def test_nothing_to_translate_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    """Blank standard input, or a blank sentence among others, is refused before the run is read (the beam search
+    of no tokens used to end in a reshape traceback; an empty sentence was translated into a made-up one)."""
+    import io
+
+    from harness.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    assert main(["translate", "--run-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("harness: error: nothing to translate: give the sentences as "
+                                               "arguments, or one per line on standard input")
+    assert main(["translate", "--run-dir", str(tmp_path), "In the beginning.", " "]) == 2
+    assert "sentence 2 of 2 is empty" in capsys.readouterr().err
+
+
 def test_directory_source(toy_dir, tmp_path):
     cfg = cfg_for(str(toy_dir), 'translation.target_lang="fr"', "model.vocab_size=64")
     directory = prep.prepare(cfg)

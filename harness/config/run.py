@@ -340,7 +340,10 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"--set expects section.key=value, got {item!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as e:
+        if raw.strip()[:1] in ("{", "[", '"', "'"):  # meant as a TOML table, array or string: say why it is not one
+            why = str(e).split(" (at ")[0]  # its position counts a prefix the user did not write
+            raise ConfigError(f"--set {key.strip()}: {raw} is not a TOML value: {why}") from None
         value = raw
     return key.strip(), value
 
@@ -500,7 +503,8 @@ def run_steps(t: TrainSection, steps_per_epoch: int) -> int:
 def check_training_length(c: RunConfig) -> None:
     """Training needs a length; preparing data or evaluating a run does not."""
     if not c.train.max_steps and not c.train.epochs:
-        raise ConfigError("set train.max_steps or train.epochs (both are 0)")
+        raise ConfigError("set train.max_steps or train.epochs (both are 0): in the run file (--run RUN.toml, e.g. "
+                          "configs/runs/lm_demo.toml) or with --set train.max_steps=N")
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -158,6 +158,11 @@ def checksum(files: list[Path]) -> str:
 
 
 def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
+    if not sentences:
+        raise ConfigError("nothing to translate: give the sentences as arguments, or one per line on standard input")
+    blank = [i for i, s in enumerate(sentences, 1) if not s.strip()]
+    if blank:
+        raise ConfigError(f"sentence {blank[0]} of {len(sentences)} is empty: there is nothing to translate in it")
     run_dir = Path(run_dir)
     cfg, task = _task(run_dir)
     if not hasattr(task, "translate"):

@@ -205,8 +205,9 @@ def render(plan: Plan) -> str:
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.source.get(key, 'DeepSpeed default')}")
     sched = ds.sections.scheduler
     builder = "DeepSpeed" if ds.sections.optimizer else "the harness"
-    lines.append(f"# optimizer and schedule: {optimizer_section(plan)['type']} (built by {builder}), "
-                 f"{'DeepSpeed ' + sched['type'] if sched else 'the run file [schedule] ' + run.cfg.schedule.kind}")
+    schedule = f"DeepSpeed {sched['type']}" if sched else \
+        f"the harness's schedule.kind = {run.cfg.schedule.kind!r} ({run.source['schedule.kind']})"
+    lines.append(f"# optimizer and schedule: {optimizer_section(plan)['type']} (built by {builder}), {schedule}")
     for key, value in flatten({"scheduler": sched} if sched else {}).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")
     lines += [f"# {note}" for note in ds.sections.notes()]

@@ -625,7 +625,8 @@ def merge(parts: list[str], out: str) -> dict:
     for p, m in zip(parts[1:], manifests[1:]):
         for key in ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes", "units", "dtype"):
             if m.get(key) != first.get(key):
-                raise ConfigError(f"--merge {p}: its {key} differs from {parts[0]}'s: parts of one corpus only")
+                raise ConfigError(f"--merge {p}: its manifest's {key!r} differs from {parts[0]}'s: parts of one "
+                                  f"corpus only")
     owner: dict[int, int] = {}
     for i, (p, m) in enumerate(zip(parts, manifests)):
         for s in m["shards"]:

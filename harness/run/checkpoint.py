@@ -160,6 +160,10 @@ def _describe(layout: dict[str, Any]) -> str:
             f"{layout['zero_stage']}{' offload ' + '+'.join(offload) if offload else ''}")
 
 
+def _processes(layout: dict[str, Any]) -> int:
+    return layout["dp_size"] * layout.get("sp_size", 1) * layout["tp_size"] * layout["pp_size"]
+
+
 def saved_layout(path: Path) -> dict[str, Any] | None:
     """A checkpoint's layout.json (a universal conversion's: the one it was made from); None where there is none."""
     try:
@@ -211,7 +215,9 @@ def reshape(path: Path, ds) -> bool:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
                           f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 "
                           f"(and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
-                          f"parallel size, or between ZeRO-0 and ZeRO. Resume with the saved layout")
+                          f"parallel size, or between ZeRO-0 and ZeRO. Resume as it was saved: --ds "
+                          f"{path.parent.parent / 'ds_config.json'} (the DeepSpeed config it trained with) on "
+                          f"{_processes(saved)} process{'es' if _processes(saved) > 1 else ''}")
     return convert
 
 

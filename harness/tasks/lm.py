@@ -95,9 +95,10 @@ class LanguageModelTask:
         if not d.mix and not is_corpus(d.path):
             check_paths(d)
             if d.document_mask:
+                given = f"data.path = {d.path!r} is not one" if d.path else "data.path names none (the " \
+                    "embedded default text)"
                 raise ConfigError(f"data.document_mask = true needs a prepared corpus (its document index), and "
-                                  f"data.path = {d.path or 'the default corpus'} is none; `harness prepare lm` makes "
-                                  f"one")
+                                  f"{given}; `harness prepare lm` makes one")
         if cfg.model.hf:
             hf.check(cfg, self.HF_CLASS)
             if cfg.train.loss_chunk:

@@ -249,8 +249,8 @@ def check_periods(n: int, horizon: int, k: int) -> None:
     """Refuse `k` periods of `n` windows where a period would hold fewer than MIN_BLOCKS blocks of `horizon` windows."""
     fits = n // (MIN_BLOCKS * horizon)
     if k > fits:
-        advice = f"use at most {fits}" if fits > 1 else "the split is too short for periods: lengthen it or " \
-            "shorten the horizon"
+        advice = f"use at most {fits}" if fits > 1 else "at most 1 fits (the whole split, no periods): lengthen " \
+            "the split or shorten the horizon"
         raise ConfigError(f"prices.periods = {k}: {n} windows make periods of fewer than {MIN_BLOCKS} blocks of the "
                           f"horizon ({MIN_BLOCKS} x {horizon} windows), too few for the block bootstrap's verdict; "
                           f"{advice}")
