@@ -107,7 +107,7 @@ def main(only: str | None = None, quick: bool = False, static: bool = False) -> 
         print(f"{len(checks) - len(unstated)} of {len(checks)} figures written as {CHECKS.name} states them")
         return 1 if unstated else 0
     failed = list(unstated)
-    print(f"| check | page | stated | measured | within | seconds (stated: minutes) |\n|---|---|---|---|---|---|")
+    print("| check | page | stated | measured | within | seconds (stated: minutes) |\n|---|---|---|---|---|---|")
     for c in chosen(checks, only, quick):
         got, seconds, tail = measure(c)
         ok = got is not None and c.agrees(got)

@@ -70,7 +70,8 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
     def refuse(message: str):  # argparse's error, without its usage text and exit: one line
         options = [o for a in parser._actions for o in a.option_strings]
         unknown = [w for w in accelerate_args if w.startswith("--") and w.split("=")[0] not in options]
-        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1) if unknown else []
+        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1) \
+            if unknown and message.startswith("unrecognized") else []
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"{who}: accelerate launch refuses {' '.join(accelerate_args)}: {message}{hint}")
 

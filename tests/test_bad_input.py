@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -223,7 +224,30 @@ def test_a_misspelled_accelerate_option_is_one_line_naming_the_option_meant(caps
         "harness: error: harness launch: accelerate launch refuses --num_proceses 2: unrecognized arguments: "
         "--num_proceses; did you mean --num_processes?\n")
     assert main(["launch", "--mixed_precision", "bf17", "train", "--run", "configs/runs/lm_demo.toml"]) == 2
-    assert "invalid choice: 'bf17'" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "harness: error: harness launch: accelerate launch refuses --mixed_precision bf17: argument --mixed_precision/"
+        "--mixed-precision: invalid choice: 'bf17' (choose from 'no', 'fp16', 'bf16', 'fp8')\n")  # no hint: no typo
+
+
+def test_harness_launch_names_the_accelerator_before_deepspeed_can_warn_of_guessing_it(monkeypatch, capsys):
+    """On a CPU DeepSpeed prints a warning line when it guesses the accelerator: `harness launch` names it first,
+    so that a refusal is the only line a user sees."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert main(["launch", "--num_proceses", "2", "train"]) == 2
+    assert os.environ.get("DS_ACCELERATOR") == ("cpu" if not __import__("torch").cuda.is_available() else None)
+
+
+def test_a_set_value_is_a_string_unless_it_is_written_as_toml():
+    from harness.config.run import ConfigError, parse_override
+
+    assert parse_override("data.path=[draft]notes.txt") == ("data.path", "[draft]notes.txt")
+    assert parse_override("data.path={a}/x") == ("data.path", "{a}/x")
+    assert parse_override("run.name=hello world") == ("run.name", "hello world")
+    assert parse_override('data.mix={"a" = 0.7, "b" = 0.3}') == ("data.mix", {"a": 0.7, "b": 0.3})
+    for bad in ('data.mix={"a" = 0.5, "a" = 0.5}', "data.mix=[1 2]", 'run.name="open'):
+        with pytest.raises(ConfigError, match="is not a TOML value"):
+            parse_override(bad)
 
 
 def test_hub_data_out_of_reach_is_the_same_one_line_in_one_process_and_under_harness_launch(tmp_path, corpus):
@@ -271,6 +295,11 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
                            "one GPU of 79.65 GiB on paper: model states "), line
     assert "lower train.micro_batch_size" in line and "activations " in line
     sets = [a for a in base[1:] if a != S]
+    from harness.plan.render import render
+
+    figures = re.search(r"model states (\S+ GiB) per rank \(fp32, ZeRO-0\) \+ activations (\S+ GiB)", line)
+    assert figures and f"on a GPU, on paper: model states {figures[1]} + activations {figures[2]} of one micro-batch " \
+        "of 64 x 2048 positions" in render(plan(None, [*sets, "train.micro_batch_size=64"]))  # what the line points to
     small = plan(None, [*sets, "train.micro_batch_size=4"])
     assert fits(small, 81559 * 2**20) is None  # 4 x 2048 fits; with checkpointing 64 x 2048 does too
     assert fits(plan(None, [*sets, "train.micro_batch_size=64", "train.activation_checkpointing=true"]),

@@ -195,6 +195,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
                         "train.keep_checkpoints=40"])
     assert run.proc.returncode == 3, run.proc.stderr[-2000:]
     assert "non-finite for 3 consecutive steps" in run.proc.stderr
+    assert run.proc.stderr.rstrip().endswith("Lower optimizer.lr or check the data")  # an fp32 run: no fp16 advice
     losses = run.losses
     first_bad = min(s for s, v in losses.items() if not math.isfinite(v))
     assert first_bad > 2, losses  # else there is no good checkpoint to keep and the test shows nothing
@@ -350,6 +351,26 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_or_refuses_never_resta
     (root / "latest").write_text("step_00000020\n")
     with pytest.raises(ConfigError, match="names step_00000020; found: no complete checkpoint"):
         checkpoint.resume_target(root)
+
+
+def test_a_run_resumed_shorter_on_fewer_processes_follows_its_own_schedule_and_says_the_batch_changed(tmp_path,
+                                                                                                      corpus):
+    """A cosine run of 8 steps on 2 processes, resumed at step 4 as a 6-step run on 1: from step 5 the lr is the
+    6-step run's, and the start says so; the global batch halves, and the start says that too."""
+    import re
+
+    cosine = ["schedule.kind=\"cosine\"", "schedule.warmup_steps=0", "train.eval_every=0"]
+    six = harness(tmp_path / "six", corpus, ds="zero2.json", sets=[*cosine, "train.max_steps=6"])
+    harness(tmp_path / "run", corpus, nproc=2, ds="zero2.json", sets=[*cosine, "train.max_steps=8"],
+            args=["--stop-at", "4"])
+    resumed = harness(tmp_path / "run", corpus, ds="zero2.json", sets=[*cosine, "train.max_steps=6"],
+                      args=["--resume", "auto"])
+    lr = {m["step"]: m["lr"] for m in resumed.metrics}
+    assert [lr[k] for k in (5, 6)] == pytest.approx([m["lr"] for m in six.metrics][4:6], rel=1e-12)
+    assert "the lr follows this run's schedule (its length and [schedule]) from step 5; lr there " \
+           f"{lr[5]:.3g} (the checkpoint's run: " in resumed.proc.stdout, resumed.proc.stdout[-2000:]
+    batch = re.search(r"note: global batch (\d+), where the checkpoint's run had (\d+): ", resumed.proc.stdout)
+    assert batch and 2 * int(batch[1]) == int(batch[2]), resumed.proc.stdout[-2000:]
 
 
 def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tmp_path, corpus):

@@ -341,7 +341,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError as e:
-        if raw.strip()[:1] in ("{", "[", '"', "'"):  # meant as a TOML table, array or string: say why it is not one
+        text = raw.strip()
+        if text[:1] in ('"', "'") or (text[:1], text[-1:]) in (("{", "}"), ("[", "]")):  # meant as TOML: say why not
             why = str(e).split(" (at ")[0]  # its position counts a prefix the user did not write
             raise ConfigError(f"--set {key.strip()}: {raw} is not a TOML value: {why}") from None
         value = raw

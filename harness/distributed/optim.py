@@ -101,19 +101,21 @@ def deepspeed_arch_list():
             os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
 
-def follow_config_lr(schedule, lr: float) -> float | None:
+def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     """After a resume: the learning rate of the run config, not the checkpoint's. DeepSpeed restores the schedule's
-    state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved).
-    Sets the base lr and the lr of the resumed step itself; returns the saved base lr if it differed, else None."""
+    state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved), and
+    the optimizer's lr for the next step. Sets the base lr, and the next step's lr to the run config's schedule at the
+    resumed step (another optimizer.lr, train.max_steps or [schedule] changes it); returns the saved base lr and next
+    step's lr where either differed, else None."""
     if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):  # DeepSpeed's scheduler: its own state
         return None
-    saved = schedule.base_lrs[0]
-    if all(b == lr for b in schedule.base_lrs):
+    saved, saved_next = schedule.base_lrs[0], schedule.optimizer.param_groups[0]["lr"]
+    factor = schedule.lr_lambdas[0](schedule.last_epoch)
+    if all(b == lr for b in schedule.base_lrs) and math.isclose(saved_next, lr * factor, rel_tol=1e-6):
         return None
     schedule.base_lrs = [lr] * len(schedule.base_lrs)
-    factor = schedule.lr_lambdas[0](schedule.last_epoch)
     for group in schedule.optimizer.param_groups:
         group["lr"] = lr * factor
     schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
-    return saved
+    return saved, saved_next
 

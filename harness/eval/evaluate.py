@@ -158,6 +158,7 @@ def checksum(files: list[Path]) -> str:
 
 
 def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
+    sentences = list(sentences)
     if not sentences:
         raise ConfigError("nothing to translate: give the sentences as arguments, or one per line on standard input")
     blank = [i for i, s in enumerate(sentences, 1) if not s.strip()]

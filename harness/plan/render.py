@@ -98,6 +98,18 @@ def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int
     return blocks + logit_positions * vocab * (b + 8)
 
 
+def memory_on_paper(plan: Plan, model: torch.nn.Module) -> tuple[int, float, int] | None:
+    """(model states per rank, one micro-batch's activations, its positions) on paper, before the CUDA context and the
+    allocator's slack: what a launch on GPUs checks against their memory. None outside the estimates' scope: tensor
+    or pipeline parallelism, or a Hugging Face model (its widths are not the run config's)."""
+    ds, c = plan.ds, plan.run.cfg
+    if ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
+        return None
+    positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
+    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
+    return states, activation_bytes(plan, model, positions, ds.layout.sp_size), positions
+
+
 def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
     """What sequence parallelism splits, the activations per rank with and without it, and the longest sequence that
     fits the GPUs the scaling estimate knows, on paper."""
@@ -194,6 +206,17 @@ def build_report(build_peaks: list[dict], n_params: int) -> str:
             f"on {ranks}; the whole model's fp32 weights are {4 * n_params / 2**20:,.1f} MiB")
 
 
+def _memory_line(plan: Plan, model: torch.nn.Module) -> list[str]:
+    paper = memory_on_paper(plan, model)
+    if paper is None:
+        return []
+    states, acts, positions = paper
+    recompute = "checkpointed" if plan.run.cfg.train.activation_checkpointing else "no recomputation"
+    return [f"on a GPU, on paper: model states {size_text(states)} + activations {size_text(acts)} of one micro-batch "
+            f"of {plan.run.cfg.train.micro_batch_size} x {positions} positions ({recompute}) = "
+            f"{size_text(states + acts)} per rank, before the CUDA context; a launch refuses more than its GPUs hold"]
+
+
 def render(plan: Plan) -> str:
     run, ds = plan.run, plan.ds
     lines = ["# run config (defaults < run file < command line)"]
@@ -228,6 +251,7 @@ def render(plan: Plan) -> str:
         f"model: {n:,} parameters" + (f", at most {per_rank:,} on one rank" if per_rank != n else ""),
         f"model states per rank (weights, gradients, AdamW; activations not included): "
         f"device {size_text(mem['device'])}, CPU {size_text(mem['cpu'])}",
+        *_memory_line(plan, model),
         f"run directory: {plan.run_dir}",
     ]
     if hasattr(plan.task, "describe_data"):  # a prepared corpus: its size, a step's tokens, the epochs covered

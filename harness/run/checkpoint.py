@@ -134,7 +134,17 @@ def layout_of(ds) -> dict[str, Any]:
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
             "sp_size": ds.layout.sp_size, "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer,
             "offload_params": ds.offload_params,
-            "weights": _weights(ds.precision, ds.autocast)}
+            "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.config.get("train_batch_size")}
+
+
+def batch_note(path: Path, ds) -> str | None:
+    """A line where resuming checkpoint `path` under `ds` changes the global batch (e.g. fewer processes at the same
+    micro-batch): the steps after it are then not the uninterrupted run's. None where it is kept or not recorded."""
+    saved, now = (saved_layout(path) or {}).get("global_batch"), ds.config.get("train_batch_size")
+    if not saved or not now or saved == now:
+        return None
+    return (f"note: global batch {now}, where the checkpoint's run had {saved}: the steps from here are not the "
+            f"uninterrupted run's; --set train.global_batch_size={saved} --unset train.grad_accum_steps keeps it")
 
 
 def _weights(precision: str, autocast: bool) -> str:
@@ -160,8 +170,13 @@ def _describe(layout: dict[str, Any]) -> str:
             f"{layout['zero_stage']}{' offload ' + '+'.join(offload) if offload else ''}")
 
 
-def _processes(layout: dict[str, Any]) -> int:
-    return layout["dp_size"] * layout.get("sp_size", 1) * layout["tp_size"] * layout["pp_size"]
+def _how(layout: dict[str, Any]) -> str:
+    """The launch a saved layout needs, in the DeepSpeed file's words."""
+    n = layout["dp_size"] * layout.get("sp_size", 1) * layout["tp_size"] * layout["pp_size"]
+    keys = [f"zero_optimization.stage {layout['zero_stage']}"]
+    keys += [f"{k} {layout[v]}" for k, v in (("tensor_parallel.autotp_size", "tp_size"), ("pipeline.stages", "pp_size"),
+                                              ("sequence_parallel_size", "sp_size")) if layout.get(v, 1) > 1]
+    return f"{n} process{'es' if n > 1 else ''} with a DeepSpeed file of {', '.join(keys)}"
 
 
 def saved_layout(path: Path) -> dict[str, Any] | None:
@@ -215,9 +230,7 @@ def reshape(path: Path, ds) -> bool:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
                           f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 "
                           f"(and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
-                          f"parallel size, or between ZeRO-0 and ZeRO. Resume as it was saved: --ds "
-                          f"{path.parent.parent / 'ds_config.json'} (the DeepSpeed config it trained with) on "
-                          f"{_processes(saved)} process{'es' if _processes(saved) > 1 else ''}")
+                          f"parallel size, or between ZeRO-0 and ZeRO. Resume it as it was saved: {_how(saved)}")
     return convert
 
 

@@ -235,11 +235,15 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     state = checkpoint.load(engine, source, world)
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
+    if note := checkpoint.batch_note(resume_from, plan.ds):
+        say(note)
     lr = plan.run.cfg.optimizer.lr
-    saved_lr = follow_config_lr(schedule, lr)
-    if saved_lr is not None:  # e.g. lowered after a non-finite stop
-        say(f"optimizer.lr {lr:g} (the checkpoint's run had {saved_lr:g}) from step {state['step'] + 1}; lr there "
-            f"{schedule.optimizer.param_groups[0]['lr']:.3g}")
+    saved = follow_config_lr(schedule, lr)
+    if saved is not None:  # e.g. lowered after a non-finite stop, or the run made longer or shorter
+        now, step = schedule.optimizer.param_groups[0]["lr"], state["step"] + 1
+        changed = f"optimizer.lr {lr:g} (the checkpoint's run had {saved[0]:g})" if saved[0] != lr else \
+            "the lr follows this run's schedule (its length and [schedule])"
+        say(f"{changed} from step {step}; lr there {now:.3g} (the checkpoint's run: {saved[1]:.3g})")
     return state
 
 
@@ -321,8 +325,8 @@ def _give_up(run: Run, ledger: Ledger) -> None:
         "none (later ones are set aside as step_*.bad; --overwrite starts again)"
     raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
                           f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
-                          f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr, check the "
-                          f"data, or use bf16 instead of fp16")
+                          f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr"
+                          f"{', check the data, or use bf16 instead of fp16' if run.plan.ds.precision == 'fp16' else ' or check the data'}")
 
 
 def _save(run: Run, step: int, result, progress) -> None:

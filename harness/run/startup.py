@@ -408,17 +408,12 @@ def check_fits(plan: Plan, model, capacity: int) -> str | None:
     activation_bytes`, after Korthikanti et al.) together, before the CUDA context and the allocator's slack. The
     harness's own models without tensor or pipeline parallelism: the estimates' scope (a Hugging Face model's
     widths are not the run config's)."""
-    from ..config.ds import model_state_bytes
-    from ..plan.render import activation_bytes, size_text
+    from ..plan.render import memory_on_paper, size_text
 
-    ds, c = plan.ds, plan.run.cfg
-    if ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
+    ds, c, paper = plan.ds, plan.run.cfg, memory_on_paper(plan, model)
+    if paper is None or sum(paper[:2]) <= capacity:
         return None
-    positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
-    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
-    acts = activation_bytes(plan, model, positions, ds.layout.sp_size)
-    if states + acts <= capacity:
-        return None
+    states, acts, positions = paper
     return (f"{plan.run.describe('train.micro_batch_size')} of {positions} positions does not fit one GPU of "
             f"{size_text(capacity)} on paper: model states {size_text(states)} per rank ({ds.precision}, "
             f"ZeRO-{ds.zero_stage}) "
