@@ -297,6 +297,11 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     sets = [a for a in base[1:] if a != S]
     from harness.plan.render import render
 
+    from harness.plan.render import memory_on_paper
+
+    for task in ("translation", "prices"):  # two stacks with cross-attention; channels folded into the batch
+        other = plan(None, [f"run.task={json.dumps(task)}", "train.max_steps=2"])
+        assert memory_on_paper(other, meta_model(other)) is None, task  # the formula does not describe them
     figures = re.search(r"model states (\S+ GiB) per rank \(fp32, ZeRO-0\) \+ activations (\S+ GiB)", line)
     assert figures and f"on a GPU, on paper: model states {figures[1]} + activations {figures[2]} of one micro-batch " \
         "of 64 x 2048 positions" in render(plan(None, [*sets, "train.micro_batch_size=64"]))  # what the line points to

@@ -109,13 +109,16 @@ def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     step's lr where either differed, else None."""
     if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):  # DeepSpeed's scheduler: its own state
         return None
-    saved, saved_next = schedule.base_lrs[0], schedule.optimizer.param_groups[0]["lr"]
+    # the schedule's own state holds the next step's lr (_last_lr); DeepSpeed restores the optimizer's groups' lr too,
+    # except where it restores no optimizer state (NVMe offload, ZeRO-1/2 elastic checkpoints)
+    saved = schedule.base_lrs[0]
+    saved_next = (getattr(schedule, "_last_lr", None) or [schedule.optimizer.param_groups[0]["lr"]])[0]
     factor = schedule.lr_lambdas[0](schedule.last_epoch)
-    if all(b == lr for b in schedule.base_lrs) and math.isclose(saved_next, lr * factor, rel_tol=1e-6):
-        return None
     schedule.base_lrs = [lr] * len(schedule.base_lrs)
     for group in schedule.optimizer.param_groups:
         group["lr"] = lr * factor
     schedule._last_lr = [group["lr"] for group in schedule.optimizer.param_groups]
+    if saved == lr and math.isclose(saved_next, lr * factor, rel_tol=1e-6):
+        return None
     return saved, saved_next
 

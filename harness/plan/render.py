@@ -100,10 +100,14 @@ def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int
 
 def memory_on_paper(plan: Plan, model: torch.nn.Module) -> tuple[int, float, int] | None:
     """(model states per rank, one micro-batch's activations, its positions) on paper, before the CUDA context and the
-    allocator's slack: what a launch on GPUs checks against their memory. None outside the estimates' scope: tensor
-    or pipeline parallelism, or a Hugging Face model (its widths are not the run config's)."""
+    allocator's slack: what a launch on GPUs checks against their memory. None outside the estimates' scope, the
+    stacks of blocks over every position the formula describes (the lm's decoder, the protein encoder reading every
+    residue): not the translation encoder-decoder (two stacks, cross-attention), PatchTST (channels folded into the
+    batch), protein sites, a plug-in's model, a Hugging Face model (its widths are not the run config's), tensor or
+    pipeline parallelism."""
     ds, c = plan.ds, plan.run.cfg
-    if ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
+    described = c.run.task == "lm" or c.run.task == "protein" and getattr(c.task, "sites", "all") == "all"
+    if not described or ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
         return None
     positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
     states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
@@ -214,7 +218,8 @@ def _memory_line(plan: Plan, model: torch.nn.Module) -> list[str]:
     recompute = "checkpointed" if plan.run.cfg.train.activation_checkpointing else "no recomputation"
     return [f"on a GPU, on paper: model states {size_text(states)} + activations {size_text(acts)} of one micro-batch "
             f"of {plan.run.cfg.train.micro_batch_size} x {positions} positions ({recompute}) = "
-            f"{size_text(states + acts)} per rank, before the CUDA context; a launch refuses more than its GPUs hold"]
+            f"{size_text(states + acts)} per rank, before the CUDA context (a launch on GPUs refuses more than they "
+            f"hold)"]
 
 
 def render(plan: Plan) -> str:

@@ -144,7 +144,8 @@ def batch_note(path: Path, ds) -> str | None:
     if not saved or not now or saved == now:
         return None
     return (f"note: global batch {now}, where the checkpoint's run had {saved}: the steps from here are not the "
-            f"uninterrupted run's; --set train.global_batch_size={saved} --unset train.grad_accum_steps keeps it")
+            f"uninterrupted run's; --set train.global_batch_size={saved} --unset train.grad_accum_steps keeps it (with "
+            f"a train.micro_batch_size that divides it over the data-parallel ranks)")
 
 
 def _weights(precision: str, autocast: bool) -> str:
