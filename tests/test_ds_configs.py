@@ -110,6 +110,19 @@ def test_deepspeed_schedulers_train_their_own_curve_step_by_step(section, tmp_pa
     assert run.losses[8] < run.losses[1]
 
 
+def test_a_deepspeed_scheduler_resumed_with_another_length_takes_its_lr_from_the_resumed_step(tmp_path, corpus):
+    """WarmupDecayLR's state is its step alone: resumed at step 5 as a 6-step run, the lr of step 6 is the 6-step
+    run's (before, step 6 took the 8-step run's lr from the optimizer's state), and the start says so."""
+    ds = write(tmp_path, "ds", {"zero_optimization": {"stage": 0}, "optimizer": ADAMW_AUTO, "scheduler": DECAY})
+    six = harness(tmp_path / "six", corpus, ds=ds, sets=[*SETS, "train.max_steps=6"])
+    harness(tmp_path / "run", corpus, ds=ds, sets=[*SETS, "train.max_steps=8"], args=["--stop-at", "5"])
+    resumed = harness(tmp_path / "run", corpus, ds=ds, sets=[*SETS, "train.max_steps=6"], args=["--resume", "auto"])
+    lr = {m["step"]: m["lr"] for m in resumed.metrics}
+    assert lr[6] == pytest.approx(six.metrics[5]["lr"], rel=1e-12)  # the 8-step run's is 0.0016
+    assert f"the lr follows this run's schedule (its length and [schedule]) from step 6; lr there {lr[6]:.3g}" in \
+        resumed.proc.stdout, resumed.proc.stdout[-2000:]
+
+
 def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_one_line(tmp_path):
     ds = write(tmp_path, "ds", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.8, 0.99],
                                                                            "weight_decay": 0.01}},

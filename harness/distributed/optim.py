@@ -106,9 +106,15 @@ def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved), and
     the optimizer's lr for the next step. Sets the base lr, and the next step's lr to the run config's schedule at the
     resumed step (another optimizer.lr, train.max_steps or [schedule] changes it); returns the saved base lr and next
-    step's lr where either differed, else None."""
-    if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):  # DeepSpeed's scheduler: its own state
-        return None
+    step's lr where either differed, else None. A DeepSpeed scheduler keeps only its step (`last_batch_iteration`)
+    and takes its lr from its own section: stepped again at that step, it sets the next lr as its section says."""
+    if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+        if not hasattr(schedule, "last_batch_iteration"):
+            return None
+        saved_next = schedule.optimizer.param_groups[0]["lr"]  # the optimizer state's, as DeepSpeed restored it
+        schedule.step(schedule.last_batch_iteration)  # lr_schedules.py: step(i) sets the lr of step i, not i + 1
+        now = schedule.optimizer.param_groups[0]["lr"]
+        return None if math.isclose(saved_next, now, rel_tol=1e-6) else (lr, saved_next)
     # the schedule's own state holds the next step's lr (_last_lr); DeepSpeed restores the optimizer's groups' lr too,
     # except where it restores no optimizer state (NVMe offload, ZeRO-1/2 elastic checkpoints)
     saved = schedule.base_lrs[0]
