@@ -107,7 +107,8 @@ def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     the optimizer's lr for the next step. Sets the base lr, and the next step's lr to the run config's schedule at the
     resumed step (another optimizer.lr, train.max_steps or [schedule] changes it); returns the saved base lr and next
     step's lr where either differed, else None. A DeepSpeed scheduler keeps only its step (`last_batch_iteration`)
-    and takes its lr from its own section: stepped again at that step, it sets the next lr as its section says."""
+    and takes its lr from its own section: stepped again at that step, it sets the next lr as its section says (its
+    base lr is not saved: the run's `lr` stands in its place)."""
     if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
         if not hasattr(schedule, "last_batch_iteration"):
             return None

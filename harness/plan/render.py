@@ -100,25 +100,30 @@ def activation_bytes(plan: Plan, model: torch.nn.Module, positions: int, sp: int
 
 def memory_on_paper(plan: Plan, model: torch.nn.Module) -> tuple[int, float, int] | None:
     """(model states per rank, one micro-batch's activations, its positions) on paper, before the CUDA context and the
-    allocator's slack: what a launch on GPUs checks against their memory. None outside the estimates' scope, the
-    stacks of blocks over every position the formula describes (the lm's decoder, the protein encoder reading every
-    residue): not the translation encoder-decoder (two stacks, cross-attention), PatchTST (channels folded into the
-    batch), protein sites, a plug-in's model, a Hugging Face model (its widths are not the run config's), tensor or
-    pipeline parallelism."""
+    allocator's slack: what a launch on GPUs checks against their memory. None outside the estimates' scope: a task
+    whose model the formula does not describe (its `activations_on_paper`: not the translation encoder-decoder, with
+    two stacks and cross-attention, PatchTST, which folds channels into the batch, protein sites, a plug-in's model),
+    a Hugging Face model (its widths are not the run config's), tensor or pipeline parallelism."""
     ds, c = plan.ds, plan.run.cfg
-    described = c.run.task == "lm" or c.run.task == "protein" and getattr(c.task, "sites", "all") == "all"
+    described = hasattr(plan.task, "activations_on_paper") and plan.task.activations_on_paper(c)
     if not described or ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
         return None
-    positions = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
+    positions = sample_positions(plan)
     states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
     return states, activation_bytes(plan, model, positions, ds.layout.sp_size), positions
+
+
+def sample_positions(plan: Plan) -> int:
+    """The positions of a sample: the task's `sequence_length` where it has one, else data.seq_len."""
+    c = plan.run.cfg
+    return plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
 
 
 def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
     """What sequence parallelism splits, the activations per rank with and without it, and the longest sequence that
     fits the GPUs the scaling estimate knows, on paper."""
     ds, c, sp = plan.ds, plan.run.cfg, plan.ds.layout.sp_size
-    fixed = plan.task.sequence_length(c)[0] if hasattr(plan.task, "sequence_length") else c.data.seq_len
+    fixed = sample_positions(plan)
     states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
     sizes = [n for n in (1, 2, 4, 8) if c.model.n_heads % n == 0]
     lines = [f"sequence parallel: each sequence split over {sp} ranks by positions (DeepSpeed Ulysses: an all-to-all "

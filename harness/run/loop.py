@@ -323,10 +323,12 @@ def _give_up(run: Run, ledger: Ledger) -> None:
     run.tracker.close()
     kept = f"{good} (--resume auto takes it)" if good else \
         "none (later ones are set aside as step_*.bad; --overwrite starts again)"
+    fp16 = run.plan.ds.precision == "fp16"
+    advice = "Lower optimizer.lr, check the data, or use bf16 instead of fp16" if fp16 else \
+        "Lower optimizer.lr or check the data"
     raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
                           f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
-                          f"in all); stopping. Last good checkpoint: {kept}. Lower optimizer.lr"
-                          f"{', check the data, or use bf16 instead of fp16' if run.plan.ds.precision == 'fp16' else ' or check the data'}")
+                          f"in all); stopping. Last good checkpoint: {kept}. {advice}")
 
 
 def _save(run: Run, step: int, result, progress) -> None:

@@ -405,9 +405,8 @@ def check_fits(plan: Plan, model, capacity: int) -> str | None:
     """The problem, if one micro-batch of `model` (its meta-device twin) does not fit a GPU of `capacity` bytes on
     paper: the model states per rank
     (`config.ds.model_state_bytes`, after the ZeRO paper) and one micro-batch's activations (`plan.render.
-    activation_bytes`, after Korthikanti et al.) together, before the CUDA context and the allocator's slack. The
-    harness's own models without tensor or pipeline parallelism: the estimates' scope (a Hugging Face model's
-    widths are not the run config's)."""
+    activation_bytes`, after Korthikanti et al.) together, before the CUDA context and the allocator's slack; None
+    outside the estimates' scope (`plan.render.memory_on_paper`)."""
     from ..plan.render import memory_on_paper, size_text
 
     ds, c, paper = plan.ds, plan.run.cfg, memory_on_paper(plan, model)

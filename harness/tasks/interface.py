@@ -35,7 +35,9 @@ class Task(Protocol):
     them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`; without it,
     the mean loss and `metrics` of the split: validation, or `TaskData.test` for test), `prepare`,
     `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
-    `items` names what `count` counts, for the progress bar's rate (default "items").
+    `items` names what `count` counts, for the progress bar's rate (default "items"). `activations_on_paper(cfg)`:
+    true where the model is one stack of blocks over every position, so that `harness plan` and a launch on GPUs
+    estimate its activations on paper (`plan.render.memory_on_paper`); without it, no estimate and no refusal.
     The model may define `forward_flops(*inputs)` (analytic FLOPs of one forward pass, for MFU); without it the
     harness counts the FLOPs of a forward pass on the meta device once per input shape (torch's FlopCounterMode).
     A pipeline needs the model's `pipeline_layers()` (see `models/transformer.py`).

@@ -278,6 +278,10 @@ class LanguageModelTask:
         """Sequence parallelism: inputs, targets (and documents) split by positions."""
         return {key: "positions" for key in batch}
 
+    def activations_on_paper(self, cfg: RunConfig) -> bool:
+        """The decoder is one stack of blocks over every position: the plan's activation formula describes it."""
+        return True
+
     def sequence_length(self, cfg: RunConfig) -> tuple[int, tuple[str, ...]]:
         """The positions of every sample and the key that sets them."""
         return cfg.data.seq_len, ("data.seq_len",)

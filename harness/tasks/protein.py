@@ -379,6 +379,11 @@ class ProteinTask:
         """A prepared corpus's samples are ordered without holding the order (StepSampler's `order`)."""
         return "lazy" if is_corpus(cfg.data.path) else "held"
 
+    def activations_on_paper(self, cfg: RunConfig) -> bool:
+        """The encoder over every residue is one stack of blocks over every position, as the plan's activation formula
+        has it; over the sites alone its positions are not data.seq_len."""
+        return cfg.task.sites == "all"
+
     def data_identity(self, cfg: RunConfig) -> dict | None:
         """What a checkpoint records of a prepared corpus, so that a resume on other data is refused."""
         return Corpus(cfg.data.path).identity if is_corpus(cfg.data.path) else None
