@@ -219,17 +219,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a run")
-    _common(t)
-    t.add_argument("--resume", metavar="auto|DIR", help="auto: continue from the run directory's latest "
-                   "checkpoint if there is one; DIR: a run directory or a step_* checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    t.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
-                   "the job's time ran out; continue later with --resume auto")
-    t.add_argument("--data-changed-ok", action="store_true", help="resume on a prepared corpus other than the one the "
-                   "checkpoint trained on (refused without it: the steps after would read other samples)")
-    t.add_argument("--trust-checkpoint", action="store_true", help="load checkpoints that hold more than weights "
-                   "and the harness's own state (unpickled: they can run code); only for files from a source you "
-                   "trust")
+    _train_options(t)
     la = sub.add_parser("launch", help="check a training run, then start it with accelerate launch; exits with the "
                         "harness's codes",
                         description="harness launch [ACCELERATE LAUNCH OPTIONS] train [TRAIN OPTIONS]: checks "
@@ -246,15 +236,7 @@ def parser() -> argparse.ArgumentParser:
     _prepare_parsers(pr)
     ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split or on new data; writes "
                         "RUN/eval.json")
-    _run_dir(ev)
-    ev.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
-    ev.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
-                    "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
-                    "and statistics")
-    ev.add_argument("--name", help="--data: the entry's name in RUN/eval.json (default: PATH's file name)")
-    ev.add_argument("--periods", type=int, metavar="K", help="price runs: also score K consecutive periods of the "
-                    "windows by forecast origin (rolling origin, the model fixed), each with its verdict against "
-                    "persistence (sets prices.periods for this evaluation)")
+    _evaluate_options(ev)
     b = sub.add_parser("bench", help="benchmarks: sweep, overhead, proxy, suite (GPU), seeds")
     _bench_parsers(b)
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
@@ -270,11 +252,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     dc = sub.add_parser("docs", help="re-measure the figures the README and docs state, each by the command stated "
                         "beside it (docs/checks.toml), and compare them within their tolerance; exit 1 on a difference")
-    dc.add_argument("--quick", action="store_true", help="only the checks of a minute or less (with what they run "
-                    "after)")
-    dc.add_argument("--only", metavar="NAME,...", help="these checks (and those they run after)")
-    dc.add_argument("--static", action="store_true", help="run nothing: check that every figure is still written in "
-                    "its page as docs/checks.toml states it")
+    _docs_options(dc)
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     _run_dir(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
@@ -284,6 +262,43 @@ def parser() -> argparse.ArgumentParser:
     ap.bench = b  # `harness bench`'s own usage line, for the old spellings' errors
     ap.plan = p  # `harness plan`'s own options: the others are accelerate launch's
     return ap
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    """`harness train`'s options (`harness launch` takes them after the word train)."""
+    _common(p)
+    p.add_argument("--resume", metavar="auto|DIR", help="auto: continue from the run directory's latest "
+                   "checkpoint if there is one; DIR: a run directory or a step_* checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
+                   "the job's time ran out; continue later with --resume auto")
+    p.add_argument("--data-changed-ok", action="store_true", help="resume on a prepared corpus other than the one the "
+                   "checkpoint trained on (refused without it: the steps after would read other samples)")
+    p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoints that hold more than weights "
+                   "and the harness's own state (unpickled: they can run code); only for files from a source you "
+                   "trust")
+
+
+def _evaluate_options(p: argparse.ArgumentParser) -> None:
+    """`harness evaluate`: a finished run on a split of its data or on new data."""
+    _run_dir(p)
+    p.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
+    p.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
+                   "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
+                   "and statistics")
+    p.add_argument("--name", help="--data: the entry's name in RUN/eval.json (default: PATH's file name)")
+    p.add_argument("--periods", type=int, metavar="K", help="price runs: also score K consecutive periods of the "
+                   "windows by forecast origin (rolling origin, the model fixed), each with its verdict against "
+                   "persistence (sets prices.periods for this evaluation)")
+
+
+def _docs_options(p: argparse.ArgumentParser) -> None:
+    """`harness docs`: which of docs/checks.toml's figures to re-measure."""
+    p.add_argument("--quick", action="store_true", help="only the checks of a minute or less (with what they run "
+                   "after)")
+    p.add_argument("--only", metavar="NAME,...", help="these checks (and those they run after)")
+    p.add_argument("--static", action="store_true", help="run nothing: check that every figure is still written in "
+                   "its page as docs/checks.toml states it")
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
@@ -435,6 +450,8 @@ def _plan(args) -> int:
     from .plan.render import count_params, ds_json, render
     from .plan.resolve import make_plan
 
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be 1 or more (the processes in all)")
     if args.launch:  # accelerate launch's options: the world and settings that launch gives
         from .launcher import launch_settings, plan_launch
 

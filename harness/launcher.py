@@ -65,6 +65,8 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
     from accelerate.commands.config import default_config_file
     from accelerate.commands.launch import launch_command_parser
 
+    from .config.accelerate import PARALLELISM_KEYS, SP_FORM, read_config
+
     parser = launch_command_parser()
 
     def refuse(message: str):  # argparse's error, without its usage text and exit: one line
@@ -77,38 +79,80 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
 
     parser.error = refuse
     args = parser.parse_args([*accelerate_args, "-m", "harness"])
+    given = dict(vars(args))  # the command line's own values: accelerate fills in args from its file
     file = args.config_file or (default_config_file if Path(default_config_file).is_file() else None)
-    saved = {}
-    if file:
-        from accelerate.commands.config.config_args import load_config_from_file
+    raw, saved = read_config(file, who) if file else ({}, {})
 
-        if not Path(file).is_file():
-            raise ConfigError(f"{who}: --config_file {file}: no such file")
-        saved = load_config_from_file(file).to_dict()
+    def where(name: str) -> str:  # where a setting came from, for a refusal
+        return f"--{name}" if given.get(name) is not None else f"{name} in {file}" if name in raw else \
+            f"{name} (accelerate's default)"
+
     ds = saved.get("deepspeed_config") or {}
     processes = args.num_processes if args.num_processes is not None else saved.get("num_processes", 1)
     if not isinstance(processes, int) or processes < 1:  # accelerate would start torchrun with it and fail inside
-        where = "--num_processes" if args.num_processes is not None else f"num_processes in {file}"
-        raise ConfigError(f"{who}: {where} = {processes}: must be 1 or more (the processes on each machine)")
-    return {"num_processes": processes, "machine_rank": int(args.machine_rank or saved.get("machine_rank") or 0),
-            "mixed_precision": (args.mixed_precision or saved.get("mixed_precision") or "no").lower(),
-            "deepspeed_config_file": args.deepspeed_config_file or ds.get("deepspeed_config_file"),
-            "env": _deepspeed_env(args, who)}
+        raise ConfigError(f"{who}: {where('num_processes')} = {processes}: must be 1 or more (the processes of all "
+                          f"machines together)")
+    precision = args.mixed_precision if args.mixed_precision is not None else saved.get("mixed_precision", "no")
+    if precision.lower() not in ("no", "fp16", "bf16"):  # fp8: accelerate fails with a traceback without its libraries
+        raise ConfigError(f"{who}: {where('mixed_precision')} = {precision!r}: the harness runs DeepSpeed in no, fp16 "
+                          f"or bf16; use no and choose the precision in the DeepSpeed file")
+    args, defaults = _validated(args, who)
+    _check_machines(args, processes, where, who)
+    asked = [f"--{k}" for k in sorted(PARALLELISM_KEYS) if given.get(k) != parser.get_default(k)] + \
+        [f"parallelism_config in {file}"] * bool(raw.get("parallelism_config"))
+    if asked and not args.use_parallelism_config:  # accelerate would launch without them, saying nothing
+        raise ConfigError(f"{who}: {', '.join(asked)} would be ignored: accelerate takes parallelism settings only "
+                          f"from a config file that has them, with no launch type (--use_deepspeed, --multi_gpu, ...) "
+                          f"on the command line; with DeepSpeed write {SP_FORM}")
+    return {"num_processes": processes, "machine_rank": args.machine_rank or 0, "mixed_precision": precision.lower(),
+            "deepspeed_config_file": given["deepspeed_config_file"] or ds.get("deepspeed_config_file"),
+            "env": _deepspeed_env(args, defaults, who)}
 
 
-def _deepspeed_env(args, who: str) -> dict[str, str]:
-    """The ACCELERATE_* variables of DeepSpeed that accelerate will give each rank (its config file's deepspeed_config
-    and its --use_deepspeed/--zero_stage/... flags) and its PARALLELISM_CONFIG_* ones (--use_parallelism_config),
-    computed by accelerate's own code as `accelerate launch` does (accelerate/commands/launch.py, `launch_command`);
-    {} where the launch uses neither."""
+def _validated(args, who: str):
+    """(args, the config file's settings) as accelerate launch completes and checks them (accelerate/commands/launch.py,
+    `_validate_launch_command`)."""
     from accelerate.commands.launch import _validate_launch_command
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from .config.accelerate import SP_FORM
 
     try:  # its note on defaults it chose goes to the terminal when accelerate launch itself runs, not twice
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             args, defaults, _ = _validate_launch_command(args)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{who}: accelerate launch refuses its settings: {e}") from None
+        hint = f" With DeepSpeed, write {SP_FORM}." if "--use_parallelism_config" in str(e) else ""
+        raise ConfigError(f"{who}: accelerate launch refuses its settings: {str(e).strip()}{hint}") from None
+    return args, defaults
+
+
+def _check_machines(args, processes: int, where, who: str) -> None:
+    """A launch over several machines that could not start as planned: accelerate (1.15, utils/launch.py) starts
+    num_processes // num_machines processes on each, and its torchrun meets at main_process_ip."""
+    machines, rank = 1 if args.num_machines is None else args.num_machines, args.machine_rank or 0
+    if not isinstance(machines, int) or machines < 1:
+        raise ConfigError(f"{who}: {where('num_machines')} = {machines}: must be 1 or more")
+    if not 0 <= rank < machines:
+        raise ConfigError(f"{who}: {where('machine_rank')} = {rank} with {where('num_machines')} = {machines}: must be "
+                          f"{'0' if machines == 1 else f'0 to {machines - 1}'}")
+    if processes % machines:
+        raise ConfigError(f"{who}: {where('num_processes')} = {processes} is not a multiple of {where('num_machines')} "
+                          f"= {machines}: it is the total over all machines, and accelerate would start "
+                          f"{processes // machines} on each")
+    # DeepSpeed's own multi-node launchers (pdsh, accelerate's default, and the MPI ones) find the first host in the
+    # hostfile; torchrun's rendezvous, static or c10d, waits for ever for a host named None
+    runner = args.use_deepspeed and (args.deepspeed_multinode_launcher or "pdsh") != "standard"
+    if machines > 1 and not args.main_process_ip and not runner:
+        raise ConfigError(f"{who}: {where('num_machines')} = {machines} needs --main_process_ip (or main_process_ip in "
+                          f"the config file): the address of machine rank 0, where torchrun's rendezvous meets")
+
+
+def _deepspeed_env(args, defaults, who: str) -> dict[str, str]:
+    """The ACCELERATE_* variables of DeepSpeed that accelerate will give each rank (its config file's deepspeed_config
+    and its --use_deepspeed/--zero_stage/... flags) and its PARALLELISM_CONFIG_* ones (its config file's
+    parallelism_config), computed by accelerate's own code as `accelerate launch` does (accelerate/commands/launch.py,
+    `launch_command`); {} where the launch uses neither."""
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
     env = {}
     if getattr(args, "use_parallelism_config", False):  # its sequence-parallel size (config/accelerate.py)
         from accelerate.utils.launch import prepare_extend_env_parallelism_config
@@ -116,7 +160,10 @@ def _deepspeed_env(args, who: str) -> dict[str, str]:
         env = prepare_extend_env_parallelism_config(args, {})
     if args.use_deepspeed:
         args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config.keys() if defaults else [])
-        env.update(prepare_deepspeed_cmd_env(args)[1])
+        try:
+            env.update(prepare_deepspeed_cmd_env(args)[1])
+        except ConnectionError as e:  # machine rank 0 of several: its main_process_port is taken
+            raise ConfigError(f"{who}: accelerate launch refuses its settings: {e}") from None
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "PARALLELISM_CONFIG_"))}
 
 

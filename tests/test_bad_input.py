@@ -78,10 +78,13 @@ CASES = [
      None, "train.early_stopping_patience"),
     ("select-unknown-metric", [S, "train.select_best=\"accuracy\""], None, None, "train.select_best"),
     ("profile-step-negative", [S, "train.profile_step=-1"], None, None, "train.profile_step"),
+    ("profile-step-after-the-end", [S, "train.profile_step=5"], None, None,
+     "train.profile_step = 5 (command line) comes after the run's last step"),
+    ("output-dir-empty", [S, 'run.output_dir=""'], None, None, "run.output_dir: '' names no directory"),
     ("int-given-float", [S, "train.micro_batch_size=2.5"], None, None, "train.micro_batch_size must be int"),
     ("int-given-string", [S, "train.log_every=\"ten\""], None, None, "train.log_every must be int"),
     ("int-given-bool", [S, "model.d_model=true"], None, None, "model.d_model must be int"),
-    ("unknown-key", [S, "train.max_step=3"], None, None, "did you mean `train.max_steps`"),
+    ("unknown-key", [S, "train.max_step=3"], None, None, "`train.max_step` (command line); did you mean `train.max_steps`"),
     ("unknown-section", [S, "optimzer.lr=1e-3"], None, None, "optimzer.lr"),
     ("other-task-section", [S, "translation.beam_size=2"], None, None, "[translation] keys belong to run.task"),
     ("task-key-out-of-range", [S, 'run.task="protein"', S, "protein.train_subsample=-1"], None, None,
@@ -100,6 +103,20 @@ CASES = [
     ("ds-stage-string", [], None, {"zero_optimization": {"stage": "2"}}, "zero_optimization.stage = \"2\""),
     ("ds-stage-out-of-range", [], None, {"zero_optimization": {"stage": 5}}, "should be 0, 1, 2 or 3"),
     ("ds-zero-key-typo", [], None, {"zero_optimization": {"stag": 2}}, "did you mean `stage`"),
+    ("ds-stage-auto", [], None, {"zero_optimization": {"stage": "auto"}}, "stage = \"auto\" (ds file"),
+    ("ds-stage-bool", [], None, {"zero_optimization": {"stage": True}}, "stage = true (ds file"),
+    ("ds-stage-float", [], None, {"zero_optimization": {"stage": 2.0}}, "stage = 2.0 (ds file"),
+    ("ds-zero-auto-unfillable", [], None, {"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}},
+     "zero_optimization.allgather_bucket_size = \"auto\""),
+    ("ds-fp16-key-typo", [], None, {"fp16": {"enabled": True, "loss_scal": 0}}, "did you mean `loss_scale`"),
+    ("ds-bf16-switch-string", [], None, {"bf16": {"immediate_grad_update": "yes"}},
+     "bf16.immediate_grad_update = \"yes\""),
+    ("ds-amp", [], None, {"amp": {"enabled": True}}, "removed its Apex AMP integration"),
+    ("ds-nvme-without-path", [], None, {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "needs zero_optimization.offload_param.nvme_path"),
+    ("ds-scheduler-total-contradicts", [], None,
+     {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}},
+     "scheduler.params.total_num_steps = 10 vs train.max_steps = 2"),
     ("ds-switch-string", [], None, {"zero_optimization": {"stage": 2, "overlap_comm": "true"}},
      "zero_optimization.overlap_comm = \"true\""),
     ("ds-bf16-enabled-string", [], None, {"bf16": {"enabled": "false"}}, "bf16.enabled = \"false\""),
@@ -131,6 +148,7 @@ CASES = [
     ("ds-not-object", [], None, "[1, 2]", "must hold a JSON object"),
     # the command line and the run directory
     ("stop-at-zero", ["--stop-at", "0"], None, None, "--stop-at"),
+    ("resume-and-overwrite", ["--resume", "auto", "--overwrite"], None, None, "continue the run or replace it"),
     ("resume-nothing-there", ["--resume", "/nonexistent/run"], None, None, "--resume /nonexistent/run"),
     ("data-missing", [S, "data.path=\"/nonexistent/corpus.txt\""], None, None, "/nonexistent/corpus.txt"),
     # data files that hold nothing to train on (the file named, with what it holds)
@@ -138,12 +156,15 @@ CASES = [
     ("data-whitespace", [S, "data.path=@blank.jsonl"], None, None, "blank.jsonl: the file holds only whitespace"),
     ("data-header-only", [S, "data.path=@header.csv"], None, None, "header.csv: only a header (text, label)"),
     ("data-no-column", [S, "data.path=@columns.csv"], None, None, "columns.csv: no column 'text'"),
+    ("data-no-json-field", [S, "data.path=@body.jsonl"], None, None, "has a text 'text' field (data.text_field); "
+     "fields found: body"),
+    ("data-one-row", [S, "data.path=@one.txt"], None, None, "one.txt: data.path holds 1 row: holding out"),
     ("data-a-directory", [S, "data.path=@DIR"], None, None, "data.path is a directory (a.txt); name one file"),
     ("data-unknown-suffix", [S, "data.path=@rows.xml"], None, None, "rows.xml: cannot tell the format"),
     ("output-dir-under-a-file", [S, "run.output_dir=@rows.xml"], None, None, "rows.xml is a file, not a directory"),
 ]
 FILES = {"empty.txt": b"", "blank.jsonl": b" \n\n", "header.csv": b"text,label\n", "columns.csv": b"body,label\nx,1\n",
-         "rows.xml": b"<rows/>\n"}
+         "rows.xml": b"<rows/>\n", "body.jsonl": b'{"body": "a"}\n{"body": "b"}\n', "one.txt": b"short text\n"}
 
 
 @pytest.fixture
@@ -320,3 +341,85 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     monkeypatch.setattr(world, "init_world", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("past the checks")))
     with pytest.raises(RuntimeError, match="past the checks"):
         main(big)
+
+
+def test_overwrite_clears_only_a_run_directory(tmp_path, corpus, no_process_group, capsys):
+    """--overwrite deletes the run directory: a folder named by mistake (a project, the current directory) is left
+    as it is, and the line says what it holds."""
+    folder = tmp_path / "project"
+    (folder / "src").mkdir(parents=True)
+    (folder / "notes.md").write_text("mine\n")
+    args = ["train", S, f"data.path={json.dumps(str(corpus))}", *TWO_STEPS, "--overwrite"]
+    assert main([*args, S, f"run.output_dir={json.dumps(str(folder))}"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--overwrite replaces a run directory" in line and "it holds notes.md, src" in line, line
+    assert (folder / "notes.md").read_text() == "mine\n" and (folder / "src").is_dir()
+    run = tmp_path / "run"  # what a run leaves: its configs; --overwrite gets as far as training
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    (run / "ds_config.json").write_text("{}")
+    with pytest.raises(AssertionError, match="process group was started"):
+        main([*args, S, f"run.output_dir={json.dumps(str(run))}"])
+
+
+def _finished_run(tmp_path, sets=()):
+    """A run directory as training leaves it (its config.toml and exported weights), built in this process."""
+    from safetensors.torch import save_file
+
+    from harness.config.run import to_toml
+    from harness.tasks import get_task, resolve
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = resolve(None, ["train.max_steps=2", *sets]).cfg
+    (run / "config.toml").write_text(to_toml(cfg))
+    save_file(get_task("lm").build_model(cfg).state_dict(), str(run / "model.safetensors"))
+    return run
+
+
+def test_a_damaged_run_directory_is_one_line_in_evaluate_and_export(tmp_path, capsys):
+    from harness.api import load_model
+
+    run = _finished_run(tmp_path)
+    load_model(run)  # whole, it loads
+    cases = [(["evaluate", "--run-dir", str(tmp_path / "nothing")], "nothing: no such run directory"),
+             (["export", "--run-dir", str(run / "config.toml"), "--hf", str(tmp_path / "hf")],
+              "config.toml: a file, not a run directory"),
+             (["export", "--run-dir", str(run), "--hf", str(run / "config.toml" / "hf")],
+              f"--hf {run}/config.toml/hf: {run}/config.toml is a file; name a directory to write")]
+    for args, expected in cases:
+        assert main(args) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("harness: error: ") and expected in line, line
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace("d_model = 128", "d_model = 64"))
+    assert main(["evaluate", "--run-dir", str(run)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "weights' shapes differ from the model its config.toml builds" in line and "(128,) vs (64,)" in line, line
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    assert main(["evaluate", "--run-dir", str(run)]) == 2
+    assert "model.safetensors: not a whole safetensors file" in capsys.readouterr().err
+
+
+def test_nvme_offload_needs_deepspeeds_async_io_op_on_this_machine(tmp_path, corpus, no_process_group, capsys):
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is not None and builder.is_compatible(verbose=False):
+        pytest.skip("this machine builds DeepSpeed's async_io op (libaio): NVMe offload is not refused here")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path)}}}))
+    assert main(["train", S, f"data.path={json.dumps(str(corpus))}", S,
+                 f"run.output_dir={json.dumps(str(tmp_path / 'r'))}", *TWO_STEPS, "--ds", str(ds)]) == 2
+    assert "NVMe offload (ds file" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_a_warmup_longer_than_the_run_is_said_in_the_plan():
+    from harness.api import plan
+    from harness.plan.render import render
+
+    note = ("note: schedule.warmup_steps = 30 (command line) is longer than the run's 3 steps: the lr rises to "
+            "0.0001 at the last step, never to optimizer.lr = 0.001 (command line)")
+    assert note in render(plan(None, ["train.max_steps=3", "schedule.warmup_steps=30", "optimizer.lr=1e-3"]))
+    assert "is longer than the run's" not in render(plan(None, ["train.max_steps=30", "schedule.warmup_steps=30"]))

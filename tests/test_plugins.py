@@ -81,7 +81,7 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["task.lenght=8"], "unknown config key `task.lenght`; did you mean `task.length`?"),
+    (["task.lenght=8"], "unknown config key `task.lenght` (command line); did you mean `task.length`?"),
     (["task.length=\"8\""], "task.length must be int, got str '8'"),
     (['run.task="examples/digits_task.py:DigitTask"'], "has no class 'DigitTask'; did you mean 'DigitsTask'?"),
     (['run.task="examples/digits_task.py:DigitsConfig"'], "DigitsConfig lacks build_model, build_data"),

@@ -113,6 +113,7 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         raise ConfigError(f"zero_optimization ({label}) must be an object")
     _check_types(ds, label)
     _validate_zero(zero, label)
+    _validate_precision(ds, label)
     stage = zero.setdefault("stage", 0)
     source.setdefault("zero_optimization.stage", "DeepSpeed default")
 
@@ -201,6 +202,14 @@ def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offlo
         raise ConfigError(f"zero_optimization.offload_param ({label}) needs ZeRO stage 3, got stage {stage}")
     if offload_opt and stage == 0:
         raise ConfigError(f"zero_optimization.offload_optimizer ({label}) needs ZeRO stage 1, 2 or 3, got stage 0")
+    if isinstance(ds.get("amp"), dict) and ds["amp"].get("enabled"):
+        raise ConfigError(f"amp.enabled ({label}): DeepSpeed has removed its Apex AMP integration (0.19 refuses "
+                          f"it at start); use bf16.enabled or fp16.enabled")
+    for key in ("offload_optimizer", "offload_param"):
+        section = ds["zero_optimization"].get(key)
+        if _offload_device(section) == "nvme" and not section.get("nvme_path"):
+            raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" ({label}) needs "
+                              f"zero_optimization.{key}.nvme_path: a directory on a fast local NVMe drive")
     if (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0 and "zero_allow_untested_optimizer" not in ds:
         # DeepSpeed lists the optimizers it tested with ZeRO (Adam family, Lamb, ...); SGD is not among them, and
         # the harness's tests show its ZeRO-1 losses equal one process's.
@@ -257,6 +266,10 @@ def fill_zero_auto(ds: DSResolved, hidden: int) -> None:
         if zero.get(key) == "auto":
             zero[key] = rule(hidden)
             ds.source[f"zero_optimization.{key}"] = f"auto <- the model's width {hidden} (as HF Trainer fills it)"
+    left = [key for key, value in zero.items() if value == "auto"]
+    if left:  # DeepSpeed would take its own default where the file seems to ask for a value
+        raise ConfigError(f"zero_optimization.{left[0]} = \"auto\" ({ds.origin}): nothing fills it (the width fills "
+                          f"{', '.join(ZERO_AUTO)}); give a value or remove the key")
 
 
 def _fill(ds, source, ds_key, value, origin, run_key, label):
@@ -322,24 +335,47 @@ def choices_once(message: str) -> str:
 
 def _validate_zero(zero: dict, label: str) -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    _validate("zero_optimization", zero, DeepSpeedZeroConfig, label)
+    stage = zero.get("stage", 0)  # pydantic reads "auto" as 0, true as 1 and 2.0 as 2; DeepSpeed passes them on
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ConfigError(f"zero_optimization.stage = {json.dumps(stage)} ({label}) must be 0, 1, 2 or 3"
+                          + (": nothing fills it, the DeepSpeed file names the strategy" if stage == "auto" else ""))
+
+
+def _validate_precision(ds: dict, label: str) -> None:
+    """The fp16 and bf16 sections' keys, as DeepSpeed's own models check them (a misspelled key, e.g. `loss_scal`,
+    would otherwise fail inside DeepSpeed on every rank, or be dropped)."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+
+    for name, model in (("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config), ("bfloat16", DeepSpeedBF16Config)):
+        if isinstance(ds.get(name), dict):  # "auto" is filled later (`_resolve_precision`)
+            _validate(name, {k: v for k, v in ds[name].items() if v != "auto"}, model, label)
+
+
+def _validate(name: str, section: dict, model, label: str) -> None:
+    """`section` checked by DeepSpeed's pydantic `model`; its first error as one line, with a did-you-mean."""
+    import deepspeed
     from pydantic import ValidationError
 
     try:
-        checked = DeepSpeedZeroConfig(**zero)
+        checked = model(**section)
     except ValidationError as e:
         err = e.errors()[0]
-        key = "zero_optimization." + ".".join(str(x) for x in err["loc"])
-        hint = ""
+        key = name + "." + ".".join(str(x) for x in err["loc"])
+        hint, message = "", choices_once(err["msg"])
         if err["type"] == "extra_forbidden":
-            names = list(DeepSpeedZeroConfig.model_fields)
-            close = difflib.get_close_matches(str(err["loc"][-1]), names, n=1, cutoff=0.6)
-            hint = f"; did you mean `{close[0]}`?" if close else ""
-        raise ConfigError(f"{key} ({label}): {choices_once(err['msg'])}{hint}") from None
-    for key, value in zero.items():  # DeepSpeed read a string as a number or a switch: the harness would not
+            message = f"DeepSpeed {deepspeed.__version__} reads no such key here"
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1, cutoff=0.6)
+            fields = list(model.model_fields)
+            hint = f"; did you mean `{close[0]}`?" if close else f"; it takes {', '.join(fields)}" if len(fields) < 12 \
+                else ""
+        raise ConfigError(f"{key} ({label}): {message}{hint}") from None
+    for key, value in section.items():  # DeepSpeed read a string as a number or a switch: the harness would not
         if isinstance(value, str) and value != "auto" and not isinstance(getattr(checked, key, value), str):
             kind = _kind(getattr(checked, key))
-            raise ConfigError(f"zero_optimization.{key} = {json.dumps(value)} ({label}) must be "
-                              f"{WORDS.get(kind, kind)}, not a string")
+            raise ConfigError(f"{name}.{key} = {json.dumps(value)} ({label}) must be {WORDS.get(kind, kind)}, not a "
+                              f"string")
 
 
 def _offload_device(section: Any) -> str | None:

@@ -249,6 +249,12 @@ def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:
                 out.source[f"scheduler.params.{key}"] = f"auto <- {run.describe('train.max_steps')}"
             elif value == "auto":
                 out.source[f"scheduler.params.{key}"] = f"auto <- {TOTAL}, once the data is read"
+            elif run.cfg.train.max_steps and value != run.cfg.train.max_steps:  # the lr would end early or late
+                theirs = f"scheduler.params.{key} = {value!r} vs {run.describe('train.max_steps')}"
+                if run.cfg.run.config_wins == "deepspeed":
+                    out.overridden.append(f"{theirs}: the schedule's length, not the run's")
+                else:
+                    out.mismatches.append(theirs)
             continue
         if fills is None or fills == "0":
             if value == "auto" and fills is None:

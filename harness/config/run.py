@@ -49,10 +49,17 @@ def setting(default: Any, help: str, choices: tuple | None = None, bound: str | 
     return field(default=default, metadata={"help": help, "choices": choices, "bound": bound, "parse": parse})
 
 
+def _directory(key: str, value: Any) -> Any:
+    if isinstance(value, str) and not value.strip():  # "" is the current directory: --overwrite would clear it
+        raise ValueError(f"{value!r} names no directory")
+    return value
+
+
 @dataclass(frozen=True)
 class RunSection:
     task: str = setting("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
-    output_dir: str = setting("runs/run", "the run directory: config, metrics, checkpoints and the exported model")
+    output_dir: str = setting("runs/run", "the run directory: config, metrics, checkpoints and the exported model",
+                              parse=_directory)
     name: str = setting("", "run name for the tracker; empty means the run directory's name")
     config_wins: str = setting("run", "where a DeepSpeed file's optimizer or scheduler section (or accelerate's "
                                "accumulation and clipping) and a run-config value you set differ: `run` refuses the "
@@ -272,12 +279,12 @@ class Resolved:
         return f"{key} = {self.value(key)!r} ({self.source[key]})"
 
 
-def _unknown(key: str, sections: dict[str, type]) -> ConfigError:
+def _unknown(key: str, sections: dict[str, type], origin: str) -> ConfigError:
     close = difflib.get_close_matches(key, list(all_keys(sections)) + list(sections), n=1, cutoff=0.6)
     hint = f"; did you mean `{close[0]}`?" if close else "; `harness keys` lists them all"
     if key.split(".")[0] == PLUGIN_SECTION and PLUGIN_SECTION not in sections:
         hint = "; [task] holds the keys of a plug-in task that declares a Config dataclass"
-    return ConfigError(f"unknown config key `{key}`{hint}")
+    return ConfigError(f"unknown config key `{key}` ({origin}){hint}")
 
 
 def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any:
@@ -409,7 +416,7 @@ def _given(layers: list[tuple[str, dict[str, Any]]],
     for origin, flat in layers:
         for key, value in flat.items():
             if key not in source:
-                raise _unknown(key if "." in key else f"{key}.", sections)
+                raise _unknown(key if "." in key else f"{key}.", sections, origin)
             section, name = key.split(".")
             if value is UNSET:
                 values[section].pop(name, None)
@@ -458,6 +465,9 @@ def _check(r: Resolved) -> None:
     elif every["train.early_stopping_patience"].amount and not every["train.eval_every"].amount:
         raise ConfigError(f"{r.describe('train.early_stopping_patience')} counts evaluations, but "
                           f"{r.describe('train.eval_every')} evaluates only at the end")
+    if c.train.max_steps and c.train.profile_step > c.train.max_steps:
+        raise ConfigError(f"{r.describe('train.profile_step')} comes after the run's last step, "
+                          f"{r.describe('train.max_steps')}: no trace would be written")
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
                           f"{r.describe('train.epochs')}")
@@ -499,6 +509,16 @@ def length_buckets(c: RunConfig) -> tuple[int, ...]:
 def run_steps(t: TrainSection, steps_per_epoch: int) -> int:
     """The run's optimizer steps: train.max_steps, else train.epochs of `steps_per_epoch`."""
     return t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+
+
+def warmup_note(run: Resolved, steps: int) -> str | None:
+    """A line where the harness's warmup outlasts the run: its lr never reaches optimizer.lr (not refused: a short
+    trial of a long run's file is common)."""
+    warmup, lr = run.cfg.schedule.warmup_steps, run.cfg.optimizer.lr
+    if steps and warmup > steps:
+        return (f"note: {run.describe('schedule.warmup_steps')} is longer than the run's {steps} steps: the lr rises "
+                f"to {lr * steps / warmup:.3g} at the last step, never to {run.describe('optimizer.lr')}")
+    return None
 
 
 def check_training_length(c: RunConfig) -> None:

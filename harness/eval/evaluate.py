@@ -20,7 +20,7 @@ import torch
 from ..config.run import ConfigError, RunConfig
 from ..distributed.world import single_world
 from ..prepare import CHECKSUMS, STORED, differences, sha256, stored
-from ..run.export import MODEL_FILE, load_model, run_config
+from ..run.export import check_finished, load_model, run_config
 from ..tasks import ReadData, get_task
 
 RESULTS = "eval.json"
@@ -29,10 +29,7 @@ SPLITS = ("train", "validation", "test")  # names an entry for new data may not 
 
 def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None) -> tuple[RunConfig, object]:
     """The run's config and its task (`given`: the object the caller passed, used as it is)."""
-    for name in ("config.toml", MODEL_FILE):
-        if not (run_dir / name).is_file():
-            raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
-                              f"continued with `harness train ... --resume auto`)")
+    check_finished(run_dir)
     cfg = run_config(run_dir)
     task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):

@@ -7,7 +7,7 @@ import torch
 
 from ..config.ds import model_state_bytes
 from ..config.layout import tp_split_params
-from ..config.run import all_keys, flatten
+from ..config.run import all_keys, flatten, warmup_note
 from ..distributed.parallel import pipeline_partition
 from .resolve import Plan
 
@@ -244,6 +244,8 @@ def render(plan: Plan) -> str:
     for key, value in flatten({"scheduler": sched} if sched else {}).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")
     lines += [f"# {note}" for note in ds.sections.notes()]
+    if not sched and (note := warmup_note(run, run.cfg.train.max_steps)):
+        lines.append(f"# {note}")
     model = meta_model(plan)
     n = sum(p.numel() for p in model.parameters())
     layout_lines, per_rank = parallel_lines(plan, model)

@@ -292,6 +292,50 @@ def _model_parallel_assumptions(ds, tp: int, pp: int, m: int, intra: str) -> lis
     return A
 
 
+def _compute_time(profile: Profile | None, profile_path, n_params: int, B: int, m: int, seq: int, seq_ratio: float,
+                  mfu: float, peak: float, gpu: str | None, b_act: int, precision: str, A: list[str]):
+    """One GPU's compute per step before the bubble, as a function of the model split; its assumption goes to A."""
+    if profile:
+        A.append(f"compute from the profile {profile_path} ({profile.name or 'nproc 1'}): {profile.step_s:.4g} s for "
+                 f"{profile.samples} samples of a {profile.params:,}-parameter model ({profile.precision}, one process "
+                 f"on {profile.device}), scaled linearly to {B * m} samples, {n_params:,} parameters and "
+                 + (f"seq {seq} from its {profile.seq}" if profile.seq else f"its seq taken as data.seq_len = {seq}")
+                 + ", split evenly over tp x pp; the target GPUs are taken to be the same kind")
+        if profile.precision != precision:
+            A.append(f"the profile ran in {profile.precision}, the plan in {precision}: its time is used as is")
+        return lambda model_split: (profile.step_s * (B * m * seq_ratio / profile.samples)
+                                    * (n_params / profile.params) / model_split)
+    A.append(f"compute from 6 x params x tokens FLOPs (attention FLOPs ignored), tokens per sample = data.seq_len "
+             f"= {seq}, at MFU {mfu:.0%} of {gpu} SXM dense {'fp32' if b_act == 4 else '16-bit'} {peak / 1e12:g} "
+             f"TFLOP/s")
+    return lambda model_split: 6 * n_params * B * m * seq / (mfu * peak) / model_split  # 6N FLOPs per token
+
+
+def _traffic(ds: DSResolved, layout: Layout, spans: dict[str, bool], share: float, b: int, act_bytes: float,
+             n_layers: int, intra: str, inter: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes each GPU moves a step, by kind, and the seconds they take on the slowest link their group crosses."""
+    dp, tp, pp, m = layout.dp_size, layout.tp_size, layout.pp_size, ds.grad_accum_steps
+    volume = {"data parallel": zero_step_bytes(ds.zero_stage, dp, share, b, m),
+              "tensor parallel": tp_step_bytes(tp, n_layers // pp, m, act_bytes),
+              "pipeline sends": 2 * m * collective_bytes("p2p", pp, act_bytes),
+              "offload PCIe": offload_bytes(share / dp, b, m, ds.offload_optimizer, ds.offload_params)}
+    link = {"data parallel": inter if spans["dp"] else intra, "tensor parallel": intra,
+            "pipeline sends": inter if spans["pp"] else intra, "offload PCIe": HOST_LINK}
+    return volume, {k: v / (LINKS[link[k]].bytes_per_s * EFFICIENCY) for k, v in volume.items()}
+
+
+def _overlap_window(ds: DSResolved, pp: int, m: int, compute: float) -> tuple[float, str]:
+    """How much compute the data-parallel traffic can hide behind (backward = 2/3 of it), and where that is."""
+    backward = 2 / 3 * compute
+    if pp > 1:
+        return 0.0, "nothing with a pipeline (reduced after the flush)"
+    if ds.zero_stage < 2:
+        return backward / m, "the last micro-batch's backward at stage 0-1"
+    if ds.zero_stage == 2:
+        return backward, "every micro-batch's backward at stage 2"
+    return compute, "forward and backward at stage 3 (prefetched all-gathers)"
+
+
 def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, interconnect: str,
              profile_path: str | Path | None = None, mfu: float = 0.40) -> Scaling:
     """The plan's strategy (ZeRO stage, offload, precision, tp, pp, micro batch, accumulation) on G x N GPUs."""
@@ -311,47 +355,18 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     b_act = 4 if ds.precision == "fp32" else 2     # activations travel in the training dtype
     b = 4 if b_act == 4 or ds.config.get("communication_data_type") == "fp32" else 2   # gradients, parameters
     peak = (GPUS[gpu].flops_fp32 if b_act == 4 else GPUS[gpu].flops_16bit) if gpu else 0.0
-    bw = {k: LINKS[k].bytes_per_s * EFFICIENCY for k in (intra, inter, HOST_LINK)}
     share = n_params / (tp * pp)                    # parameters per model-parallel rank
     act_bytes = B * seq * h * b_act                 # one (B, seq, d_model) activation
     A = [f"world {world} = {G} GPUs per node x {nodes} nodes; the plan's micro batch {B} and accumulation {m} are "
          f"kept, so the global batch grows with data parallelism to {B * m * dp}",
          f"training precision {precision}: {why}", *_link_assumptions(ds, intra, inter, nodes, b, b_act, m, share)]
     A += _model_parallel_assumptions(ds, tp, pp, m, intra)
-
     seq_ratio = seq / profile.seq if profile and profile.seq else 1.0
-
-    def compute_s(model_split: int) -> float:
-        """One GPU's compute per step before the bubble: work scales with tokens and parameters (6N per token)."""
-        if profile:
-            return profile.step_s * (B * m * seq_ratio / profile.samples) * (n_params / profile.params) / model_split
-        return 6 * n_params * B * m * seq / (mfu * peak) / model_split
-    if profile:
-        A.append(f"compute from the profile {profile_path} ({profile.name or 'nproc 1'}): {profile.step_s:.4g} s for "
-                 f"{profile.samples} samples of a {profile.params:,}-parameter model ({profile.precision}, one process "
-                 f"on {profile.device}), scaled linearly to {B * m} samples, {n_params:,} parameters and "
-                 + (f"seq {seq} from its {profile.seq}" if profile.seq else f"its seq taken as data.seq_len = {seq}")
-                 + ", split evenly over tp x pp; the target GPUs are taken to be the same kind")
-        if profile.precision != ds.precision:
-            A.append(f"the profile ran in {profile.precision}, the plan in {ds.precision}: its time is used as is")
-    else:
-        A.append(f"compute from 6 x params x tokens FLOPs (attention FLOPs ignored), tokens per sample = data.seq_len "
-                 f"= {seq}, at MFU {mfu:.0%} of {gpu} SXM dense {'fp32' if b_act == 4 else '16-bit'} {peak / 1e12:g} "
-                 f"TFLOP/s")
-
-    volume = {"data parallel": zero_step_bytes(ds.zero_stage, dp, share, b, m),
-              "tensor parallel": tp_step_bytes(tp, c.model.n_layers // pp, m, act_bytes),
-              "pipeline sends": 2 * m * collective_bytes("p2p", pp, act_bytes),
-              "offload PCIe": offload_bytes(share / dp, b, m, ds.offload_optimizer, ds.offload_params)}
-    link = {"data parallel": inter if spans["dp"] else intra, "tensor parallel": intra,
-            "pipeline sends": inter if spans["pp"] else intra, "offload PCIe": HOST_LINK}
-    seconds = {k: v / bw[link[k]] for k, v in volume.items()}
-    # Lower bound: the data-parallel traffic hides behind the compute it is issued during (backward = 2/3).
-    backward = 2 / 3 * compute_s(tp * pp)
-    window, where = ((0.0, "nothing with a pipeline (reduced after the flush)") if pp > 1 else
-                     (backward / m, "the last micro-batch's backward at stage 0-1") if ds.zero_stage < 2 else
-                     (backward, "every micro-batch's backward at stage 2") if ds.zero_stage == 2 else
-                     (compute_s(tp * pp), "forward and backward at stage 3 (prefetched all-gathers)"))
+    compute_s = _compute_time(profile, profile_path, n_params, B, m, seq, seq_ratio, mfu, peak, gpu, b_act,
+                              ds.precision, A)
+    volume, seconds = _traffic(ds, layout, spans, share, b, act_bytes, c.model.n_layers, intra, inter)
+    # Lower bound: the data-parallel traffic hides behind the compute it is issued during.
+    window, where = _overlap_window(ds, pp, m, compute_s(tp * pp))
     A.append(f"step time from no overlap (upper) to data-parallel traffic hidden behind {where} (lower); backward is "
              f"2/3 of compute; tensor-parallel, pipeline and PCIe transfers never overlap")
     compute = compute_s(tp * pp) * bubble_factor(pp, m)
@@ -364,7 +379,8 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
                            layout.checkpoint_interval, A)
     A.append(f"GPU memory {GPUS[gpu].memory / 2**30:g} GiB ({gpu})" if gpu else
              f"GPU memory unknown for {profile.device} (known: {', '.join(GPUS)})")
-    one_gpu_s = compute_s(1) + offload_bytes(n_params, b, m, ds.offload_optimizer, ds.offload_params) / bw[HOST_LINK]
+    host_bw = LINKS[HOST_LINK].bytes_per_s * EFFICIENCY
+    one_gpu_s = compute_s(1) + offload_bytes(n_params, b, m, ds.offload_optimizer, ds.offload_params) / host_bw
     return Scaling(layout, spans, volume, seconds, compute, rest + max(0.0, seconds["data parallel"] - window),
                    rest + seconds["data parallel"], _states(share, ds, layout), one_act * split, gpu, one_gpu_s,
                    _states(n_params, ds, Layout(1, 1))["device"] + one_act, A)

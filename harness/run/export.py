@@ -67,6 +67,16 @@ def _unshared(state: dict) -> dict:
     return out
 
 
+def check_finished(run_dir: Path) -> None:
+    """A finished run directory: its config and exported weights, one line naming what is missing."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: {'a file, not a' if run_dir.exists() else 'no such'} run directory")
+    for name in ("config.toml", MODEL_FILE):
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
+                              f"continued with `harness train ... --resume auto`)")
+
+
 def run_config(run_dir: str | Path) -> RunConfig:
     """A run directory's resolved config; a Hugging Face model named by the run's own `hf/` export, so its original
     source need not exist any more."""
@@ -89,18 +99,29 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     from ..prepare import stored
     from ..tasks import get_task
 
+    from safetensors import SafetensorError
+
+    check_finished(Path(run_dir))
     cfg = run_config(run_dir)
     if task is None:
         task = get_task(cfg.run.task)
         if hasattr(task, "prepared"):
             task.prepared = stored(Path(run_dir))
     model = task.build_model(cfg)
-    state, mine = load_file(str(Path(run_dir) / MODEL_FILE)), model.state_dict()
+    try:
+        state, mine = load_file(str(Path(run_dir) / MODEL_FILE)), model.state_dict()
+    except SafetensorError as e:
+        raise ConfigError(f"{Path(run_dir) / MODEL_FILE}: not a whole safetensors file ({e}); remove it, and "
+                          f"`harness train ... --resume auto` exports the run's last checkpoint again") from None
     if state.keys() != mine.keys():
         only_run, only_model = sorted(state.keys() - mine.keys()), sorted(mine.keys() - state.keys())
         raise ConfigError(f"{run_dir}: its weights do not fit the model this version of the harness builds from its "
                           f"config (only in the run: {', '.join(only_run[:4]) or 'none'}; only in the model: "
                           f"{', '.join(only_model[:4]) or 'none'}): it was trained by another version; train it again")
+    differ = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in state if state[k].shape != mine[k].shape]
+    if differ:  # e.g. its config.toml edited after training
+        raise ConfigError(f"{run_dir}: its weights' shapes differ from the model its config.toml builds ("
+                          f"{'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): was config.toml changed?")
     model.load_state_dict(state)
     return model.eval(), cfg
 
@@ -110,11 +131,15 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     from ..models import hf
     from ..tasks import get_task
 
+    out = Path(out)
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError(f"--hf {out}: {blocked} is a file; name a directory to write")
     model, cfg = load_model(run_dir)
     if not hf.is_hf(model):
         raise ConfigError(f"{run_dir}: its model ({type(model).__name__}) is the harness's own, not a Hugging Face "
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
-    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), Path(out))
+    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), out)
 
 
 def _tokenizer(task, cfg: RunConfig):

@@ -19,6 +19,7 @@ from ..config.run import (  # raised here, caught by the CLI
     Preempted,
     TrainingStopped,
     run_steps,
+    warmup_note,
 )
 from ..console import progress
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
@@ -192,6 +193,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         say(line)
     for line in ds.sections.notes():  # run keys the DeepSpeed file overrides, or its scheduler does not read
         say(line)
+    if not ds.sections.scheduler and (note := warmup_note(plan.run, max_steps)):
+        say(note)
     described = task.describe_data(cfg, ds.global_batch_size) if hasattr(task, "describe_data") else None
     say(described or (data.summary.line() if data.summary else
                       f"data train: {len(data.train)} samples; validation: {len(data.val)}"))

@@ -39,6 +39,20 @@ def check_precision(precision: str) -> None:
         raise ConfigError(f"bf16 is not supported on this {acc.device_name()}; use an fp16 or fp32 config")
 
 
+def check_nvme(ds) -> None:
+    """NVMe offload reads and writes through DeepSpeed's async_io op, which needs libaio at build time: without it
+    the ranks fail at start, each with its traceback."""
+    if "nvme" not in (ds.config["zero_optimization"].get(k, {}).get("device") for k in ("offload_optimizer",
+                                                                                      "offload_param")):
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    made = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if made is None or not made.is_compatible(verbose=False):
+        raise ConfigError(f"NVMe offload ({ds.origin}) needs DeepSpeed's async_io op, which this machine cannot "
+                          f"build (`ds_report` says why; usually libaio is missing: libaio-dev); offload to \"cpu\"")
+
+
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 
 
@@ -326,10 +340,19 @@ def data_identity(plan: Plan) -> dict | None:
     return plan.task.data_identity(plan.run.cfg) if hasattr(plan.task, "data_identity") else None
 
 
+def is_run_dir(path: Path) -> bool:
+    """A directory `prepare_run_dir` wrote: the two configs it writes first (or only the lock it takes before)."""
+    from .lock import LOCK
+
+    return (path / "config.toml").is_file() and (path / "ds_config.json").is_file() or \
+        {p.name for p in path.iterdir()} <= {LOCK}
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
+    check_nvme(plan.ds)
     shared_wait_s()
     from ..distributed.world import launched_rank
     from . import checkpoint, lock
@@ -340,6 +363,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     if note and launched_rank() == 0:
         print(note, flush=True)
     found = None
+    if resume and overwrite:
+        raise ConfigError(f"--resume {resume} and --overwrite: continue the run or replace it; name one")
     if resume and resume != "auto":
         path = Path(resume)
         found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
@@ -361,6 +386,13 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
                           f"run.output_dir")
+    elif overwrite and run_dir.exists() and any(run_dir.iterdir()) and not is_run_dir(run_dir):
+        # --overwrite deletes the directory: only one the harness wrote, never a folder named by mistake
+        names = sorted(p.name for p in run_dir.iterdir())
+        held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
+                          f"{run_dir} is not one (no config.toml and ds_config.json; it holds {held}): it was left as "
+                          f"it is; set run.output_dir to a new directory or a run's")
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 

@@ -216,14 +216,20 @@ class LanguageModelTask:
         if d.val_path:
             val_rows = load_rows(d.val_path, d, split="validation")
         elif d.val_fraction:
+            if len(rows) < 2:  # checked before launch for a file read whole (`check_paths`)
+                raise ConfigError(f"{d.path or 'the default text'}: {len(rows)} row: holding out data.val_fraction "
+                                  f"leaves none to train on; use more data, data.val_path, or data.val_fraction = 0")
             parts = rows.train_test_split(test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
             rows, val_rows = parts["train"], parts["test"]
         else:
             val_rows = rows.select([])
         summary = DataSummary.of(train=rows, validation=val_rows)
         encode = self._encoder(cfg)
-        return TaskData(self._pack(keep(rows), d.seq_len, encode), self._pack(keep(val_rows), d.seq_len, encode),
-                        summary)
+        train = self._pack(keep(rows), d.seq_len, encode)
+        if len(train) == 0:
+            raise ConfigError(f"{d.path or 'the default text'}: its training rows hold fewer tokens than one sample of "
+                              f"data.seq_len + 1 = {d.seq_len + 1}; shorten data.seq_len or use more data")
+        return TaskData(train, self._pack(keep(val_rows), d.seq_len, encode), summary)
 
     def _encoder(self, cfg: RunConfig):
         """Rows -> one token stream: their UTF-8 bytes joined by "\n", or the HF tokenizer's ids joined by EOS."""

@@ -1,0 +1,168 @@
+"""Bad input in accelerate's options and config file, for `harness launch` and `harness plan`: refused in this
+process before anything starts, in one line (exit 2) that names the option or the key and the file."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from conftest import DS, LAUNCH, ROOT
+
+from harness.cli import main
+from harness.config.run import ConfigError
+from harness.launcher import launch_settings
+
+RUN = str(ROOT / "configs" / "runs" / "lm_demo.toml")
+CPU = (LAUNCH / "cpu_2proc.yaml").read_text()
+DS_SECTION = "deepspeed_config:\n  deepspeed_multinode_launcher: standard\n"
+
+# (id, the accelerate config's text, what the error line says; {file} is the file's path)
+FILES = [
+    ("empty", "", "accelerate config {file} is empty"),
+    ("a-list", "- num_processes\n- 2\n", "accelerate config {file} holds a list"),
+    ("unclosed-list", "num_processes: [2\n", "{file} is not YAML: expected ',' or ']', but got '<stream end>'"),
+    ("colons", "  : :\n", "{file} is not YAML: expected <block end>, but found ':' at line 1, column 3"),
+    ("unknown-key", CPU.replace("num_machines:", "num_machins:"),
+     "{file}: unknown key num_machins (did you mean num_machines?)"),
+    ("distributed-type", CPU.replace("DEEPSPEED", "DEEPSPEEED"),
+     "distributed_type in {file} = 'DEEPSPEEED' is not one of accelerate's; did you mean DEEPSPEED?"),
+    ("mixed-precision", CPU + "mixed_precision: fp8x\n", "mixed_precision in {file} = 'fp8x': the harness runs"),
+    ("bare-no", CPU + "mixed_precision: no\n", "mixed_precision in {file} = False: must be text: put it in quotes"),
+    ("port", CPU.replace("main_process_port: 0 ", "main_process_port: abc "),
+     "main_process_port in {file} = 'abc': must be a whole number"),
+    ("deepspeed-config", CPU.replace(DS_SECTION, "deepspeed_config: 5\n"),
+     "deepspeed_config in {file} = 5: must be a section of key: value lines"),
+]
+
+
+@pytest.mark.parametrize("command", ["plan", "launch"])
+@pytest.mark.parametrize("text,said", [f[1:] for f in FILES], ids=[f[0] for f in FILES])
+def test_a_bad_accelerate_config_file_is_one_line_naming_it(command, text, said, tmp_path, capsys):
+    file = tmp_path / "accelerate.yaml"
+    file.write_text(text)
+    argv = ["plan", "--config_file", str(file), "--run", RUN] if command == "plan" else \
+        ["launch", "--config_file", str(file), "train", "--run", RUN, "--ds", str(DS / "zero2.json"), "--set",
+         "train.max_steps=3"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"harness: error: harness {command}: ") and said.format(file=file) in captured.err
+
+
+def test_a_directory_for_a_config_file_is_named_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"--config_file {tmp_path} is a directory"):
+        launch_settings(["--config_file", str(tmp_path)])
+
+
+def test_fp8_on_the_command_line_is_one_line_naming_the_option(capsys):
+    """accelerate itself fails with a traceback where no FP8 library is installed; DeepSpeed here takes no fp8."""
+    assert main(["launch", "--config_file", str(LAUNCH / "cpu_2proc.yaml"), "--mixed_precision", "fp8", "train",
+                 "--run", RUN]) == 2
+    assert capsys.readouterr().err == (
+        "harness: error: harness launch: --mixed_precision = 'fp8': the harness runs DeepSpeed in no, fp16 or bf16; "
+        "use no and choose the precision in the DeepSpeed file\n")
+
+
+def test_a_misspelled_deepspeed_setting_is_refused_naming_the_key_meant(tmp_path):
+    """accelerate copies any key under deepspeed_config onto its launch arguments and nothing reads a misspelled
+    one: `zero_stge: 3` trained as ZeRO-0."""
+    file = tmp_path / "accelerate.yaml"
+    file.write_text(CPU.replace(DS_SECTION, DS_SECTION + "  zero_stge: 3\n  banana: yes\n"))
+    with pytest.raises(ConfigError, match=rf"deepspeed_config in {file}: unknown keys zero_stge \(did you mean "
+                                          r"zero_stage\?\), banana; accelerate reads deepspeed_config_file, "):
+        launch_settings(["--config_file", str(file)])
+
+
+def test_the_keys_accepted_under_deepspeed_and_parallelism_config_are_the_installed_accelerates():
+    """The sets are written out for the accelerate checked (1.15); another version's options show here first."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from harness.config.accelerate import DEEPSPEED_KEYS, PARALLELISM_KEYS
+
+    groups = {g.title: {a.dest for a in g._group_actions} for g in launch_command_parser()._action_groups}
+    assert groups["DeepSpeed Arguments"] == DEEPSPEED_KEYS
+    assert groups["ParallelismConfig Arguments"] == PARALLELISM_KEYS
+
+
+# (id, the accelerate config's text in place of cpu_2proc.yaml's lines, options, what the error says)
+MACHINES = [
+    ("two-machines-no-address", {}, ["--num_machines", "2"],
+     "--num_machines = 2 needs --main_process_ip (or main_process_ip in the config file)"),
+    ("two-machines-no-address-in-the-file", {"num_machines: 1": "num_machines: 2"}, [],
+     "num_machines in {file} = 2 needs --main_process_ip"),
+    ("processes-not-a-multiple", {}, ["--num_machines", "2", "--num_processes", "3", "--main_process_ip", "127.0.0.1"],
+     ("--num_processes = 3 is not a multiple of --num_machines = 2: it is the total over all machines, and accelerate "
+      "would start 1 on each")),
+    ("rank-past-the-machines", {}, ["--num_machines", "2", "--main_process_ip", "127.0.0.1", "--machine_rank", "5"],
+     "--machine_rank = 5 with --num_machines = 2: must be 0 to 1"),
+    ("rank-of-one-machine", {"machine_rank: 0": "machine_rank: 3"}, [],
+     "machine_rank in {file} = 3 with num_machines in {file} = 1: must be 0"),
+]
+
+
+@pytest.mark.parametrize("edits,options,said", [m[1:] for m in MACHINES], ids=[m[0] for m in MACHINES])
+def test_machines_that_cannot_start_as_planned_are_refused(edits, options, said, tmp_path):
+    """Without main_process_ip torchrun waits for ever at a rendezvous on host None; accelerate starts
+    num_processes // num_machines processes on each machine; machine_rank counts from 0."""
+    file = tmp_path / "accelerate.yaml"
+    text = CPU
+    for old, new in edits.items():
+        text = text.replace(old, new)
+    file.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        launch_settings(["--config_file", str(file), *options])
+    assert said.format(file=file) in str(refused.value)
+
+
+def test_the_shipped_multi_node_launches_are_still_accepted():
+    """launch/slurm.sbatch's options on node 1, and DeepSpeed's pdsh launcher, which finds its hosts in the
+    hostfile (no main_process_ip)."""
+    slurm = launch_settings(["--config_file", str(LAUNCH / "multi_node.yaml"), "--rdzv_backend", "c10d",
+                             "--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port", "29511",
+                             "--num_machines", "2", "--num_processes", "4"])
+    assert (slurm["num_processes"], slurm["machine_rank"]) == (4, 1)
+    assert launch_settings(["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml")])["num_processes"] == 16
+
+
+def test_a_taken_port_on_machine_rank_0_is_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"refuses its settings: Tried to launch .* on port `{port}`"):
+            launch_settings(["--config_file", str(LAUNCH / "multi_node.yaml"), "--machine_rank", "0",
+                             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_machines", "2",
+                             "--num_processes", "2"])
+
+
+def test_the_sequence_parallel_form_the_harness_names_plans(tmp_path, capsys):
+    """accelerate 1.15 refuses --use_parallelism_config without FSDP2: the form the cp_size refusal names (the config
+    file's parallelism_config) is the one that plans a sequence split."""
+    from harness.config.accelerate import SP_FORM, sequence_parallel
+
+    with pytest.raises(ConfigError) as refused:
+        sequence_parallel({"cp_size": "2"})
+    assert SP_FORM in str(refused.value)
+    file = tmp_path / "accelerate.yaml"
+    file.write_text(CPU + SP_FORM.split(" in ")[0].replace("N", "2") + "\n")
+    assert main(["plan", "--config_file", str(file), "--run", RUN]) == 0
+    assert "layout: data 1 x sequence 2 x tensor 1 x pipeline 1 = world 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("section,options,said", [
+    ("", ["--use_parallelism_config", "--parallelism_config_sp_size", "2"],
+     "You cannot use `--use_parallelism_config` without `--use_fsdp`"),
+    ("", ["--parallelism_config_sp_size", "2"], "--parallelism_config_sp_size would be ignored"),
+    ("parallelism_config: {parallelism_config_sp_size: 2}\n", ["--use_deepspeed"],
+     "parallelism_config in {file} would be ignored"),
+    ("parallelism_config: {sp_size: 2}\n", [], "unknown key sp_size (did you mean parallelism_config_sp_size?)"),
+], ids=["flags", "size-flag-alone", "beside-use-deepspeed", "short-key"])
+def test_sequence_parallel_forms_accelerate_refuses_or_ignores_are_one_line(section, options, said, tmp_path):
+    """The first three name the form that works (the last, the key meant)."""
+    from harness.config.accelerate import SP_FORM
+
+    file = tmp_path / "accelerate.yaml"
+    file.write_text(CPU + section)
+    with pytest.raises(ConfigError) as refused:
+        launch_settings(["--config_file", str(file), *options])
+    assert said.format(file=file) in str(refused.value)
+    assert (SP_FORM in str(refused.value)) == ("{sp_size:" not in section)
