@@ -18,31 +18,81 @@ from pathlib import Path
 from typing import Any
 
 
-def _sources(run) -> tuple[str | None, list[str]]:
+def _sources(run, fn: str) -> tuple[str | None, list[tuple[str, str]]]:
     """(run file, overrides) for any accepted form of `run`."""
-    from .config.run import RunConfig, flatten
+    from .config.run import ConfigError, RunConfig, flatten
 
     if run is None or isinstance(run, (str, Path)):
         return (None if run is None else str(run)), []
-    if isinstance(run, RunConfig):
-        run = run.to_dict()
-    if isinstance(run, dict):
-        return None, [f"{k}={json.dumps(v)}" for k, v in flatten(run).items()]
-    raise TypeError(f"run must be a run file, a dict of sections or a RunConfig, not {type(run).__name__}")
+    if isinstance(run, (RunConfig, dict)):  # named as the origin of its values in errors
+        origin = f"the {'RunConfig' if isinstance(run, RunConfig) else 'config dict'} given to harness.{fn}"
+        flat = flatten(run.to_dict() if isinstance(run, RunConfig) else run)
+        return None, [(origin, f"{k}={json.dumps(v)}") for k, v in flat.items()]
+    raise ConfigError(f"harness.{fn}: run = {_shown(run)} must be a run file, a dict of sections or a RunConfig")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# What each argument takes: Python takes any value, and a wrong one went on to fail deep inside, or not at all (a
+# string for `sets` was read a character at a time, overwrite="no" is true and replaced a run directory).
+_ARGS = {
+    "sets": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v),
+             'a list of "section.key=value" strings, e.g. sets=["train.max_steps=3"]'),
+    "ds": (lambda v: v is None or isinstance(v, (str, Path)), "a DeepSpeed config file, or a name in configs/ds"),
+    "world_size": (lambda v: v is None or (_is_int(v) and v >= 1), "the number of processes, an int >= 1"),
+    "resume": (lambda v: v is None or isinstance(v, (str, Path)),
+               '"auto" or the path of a run directory or checkpoint'),
+    "stop_at": (lambda v: v is None or (_is_int(v) and v > 0), "a positive step, an int"),
+    **{flag: (lambda v: isinstance(v, bool), "True or False")
+       for flag in ("overwrite", "trust_checkpoint", "data_changed_ok", "trust_run_dir")},
+}
+
+
+def _shown(value) -> str:
+    return value.__qualname__ if isinstance(value, type) else repr(value)
+
+
+def _check_args(fn: str, **given) -> None:
+    """Each argument of the right type and range, or one line naming it."""
+    from .config.run import ConfigError
+
+    for name, value in given.items():
+        accepts, what = _ARGS[name]
+        if not accepts(value):
+            raise ConfigError(f"harness.{fn}: {name} = {_shown(value)} must be {what}")
+
+
+def _check_task(fn: str, task) -> None:
+    from .config.run import ConfigError
+
+    if isinstance(task, type):  # would be recorded as 'builtins:type'
+        raise ConfigError(f"harness.{fn}: task = {task.__qualname__} is a class; pass an instance: "
+                          f"task={task.__qualname__}()")
 
 
 def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world_size: int | None = None):
     """Resolve and check everything (`harness plan`): a `Plan` whose `harness.plan_text(plan)` is what the
     command prints."""
+    return _plan("plan", run, sets, ds, task, world_size)
+
+
+def _plan(fn: str, run, sets, ds, task, world_size=None):
     from dataclasses import replace
 
     from .plan.resolve import make_plan
 
-    run_file, overrides = _sources(run)
-    if task is not None:  # recorded by reference; the object itself is what trains
-        overrides.append(f"run.task={json.dumps(f'{type(task).__module__}:{type(task).__qualname__}')}")
-    p = make_plan(run_file, [*overrides, *sets], ds, world_size)
-    return p if task is None else replace(p, task=task)
+    _check_args(fn, sets=sets, ds=ds, world_size=world_size)
+    _check_task(fn, task)
+    run_file, overrides = _sources(run, fn)
+    if isinstance(task, str):  # a name, as run.task takes it
+        overrides.append((f"task= given to harness.{fn}", f"run.task={json.dumps(task)}"))
+    elif task is not None:  # recorded by reference; the object itself is what trains
+        name = f"{type(task).__module__}:{type(task).__qualname__}"
+        overrides.append((f"task= given to harness.{fn}", f"run.task={json.dumps(name)}"))
+    p = make_plan(run_file, [*overrides, *sets], None if ds is None else str(ds), world_size)
+    return p if task is None or isinstance(task, str) else replace(p, task=task)
 
 
 def plan_text(p) -> str:
@@ -58,16 +108,16 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0).
     `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`).
     `data_changed_ok`: resume on a prepared corpus other than the checkpoint's (`--data-changed-ok`)."""
-    from .config.run import ConfigError
     from .distributed.world import barrier, close_world, init_world
     from .run.loop import train as run_training
     from .run.startup import preflight, watching_build_locks
     from .run.trust import trusting
 
-    p = plan(run, sets, ds, task)
-    resume_from = preflight(p, resume, overwrite, data_changed_ok)
-    if stop_at is not None and stop_at <= 0:
-        raise ConfigError(f"stop_at must be a positive step, got {stop_at}")
+    _check_args("train", resume=resume, overwrite=overwrite, stop_at=stop_at, trust_checkpoint=trust_checkpoint,
+                data_changed_ok=data_changed_ok)
+    p = _plan("train", run, sets, ds, task)
+    _note_main_task(p)
+    resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok)
     with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's
         world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
         try:
@@ -77,6 +127,19 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
             return result
         finally:
             close_world()
+
+
+def _note_main_task(p) -> None:
+    """A task class defined in the calling script or notebook is recorded as `__main__:Class`, which no other
+    process can import: said once, at the start (not refused: this process trains it)."""
+    from .distributed.world import launched_rank
+
+    if type(p.task).__module__ == "__main__" and launched_rank() == 0:
+        cls = type(p.task).__qualname__
+        print(f"note: run.task = '__main__:{cls}': {p.run_dir} names a task class defined in the calling script, "
+              f"which other processes cannot import: a later harness.evaluate, harness.load_model or resume needs "
+              f"task={cls}() given again; or move the class to a file and name it \"path/to/file.py:{cls}\"",
+              flush=True)
 
 
 def _task_reference(task, run_dir: str | Path) -> str | None:
@@ -107,6 +170,8 @@ def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None =
     from .eval.evaluate import evaluate_data, evaluate_run
     from .run.trust import trusting
 
+    _check_args("evaluate", trust_run_dir=trust_run_dir)
+    _check_task("evaluate", task)
     given = None if task is None or isinstance(task, str) else task
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
         if data is None:
@@ -120,5 +185,7 @@ def load_model(run_dir: str | Path, task=None, trust_run_dir: bool = False):
     from .run.export import load_model as load
     from .run.trust import trusting
 
+    _check_args("load_model", trust_run_dir=trust_run_dir)
+    _check_task("load_model", task)
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
         return load(run_dir, None if task is None or isinstance(task, str) else task)

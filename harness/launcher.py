@@ -544,21 +544,31 @@ def _ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> t
 
 
 def _last_step(run_dir: Path) -> int:
-    """The last step the run logged (`metrics.jsonl`: the last line that parses, a killed writer's half line
-    skipped), 0 for none."""
+    """The last step the run finished: the furthest of what it logged (`metrics.jsonl`, every train.log_every steps:
+    the last line that parses, a killed writer's half line skipped) and what its ranks' heartbeats say (written as
+    each rank stops); 0 for none."""
+    from .run.heartbeat import DIR
+
+    steps = [0]
     try:
         with (run_dir / "metrics.jsonl").open("rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 65536))
             lines = f.read().splitlines()
     except OSError:
-        return 0
+        lines = []
     for line in reversed(lines):
         try:
-            return int(json.loads(line)["step"])
+            steps.append(int(json.loads(line)["step"]))
+            break
         except (ValueError, KeyError, TypeError):
             continue
-    return 0
+    for beat in (run_dir / DIR).glob("rank_*.json"):
+        try:
+            steps.append(int(json.loads(beat.read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(steps)
 
 
 def _without_torchrun(held: str) -> str:

@@ -88,3 +88,30 @@ def test_an_error_in_one_process_is_printed_once_as_python_prints_it(tmp_path, c
                           env=_env(cold=True), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr[-3000:]
     assert "RuntimeError: boom in the loss" in proc.stderr and "[rank0]" not in proc.stderr
+
+
+LAUNCHED_TWICE = """
+import os, sys
+import harness
+sets = {sets!r}
+for i in (1, 2, 3):  # the ranks' second and later worlds meet in the launcher's store, which holds the first's keys
+    r = harness.train(sets=[*sets, f"run.output_dir={{sys.argv[1]}}/run{{i}}"], ds="zero2")
+    with open(f"{{sys.argv[1]}}/trained", "a") as f:
+        f.write(f"rank {{os.environ['RANK']}} run {{i}} step {{r['step']}}\\n")
+"""
+
+
+def test_the_api_trains_again_in_a_script_accelerate_launched(tmp_path, corpus):
+    """A script under `accelerate launch` that calls harness.train more than once: each call starts its world anew
+    on every rank (before: the second failed in gloo's connectFullMesh, or hung)."""
+    from conftest import LAUNCH
+
+    sets = [*TINY, "train.max_steps=2", f"data.path={json.dumps(str(corpus))}"]
+    script = tmp_path / "twice.py"
+    script.write_text(LAUNCHED_TWICE.format(sets=sets))
+    proc = subprocess.run([python(), "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "cpu_2proc.yaml"),
+                           str(script), str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted((tmp_path / "trained").read_text().splitlines()) == \
+        [f"rank {r} run {i} step 2" for r in (0, 1) for i in (1, 2, 3)], proc.stdout[-2000:]

@@ -184,3 +184,94 @@ def test_keys_lists_the_tasks_and_how_to_name_a_plugin():
     from harness.plan.render import render_keys
 
     assert "the built-in tasks are lm, translation, protein, prices; a plug-in task is named" in render_keys()
+
+
+FLOAT_TASK = '''
+import torch
+from torch import nn
+from harness.tasks import TaskData
+
+
+class FloatTask:
+    """Regression from fp32 features: the inputs a bf16 model must take in its own dtype."""
+
+    def build_model(self, cfg):
+        return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def build_data(self, cfg):
+        g = torch.Generator().manual_seed(0)
+        rows = [{"x": x, "y": x.sum(0, keepdim=True)} for x in torch.randn(96, 4, generator=g)]
+        return TaskData(rows[16:], rows[:16])
+
+    def collate(self, samples):
+        return {k: torch.stack([s[k] for s in samples]) for k in ("x", "y")}
+
+    def count(self, batch):
+        return len(batch["y"])
+
+    def inputs(self, batch):
+        return (batch["x"],)
+
+    def loss_from(self, out, batch):
+        return ((out.float() - batch["y"]) ** 2).sum()
+'''
+
+
+@pytest.mark.parametrize("ds", ["bf16.json", "zero3.json"])
+def test_a_task_with_float_inputs_trains_in_bf16_as_it_does_in_fp32(ds, tmp_path):
+    """DeepSpeed's bf16 (ZeRO-2 here) keeps the weights in bf16 and passes fp32 features on as they are: the
+    harness casts a model's floating-point inputs to its dtype, as the built-in price model does itself."""
+    task = tmp_path / "float_task.py"
+    task.write_text(FLOAT_TASK)
+    run = harness(tmp_path / "run", tmp_path, ds=ds, sets=["train.max_steps=3", "train.micro_batch_size=8"],
+                  args=["--set", f"run.task={json.dumps(f'{task}:FloatTask')}"])
+    assert len(run.losses) == 3 and all(loss == loss for loss in run.losses), run.proc.stdout[-2000:]
+
+
+def test_a_run_whose_last_steps_are_not_finite_exports_nothing(tmp_path):
+    """Fewer non-finite steps than train.max_nonfinite_steps, but the run's last: its weights are what those steps
+    made of them (ZeRO-0 in fp32 applies a NaN update), so the run stops with exit 3 instead of exporting them."""
+    task = tmp_path / "nan_task.py"
+    task.write_text(FLOAT_TASK + "\n\nclass NanTask(FloatTask):\n    def loss_from(self, out, batch):\n"
+                    "        return super().loss_from(out, batch) * float('nan')\n")
+    run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=3", "train.micro_batch_size=8"],
+                  args=["--set", f"run.task={json.dumps(f'{task}:NanTask')}"])
+    assert run.proc.returncode == 3, run.proc.stderr[-2000:]
+    assert "non-finite for 3 consecutive steps (steps 1-3" in run.proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+# (a FloatTask subclass's body, what the one line says after "task Bad: ")
+BROKEN = [
+    ("    def loss_from(self, out, batch):\n        return super().loss_from(out, batch).item()",
+     "its loss (loss_from, or loss where the task defines it) returned float "),
+    ("    def loss_from(self, out, batch):\n        return ((out.float() - batch['y']) ** 2).sum(1)",
+     "returned a torch.float32 tensor of shape (8,); it must return the batch's summed loss"),
+    ("    def loss_from(self, out, batch):\n        return super().loss_from(out, batch).detach()",
+     "returned a torch.float32 tensor of shape (), not requiring grad"),
+    ("    def build_data(self, cfg):\n        d = super().build_data(cfg)\n        return d.train, d.val",
+     "build_data(cfg) returned a tuple of 2 items; it must return harness.tasks.TaskData(train, val)"),
+    ("    def build_data(self, cfg):\n        return TaskData(super().build_data(cfg).train, None)",
+     "build_data(cfg) gave TaskData.val = NoneType None; each split must be a map-style data set"),
+    ("    def build_model(self, cfg):\n        return lambda x: x", "build_model(cfg) returned function"),
+    ("    def collate(self, samples):\n        return {**super().collate(samples), 'ids': [1, 2]}",
+     "collate(samples)['ids'] returned a list of 2 items; every value of the batch must be a tensor"),
+    ("    def metrics(self, mean_loss):\n        return {'mse': torch.tensor(mean_loss)}",
+     "metrics(mean_loss)['mse'] returned a torch.float32 tensor"),
+    ("    def metrics(self, mean_loss):\n        return {'mse': mean_loss, 'step': 1.0}",
+     "metrics(mean_loss) names a metric 'step', which the evaluation record keeps for itself"),
+]
+
+
+@pytest.mark.parametrize("body,said", BROKEN, ids=[b.split("(")[0].split()[-1] + str(i) for i, (b, _) in
+                                                     enumerate(BROKEN)])
+def test_what_a_task_returns_is_checked_where_the_harness_first_reads_it(body, said, tmp_path):
+    """A task method's return value that breaks the interface: one line naming the task and the method (exit 2),
+    not a traceback from the loop, DeepSpeed's engine or the JSON log."""
+    task = tmp_path / "bad_task.py"
+    task.write_text(FLOAT_TASK + f"\n\nclass Bad(FloatTask):\n{body}\n")
+    run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=2", "train.micro_batch_size=8"],
+                  args=["--set", f"run.task={json.dumps(f'{task}:Bad')}"])
+    assert run.proc.returncode == 2, run.proc.stderr[-2000:]
+    line = run.proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("harness: error: task Bad: ") and said in line, line

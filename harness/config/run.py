@@ -395,7 +395,9 @@ def resolve(run_file: str | None, overrides: list[str], task_ref, task_sections:
 
 
 def _layers(run_file: str | None, overrides: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """The run file's `section.key`s and the command line's, each with its origin, the last winning."""
+    """The run file's `section.key`s and the overrides', each with its origin, the last winning. An override is the
+    command line's `section.key=value`, or (origin, `section.key=value`) from elsewhere: the Python API's dict
+    config, named as such in errors."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if run_file:
         flat = {}
@@ -404,7 +406,13 @@ def _layers(run_file: str | None, overrides: list[str]) -> list[tuple[str, dict[
                 raise ConfigError(f"{run_file}: [{section}] must be a table")
             flat.update({f"{section}.{k}": v for k, v in body.items()})
         layers.append((f"run file {run_file}", flat))
-    layers.append(("command line", dict(parse_override(o) for o in overrides)))
+    last = None
+    for item in overrides:
+        origin, text = item if isinstance(item, tuple) else ("command line", item)
+        if origin != last:  # a layer of its own where the origin changes, in their order
+            layers.append((origin, {}))
+            last = origin
+        layers[-1][1].update([parse_override(text)])
     return layers
 
 

@@ -117,6 +117,7 @@ class World:
 
 _OWN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _set_env: list[str] = []  # what init_world put in the environment itself (no launcher), for close_world
+_inits = [0]  # worlds this process has started (`_rendezvous_again`)
 _excepthook: list = []  # sys.excepthook before torch's rank-prefixing one, restored by close_world in a world of one
 
 
@@ -148,6 +149,9 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
     with warnings.catch_warnings():  # accelerate warns that it chose OMP_NUM_THREADS for us
         warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
         timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if _inits[0] and not _set_env:  # a launched process's second world (the API called again in its script)
+            _rendezvous_again(_inits[0], **timeout)
+        _inits[0] += 1
         state = PartialState(cpu=not torch.cuda.is_available(), **timeout)
     _default_group_timeout(timeout.get("timeout"))
     import deepspeed
@@ -175,6 +179,19 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
     return World(rank=rank, world_size=world_size, local_rank=state.local_process_index, device=state.device,
                  dp_size=layout.dp_size, tp_size=layout.tp_size, pp_size=layout.pp_size, sp_size=layout.sp_size,
                  library_output=said.getvalue(), **layout.coords(rank))
+
+
+def _rendezvous_again(count: int, timeout: datetime.timedelta | None = None) -> None:
+    """The world group of a process whose launcher's store already held one: under torchrun, every group start keys
+    its ranks' addresses in the launcher's store by a group counter that destroy_process_group resets (torch 2.x), so
+    a second start reads the first's stale addresses (gloo: "connectFullMesh failed ... Connection refused", or a
+    hang). A prefix of our own per start keeps them apart; accelerate's PartialState then takes this group."""
+    import torch.distributed as dist
+
+    store, rank, size = next(dist.rendezvous("env://"))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(
+        f"harness/world{count}", store), rank=rank, world_size=size,
+        **({"timeout": timeout} if timeout else {}))
 
 
 def _default_group_timeout(timeout: datetime.timedelta | None) -> None:

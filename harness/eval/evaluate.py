@@ -25,6 +25,7 @@ from ..tasks import ReadData, get_task
 
 RESULTS = "eval.json"
 SPLITS = ("train", "validation", "test")  # names an entry for new data may not take
+SCORED = ("validation", "test")  # the splits a finished run is scored on (`--split`, `harness.evaluate(split=)`)
 
 
 def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None) -> tuple[RunConfig, object]:
@@ -60,6 +61,8 @@ def _record(run_dir: Path, entries: dict[str, dict]) -> None:
 
 
 def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None) -> dict[str, float | str]:
+    if split not in SCORED:  # another name would score the test split and record it under that name
+        raise ConfigError(f"split = {split!r}: a run is scored on {' or '.join(map(repr, SCORED))} (--split, split=)")
     run_dir = Path(run_dir)
     cfg, task = _task(run_dir, periods=periods, given=task)
     saved = stored(run_dir)

@@ -1,10 +1,10 @@
 """Hugging Face `transformers` models and tokenizers, for the tasks that accept one (`model.hf`).
 
 `model.hf` names the model three ways: a hub id (`from_pretrained`, where the network allows), a local directory
-that `save_pretrained` wrote (its weights and, beside them, its tokenizer), or a local `config.json` (random
-initialisation, `from_config`). The task picks the auto class (`model.hf_class` overrides it). Built under
-`with torch.device("meta")` (`harness plan`, the FLOPs count) the model comes from its config alone: no weights are
-read. Under ZeRO-3 the engine's builder builds it inside DeepSpeed's partitioned construction (`harness.distributed.zero3`), as
+that `save_pretrained` wrote (its weights, refused without them, and beside them its tokenizer), or a local
+`config.json` (random initialisation, `from_config`). The task picks the auto class (`model.hf_class` overrides it).
+Built under `with torch.device("meta")` (`harness plan`, the FLOPs count) the model comes from its config alone: no
+weights are read. Under ZeRO-3 the engine's builder builds it inside DeepSpeed's partitioned construction (`harness.distributed.zero3`), as
 transformers' own DeepSpeed integration does; pretrained weights in local safetensors files are then read by each
 rank for its own share (the loader that module sets in `PARTITIONED_LOADER`), anything else by `from_pretrained`
 (rank 0 reads them all and scatters). Nothing distributed is imported here.
@@ -14,7 +14,9 @@ rank for its own share (the loader that module sets in `PARTITIONED_LOADER`), an
 from __future__ import annotations
 
 import contextvars
+import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from torch import nn
 from ..config.run import ConfigError, RunConfig
 
 EXTRA = 'pip install -e ".[hf]"'
+WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)")  # save_pretrained's, whole or sharded
 # Set by `harness.distributed.zero3.zero_init` while a model is built partitioned over the ZeRO-3 ranks: the loader that has
 # each rank read its own share of pretrained weights, `(cls, config, source) -> (model or None, how or why not)`.
 PARTITIONED_LOADER: contextvars.ContextVar = contextvars.ContextVar("partitioned_loader", default=None)
@@ -44,21 +47,83 @@ def _config_source(ref: str) -> tuple[str, bool]:
         if not path.is_file():
             raise ConfigError(f"model.hf = {ref!r}: no such file")
         return str(path), False
+    if path.is_file():
+        raise ConfigError(f"model.hf = {ref!r} is a file; name a model directory (save_pretrained's) or a config.json")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"model.hf = {ref!r}: no config.json in that directory (save_pretrained writes one)")
     if ref.startswith((".", "/")) and not path.is_dir():
         raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id has no leading . or /)")
     return ref, True
 
 
 def check(cfg: RunConfig, auto_class: str) -> None:
-    """Before launch: the package, the source, the auto class and the config, read once (no weights)."""
+    """Before launch: the package, the source, the auto class and the config, read once (no weights), the model
+    class it maps to, and the tokenizer's size."""
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     cls_name = cfg.model.hf_class or auto_class
     if not hasattr(transformers, cls_name):
         raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
-    load_config(cfg)
-    if not cfg.model.hf_tokenizer and _config_source(cfg.model.hf)[1]:
+    config = load_config(cfg)
+    source, has_weights = _config_source(cfg.model.hf)
+    if not cfg.model.hf_tokenizer and has_weights:
         raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
                           f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
+    if has_weights and Path(source).is_dir() and not any(WEIGHTS.fullmatch(p.name) for p in Path(source).iterdir()):
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
+                          f"pytorch_model*.bin); to start from random initialisation name its config.json: "
+                          f"model.hf = {str(Path(source) / 'config.json')!r}")
+    cls = model_class(cfg, auto_class, config)
+    if cls is not None:
+        _check_model(cfg, cls, config)
+    vocab = getattr(config, "vocab_size", None) or 0
+    tokens = len(tokenizer(cfg)) if own_tokenizer(cfg) and vocab else 0
+    if tokens > vocab:  # ids past the embedding table: an IndexError in torch.embedding on every rank
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has {tokens} tokens and the model "
+                          f"vocab_size = {vocab} in its config.json; use the model's own tokenizer, or resize its "
+                          f"embeddings (resize_token_embeddings) and save it again")
+
+
+def model_class(cfg: RunConfig, auto_class: str, config):
+    """The class the auto class builds for `config` (model.hf_class itself where it names no auto class); None where
+    the config's own code names it (auto_map), which is not imported to find out, or where the task's own auto class
+    has none (the task's checks say what the model lacks for it)."""
+    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
+    name = cfg.model.hf_class or auto_class
+    auto = getattr(transformers, name)
+    if not hasattr(auto, "_model_mapping"):  # a model class named itself
+        return auto
+    if name in (getattr(config, "auto_map", None) or {}):
+        return None
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:  # transformers' own ValueError lists every model type it knows: a screen long
+        if not cfg.model.hf_class:
+            return None
+        raise ConfigError(f"model.hf = {cfg.model.hf!r} is a {config.model_type!r} model ({type(config).__name__}), "
+                          f"for which model.hf_class = {name!r} has no class") from None
+
+
+def _check_model(cfg: RunConfig, cls, config) -> None:
+    """What the model class makes of the run: causal attention where the task predicts the next token, and a position
+    for each of the data.seq_len tokens."""
+    try:  # transformers 5.24: 17 causal-LM classes (BertLMHeadModel, RobertaForCausalLM, ...) test is_decoder and,
+        source = inspect.getsource(cls.__init__)  # false, only warn; those that set it (BartForCausalLM) do not
+    except (OSError, TypeError):
+        source = ""
+    if re.search(r"(if not|assert) config\.is_decoder\b", source) and not getattr(config, "is_decoder", False):
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {cls.__name__} attends to every position unless its config "
+                          f"says is_decoder = true; set it in config.json to train it as a causal language model")
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.data.seq_len > limit:
+        with torch.device("meta"):  # its modules, with no memory: a table of positions is an nn.Embedding of them
+            model = cls(config)
+        tables = [n for n, m in model.named_modules()
+                  if isinstance(m, nn.Embedding) and re.search(r"pos|wpe", n.rsplit(".", 1)[-1])]
+        if tables:  # rotary positions (Llama) are computed for any length: the figure is not a hard limit there
+            key = type(config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+            raise ConfigError(f"data.seq_len = {cfg.data.seq_len} is longer than model.hf = {cfg.model.hf!r} has "
+                              f"positions: {key} = {limit} in its config.json (a table of absolute positions, "
+                              f"{tables[0]}); set data.seq_len <= {limit}")
 
 
 def own_tokenizer(cfg: RunConfig) -> bool:
@@ -82,13 +147,8 @@ def load_config(cfg: RunConfig):
 def takes_packed(cfg: RunConfig, auto_class: str) -> bool:
     """Whether the model builds its causal mask with transformers' masking utilities (`create_causal_mask`), which
     keep documents packed in one row apart when their positions restart (transformers >= 4.54)."""
-    transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
-    auto = getattr(transformers, cfg.model.hf_class or auto_class)
-    try:
-        cls = auto._model_mapping[type(load_config(cfg))] if hasattr(auto, "_model_mapping") else auto
-    except KeyError:
-        return False
-    return hasattr(sys.modules[cls.__module__], "create_causal_mask")
+    cls = model_class(cfg, auto_class, load_config(cfg))
+    return cls is not None and hasattr(sys.modules[cls.__module__], "create_causal_mask")
 
 
 def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:

@@ -9,6 +9,7 @@ from ..config.ds import model_state_bytes
 from ..config.layout import tp_split_params
 from ..config.run import all_keys, flatten, warmup_note
 from ..distributed.parallel import pipeline_partition
+from ..tasks.interface import check_model
 from .resolve import Plan
 
 MAX_RANKS_SHOWN = 16
@@ -19,7 +20,9 @@ def meta_model(plan: Plan) -> torch.nn.Module:
     if hasattr(plan.task, "prepare"):  # the model's vocabulary may come from the prepared data: prepare it for real
         plan.task.prepare(plan.run.cfg)
     with torch.device("meta"):  # shapes only: no memory, no init time
-        return plan.task.build_model(plan.run.cfg)
+        model = plan.task.build_model(plan.run.cfg)
+    check_model(plan.task, model)
+    return model
 
 
 def count_params(plan: Plan) -> int:

@@ -58,6 +58,10 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        try:  # the step it stopped at, for the launcher's last line (`launcher._last_step`)
+            self._write()
+        except OSError:
+            pass
 
 
 def is_timeout(error: BaseException) -> bool:

@@ -36,6 +36,7 @@ from ..models.flops import ForwardFlops
 from ..plan.render import build_report, start_line
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
+from ..tasks.interface import check_data, check_metrics, check_model
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
@@ -82,7 +83,9 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
     """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
     t = plan.run.cfg.train
     total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches)
-    return plan.task.metrics(total / count) if count else {}
+    metrics = plan.task.metrics(total / count) if count else {}
+    check_metrics(plan.task, metrics)
+    return metrics
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
@@ -162,6 +165,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world)
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
+    check_model(task, meta_model)
     n_params = sum(p.numel() for p in meta_model.parameters())
     if world.world_size > 1:  # checked before launch where the launch is one process or `harness launch`
         problem = all_gather_objects(check_free_space(plan, n_params, resume_from) if world.is_main else None)[0]
@@ -214,6 +218,7 @@ def _data(plan: Plan, world: World) -> tuple:
     datasets.disable_progress_bars()  # the data summary line reports what they would
     with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
         data = task.build_data(cfg)
+    check_data(task, data)
     if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
         note = store_run_data(task, cfg, plan.run_dir)
         if note:
@@ -269,8 +274,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         saving = run.every.save_steps and step % run.every.save_steps == 0
         if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
-        if ledger.give_up:
-            _give_up(run, ledger)
+        if ledger.give_up or (step == run.max_steps and ledger.nonfinite):  # no export of weights the last
+            _give_up(run, ledger)                                            # non-finite steps updated
         improved = False
         if evaluating and not ledger.signal:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,

@@ -27,6 +27,7 @@ from ..distributed.world import (
 from ..models import sequence
 from ..models.flops import TRAIN_FACTOR, ForwardFlops
 from ..plan.resolve import Plan
+from ..tasks.interface import check_batch, check_loss
 from . import profiling
 from .tracking import Tracker
 
@@ -329,6 +330,7 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
     """This rank's share of a step, from its host-side batches (FLOPs: `models/flops.py`, analytic or counted)."""
     items = model_flops = real = padded = hashed = 0
     for b in batches:
+        check_batch(task, b)
         n = task.count(b)
         r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
         items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
@@ -397,6 +399,7 @@ def _micro_steps(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]
     for i, batch in enumerate(micro_batches):
         with mark("engine"), saved_bytes(saved if i == 0 else None):
             loss = task.loss(engine, batch)
+        check_loss(task, loss)
         scale = loss_scale() if scale is None else scale
         with mark("engine"):
             engine.backward(loss * scale)

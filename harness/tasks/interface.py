@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 from torch import nn
 
-from ..config.run import RunConfig
+from ..config.run import ConfigError, RunConfig
 from ..data.rows import KEPT, DataSummary
 
 
@@ -127,3 +127,66 @@ class CaseStudy(Task, Protocol):
         same number of forward calls, through the model's top-level `__call__` only, so ZeRO-3 and tensor
         parallelism can run their collectives; results are gathered with `world.gather`.
         """
+
+
+# What a task returns, checked where the harness first reads it: one line naming the method, not a traceback from
+# deep in the loop or DeepSpeed (`checked` below).
+RESERVED_METRICS = ("step",)  # an evaluation record's own key (eval.jsonl)
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        grad = "" if value.requires_grad else ", not requiring grad"
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}{grad}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _refused(task, method: str, value, want: str) -> ConfigError:
+    return ConfigError(f"task {type(task).__name__}: {method} returned {_shown(value)}; {want}")
+
+
+def check_model(task, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise _refused(task, "build_model(cfg)", model, "it must return a torch.nn.Module")
+
+
+def check_data(task, data) -> None:
+    if not isinstance(data, TaskData):
+        raise _refused(task, "build_data(cfg)", data, "it must return harness.tasks.TaskData(train, val)")
+    for name in ("train", "val"):
+        split = getattr(data, name)
+        if not (hasattr(split, "__len__") and hasattr(split, "__getitem__")):
+            raise ConfigError(f"task {type(task).__name__}: build_data(cfg) gave TaskData.{name} = {_shown(split)}; "
+                              f"each split must be a map-style data set (len() and [i]: a list, a datasets.Dataset, "
+                              f"a torch Dataset with __len__); [] for none")
+
+
+def check_batch(task, batch) -> None:
+    """A batch as the loop moves, splits and checksums it: a dict of tensors."""
+    if not isinstance(batch, dict):
+        raise _refused(task, "collate(samples)", batch, "it must return a dict of tensors")
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise _refused(task, f"collate(samples)[{key!r}]", value, "every value of the batch must be a tensor")
+
+
+def check_loss(task, loss) -> None:
+    """What backward takes: the batch's summed loss as a floating-point scalar with a graph."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point() and loss.requires_grad):
+        raise _refused(task, "its loss (loss_from, or loss where the task defines it)", loss,
+                       "it must return the batch's summed loss as a floating-point scalar tensor with its graph "
+                       "(not .item(), not detached)")
+
+
+def check_metrics(task, metrics) -> None:
+    if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
+        raise _refused(task, "metrics(mean_loss)", metrics, "it must return a dict of names to numbers")
+    for key, value in metrics.items():
+        if key in RESERVED_METRICS:
+            raise ConfigError(f"task {type(task).__name__}: metrics(mean_loss) names a metric {key!r}, which the "
+                              f"evaluation record keeps for itself; rename it")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise _refused(task, f"metrics(mean_loss)[{key!r}]", value, "each metric must be a Python number "
+                           "(float(...)) or a string")

@@ -8,7 +8,9 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved
@@ -79,11 +81,12 @@ def task_class(name: str) -> type:
     if not target or not cls_name:
         raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
     try:
-        module = _import_file(target) if target.endswith(".py") else importlib.import_module(target)
+        module = _import_file(target) if target.endswith(".py") else _import_module(target)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
-        raise ConfigError(f"run.task = {name!r}: importing {target} failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"run.task = {name!r}: importing {target} failed{_where(e, target)}: "
+                          f"{type(e).__name__}: {e}") from None
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
@@ -115,6 +118,35 @@ def _check_section(name: str, cls_name: str, section: type | None) -> None:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"run.task = {name!r}: {cls_name}.Config.{f.name} has no default (every [task] key "
                               f"needs one)")
+
+
+def _import_module(target: str):
+    """A plug-in named "package.module", importable from where the run is launched (as the docs say). `python -m
+    harness` has the current directory on sys.path, the `harness` console script does not: it is added there, last
+    and only when the package is found nowhere else, so that it never hides an installed module of the same name;
+    it stays, so that processes started from this one (data loader workers) find the module too."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != target.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+    sys.path.append(here)
+    return importlib.import_module(target)
+
+
+def _where(e: Exception, target: str) -> str:
+    """' at FILE:LINE', the innermost line of the plug-in's own file that the import failure passed through (the
+    error itself is often raised in a library it called), or '' where none did (a SyntaxError names its line itself)."""
+    if target.endswith(".py"):
+        own = Path(target).resolve()
+    else:
+        try:
+            own = Path(importlib.util.find_spec(target).origin).resolve()
+        except Exception:  # noqa: BLE001 - its package failed to import too: no file to name
+            return ""
+    lines = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == own]
+    return f" at {lines[-1].filename}:{lines[-1].lineno}" if lines else ""
 
 
 def _import_file(path: str):

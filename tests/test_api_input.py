@@ -1,0 +1,223 @@
+"""Bad input to the Python API and to the checks before launch, refused in one line that names it: the API's
+arguments, `task=` as a name or a class, the split scored, a task class of the calling script, plug-in modules found
+and their import failures located, and Hugging Face models that would train wrongly or fail on every rank. All
+in-process: nothing here trains."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+
+import pytest
+from conftest import ROOT, TINY
+
+import harness
+from harness.config.run import ConfigError
+from harness.tasks import get_task, resolve, task_class
+from harness.tasks.lm import LanguageModelTask
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+# --- 1. the API's arguments ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn, kwargs, message", [
+    ("plan", {"sets": "train.max_steps=3"}, "harness.plan: sets = 'train.max_steps=3' must be a list of"),
+    ("plan", {"world_size": "2"}, "harness.plan: world_size = '2' must be the number of processes"),
+    ("plan", {"world_size": -2}, "harness.plan: world_size = -2 must be"),
+    ("plan", {"world_size": 0}, "harness.plan: world_size = 0 must be"),
+    ("plan", {"run": 3}, "harness.plan: run = 3 must be a run file"),
+    ("train", {"sets": "train.max_steps=3"}, "harness.train: sets = 'train.max_steps=3' must be a list of"),
+    ("train", {"overwrite": "no"}, "harness.train: overwrite = 'no' must be True or False"),
+    ("train", {"resume": True}, "harness.train: resume = True must be \"auto\" or the path"),
+    ("train", {"stop_at": "2"}, "harness.train: stop_at = '2' must be a positive step"),
+    ("train", {"stop_at": 0}, "harness.train: stop_at = 0 must be a positive step"),
+    ("evaluate", {"run_dir": "runs/none", "trust_run_dir": "yes"}, "harness.evaluate: trust_run_dir = 'yes' must be"),
+])
+def test_api_arguments_of_a_wrong_type_or_range_are_refused_naming_them(fn, kwargs, message, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text("")  # overwrite="no" must not replace it
+    sets = [*TINY, "train.max_steps=1", f"run.output_dir={json.dumps(str(run_dir))}"]
+    kwargs = {"sets": sets, **kwargs} if fn != "evaluate" else kwargs
+    with pytest.raises(ConfigError) as e:
+        getattr(harness, fn)(**kwargs)
+    assert message in _one_line(e)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml"]
+
+
+def test_a_wrong_type_in_a_dict_config_names_the_dict_not_the_command_line():
+    with pytest.raises(ConfigError) as e:
+        harness.plan({"train": {"max_steps": "three"}})
+    assert "(the config dict given to harness.plan)" in _one_line(e)
+
+
+# --- 2. task= as a name, or a class ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["lm", f"{ROOT}/examples/digits_task.py:DigitsTask"])
+def test_plan_takes_a_task_by_name_as_run_task_does(name):
+    p = harness.plan(sets=["train.max_steps=1"], task=name)
+    assert p.run.cfg.run.task == name and type(p.task).__name__ in ("LanguageModelTask", "DigitsTask")
+
+
+@pytest.mark.parametrize("fn, args", [("plan", ()), ("train", ()), ("evaluate", ("runs/none",)),
+                                      ("load_model", ("runs/none",))])
+def test_a_task_class_instead_of_an_instance_is_refused(fn, args):
+    with pytest.raises(ConfigError) as e:
+        getattr(harness, fn)(*args, task=LanguageModelTask)
+    assert f"harness.{fn}: task = LanguageModelTask is a class; pass an instance: task=LanguageModelTask()" \
+        in _one_line(e)
+
+
+# --- 3. the split scored ---------------------------------------------------------------------------------------------
+
+def test_a_split_other_than_validation_or_test_is_refused_by_api_and_command_line_alike(tmp_path):
+    from harness.eval.evaluate import evaluate_run
+
+    # harness.evaluate, and what `harness evaluate --split` calls
+    for call in (lambda: harness.evaluate(tmp_path, split="val"), lambda: evaluate_run(tmp_path, "train")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert "a run is scored on 'validation' or 'test'" in _one_line(e)
+
+
+# --- 4. a task class of the calling script ---------------------------------------------------------------------------
+
+def test_training_a_task_class_of_the_calling_script_says_what_later_needs(tmp_path, monkeypatch, capsys):
+    cls = type("NotebookTask", (LanguageModelTask,), {"__module__": "__main__"})
+    monkeypatch.setattr(sys.modules["__main__"], "NotebookTask", cls, raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("")  # refused after the note: nothing trains
+    with pytest.raises(ConfigError, match="run directory exists and is not empty"):
+        harness.train(sets=[*TINY, f"run.output_dir={json.dumps(str(run_dir))}"], task=cls())
+    out = capsys.readouterr().out
+    assert out.count("note: run.task = '__main__:NotebookTask'") == 1
+    assert "task=NotebookTask() given again" in out and '"path/to/file.py:NotebookTask"' in out
+
+
+# --- 5, 6. plug-in modules: found from the current directory, failures located ---------------------------------------
+
+TASK = "from harness.tasks.lm import LanguageModelTask\n\n\nclass T(LanguageModelTask):\n    pass\n"
+
+
+def test_a_plugin_module_is_found_in_the_current_directory_without_it_on_sys_path(tmp_path, monkeypatch):
+    """The `harness` console script has no '' on sys.path, as `python -m harness` has."""
+    package = f"mytasks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "tasks.py").write_text(TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    assert task_class(f"{package}.tasks:T").__name__ == "T"
+    assert sys.path[-1] == str(tmp_path)  # last: it never hides an installed module
+
+
+def test_an_import_failure_in_a_plugin_file_names_its_line(tmp_path):
+    bad = tmp_path / "bad_tasks.py"
+    bad.write_text("import json\n\n\ndef load():\n    return json.loads('{')\n\n\nSETTINGS = load()\n")
+    with pytest.raises(ConfigError) as e:
+        task_class(f"{bad}:T")
+    assert f"importing {bad} failed at {bad}:5: JSONDecodeError" in _one_line(e)
+
+
+def test_a_plugin_file_with_dataclasses_imports(tmp_path):
+    """dataclasses look their module up in sys.modules (string annotations, ClassVar): the file's module is there
+    before it runs."""
+    good = tmp_path / "dc_tasks.py"
+    good.write_text("from __future__ import annotations\n\nimport dataclasses\nfrom typing import ClassVar\n\n"
+                    "from harness.tasks.lm import LanguageModelTask\n\n\n@dataclasses.dataclass(frozen=True)\n"
+                    "class Config:\n    hidden: int = 3\n    kind: ClassVar[str] = 'x'\n\n\n"
+                    "class T(LanguageModelTask):\n    Config = Config\n")
+    assert task_class(f"{good}:T").Config.kind == "x"
+
+
+# --- 7. Hugging Face models checked before launch --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """Tiny models saved with save_pretrained (no hub), each with a 20-token word-level tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("hf-input")
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "[EOS]", *(f"w{i}" for i in range(17))])}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]",
+                                               eos_token="[EOS]")
+    small = {"vocab_size": len(vocab), "pad_token_id": 1, "eos_token_id": 2}
+    built = {
+        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                                                     **small)),
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=16, **small)),
+        "llama-small-vocab": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            **{**small, "vocab_size": 10})),
+        **{name: transformers.BertLMHeadModel(transformers.BertConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, is_decoder=decoder,
+            **small)) for name, decoder in (("bert", False), ("bert-decoder", True))},
+    }
+    for name, model in built.items():
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    built["llama"].config.save_pretrained(root / "config-only")
+    tok.save_pretrained(root / "config-only")
+    (root / "empty").mkdir()
+    (root / "notes.txt").write_text("not a model")
+    return root
+
+
+def _check(ref, *sets: str) -> None:
+    cfg = resolve(None, ["train.max_steps=1", "data.seq_len=16", f"model.hf={json.dumps(str(ref))}", *sets]).cfg
+    get_task("lm").check(cfg)
+
+
+def test_hf_a_bidirectional_class_as_a_causal_lm_is_refused_unless_its_config_is_a_decoder(hf_models):
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / "bert")
+    assert "BertLMHeadModel attends to every position unless its config says is_decoder = true; set it in " \
+        "config.json" in _one_line(e)
+    _check(hf_models / "bert-decoder")
+
+
+def test_hf_a_tokenizer_larger_than_the_vocabulary_is_refused(hf_models):
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / "llama-small-vocab")
+    assert "its tokenizer has 20 tokens and the model vocab_size = 10" in _one_line(e)
+
+
+def test_hf_seq_len_past_a_table_of_absolute_positions_is_refused_and_rotary_ones_are_not(hf_models):
+    _check(hf_models / "gpt2")
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / "gpt2", "data.seq_len=32")
+    assert "data.seq_len = 32 is longer than model.hf" in _one_line(e) and "n_positions = 16" in str(e.value)
+    _check(hf_models / "llama", "data.seq_len=32")  # rotary: max_position_embeddings is no hard limit
+
+
+def test_hf_a_directory_without_weights_is_refused_naming_its_config_json(hf_models):
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / "config-only")
+    assert "the directory holds no weights" in _one_line(e)
+    assert f"model.hf = {str(hf_models / 'config-only' / 'config.json')!r}" in str(e.value)
+    _check(hf_models / "config-only" / "config.json")  # random initialisation, as the docs say
+
+
+def test_hf_class_without_a_class_for_the_model_is_one_line(hf_models):
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / "llama", 'model.hf_class="AutoModelForMaskedLM"')
+    assert "is a 'llama' model (LlamaConfig), for which model.hf_class = 'AutoModelForMaskedLM' has no class" \
+        in _one_line(e)
+
+
+@pytest.mark.parametrize("name, message", [("notes.txt", "is a file"), ("empty", "no config.json in that directory")])
+def test_hf_a_file_or_a_directory_without_config_json_is_said_so(hf_models, name, message):
+    with pytest.raises(ConfigError) as e:
+        _check(hf_models / name)
+    assert message in _one_line(e)
