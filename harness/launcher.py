@@ -28,7 +28,6 @@ script cannot tell bad input from a crash from a preemption.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import json
 import os
@@ -43,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from .config.run import ConfigError
+from .config.run import ConfigError, closest
 from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
 STATUS_ENV = "HARNESS_STATUS_FILE"
@@ -72,9 +71,8 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
     def refuse(message: str):  # argparse's error, without its usage text and exit: one line
         options = [o for a in parser._actions for o in a.option_strings]
         unknown = [w for w in accelerate_args if w.startswith("--") and w.split("=")[0] not in options]
-        close = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1) \
-            if unknown and message.startswith("unrecognized") else []
-        hint = f"; did you mean {close[0]}?" if close else ""
+        close = closest(unknown[0].split("=")[0], options) if unknown and message.startswith("unrecognized") else None
+        hint = f"; did you mean {close}?" if close else ""
         raise ConfigError(f"{who}: accelerate launch refuses {' '.join(accelerate_args)}: {message}{hint}")
 
     parser.error = refuse

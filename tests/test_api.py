@@ -109,9 +109,9 @@ def test_the_api_trains_again_in_a_script_accelerate_launched(tmp_path, corpus):
     sets = [*TINY, "train.max_steps=2", f"data.path={json.dumps(str(corpus))}"]
     script = tmp_path / "twice.py"
     script.write_text(LAUNCHED_TWICE.format(sets=sets))
-    proc = subprocess.run([python(), "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "cpu_2proc.yaml"),
-                           str(script), str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([python(), "-m", "accelerate.commands.launch", "--config_file",
+                           str(LAUNCH / "cpu_2proc.yaml"), str(script), str(tmp_path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted((tmp_path / "trained").read_text().splitlines()) == \
         [f"rank {r} run {i} step 2" for r in (0, 1) for i in (1, 2, 3)], proc.stdout[-2000:]

@@ -270,3 +270,26 @@ def test_the_main_job_s_run_file_takes_a_hf_deepspeed_file_s_scheduler_where_the
     plan = cli("plan", "--run", MAIN_JOB, "--ds", ds, "--set", 'run.config_wins="deepspeed"')
     assert plan.returncode == 0 and "# run keys the DeepSpeed scheduler does not use" in plan.stdout, plan.stderr
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_the_zero_values_accelerate_fills_are_filled_as_it_fills_them():
+    """"auto" for the stage, the offload devices and the 16-bit save, as accelerate 1.15 fills them: from its
+    settings for the launch, else its defaults (stage 2, no offload, no 16-bit gather)."""
+    import tempfile
+
+    run = resolve(None, ["train.max_steps=2"])
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump({"zero_optimization": {"stage": "auto", "stage3_gather_16bit_weights_on_model_save": "auto",
+                                         "offload_optimizer": {"device": "auto"}, "offload_param": None}}, f)
+        f.flush()
+        ds = resolve_ds(run, f.name, 1, accel={})
+        zero = ds.config["zero_optimization"]
+        assert (ds.zero_stage, zero["stage3_gather_16bit_weights_on_model_save"], ds.offload_optimizer) == \
+            (2, False, False)
+        assert ds.source["zero_optimization.stage"] == \
+            "auto <- accelerate's default zero_stage = 2 (as accelerate fills it)"
+        ds = resolve_ds(run, f.name, 1, accel={"zero_stage": "3", "offload_optimizer_device": "cpu",
+                                               "zero3_save_16bit_model": "true"})
+        zero = ds.config["zero_optimization"]
+        assert (ds.zero_stage, zero["stage3_gather_16bit_weights_on_model_save"], ds.offload_optimizer) == \
+            (3, True, True)

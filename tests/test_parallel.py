@@ -85,15 +85,17 @@ def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(t
         assert pp.evals[-1][key] == pytest.approx(ref.evals[-1][key], rel=1e-5, abs=1e-6), key
 
 
-def test_pipeline_forecaster_passes_window_statistics_between_stages(tmp_path, cached_run):
+@pytest.mark.parametrize("center", ["mean", "last"])
+def test_pipeline_forecaster_passes_window_statistics_between_stages(center, tmp_path, cached_run):
     """The price forecaster's first stage sends its per-window centre and scale to the last (float tensors that
-    need no gradient, which a pipeline must still carry through backward)."""
+    need no gradient, which a pipeline must still carry through backward; the last value's is a slice of the window,
+    copied to be sent)."""
     from test_prices import write_series
 
     series = write_series(tmp_path / "series.csv", n=600)
     env = {"HARNESS_CACHE": str(tmp_path / "cache")}
     sets = ['run.task="prices"', "prices.lookback=32", "prices.horizon=8", "prices.patch_len=8", "prices.stride=4",
-            "train.max_steps=5"]
+            "train.max_steps=5", f"prices.center={json.dumps(center)}"]
     ref = harness(tmp_path / "ref", str(series), env=env, sets=sets)
     pp = harness(tmp_path / "pp", str(series), nproc=2, ds="pp2_zero1.json", env=env, sets=sets + PIPE)
     assert_losses_close(pp.losses, ref.losses, FP32_TOL)

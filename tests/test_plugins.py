@@ -239,6 +239,11 @@ def test_a_run_whose_last_steps_are_not_finite_exports_nothing(tmp_path):
     assert run.proc.returncode == 3, run.proc.stderr[-2000:]
     assert "non-finite for 3 consecutive steps (steps 1-3" in run.proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "model.safetensors").exists()
+    task.write_text(FLOAT_TASK + "\n\nclass NoItems(FloatTask):\n    def count(self, batch):\n        return 0\n")
+    run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=3", "train.micro_batch_size=8"],
+                  args=["--overwrite", "--set", f"run.task={json.dumps(f'{task}:NoItems')}"])  # a 0/0 loss
+    assert run.proc.returncode == 3 and run.proc.stderr.strip().endswith(
+        "3 of those steps counted no items: check the task's count(batch)"), run.proc.stderr[-2000:]
 
 
 # (a FloatTask subclass's body, what the one line says after "task Bad: ")

@@ -406,7 +406,8 @@ def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_trace
     (run_dir / ".ranks").mkdir()
     (run_dir / ".ranks" / "rank_00001.json").write_text('{"rank": 1, "step": 11}')
     (run_dir / ".ranks" / "rank_00000.json").write_text('{"rank": 0, "step": 1')  # cut short: not read
-    assert "failed with exit code 1 after step 11:" in ending(1, {}, held.replace("CODE", "1"), run_dir, run_dir / "x")[1]
+    line = ending(1, {}, held.replace("CODE", "1"), run_dir, run_dir / "x")[1]
+    assert "failed with exit code 1 after step 11:" in line, line
     # a traceback straight after a progress bar (tqdm never ends its line) is held too, the bar's line ended
     shown, r = relay([bar, b"Traceback (most recent call last):\n", b"  File \"x.py\"\nKeyError: 1\n"], pause_s=0.05)
     assert shown == bar + b"\n" and r.held_text().startswith("Traceback"), shown

@@ -10,14 +10,13 @@ traceback or ignore without a word.
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import typing
 from pathlib import Path
 from typing import Any, Mapping
 
-from .run import ConfigError
+from .run import ConfigError, closest
 
 # ACCELERATE_* variable -> accelerate's name for the setting
 ENV = {
@@ -148,11 +147,11 @@ def contradictions(ds: dict[str, Any], given: dict[str, str]) -> list[str]:
     if sp is not None and ds.get("sequence_parallel_size", 1) != sp:
         out.append(f"sequence_parallel_size = {ds.get('sequence_parallel_size', 1)} vs accelerate parallelism_config "
                    f"sp_size = {sp}")
-    if "stage" in mine and zero.get("stage", 0) != mine["stage"]:
+    if "stage" in mine and zero.get("stage", 0) not in ("auto", mine["stage"]):  # "auto": accelerate's to fill
         out.append(f"zero_optimization.stage = {zero.get('stage', 0)} vs accelerate zero_stage = {mine['stage']}")
     for key, name in (("offload_optimizer", "offload_optimizer_device"), ("offload_param", "offload_param_device")):
         theirs = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
-        if name in given and theirs != given[name].lower():
+        if name in given and theirs not in ("auto", given[name].lower()):
             out.append(f"zero_optimization.{key}.device = {theirs!r} vs accelerate {name} = {given[name]!r}")
     return out
 
@@ -236,6 +235,8 @@ def _kinds(hint) -> tuple:
 
 
 def _is(value, kinds: tuple) -> bool:
+    if bool in kinds and isinstance(value, str) and value.lower() in ("yes", "no", "true", "false"):
+        return True  # `accelerate config` itself writes some switches so (downcast_bf16: 'no')
     return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)  # True is an int too
 
 
@@ -249,5 +250,5 @@ def _close(word: str, names, form: str = "; did you mean {}?") -> str:
     """The name `word` was meant to be, in `form`: one ending in it (sp_size: parallelism_config_sp_size), else
     the closest spelling; '' for none."""
     ending = [n for n in names if n.endswith("_" + word)]
-    close = ending if len(ending) == 1 else difflib.get_close_matches(word, list(names), n=1)
-    return form.format(close[0]) if close else ""
+    close = ending[0] if len(ending) == 1 else closest(word, names)
+    return form.format(close) if close else ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any
 from . import accelerate
 from .ds_optim import Sections, resolve_sections
 from .layout import Layout, resolve_layout
-from .run import ConfigError, Resolved, flatten, read_file
+from .run import ConfigError, Resolved, closest, flatten, read_file
 
 DEFAULT_DS = {"zero_optimization": {"stage": 0}}  # plain data parallel in fp32 when no --ds is given
 
@@ -105,12 +104,13 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     c = run.cfg
     for key in ds:
         if key not in KNOWN_KEYS:
-            close = difflib.get_close_matches(key, sorted(KNOWN_KEYS), n=1, cutoff=0.6)
-            hint = f"; did you mean `{close[0]}`?" if close else ""
+            close = closest(key, sorted(KNOWN_KEYS))
+            hint = f"; did you mean `{close}`?" if close else ""
             raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")
+    _accelerate_auto(zero, given, source)
     _check_types(ds, label)
     _validate_zero(zero, label)
     _validate_precision(ds, label)
@@ -132,8 +132,8 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
 
     from_accelerate = [(f"accelerate {name}", value, key, accelerate.describe(given))
                        for name, (key, value) in accelerate.run_values(given).items()]
-    offload_opt = _offload_device(zero.get("offload_optimizer")) not in ("none", None)
-    offload_par = _offload_device(zero.get("offload_param")) not in ("none", None)
+    offload_opt = offload_device(zero.get("offload_optimizer")) not in ("none", None)
+    offload_par = offload_device(zero.get("offload_param")) not in ("none", None)
     # optimizer, scheduler: the harness builds them (or has DeepSpeed build its others)
     sections = resolve_sections(ds, run, label, offload_opt, stage, from_accelerate)
     for k in list(source):
@@ -207,7 +207,7 @@ def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offlo
                           f"it at start); use bf16.enabled or fp16.enabled")
     for key in ("offload_optimizer", "offload_param"):
         section = ds["zero_optimization"].get(key)
-        if _offload_device(section) == "nvme" and not section.get("nvme_path"):
+        if offload_device(section) == "nvme" and not section.get("nvme_path"):
             raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" ({label}) needs "
                               f"zero_optimization.{key}.nvme_path: a directory on a fast local NVMe drive")
     if (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0 and "zero_allow_untested_optimizer" not in ds:
@@ -333,14 +333,36 @@ def choices_once(message: str) -> str:
     return head + sep + (", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0])
 
 
+# zero_optimization keys accelerate fills where a DeepSpeed file says "auto": key -> (its setting, its default)
+# (accelerate 1.15, utils/dataclasses.py: DeepSpeedPlugin's __post_init__ and deepspeed_config_process)
+ACCELERATE_AUTO = {"stage": ("zero_stage", "2"), "stage3_gather_16bit_weights_on_model_save":
+                   ("zero3_save_16bit_model", "false")}
+ACCELERATE_AUTO_DEVICE = {"offload_optimizer": "offload_optimizer_device", "offload_param": "offload_param_device"}
+
+
+def _accelerate_auto(zero: dict, given: dict[str, str], source: dict) -> None:
+    """The "auto" values accelerate fills in a DeepSpeed file (the stage, offload, the 16-bit save), filled as it
+    fills them: from its settings for this launch, else its defaults."""
+    def take(name: str, default: str) -> tuple[str, str]:
+        why = f"accelerate {name}" if name in given else f"accelerate's default {name} = {default}"
+        return given.get(name, default), f"auto <- {why} (as accelerate fills it)"
+
+    for key, (name, default) in ACCELERATE_AUTO.items():
+        if zero.get(key) == "auto":
+            value, source[f"zero_optimization.{key}"] = take(name, default)
+            zero[key] = int(value) if key == "stage" else value.lower() == "true"
+    for key, name in ACCELERATE_AUTO_DEVICE.items():
+        if isinstance(zero.get(key), dict) and zero[key].get("device") == "auto":
+            zero[key]["device"], source[f"zero_optimization.{key}.device"] = take(name, "none")
+
+
 def _validate_zero(zero: dict, label: str) -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     _validate("zero_optimization", zero, DeepSpeedZeroConfig, label)
-    stage = zero.get("stage", 0)  # pydantic reads "auto" as 0, true as 1 and 2.0 as 2; DeepSpeed passes them on
+    stage = zero.get("stage", 0)  # pydantic reads true as 1 and 2.0 as 2; DeepSpeed passes them on
     if isinstance(stage, bool) or not isinstance(stage, int):
-        raise ConfigError(f"zero_optimization.stage = {json.dumps(stage)} ({label}) must be 0, 1, 2 or 3"
-                          + (": nothing fills it, the DeepSpeed file names the strategy" if stage == "auto" else ""))
+        raise ConfigError(f"zero_optimization.stage = {json.dumps(stage)} ({label}) must be 0, 1, 2 or 3")
 
 
 def _validate_precision(ds: dict, label: str) -> None:
@@ -348,7 +370,8 @@ def _validate_precision(ds: dict, label: str) -> None:
     would otherwise fail inside DeepSpeed on every rank, or be dropped)."""
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
-    for name, model in (("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config), ("bfloat16", DeepSpeedBF16Config)):
+    for name, model in (("fp16", DeepSpeedFP16Config), ("bf16", DeepSpeedBF16Config),
+                        ("bfloat16", DeepSpeedBF16Config)):
         if isinstance(ds.get(name), dict):  # "auto" is filled later (`_resolve_precision`)
             _validate(name, {k: v for k, v in ds[name].items() if v != "auto"}, model, label)
 
@@ -366,9 +389,8 @@ def _validate(name: str, section: dict, model, label: str) -> None:
         hint, message = "", choices_once(err["msg"])
         if err["type"] == "extra_forbidden":
             message = f"DeepSpeed {deepspeed.__version__} reads no such key here"
-            close = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1, cutoff=0.6)
-            fields = list(model.model_fields)
-            hint = f"; did you mean `{close[0]}`?" if close else f"; it takes {', '.join(fields)}" if len(fields) < 12 \
+            close, fields = closest(str(err["loc"][-1]), model.model_fields), list(model.model_fields)
+            hint = f"; did you mean `{close}`?" if close else f"; it takes {', '.join(fields)}" if len(fields) < 12 \
                 else ""
         raise ConfigError(f"{key} ({label}): {message}{hint}") from None
     for key, value in section.items():  # DeepSpeed read a string as a number or a switch: the harness would not
@@ -378,7 +400,7 @@ def _validate(name: str, section: dict, model, label: str) -> None:
                               f"string")
 
 
-def _offload_device(section: Any) -> str | None:
+def offload_device(section: Any) -> str | None:
     return section.get("device", "none") if isinstance(section, dict) else None
 
 

@@ -18,11 +18,10 @@ Combinations DeepSpeed 0.19 does not support are refused here, before any proces
 """
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 
-from .run import ConfigError, Resolved
+from .run import ConfigError, Resolved, closest
 
 PIPELINE_KEYS = ("stages", "partition", "micro_batches", "activation_checkpoint_interval", "use_reentrant",
                  "pipe_partitioned", "grad_partitioned")
@@ -110,9 +109,9 @@ def _pipeline(ds: dict, source: dict, label: str) -> tuple[int, str, int, int | 
         raise ConfigError(f"pipeline ({label}) must be an object like {{\"stages\": 2}}")
     for key in pipe:
         if key not in PIPELINE_KEYS:
-            close = difflib.get_close_matches(key, PIPELINE_KEYS, n=1, cutoff=0.6)
+            close = closest(key, PIPELINE_KEYS)
             raise ConfigError(f"unknown pipeline key `pipeline.{key}` ({label})"
-                              f"{f'; did you mean `pipeline.{close[0]}`?' if close else ''}; the keys are "
+                              f"{f'; did you mean `pipeline.{close}`?' if close else ''}; the keys are "
                               f"{', '.join(PIPELINE_KEYS)}")
     pp = _whole(pipe.get("stages", 1), 1, "pipeline.stages", label)
     partition = pipe.get("partition", "parameters")

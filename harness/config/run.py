@@ -279,9 +279,15 @@ class Resolved:
         return f"{key} = {self.value(key)!r} ({self.source[key]})"
 
 
+def closest(word: str, names) -> str | None:
+    """The name `word` was most likely meant to be (every did-you-mean of the harness), or None."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _unknown(key: str, sections: dict[str, type], origin: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(all_keys(sections)) + list(sections), n=1, cutoff=0.6)
-    hint = f"; did you mean `{close[0]}`?" if close else "; `harness keys` lists them all"
+    close = closest(key, [*all_keys(sections), *sections])
+    hint = f"; did you mean `{close}`?" if close else "; `harness keys` lists them all"
     if key.split(".")[0] == PLUGIN_SECTION and PLUGIN_SECTION not in sections:
         hint = "; [task] holds the keys of a plug-in task that declares a Config dataclass"
     return ConfigError(f"unknown config key `{key}` ({origin}){hint}")
@@ -478,7 +484,8 @@ def _check(r: Resolved) -> None:
                           f"{r.describe('train.max_steps')}: no trace would be written")
     if c.train.max_steps and c.train.epochs:
         raise ConfigError(f"set one of train.max_steps and train.epochs, not both: {r.describe('train.max_steps')}, "
-                          f"{r.describe('train.epochs')}")
+                          f"{r.describe('train.epochs')}; --unset drops one a run file sets (e.g. --unset "
+                          f"train.epochs)")
 
 
 def _check_buckets(r: Resolved) -> None:

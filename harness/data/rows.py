@@ -87,32 +87,38 @@ def check_paths(d: DataSection) -> None:
 
 
 def _check_json_field(path: str, head: str, whole: bool, field_name: str) -> None:
-    """Before launch: the records read so far carry the text field (all of them if the file was read whole)."""
+    """Before launch: some record carries the text field (JSON lines are read until one does; one JSON array of
+    records only if the file was read whole)."""
     if whole:
         read_records(path, "json", field_name)  # refuses a file where no record has it, naming the fields found
         return
     if head.lstrip().startswith("["):
-        return  # one JSON array: not judged from its first bytes
-    records = []
-    for line in head.split("\n")[:-1]:  # complete lines only
-        try:
-            records.append(json.loads(line)) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-    found = [r for r in records if isinstance(r, dict)]
-    if found and not any(field_name in r for r in found):
-        keys = sorted({k for r in found for k in r})
-        raise ConfigError(f"{path}: none of its first {len(found)} records has a text {field_name!r} field "
-                          f"(data.text_field); fields found: {', '.join(keys)}")
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    keys, records = set(), 0
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                if field_name in record:
+                    return
+                keys.update(record)
+                records += 1
+    if records:
+        raise ConfigError(f"{path}: none of its {records} records has a text {field_name!r} field "
+                          f"(data.text_field); fields found: {', '.join(sorted(keys))}")
 
 
 def _check_split(path: str, head: str, kind: str, fraction: float) -> None:
     """Before launch: a file of one row leaves no training row once data.val_fraction is held out."""
     rows = len(parse_records(path, kind)) if kind != "text" else sum(1 for line in head.splitlines() if line.strip())
     if rows < 2:
-        raise ConfigError(f"{path}: data.path holds {rows} row{'s' * (rows != 1)}: holding out data.val_fraction = {fraction:g} for "
-                          f"validation leaves none to train on; use more data, name data.val_path, or set "
-                          f"data.val_fraction = 0")
+        raise ConfigError(f"{path}: data.path holds {rows} row{'s' * (rows != 1)}: holding out data.val_fraction = "
+                          f"{fraction:g} for validation leaves none to train on; use more data, name data.val_path, "
+                          f"or set data.val_fraction = 0")
 
 
 def _peek(path: str) -> tuple[str, bool]:

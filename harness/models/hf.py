@@ -76,7 +76,10 @@ def check(cfg: RunConfig, auto_class: str) -> None:
     if cls is not None:
         _check_model(cfg, cls, config)
     vocab = getattr(config, "vocab_size", None) or 0
-    tokens = len(tokenizer(cfg)) if own_tokenizer(cfg) and vocab else 0
+    tok = tokenizer(cfg) if own_tokenizer(cfg) and vocab else None
+    # the ids the task's rows can take: the base vocabulary and EOS (which joins them); a pad token added on top of
+    # an unresized model (e.g. 32001 for 32000) never appears in its batches
+    tokens = max(tok.vocab_size, (tok.eos_token_id or 0) + 1) if tok is not None else 0
     if tokens > vocab:  # ids past the embedding table: an IndexError in torch.embedding on every rank
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has {tokens} tokens and the model "
                           f"vocab_size = {vocab} in its config.json; use the model's own tokenizer, or resize its "

@@ -81,6 +81,8 @@ class FlattenHead(nn.Module):
 class PatchTST(nn.Module):
     """Input windows (B, lookback, C) -> forecasts (B, horizon, C), on the inputs' scale."""
 
+    casts_own_inputs = True  # it normalises each window in fp32 first (`forward`): the engine passes them as they are
+
     def __init__(self, cfg: PatchConfig):
         super().__init__()
         cfg.check()
@@ -134,8 +136,8 @@ def _patches(cfg: PatchConfig, m, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _pipeline_patches(cfg: PatchConfig, m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_patches` for a pipeline's first stage: the window statistics are constants of the input, but every float
     tensor sent to the next stage must take part in backward, so they go as leaves that accept a gradient."""
-    h, centre, std = _patches(cfg, m, x)
-    return h, centre.detach().requires_grad_(), std.detach().requires_grad_()
+    h, centre, std = _patches(cfg, m, x)  # sent as they are in memory: the last value's slice must be copied
+    return h, centre.detach().contiguous().requires_grad_(), std.detach().contiguous().requires_grad_()
 
 
 def _forecast(cfg: PatchConfig, m, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:

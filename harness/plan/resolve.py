@@ -16,7 +16,6 @@ from ..distributed.world import accelerate_mixed_precision, launched_world_size
 from ..models.hf import load_config
 from ..models.transformer import Attention
 from ..tasks import Task, get_task, resolve
-from ..tasks.interface import check_metrics
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,6 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     check_training_length(run.cfg)
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
-    check_metrics(task, task.metrics(1.0))
     check_selection(run, task)
     if run.cfg.train.loss_chunk and not hasattr(task, "loss_chunk"):
         raise ConfigError(f"{run.describe('train.loss_chunk')}: task {run.cfg.run.task!r} computes its loss whole "

@@ -118,7 +118,8 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
         raise ConfigError(f"{run_dir}: its weights do not fit the model this version of the harness builds from its "
                           f"config (only in the run: {', '.join(only_run[:4]) or 'none'}; only in the model: "
                           f"{', '.join(only_model[:4]) or 'none'}): it was trained by another version; train it again")
-    differ = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in state if state[k].shape != mine[k].shape]
+    differ = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in state
+              if state[k].shape != mine[k].shape]
     if differ:  # e.g. its config.toml edited after training
         raise ConfigError(f"{run_dir}: its weights' shapes differ from the model its config.toml builds ("
                           f"{'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): was config.toml changed?")

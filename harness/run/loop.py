@@ -274,8 +274,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         saving = run.every.save_steps and step % run.every.save_steps == 0
         if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
-        if ledger.give_up or (step == run.max_steps and ledger.nonfinite):  # no export of weights the last
-            _give_up(run, ledger)                                            # non-finite steps updated
+        if ledger.give_up or (step == run.max_steps and ledger.applied_bad):  # no export of weights the last
+            _give_up(run, ledger)                                               # non-finite steps updated
         improved = False
         if evaluating and not ledger.signal:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,
@@ -334,6 +334,8 @@ def _give_up(run: Run, ledger: Ledger) -> None:
     fp16 = run.plan.ds.precision == "fp16"
     advice = "Lower optimizer.lr, check the data, or use bf16 instead of fp16" if fp16 else \
         "Lower optimizer.lr or check the data"
+    if ledger.itemless:  # the loss is divided by the items counted: none, and it is 0/0
+        advice = f"{ledger.itemless} of those steps counted no items: check the task's count(batch)"
     raise TrainingStopped(f"the loss or gradient was non-finite for {ledger.nonfinite} consecutive steps "
                           f"(steps {first_bad}-{ledger.step}; {ledger.result.skipped_steps} updates skipped "
                           f"in all); stopping. Last good checkpoint: {kept}. {advice}")

@@ -42,13 +42,16 @@ def check_precision(precision: str) -> None:
 def check_nvme(ds) -> None:
     """NVMe offload reads and writes through DeepSpeed's async_io op, which needs libaio at build time: without it
     the ranks fail at start, each with its traceback."""
-    if "nvme" not in (ds.config["zero_optimization"].get(k, {}).get("device") for k in ("offload_optimizer",
-                                                                                      "offload_param")):
+    from ..config.ds import offload_device
+
+    zero = ds.config["zero_optimization"]
+    if "nvme" not in (offload_device(zero.get(k)) for k in ("offload_optimizer", "offload_param")):
         return
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
 
     made = get_accelerator().create_op_builder("AsyncIOBuilder")
-    if made is None or not made.is_compatible(verbose=False):
+    if not installed_ops.get("async_io") and (made is None or not made.is_compatible(verbose=False)):
         raise ConfigError(f"NVMe offload ({ds.origin}) needs DeepSpeed's async_io op, which this machine cannot "
                           f"build (`ds_report` says why; usually libaio is missing: libaio-dev); offload to \"cpu\"")
 
@@ -340,12 +343,17 @@ def data_identity(plan: Plan) -> dict | None:
     return plan.task.data_identity(plan.run.cfg) if hasattr(plan.task, "data_identity") else None
 
 
-def is_run_dir(path: Path) -> bool:
-    """A directory `prepare_run_dir` wrote: the two configs it writes first (or only the lock it takes before)."""
-    from .lock import LOCK
+# What a run writes in its directory: one holding nothing else is a run's, whatever state a crash left it in
+RUN_FILES = {"config.toml", "ds_config.json", "metrics.jsonl", "eval.jsonl", "eval.json", "best.json", "checkpoints",
+             "model.safetensors", "hf", "data", "curves.png", "profile.json", "deepspeed.log", "launch.log", ".lock",
+             ".ranks", ".nodes", "tensorboard", "wandb"}
 
-    return (path / "config.toml").is_file() and (path / "ds_config.json").is_file() or \
-        {p.name for p in path.iterdir()} <= {LOCK}
+
+def is_run_dir(path: Path) -> bool:
+    """A directory a run wrote: its config.toml (the first file it writes), or only files a run writes (a crash or
+    an interrupted --overwrite can leave any of them without it)."""
+    return (path / "config.toml").is_file() or \
+        all(p.name in RUN_FILES or p.name.startswith("launch_node") for p in path.iterdir())
 
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False) -> Path | None:
@@ -391,8 +399,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         names = sorted(p.name for p in run_dir.iterdir())
         held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
-                          f"{run_dir} is not one (no config.toml and ds_config.json; it holds {held}): it was left as "
-                          f"it is; set run.output_dir to a new directory or a run's")
+                          f"{run_dir} is not one (no config.toml, and it holds {held}, which a run does not write): it "
+                          f"was left as it is; set run.output_dir to a new directory or a run's")
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 

@@ -138,9 +138,9 @@ def _shown(value) -> str:
     if isinstance(value, torch.Tensor):
         grad = "" if value.requires_grad else ", not requiring grad"
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}{grad}"
-    if isinstance(value, (list, tuple, dict)):
+    if isinstance(value, (list, tuple, Mapping)):
         return f"a {type(value).__name__} of {len(value)} items"
-    return f"{type(value).__name__} {value!r}"[:80]
+    return " ".join(f"{type(value).__name__} {value!r}".split())[:80]
 
 
 def _refused(task, method: str, value, want: str) -> ConfigError:
@@ -165,7 +165,7 @@ def check_data(task, data) -> None:
 
 def check_batch(task, batch) -> None:
     """A batch as the loop moves, splits and checksums it: a dict of tensors."""
-    if not isinstance(batch, dict):
+    if not isinstance(batch, Mapping):  # a dict, or e.g. transformers' BatchEncoding
         raise _refused(task, "collate(samples)", batch, "it must return a dict of tensors")
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):

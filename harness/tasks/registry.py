@@ -4,7 +4,6 @@ plug-in). The config knows no task; this module tells it."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -13,7 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved
+from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved, closest
 from ..config.run import resolve as resolve_layers
 from .interface import REQUIRED, Task, TaskDefaults
 
@@ -90,8 +89,8 @@ def task_class(name: str) -> type:
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
-        close = difflib.get_close_matches(cls_name, classes, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
+        close = closest(cls_name, classes)
+        hint = f"; did you mean {close!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
         raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
     missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
     if missing:
