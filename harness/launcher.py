@@ -545,7 +545,7 @@ def _last_step(run_dir: Path) -> int:
     """The last step the run finished: the furthest of what it logged (`metrics.jsonl`, every train.log_every steps:
     the last line that parses, a killed writer's half line skipped) and what its ranks' heartbeats say (written as
     each rank stops); 0 for none."""
-    from .run.heartbeat import DIR
+    from .run.heartbeat import beats
 
     steps = [0]
     try:
@@ -561,12 +561,7 @@ def _last_step(run_dir: Path) -> int:
             break
         except (ValueError, KeyError, TypeError):
             continue
-    for beat in (run_dir / DIR).glob("rank_*.json"):
-        try:
-            steps.append(int(json.loads(beat.read_text())["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return max(steps)
+    return max(steps + [int(b.get("step", 0)) for b in beats(run_dir).values()])
 
 
 def _without_torchrun(held: str) -> str:

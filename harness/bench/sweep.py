@@ -20,6 +20,7 @@ import torch
 
 from ..config.ds import ds_path, model_state_bytes
 from ..config.run import ConfigError
+from ..distributed.parallel import DTYPES
 from ..plan.render import count_params, largest_fitting
 from ..plan.resolve import Plan, make_plan
 from ..plan.scaling import PEAK_TFLOPS
@@ -29,7 +30,6 @@ from . import report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
 SEQ_UNIT = 64  # --largest seq_len searches multiples of this
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,13 @@ def _check_json_field(path: str, head: str, whole: bool, field_name: str) -> Non
 
 
 def _check_split(path: str, head: str, kind: str, fraction: float) -> None:
-    """Before launch: a file of one row leaves no training row once data.val_fraction is held out."""
-    rows = len(parse_records(path, kind)) if kind != "text" else sum(1 for line in head.splitlines() if line.strip())
+    """Before launch, for a file read whole: its rows counted as `load_rows` reads them."""
+    check_split(path, len(parse_records(path, kind)) if kind != "text" else
+                sum(1 for line in head.splitlines() if line.strip()), fraction)
+
+
+def check_split(path: str, rows: int, fraction: float) -> None:
+    """A file of one row leaves no training row once data.val_fraction is held out (a split of it would fail)."""
     if rows < 2:
         raise ConfigError(f"{path}: data.path holds {rows} row{'s' * (rows != 1)}: holding out data.val_fraction = "
                           f"{fraction:g} for validation leaves none to train on; use more data, name data.val_path, "

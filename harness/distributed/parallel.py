@@ -111,7 +111,7 @@ def build_engine(plan, world: World, total_steps: int):
     return engine, schedule
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a plan's precision
 
 
 def _float_inputs_as(dtype: torch.dtype):

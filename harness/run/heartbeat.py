@@ -85,26 +85,34 @@ def running_here(host: str, pid: int) -> bool | None:
     return Path(f"/proc/{pid}").exists() if host == socket.gethostname() else None
 
 
+def beats(run_dir: Path) -> dict[int, dict]:
+    """Each rank's last heartbeat that reads whole (RUN/.ranks/), by rank."""
+    out = {}
+    for path in (Path(run_dir) / DIR).glob("rank_*.json"):
+        try:
+            beat = json.loads(path.read_text())
+            out[int(beat["rank"])] = beat
+        except (OSError, ValueError, KeyError, TypeError):  # being replaced, or cut short
+            continue
+    return out
+
+
 def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s: float, lost: bool = False,
              step: int | None = None) -> RankHung:
     """The error to raise on rank `me`, whose last finished step is `step`, after a collective timed out (or, `lost`,
     lost its connection to a peer): the ranks whose process is gone, whose heartbeat went stale or who are behind
     the others, from their files."""
-    now, beats = time.time(), {}
-    for rank in range(world_size):
-        try:
-            beats[rank] = json.loads((Path(run_dir) / DIR / f"rank_{rank:05d}.json").read_text())
-        except (OSError, ValueError):
-            beats[rank] = None
-    gone = [r for r, b in beats.items() if b is not None and running_here(b["host"], b["pid"]) is False]
-    silent = [r for r, b in beats.items() if b is None or now - b["time"] > 3 * every_s]
-    steps = {r: b["step"] for r, b in beats.items() if b is not None}
+    now, found = time.time(), beats(run_dir)
+    heard = {rank: found.get(rank) for rank in range(world_size)}
+    gone = [r for r, b in heard.items() if b is not None and running_here(b["host"], b["pid"]) is False]
+    silent = [r for r, b in heard.items() if b is None or now - b["time"] > 3 * every_s]
+    steps = {r: b["step"] for r, b in heard.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]
     suspects = (gone if lost else sorted(set(gone) | set(silent) | set(behind))) or [r for r in range(world_size)
                                                                                       if r != me]
 
     def say(r: int) -> str:
-        b = beats[r]
+        b = heard[r]
         if b is None:
             return f"rank {r} (never reported)"
         where = f"pid {b['pid']} on {b['host']}"

@@ -356,6 +356,22 @@ def is_run_dir(path: Path) -> bool:
         all(p.name in RUN_FILES or p.name.startswith("launch_node") for p in path.iterdir())
 
 
+def _check_replaceable(plan: Plan, overwrite: bool) -> None:
+    """A run directory that holds something, started anew: only with --overwrite, which deletes it, so only a run's
+    own, never a folder named by mistake."""
+    run_dir = plan.run_dir
+    if not overwrite:
+        raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
+                          f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
+                          f"run.output_dir")
+    if not is_run_dir(run_dir):
+        names = sorted(p.name for p in run_dir.iterdir())
+        held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
+                          f"{run_dir} is not one (no config.toml, and it holds {held}, which a run does not write): it "
+                          f"was left as it is; set run.output_dir to a new directory or a run's")
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False) -> Path | None:
     """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
@@ -390,17 +406,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             checkpoint.check_same_data(found, data_identity(plan), data_changed_ok)
-    elif run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
-        raise ConfigError(f"{run_dir}: run directory exists and is not empty; pass --resume auto to continue "
-                          f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
-                          f"run.output_dir")
-    elif overwrite and run_dir.exists() and any(run_dir.iterdir()) and not is_run_dir(run_dir):
-        # --overwrite deletes the directory: only one the harness wrote, never a folder named by mistake
-        names = sorted(p.name for p in run_dir.iterdir())
-        held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
-                          f"{run_dir} is not one (no config.toml, and it holds {held}, which a run does not write): it "
-                          f"was left as it is; set run.output_dir to a new directory or a run's")
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        _check_replaceable(plan, overwrite)
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
 from ..data.corpus import Corpus, Mixture, Windows, is_corpus
-from ..data.rows import DataSummary, check_paths, keep, load_rows
+from ..data.rows import DataSummary, check_paths, check_split, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
@@ -216,9 +216,7 @@ class LanguageModelTask:
         if d.val_path:
             val_rows = load_rows(d.val_path, d, split="validation")
         elif d.val_fraction:
-            if len(rows) < 2:  # checked before launch for a file read whole (`check_paths`)
-                raise ConfigError(f"{d.path or 'the default text'}: {len(rows)} row: holding out data.val_fraction "
-                                  f"leaves none to train on; use more data, data.val_path, or data.val_fraction = 0")
+            check_split(d.path or "the default text", len(rows), d.val_fraction)  # before launch too, if read whole
             parts = rows.train_test_split(test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
             rows, val_rows = parts["train"], parts["test"]
         else:
