@@ -75,11 +75,23 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
                            "part under its own time budget (harness/bench/suite.py)")
     corpus = sub.add_parser("corpus", help="prepared corpora: prepare throughput, disk bytes a token, the loader's "
                             "tokens/s, start-up and peak memory from 100 MB to 10 GB (docs/corpora.md)")
+    _bench_corpus_flags(corpus)
+    _bench_shared_flags(sweep, overhead, seeds, proxy, suite)
+    _bench_own_flags(sweep, overhead, seeds, proxy, suite)
+    for name, p in sub.choices.items():
+        p.set_defaults(command_parser=p)
+
+
+def _bench_corpus_flags(corpus: argparse.ArgumentParser) -> None:
     corpus.add_argument("--sizes", default="100MB,1GB,10GB", help="corpus sizes, smallest first (100MB, 1GB, 10GB)")
     corpus.add_argument("--repeats", type=int, default=3, help="start-ups per size, alternated (default 3)")
     corpus.add_argument("--work", default="bench/corpus-work", help="where the text and the prepared corpora go (a "
                         "10 GB run needs about 25 GB)")
     corpus.add_argument("--out", default="bench/corpus", help="the report's directory (default bench/corpus)")
+
+
+def _bench_shared_flags(sweep, overhead, seeds, proxy, suite) -> None:
+    """The flags several bench subcommands take alike: the configurations, --set, --out and the step counts."""
     for p in (sweep, overhead, seeds):
         p.add_argument("--run", metavar="RUN.toml", help="the run file every configuration starts from")
         p.add_argument("--ds", default="zero0", help="comma-separated DeepSpeed configs: names in configs/ds or paths")
@@ -99,6 +111,10 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
             p.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps or '20; --smoke: 3'})")
             p.add_argument("--warmup", type=int, default=warmup, help=f"steps before timing starts (default "
                            f"{warmup or '5; --smoke: 2'})")
+
+
+def _bench_own_flags(sweep, overhead, seeds, proxy, suite) -> None:
+    """The flags of one bench subcommand (or of sweep and suite, which both find the largest model)."""
     overhead.add_argument("--rounds", type=int, default=2, help="alternations of the two programs")
     sweep.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, "
                        "the largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains "
@@ -131,8 +147,6 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     seeds.add_argument("--split", default="test", choices=["validation", "test"], help="the split scored (default test)")
     seeds.add_argument("--threads", type=int, help="on a CPU: threads per process (default: its share of the cores); "
                        "the report states it")
-    for name, p in sub.choices.items():
-        p.set_defaults(command_parser=p)
 
 
 RECIPES_READ = "../shared/data"  # where configs/runs/*.toml read the benchmark sets (prepare/benchmarks.py)
@@ -168,7 +182,7 @@ def _prepare_parsers(pr: argparse.ArgumentParser) -> None:
 
 def _corpus_options(p: argparse.ArgumentParser, inputs: str, out_required: bool = True) -> None:
     """What preparing a corpus of any size takes (docs/corpora.md)."""
-    p.add_argument("--input", nargs="+", default=[], metavar="PATH", help=inputs)
+    p.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH", help=inputs)
     p.add_argument("--out", required=out_required, metavar="DIR", help="the prepared directory; the same command "
                    "again continues an interrupted prepare, or does nothing")
     p.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")
@@ -179,7 +193,8 @@ def _corpus_options(p: argparse.ArgumentParser, inputs: str, out_required: bool 
     p.add_argument("--on-error", choices=["stop", "skip"], default="stop", help="an unreadable or truncated input: "
                    "stop naming it (default), or keep what was read, count it and go on")
     p.add_argument("--part", metavar="I/N", help="prepare only part I of N (e.g. one task of a SLURM array)")
-    p.add_argument("--merge", nargs="+", metavar="DIR", help="instead: join prepared parts into OUT (no data copied)")
+    p.add_argument("--merge", nargs="+", action="extend", metavar="DIR", help="instead: join prepared parts into OUT "
+                   "(no data copied)")
 
 
 OLD_BENCH = {"--overhead": "overhead", "--proxy": "proxy", "--suite": "suite", "--seeds": "seeds"}
@@ -348,18 +363,21 @@ def _prepare_corpus(args) -> int:
         if args.input or args.part:
             raise ConfigError("--merge joins prepared parts: leave out --input and --part")
         m = merge(args.merge, args.out)
-        missing = f"; units {m['missing_units'][:5]} are in no part yet" if m["missing_units"] else ""
     else:
         if not args.input:
             raise ConfigError(f"harness prepare {args.task} needs --input PATH... (or --merge DIR...)")
-        m = prepare_corpus(args.input, args.out, args.workers, args.tokenizer, args.text_field, args.val_fraction,
-                           args.seed, args.part, args.on_error)
-        missing = ""
+        try:
+            m = prepare_corpus(args.input, args.out, args.workers, args.tokenizer, args.text_field,
+                               args.val_fraction, args.seed, args.part, args.on_error)
+        except KeyboardInterrupt:
+            print(f"\nharness: interrupted: {args.out} keeps the units it finished; the same command continues",
+                  file=sys.stderr)
+            return 130
     c = m["counts"]
     skipped = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in c["rows"].items() if k != "ok") or "none skipped"
     print(f"prepared {args.out}: train {c['train']['tokens']:,} tokens in {c['train']['documents']:,} documents, "
           f"validation {c['validation']['tokens']:,} tokens in {c['validation']['documents']:,}; {len(m['shards'])} "
-          f"shards ({m['dtype']}); rows {skipped}{missing}")
+          f"shards ({m['dtype']}); rows {skipped}")
     return 0
 
 

@@ -115,7 +115,6 @@ def test_parts_merge_into_the_corpus_one_prepare_makes(inputs, tmp_path):
     for i, p in enumerate(parts, 1):
         prepare_corpus([str(inputs)], p, val_fraction=0.2, part=f"{i}/3", unit_bytes=4096)
     merged = merge(parts, str(tmp_path / "merged"))
-    assert merged["missing_units"] == []
     key = lambda s: (s["unit"], s["split"], s["sha256"], s["tokens"])  # noqa: E731
     assert sorted(map(key, merged["shards"])) == sorted(map(key, whole["shards"]))
     assert Corpus(tmp_path / "merged").fingerprint == Corpus(tmp_path / "whole").fingerprint
@@ -266,3 +265,156 @@ def test_a_resume_on_other_data_is_refused_unless_the_user_says_so(tmp_path, cor
     other.rename(moved)
     done = harness(run, moved, args=["--resume", "auto", "--stop-at", "6"])
     assert [m["step"] for m in done.metrics] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_shard_is_prepared_again_by_the_same_command(tmp_path, capsys):
+    """The same command again checks the shards (a changed file's checksum read again) and redoes a unit whose shard
+    is changed, cut short or missing; an index changed at its size fails its own checksum when a run starts."""
+    src = write_corpus(tmp_path / "a.txt", lines=400)
+    out = tmp_path / "out"
+    m = prepare_corpus([str(src)], str(out))
+    shard = Corpus(out).shards["train"][0]
+    for damage in ("flip a byte", "cut short"):
+        data = bytearray(shard.path.read_bytes())
+        data[100] ^= 1
+        shard.path.write_bytes(bytes(data) if damage == "flip a byte" else bytes(data[:50]))
+        with pytest.raises(ConfigError, match="prepare it again: the same command redoes that unit"):
+            Corpus(out).check()
+        assert prepare_corpus([str(src)], str(out)) == m
+        assert "a.txt: shard train-000000.bin" in capsys.readouterr().out
+        Corpus(out).check()
+    ends = np.fromfile(shard.index, dtype="<u4")
+    ends[:-1] = ends[-1]  # every document merged into one: the same size
+    ends.tofile(shard.index)
+    with pytest.raises(ConfigError, match="train-000000.idx fails its checksum"):
+        Corpus(out).check()
+    assert prepare_corpus([str(src)], str(out)) == m
+    Corpus(out).check()
+
+
+def test_prepare_reads_what_the_raw_path_reads(tmp_path):
+    """A .zst bigger than its read blocks, a BOM, a row that is not UTF-8 (skipped, as the raw path skips it), a csv
+    field over csv's default limit, a JSON escape of a lone surrogate (skipped), a tsv told by its suffix alone."""
+    import zstandard
+
+    src = tmp_path / "in.tsv.d"  # ".tsv" in a directory's name is no tsv
+    src.mkdir()
+    lines = [f"zstd line {i} " + "x" * (i % 50) for i in range(20_000)]
+    (src / "a.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
+    (src / "b.txt").write_bytes(b"\xef\xbb\xbfbom first line\nsecond\n")
+    (src / "c.csv").write_bytes(b"\xef\xbb\xbfid,text\n1,caf\xe9\n2,ok row\n3,\"" + b"y" * 200_000 + b"\"\n")
+    (src / "d.jsonl").write_text('{"text": "kept"}\n{"text": "bad \\ud83d"}\n')
+    m = prepare_corpus([str(src)], str(tmp_path / "out"))
+    expected = lines + ["bom first line", "second", "ok row", "y" * 200_000, "kept"]
+    assert sorted(documents(tmp_path / "out")) == sorted((t + "\n").encode() for t in expected)
+    assert m["counts"]["rows"] == {"ok": len(expected), "undecodable": 2}
+    (src / "e.json").write_text(json.dumps([{"text": f"row {i}"} for i in range(3)], indent=1))
+    with pytest.raises(ConfigError, match="a JSON array, not JSON lines"):
+        prepare_corpus([str(src / "e.json")], str(tmp_path / "array"))
+
+
+def test_prepare_s_command_line_takes_every_input_and_passes_over_its_own_output(tmp_path):
+    """--input given twice keeps both; an --out inside the input directory is not read as input, so the same
+    command again does nothing; a first prepare that made nothing can be run again with other settings."""
+    src = tmp_path / "in"
+    src.mkdir()
+    write_corpus(src / "a.txt", lines=100)
+    write_corpus(tmp_path / "b.txt", lines=50, seed=1)
+    args = ["prepare", "lm", "--input", str(src), "--input", str(tmp_path / "b.txt"), "--out", str(src / "prep"),
+            "--val-fraction", "0"]
+    first = cli(*args)
+    assert first.returncode == 0 and "in 150 documents" in first.stdout, first.stderr[-2000:]
+    again = cli(*args)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
+    (tmp_path / "r.jsonl").write_text('{"body": "x y"}\n{"body": "z"}\n')
+    wrong = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"))
+    assert wrong.returncode == 2 and "no row has the field 'text'" in wrong.stderr
+    right = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"),
+                "--text-field", "body", "--val-fraction", "0")
+    assert right.returncode == 0 and "in 2 documents" in right.stdout, right.stderr[-2000:]
+
+
+def test_merge_needs_every_part_once_and_a_directory_of_its_own(tmp_path):
+    src = write_corpus(tmp_path / "a.txt", lines=300)
+    parts = [str(tmp_path / f"p{i}") for i in (1, 2, 3)]
+    for i, p in enumerate(parts, 1):  # one unit, three parts: two hold nothing
+        prepare_corpus([str(src)], p, part=f"{i}/3")
+    with pytest.raises(ConfigError, match=r"units \[0\] of 1 are in none of the parts: prepare --part 1/3 first"):
+        merge(parts[1:], str(tmp_path / "m"))
+    with pytest.raises(ConfigError, match="--out is this part itself"):
+        merge(parts, parts[0])
+    other = tmp_path / "other"
+    whole = prepare_corpus([str(src)], str(other))
+    with pytest.raises(ConfigError, match="exists and is not a merge of parts"):
+        merge(parts, str(other))
+    merged = merge(parts, str(tmp_path / "m"))
+    assert merged["counts"] == whole["counts"] and Corpus(tmp_path / "m").fingerprint == Corpus(other).fingerprint
+    assert merge(parts, str(tmp_path / "m")) == merged  # a merge again replaces its own manifest
+
+
+def test_one_prepare_at_a_time_and_its_workers_die_with_it(tmp_path):
+    """A second prepare into an --out that one is writing is refused; a worker busy with a unit when its prepare is
+    killed (kill -9) dies with it, instead of writing on into the directory the next prepare continues."""
+    import fcntl
+    import os
+    import signal
+    import time
+
+    src = write_corpus(tmp_path / "a.txt", lines=100)
+    prepare_corpus([str(src)], str(tmp_path / "out"))
+    with open(tmp_path / "out" / "units" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConfigError, match="another prepare is writing it"):
+            prepare_corpus([str(src)], str(tmp_path / "out"))
+    code = ("import multiprocessing, os, time\nfrom harness.prepare.corpus import _worker_start\n"
+            "pool = multiprocessing.get_context('spawn').Pool(2, initializer=_worker_start, initargs=(os.getpid(),))\n"
+            "pool.map(time.sleep, [0] * 8)\npool.map_async(time.sleep, [60, 60], chunksize=1)\n"
+            "print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in parent.stdout.readline().split()]
+    assert workers, "the pool's workers did not start"
+    time.sleep(0.5)  # the sleeps under way
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.1)
+    alive = [p for p in workers if _alive(p)]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their prepare"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["data.val_path={bpe}"], "data.val_path = {bpe}: prepared with the tokenizer"),
+    (["data.val_path={protein}"], "data.val_path = {protein}: prepared with protein residues"),
+    (["data.path={protein}", "data.val_path=\"\""], "data.path = {protein}: prepared with protein residues"),
+    (["data.val_path={short}"], "its training split (what validation reads) holds"),
+])
+def test_a_corpus_of_other_tokens_or_a_validation_corpus_too_short_is_refused(sets, message, tmp_path, tiny_llama):
+    src = write_corpus(tmp_path / "a.txt", lines=200)
+    (tmp_path / "s.fasta").write_text(">s1\nMKVLAAGIVG\n>s2\nMKTAYIAKQR\n")
+    (tmp_path / "short.txt").write_text("ab\n")
+    paths = {"bytes": tmp_path / "bytes", "bpe": tmp_path / "bpe", "protein": tmp_path / "protein",
+             "short": tmp_path / "short"}
+    prepare_corpus([str(src)], str(paths["bytes"]))
+    prepare_corpus([str(src)], str(paths["bpe"]), tokenizer=str(tiny_llama))
+    prepare_corpus([str(tmp_path / "s.fasta")], str(paths["protein"]), tokenizer="residues")
+    prepare_corpus([str(tmp_path / "short.txt")], str(paths["short"]))
+    named = {k: json.dumps(str(v)) for k, v in paths.items()}
+    args = ["plan", "--set", f"data.path={named['bytes']}", "--set", "data.seq_len=32", "--set",
+            "train.max_steps=10"]
+    for s in sets:
+        args += ["--set", s.format(**named)]
+    done = cli(*args)
+    assert done.returncode == 2 and message.format(**{k: str(v) for k, v in paths.items()}) in done.stderr, \
+        done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

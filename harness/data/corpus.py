@@ -48,6 +48,38 @@ class Shard:
     tokens: int
     documents: int
     sha256: str
+    idx_sha256: str | None = None  # (corpora prepared before the index had its checksum: None)
+
+    @classmethod
+    def of(cls, directory: Path, record: dict) -> "Shard":
+        """A manifest's (or a prepare unit's) shard record, its file found from `directory`."""
+        return cls((directory / record["file"]).resolve(), record["tokens"], record["documents"], record["sha256"],
+                   record.get("idx_sha256"))
+
+    @property
+    def index(self) -> Path:
+        return self.path.with_suffix(".idx")
+
+    def problem(self, dtype: np.dtype, stamps: dict, fresh: dict) -> str | None:
+        """What is wrong with the shard's two files, or None: each there, of the size its record says, and of its
+        checksum, read again only where the file changed since `stamps` (path -> [size, mtime_ns]) recorded it
+        checked. The stamps of what passed go into `fresh`."""
+        files = ((self.path, self.tokens * dtype.itemsize, self.sha256),
+                 (self.index, self.documents * INDEX.itemsize, self.idx_sha256))
+        for file, size, digest in files:
+            if not file.is_file():
+                return f"shard {file.name} is missing"
+            if file.stat().st_size != size:
+                return f"shard {file.name} holds {file.stat().st_size} bytes, its manifest says {size}: truncated " \
+                       f"or changed"
+        for file, _, digest in files:
+            stat = file.stat()
+            key, seen = str(file), [stat.st_size, stat.st_mtime_ns]
+            if digest is not None and stamps.get(key) != seen and sha256(file) != digest:
+                return f"shard {file.name} fails its checksum (sha256): the file changed since it was prepared"
+            if digest is not None:
+                fresh[key] = seen
+        return None
 
 
 class Corpus:
@@ -64,13 +96,14 @@ class Corpus:
             raise ConfigError(f"{self.dir / MANIFEST}: not a {FORMAT} manifest of version {VERSION}")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.tokenizer = self.manifest["tokenizer"]
-        self.shards = {split: [Shard((self.dir / s["file"]).resolve(), s["tokens"], s["documents"], s["sha256"])
-                               for s in self.manifest["shards"] if s["split"] == split] for split in SPLITS}
+        self.shards = {split: [Shard.of(self.dir, s) for s in self.manifest["shards"] if s["split"] == split]
+                       for split in SPLITS}
 
     @property
     def fingerprint(self) -> str:
-        """What a checkpoint records of the data it trained on: the shards' checksums, in order."""
-        digest = hashlib.sha256("".join(s.sha256 for split in SPLITS for s in self.shards[split]).encode())
+        """What a checkpoint records of the data it trained on: the shards' checksums (and their indexes'), in order."""
+        digest = hashlib.sha256("".join(s.sha256 + (s.idx_sha256 or "") for split in SPLITS
+                                        for s in self.shards[split]).encode())
         return digest.hexdigest()[:16]
 
     @property
@@ -86,35 +119,34 @@ class Corpus:
 
     def check(self) -> None:
         """Every shard there, of the size its manifest says, and (once per change of the file) its checksum."""
-        stamp_path = self.dir / VERIFIED
-        try:
-            stamps = json.loads(stamp_path.read_text())
-        except (OSError, ValueError):
-            stamps = {}
-        fresh = {}
+        stamps, fresh = read_stamps(self.dir), {}
         for shard in (s for split in SPLITS for s in self.shards[split]):
-            index = shard.path.with_suffix(".idx")
-            for file, size in ((shard.path, shard.tokens * self.dtype.itemsize), (index, shard.documents * INDEX.itemsize)):
-                if not file.is_file():
-                    raise ConfigError(f"{self.dir}: shard {file.name} is missing; prepare the corpus again "
-                                      f"(`harness prepare lm` continues where it stopped)")
-                if file.stat().st_size != size:
-                    raise ConfigError(f"{self.dir}: shard {file.name} holds {file.stat().st_size} bytes, its "
-                                      f"manifest says {size}: truncated or changed; prepare it again")
-            stat = shard.path.stat()
-            key, seen = str(shard.path), [stat.st_size, stat.st_mtime_ns]
-            if stamps.get(key) != seen:
-                if sha256(shard.path) != shard.sha256:
-                    raise ConfigError(f"{self.dir}: shard {shard.path.name} fails its checksum (sha256): the file "
-                                      f"changed since it was prepared; prepare the corpus again")
-            fresh[key] = seen
+            problem = shard.problem(self.dtype, stamps, fresh)
+            if problem:
+                again = "prepare it again: the same command redoes that unit"
+                if self.manifest.get("merged"):
+                    again = "prepare its part again (the part's command redoes that unit), then --merge again"
+                raise ConfigError(f"{self.dir}: {problem}; {again}")
         if fresh != stamps:
-            try:
-                tmp = stamp_path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(fresh))
-                os.replace(tmp, stamp_path)
-            except OSError:  # a read-only corpus: checked again next time
-                pass
+            write_stamps(self.dir, fresh)
+
+
+def read_stamps(directory: Path) -> dict:
+    """`verified.json`: the files whose checksums matched, as [size, mtime_ns] when they did."""
+    try:
+        stamps = json.loads((directory / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamps if isinstance(stamps, dict) else {}
+
+
+def write_stamps(directory: Path, stamps: dict) -> None:
+    try:
+        tmp = directory / f"{VERIFIED}.{os.getpid()}.tmp"  # (the name a prepare's files take while written)
+        tmp.write_text(json.dumps(stamps))
+        os.replace(tmp, directory / VERIFIED)
+    except OSError:  # a read-only corpus: checked again next time
+        pass
 
 
 def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:

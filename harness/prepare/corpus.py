@@ -4,7 +4,9 @@ reads them), never held whole in memory.
 The inputs (files, directories, globs) are cut into units: a plain text or JSON-lines file in byte ranges of
 `UNIT_BYTES` aligned to its lines, any other file whole (a compressed one, a csv) or by row group (parquet). Each
 unit becomes its own shards, written under temporary names and renamed when whole, then a record in `units/`: an
-interrupted prepare redoes only the units without a record, and the same command again redoes none. Units go to
+interrupted prepare redoes only the units without a record (or whose shards are no longer whole: each shard's size
+and checksum are checked, read again only where the file changed since its record or `verified.json` stamped it),
+and the same command again redoes none. Units go to
 `--workers` processes; `--part I/N` takes every N-th unit only, and `--merge` joins parts into one manifest that
 points at their shards. A document is a line of text, a JSON line's or csv row's or parquet row's text field; it is
 held out for validation with probability `--val-fraction`, drawn from (seed, unit, document): the same documents
@@ -17,6 +19,7 @@ from __future__ import annotations
 import bz2
 import csv
 import errno
+import fcntl
 import glob
 import gzip
 import hashlib
@@ -24,15 +27,17 @@ import io
 import json
 import lzma
 import os
+import signal
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..config.run import ConfigError
-from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, dtype_for
+from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, Shard, dtype_for, read_stamps
 
 UNIT_BYTES = 64 << 20
 BLOCK = 16 << 20  # bytes of text tokenized at a time
@@ -42,8 +47,11 @@ KINDS = {".txt": TEXT, ".text": TEXT, ".jsonl": JSON, ".json": JSON, ".csv": CSV
 KNOWN = ".txt, .jsonl, .json, .csv, .tsv, .parquet, .fasta/.fa/.faa/.fas"
 OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open, ".zst": None}
 NEWLINE = 10
+BOM = b"\xef\xbb\xbf"
 RESIDUES = "residues"  # the protein task's tokenizer (`harness prepare protein --input`)
 MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
+TMP = ".tmp"  # the suffix of a file being written
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,20 @@ def _compression(path: str) -> str:
     return suffix if suffix in OPENERS else ""
 
 
-def kind_of(path: str) -> str | None:
+def _suffix(path: str) -> str:
+    """The suffix that names a file's kind: `.csv` of `rows.csv.gz`."""
     p = Path(path.lower())
-    return KINDS.get((p.with_suffix("") if _compression(path) else p).suffix)
+    return (p.with_suffix("") if _compression(path) else p).suffix
 
 
-def expand(inputs: list[str]) -> list[str]:
+def kind_of(path: str) -> str | None:
+    return KINDS.get(_suffix(path))
+
+
+def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
     """Files named, found in directories (recursively) or matched by globs, sorted, each once; one line for a name
-    that matches nothing."""
+    that matches nothing. A directory's search passes over prepared corpora (their manifests and records are JSON),
+    `exclude` (the prepare's own --out) among them."""
     files: list[str] = []
     for name in inputs:
         if name.startswith("hub:"):  # streamed by `datasets`, never held whole
@@ -84,18 +98,27 @@ def expand(inputs: list[str]) -> list[str]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                found += sorted(str(f) for f in p.rglob("*") if f.is_file() and kind_of(str(f)))
+                found += [str(f) for f in _search(p, exclude)]
             elif p.is_file():
                 found.append(m)
         if not found:
             raise ConfigError(f"--input {name}: matches no file" + (f" of a known kind ({KNOWN}, compressed "
-                              ".gz/.bz2/.xz/.zst)" if Path(name).is_dir() else ""))
+                              ".gz/.bz2/.xz/.zst) outside prepared corpora and --out" if Path(name).is_dir() else ""))
         for f in found:
             if kind_of(f) is None:
                 raise ConfigError(f"--input {f}: cannot tell its kind from its name ({KNOWN}, optionally "
                                   f"compressed .gz/.bz2/.xz/.zst)")
         files += [str(Path(f).resolve()) for f in found]
     return list(dict.fromkeys(files))
+
+
+def _search(directory: Path, exclude: Path | None) -> list[Path]:
+    """The files of a known kind under `directory`, outside prepared corpora and `exclude`."""
+    skip = {exclude.resolve()} if exclude else set()
+    skip |= {f.parent.resolve() for f in directory.rglob(MANIFEST) if _read_json(f).get("format") == FORMAT}
+    skip |= {f.parent.parent.resolve() for f in directory.rglob("units/settings.json")}
+    return sorted((f for f in directory.rglob("*") if f.is_file() and kind_of(str(f)) and
+                   not skip.intersection(f.resolve().parents)), key=str)  # as strings: the unit numbers of before
 
 
 def _stat(path: str) -> tuple[int, int]:
@@ -120,7 +143,8 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
             try:
                 groups = pq.ParquetFile(path).num_row_groups
             except Exception as e:  # noqa: BLE001 - pyarrow's own errors: one line naming the file
-                raise ConfigError(f"--input {path}: not a readable parquet file ({e})") from None
+                raise ConfigError(f"--input {path}: not a readable parquet file ({' '.join(str(e).split())})") \
+                    from None
             ranges = [(g, g) for g in range(groups)]
         units += [Unit(len(units) + i, path, kind, s, e, size, mtime) for i, (s, e) in enumerate(ranges)]
     return units
@@ -145,7 +169,8 @@ def _open(path: str):
         except ImportError:
             raise ConfigError(f"--input {path}: reading .zst needs the zstandard package (pip install zstandard)") \
                 from None
-        return zstandard.open(path, "rb")
+        # zstandard's reader has neither readline nor line iteration: `text_blocks` and `fasta_records` need both
+        return io.BufferedReader(zstandard.open(path, "rb"))
     return OPENERS[comp](path, "rb") if comp else open(path, "rb")
 
 
@@ -153,7 +178,7 @@ def text_blocks(unit: Unit):
     """The unit's bytes in blocks that end at a line's end: the lines that start in its range (`data/rows.py`'s
     line rule), the last one completed."""
     with _open(unit.path) as f:
-        pos, end = 0, unit.end
+        pos, end, first = 0, unit.end, unit.start == 0
         if unit.start > 0:
             f.seek(unit.start - 1)
             f.readline()  # the line under way belongs to the unit before
@@ -167,7 +192,8 @@ def text_blocks(unit: Unit):
             if not chunk.endswith(b"\n"):
                 rest = f.readline()
                 chunk, pos = chunk + rest, pos + len(rest)
-            yield chunk
+            yield chunk.removeprefix(BOM) if first else chunk  # a BOM is no part of the first document
+            first = False
 
 
 def fasta_records(unit: Unit):
@@ -216,6 +242,10 @@ def documents(unit: Unit, text_field: str, counts: Counter):
             for line in block.split(b"\n"):
                 if not line.strip():
                     continue
+                if unit.start == 0 and not texts and not sum(counts.values()) and line.lstrip().startswith(b"["):
+                    raise ConfigError(f"--input {unit.path}: a JSON array, not JSON lines (one object a line); "
+                                      f"convert it once: python -c \"import json,sys; [print(json.dumps(r)) for r in "
+                                      f"json.load(open(sys.argv[1]))]\" FILE.json > FILE.jsonl")
                 try:
                     row = json.loads(line)
                 except ValueError:
@@ -224,20 +254,7 @@ def documents(unit: Unit, text_field: str, counts: Counter):
                 texts.append(row.get(text_field) if isinstance(row, dict) else None)
             yield _clean_texts(texts, counts)
     elif unit.kind == CSV:
-        with _open(unit.path) as raw:
-            text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
-            delimiter = "\t" if ".tsv" in unit.path.lower() else ","
-            reader = csv.DictReader(text, delimiter=delimiter)
-            if reader.fieldnames is None or text_field not in reader.fieldnames:
-                raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field) in its header "
-                                  f"{reader.fieldnames}")
-            batch = []
-            for row in reader:
-                batch.append(row.get(text_field))
-                if len(batch) >= 10_000:
-                    yield _clean_texts(batch, counts)
-                    batch = []
-            yield _clean_texts(batch, counts)
+        yield from _csv_texts(unit, text_field, counts)
     elif unit.kind == HUB:
         yield from _hub(unit.path[4:], text_field, counts)
     else:
@@ -249,6 +266,27 @@ def documents(unit: Unit, text_field: str, counts: Counter):
                               f"{pf.schema_arrow.names}")
         for batch in pf.iter_batches(row_groups=[unit.start], columns=[text_field], batch_size=10_000):
             yield _clean_texts(batch.column(0).to_pylist(), counts)
+
+
+def _csv_texts(unit: Unit, text_field: str, counts: Counter):
+    """A csv or tsv file's text column, 10,000 rows at a time. Bytes that are not UTF-8 are kept as surrogates so that
+    `_clean_texts` skips their rows, as the raw path does; a BOM is no part of the header."""
+    csv.field_size_limit(2**31 - 1)  # a document of any length (the default stops at 128 KiB)
+    with _open(unit.path) as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        reader = csv.DictReader(text, delimiter="\t" if _suffix(unit.path) == ".tsv" else ",")
+        if reader.fieldnames is None:
+            raise ConfigError(f"--input {unit.path}: empty: no header line naming the column {text_field!r}")
+        if text_field not in reader.fieldnames:
+            raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field) in its header "
+                              f"{reader.fieldnames}")
+        batch = []
+        for row in reader:
+            batch.append(row.get(text_field))
+            if len(batch) >= 10_000:
+                yield _clean_texts(batch, counts)
+                batch = []
+        yield _clean_texts(batch, counts)
 
 
 def _hub(name: str, text_field: str, counts: Counter):
@@ -289,9 +327,19 @@ def _clean_texts(texts: list, counts: Counter) -> list[str]:
             counts["malformed"] += 1
         elif not t.strip():
             counts["empty"] += 1
+        elif not _encodable(t):  # a lone surrogate (a JSON escape such as "\\ud83d", a csv's undecodable bytes)
+            counts["undecodable"] += 1
         else:
             out.append(t)
     return out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # --- tokenizers ----------------------------------------------------------------------------------------------------
@@ -382,6 +430,12 @@ def fingerprint(tok) -> str:
 
 # --- writing -------------------------------------------------------------------------------------------------------
 
+def _tmp(path: Path) -> Path:
+    """A file's name while this process writes it: a worker of an earlier prepare killed with its parent may still
+    be writing under its own (`_claim` removes what such processes leave)."""
+    return path.with_name(f"{path.name}.{os.getpid()}{TMP}")
+
+
 class ShardWriter:
     """One split's shards of a unit: tokens and document ends appended under temporary names, each shard's sha256
     taken as it goes; a shard that would pass `limit` tokens (its index's uint32) is closed and the next opened;
@@ -394,9 +448,9 @@ class ShardWriter:
     def _open(self) -> None:
         stem = self.name if not self.done else f"{self.name}-{len(self.done)}"
         self.bin, self.idx = self.out / f"{stem}.bin", self.out / f"{stem}.idx"
-        self.tmp_bin, self.tmp_idx = (p.with_name(p.name + ".tmp") for p in (self.bin, self.idx))
+        self.tmp_bin, self.tmp_idx = (_tmp(p) for p in (self.bin, self.idx))
         self.f_bin, self.f_idx = open(self.tmp_bin, "wb"), open(self.tmp_idx, "wb")
-        self.tokens, self.documents, self.hash = 0, 0, hashlib.sha256()
+        self.tokens, self.documents, self.hash, self.idx_hash = 0, 0, hashlib.sha256(), hashlib.sha256()
 
     def add(self, ids: np.ndarray, ends: np.ndarray) -> None:
         while len(ends):
@@ -410,7 +464,9 @@ class ShardWriter:
             data = ids[:cut].astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
             self.hash.update(data)
             self.f_bin.write(data)
-            self.f_idx.write((ends[:fit] + self.tokens).astype(INDEX).tobytes())
+            index = (ends[:fit] + self.tokens).astype(INDEX).tobytes()
+            self.idx_hash.update(index)
+            self.f_idx.write(index)
             self.tokens, self.documents = self.tokens + cut, self.documents + fit
             ids, ends = ids[cut:], ends[fit:] - cut
 
@@ -419,7 +475,7 @@ class ShardWriter:
         self.f_idx.close()
         self.done.append(((self.tmp_bin, self.bin), (self.tmp_idx, self.idx),
                           {"file": self.bin.name, "tokens": self.tokens, "documents": self.documents,
-                           "sha256": self.hash.hexdigest()}))
+                           "sha256": self.hash.hexdigest(), "idx_sha256": self.idx_hash.hexdigest()}))
 
     def close(self) -> list[dict]:
         self._finish()
@@ -457,18 +513,39 @@ def prepare_unit(unit: Unit, out: Path, tokenizer, text_field: str, val_fraction
     except BaseException as e:  # a refusal, a full disk, Ctrl-C: no partial shard is left behind
         for w in writers.values():
             w.abort()
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise ConfigError(f"the disk filled while writing {out}/{unit.id:06d}'s shards ({e.strerror}); the "
-                              f"partial shard is removed: free space and run the same command again, it continues") \
-                from None
+        if isinstance(e, OSError) and e.errno in FULL:
+            raise _disk_full(e, f"the shards of {unit.source}", out, "the partial shard is removed: ") from None
         raise
     shards = [{**s, "split": split, "unit": unit.id, "source": unit.source}
               for split, w in writers.items() for s in w.close()]
-    record = {"unit": asdict(unit), "shards": shards, "counts": dict(counts)}
-    tmp = out / "units" / f"{unit.id:06d}.json.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, tmp.with_suffix(""))
+    record = {"unit": asdict(unit), "shards": shards, "counts": dict(counts), "stamps": _stamps(out, shards)}
+    write_json(out / "units" / f"{unit.id:06d}.json", record, out)
     return record
+
+
+def _stamps(root: Path, shards: list[dict]) -> dict:
+    """The [size, mtime_ns] of the shards' files as written, their checksums taken while writing: a file whose stamp
+    still matches is not read again (`Shard.problem`)."""
+    files = (f for shard in (Shard.of(root, s) for s in shards) for f in (shard.path, shard.index))
+    return {str(f): [(st := f.stat()).st_size, st.st_mtime_ns] for f in files}
+
+
+def _disk_full(e: OSError, what: str, out: Path, removed: str = "") -> ConfigError:
+    return ConfigError(f"the disk filled while writing {what} in {out} ({e.strerror}); {removed}free space and run "
+                       f"the same command again, it continues")
+
+
+def write_json(path: Path, value, out: Path, indent: int | None = None) -> None:
+    """`path` whole or not at all (a temporary name, then renamed); a full disk is one line."""
+    tmp = _tmp(path)
+    try:
+        tmp.write_text(json.dumps(value, indent=indent))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno in FULL:
+            raise _disk_full(e, path.name, out) from None
+        raise
 
 
 def _guarded(blocks, unit: Unit, on_error: str, counts: Counter):
@@ -476,22 +553,33 @@ def _guarded(blocks, unit: Unit, on_error: str, counts: Counter):
     the file, or with `--on-error skip` ends the unit there, counted."""
     try:
         yield from blocks
-    except (OSError, EOFError, UnicodeDecodeError, ValueError, lzma.LZMAError) as e:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, lzma.LZMAError, csv.Error, *_zstd_errors()) as e:
+        if isinstance(e, OSError) and e.errno in FULL:
             raise
         row = sum(counts.values()) + 1
         if on_error == "stop":
-            raise ConfigError(f"--input {unit.source}: unreadable at about row {row} ({type(e).__name__}: {e}); "
+            said = " ".join(str(e).split())  # (pyarrow's messages run over several lines)
+            raise ConfigError(f"--input {unit.source}: unreadable at about row {row} ({type(e).__name__}: {said}); "
                               f"--on-error skip keeps the rows before it and goes on") from None
         counts["unreadable_tail"] += 1
+
+
+def _zstd_errors() -> tuple:
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)
 
 
 def _run_unit(args) -> dict:
     return prepare_unit(*args)
 
 
-def done_records(out: Path, units: list[Unit]) -> dict[int, dict]:
-    """The records of units prepared from the same input (its size and mtime) whose shards are all there."""
+def done_records(out: Path, units: list[Unit], dtype: np.dtype, stamps: dict, fresh: dict) -> dict[int, dict]:
+    """The records of units prepared from the same input (its size and mtime) whose shards are whole: there, of their
+    sizes and checksums (read again where a file changed since `stamps` recorded it checked; what passed goes into
+    `fresh`). A unit with a damaged shard is said and prepared again."""
     done = {}
     for unit in units:
         path = out / "units" / f"{unit.id:06d}.json"
@@ -499,7 +587,13 @@ def done_records(out: Path, units: list[Unit]) -> dict[int, dict]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if record["unit"] == asdict(unit) and all((out / s["file"]).is_file() for s in record["shards"]):
+        if record.get("unit") != asdict(unit):
+            continue
+        known = {**stamps, **record.get("stamps", {})}
+        problem = next((p for s in record["shards"] if (p := Shard.of(out, s).problem(dtype, known, fresh))), None)
+        if problem:
+            print(f"{unit.source}: {problem}; preparing it again", flush=True)
+        else:
             done[unit.id] = record
     return done
 
@@ -513,34 +607,83 @@ def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str
     if workers < 1:
         raise ConfigError(f"--workers {workers}: must be >= 1")
     which = parse_part(part)
-    files = expand(inputs)
+    root = Path(out)
+    files = expand(inputs, exclude=root)
     units = plan_units(files, unit_bytes)
     mine = [u for u in units if which is None or u.id % which[1] == which[0] - 1]
     tok = Residues() if tokenizer == RESIDUES else HFTokenizer(tokenizer) if tokenizer else Bytes()
-    settings = {"inputs": [{"path": f, "size": _stat(f)[0]} for f in files], "tokenizer": tok.spec, "text_field": text_field, "val_fraction": val_fraction,
-                "seed": seed, "unit_bytes": unit_bytes, "units": len(units), "part": part}
-    root = Path(out)
-    _claim(root, settings)
-    done = done_records(root, mine)
-    todo = [u for u in mine if u.id not in done]
-    _work(todo, root, tok, text_field, val_fraction, seed, on_error, workers, done)
-    return _write_manifest(root, settings, [done[u.id] for u in mine], dtype_for(tok.spec["vocab_size"]))
+    settings = {"inputs": [{"path": f, "size": _stat(f)[0]} for f in files], "tokenizer": tok.spec,
+                "text_field": text_field, "val_fraction": val_fraction, "seed": seed, "unit_bytes": unit_bytes,
+                "units": len(units), "part": part}
+    dtype = dtype_for(tok.spec["vocab_size"])
+    with _claim(root, settings):
+        fresh = {}
+        done = done_records(root, mine, np.dtype(dtype), read_stamps(root), fresh)
+        todo = [u for u in mine if u.id not in done]
+        _work(todo, root, tok, text_field, val_fraction, seed, on_error, workers, done)
+        for unit in todo:  # checksums taken while writing: a run need not read these shards again
+            fresh.update(done[unit.id]["stamps"])
+        return _write_manifest(root, settings, [done[u.id] for u in mine], dtype, fresh)
 
 
-def _claim(root: Path, settings: dict) -> None:
-    """`out` for these settings: new, or a prepare of the same settings to continue; anything else is refused."""
+@contextmanager
+def _claim(root: Path, settings: dict):
+    """`out` for these settings, held by this prepare alone: new, or a prepare of the same settings to continue, or
+    of other settings that prepared nothing yet; anything else is refused. What a killed prepare left half-written is
+    removed, on the way in and out."""
     settings_file = root / "units" / "settings.json"
-    if settings_file.is_file():
-        before = json.loads(settings_file.read_text())
-        changed = [k for k in settings if k != "inputs" and before.get(k) != settings[k]]
-        if before.get("inputs") != settings["inputs"]:
-            changed.insert(0, "inputs")
-        if changed:
-            raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)")
-    elif root.exists() and any(root.iterdir()):
+    if not settings_file.is_file() and root.exists() and any(root.iterdir()):
         raise ConfigError(f"{root}: exists and is not a prepared corpus; use another --out")
     (root / "units").mkdir(parents=True, exist_ok=True)
-    settings_file.write_text(json.dumps(settings, indent=1))
+    with open(root / "units" / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(f"{root}: another prepare is writing it; wait for it to end") from None
+        try:
+            _remove_partial(root)
+            if settings_file.is_file():
+                _check_settings(root, _read_json(settings_file), settings)
+            write_json(settings_file, settings, root, indent=1)
+            yield
+        finally:
+            _remove_partial(root)
+
+
+def _remove_partial(root: Path) -> None:
+    for partial in (*root.glob(f"*{TMP}"), *(root / "units").glob(f"*{TMP}")):
+        partial.unlink(missing_ok=True)
+
+
+def _check_settings(root: Path, before: dict, settings: dict) -> None:
+    """The same settings as the prepare `root` holds, or a prepare that made nothing yet (say, one whose
+    --text-field was wrong), whose records then go: anything else is refused."""
+    changed = [k for k in settings if k != "inputs" and not _same(k, before.get(k), settings[k])]
+    if before.get("inputs") != settings["inputs"]:
+        changed.insert(0, "inputs")
+    if not changed:
+        return
+    records = sorted((root / "units").glob("[0-9]*.json"))
+    made = (root / MANIFEST).is_file() or any(_read_json(r).get("shards") for r in records)
+    if made:
+        raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)")
+    for r in records:
+        r.unlink()
+
+
+def _same(key: str, a, b) -> bool:
+    """The same tokenizer named by another path (`./tok`, `tok`) is the same: its kind, size, EOS and mapping."""
+    if key == "tokenizer" and isinstance(a, dict) and isinstance(b, dict):
+        return {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    return a == b
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: float, seed: int, on_error: str,
@@ -567,11 +710,26 @@ def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: floa
         else:
             import multiprocessing
 
-            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_worker_start,
+                                                           initargs=(os.getpid(),)) as pool:
                 for job, record in zip(jobs, pool.imap(_run_unit, jobs)):
                     finished(job[0], record)
     finally:
         bar.close()  # an error's line then starts a line of its own
+
+
+def _worker_start(parent: int) -> None:
+    """A worker leaves Ctrl-C to the prepare (which stops the pool) and dies with it: a prepare killed with -9 leaves
+    no worker writing on into a directory that the same command, run again, is preparing (Linux: PR_SET_PDEATHSIG)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def _weight(unit: Unit) -> int:
@@ -579,12 +737,14 @@ def _weight(unit: Unit) -> int:
     return unit.end - unit.start if unit.end >= 0 and unit.kind != PARQUET else unit.size
 
 
-def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str) -> dict:
+def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str, stamps: dict) -> dict:
+    """The manifest over `records`' shards, and `stamps` (their files checked) as `verified.json`. A part (`--part`)
+    may hold no document; a corpus must."""
     counts = Counter()
     for r in records:
         counts.update(r["counts"])
     shards = [s for r in records for s in r["shards"]]
-    if not any(s["split"] == "train" for s in shards):
+    if not any(s["split"] == "train" for s in shards) and not settings.get("part"):
         if counts["malformed"] and not counts["ok"]:
             raise ConfigError(f"{root}: no row has the field {settings['text_field']!r} (--text-field) as text "
                               f"({counts['malformed']} rows without it)")
@@ -595,51 +755,72 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str)
                     "documents": sum(s["documents"] for s in shards if s["split"] == split)}
                     for split in ("train", "validation")}},
                 "shards": shards}
-    tmp = root / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, root / MANIFEST)
-    stamps = {str((root / s["file"]).resolve()): [(st := (root / s["file"]).stat()).st_size, st.st_mtime_ns]
-              for s in shards}  # checksums taken while writing: a run need not read the shards again
-    (root / VERIFIED).write_text(json.dumps(stamps))
+    write_json(root / MANIFEST, manifest, root, indent=1)
+    write_json(root / VERIFIED, stamps, root)
     if settings["tokenizer"]["kind"] == RESIDUES:  # what the protein task reads of a prepared directory
         from . import META
 
         Residues().write_vocabulary(root)
         split_counts = {split: {"ok": manifest["counts"][split]["documents"]} for split in ("train", "validation")}
-        (root / META).write_text(json.dumps({"task": "protein", "corpus": True, "labels": "none", "classes": [],
-                                             "values": {}, "vocab_size": settings["tokenizer"]["vocab_size"],
-                                             "sites": None,
-                                             "counts": {**split_counts, "test": {}}}, indent=1))
+        write_json(root / META, {"task": "protein", "corpus": True, "labels": "none", "classes": [], "values": {},
+                                 "vocab_size": settings["tokenizer"]["vocab_size"], "sites": None,
+                                 "counts": {**split_counts, "test": {}}}, root, indent=1)
     return manifest
 
 
+MERGED_KEYS = ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes", "units")
+
+
 def merge(parts: list[str], out: str) -> dict:
-    """One manifest over prepared parts (`--part I/N` each), pointing at their shards: no data copied."""
-    manifests = []
-    for p in parts:
-        path = Path(p) / MANIFEST
-        if not path.is_file():
-            raise ConfigError(f"--merge {p}: no {MANIFEST}: not a prepared part (or not finished)")
-        manifests.append(json.loads(path.read_text()))
+    """One manifest over prepared parts (`--part I/N` each), pointing at their shards: no data copied. The parts
+    must cover every unit once: a part missing (or one that is not finished) is refused, naming it."""
+    root = Path(out)
+    manifests = [_part_manifest(p, root) for p in parts]
     first = manifests[0]
     for p, m in zip(parts[1:], manifests[1:]):
-        for key in ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes", "units", "dtype"):
-            if m.get(key) != first.get(key):
+        for key in (*MERGED_KEYS, "dtype"):
+            if not _same(key, m.get(key), first.get(key)):
                 raise ConfigError(f"--merge {p}: its manifest's {key!r} differs from {parts[0]}'s: parts of one "
                                   f"corpus only")
-    owner: dict[int, int] = {}
-    for i, (p, m) in enumerate(zip(parts, manifests)):
-        for s in m["shards"]:
-            if owner.setdefault(s["unit"], i) != i:
-                raise ConfigError(f"--merge: {p} and {parts[owner[s['unit']]]} both hold unit {s['unit']} "
-                                  f"({s['source']}): the parts overlap")
-    root = Path(out)
+    _check_cover(parts, manifests, first["units"])
+    if root.exists() and any(root.iterdir()) and "merged" not in _read_json(root / MANIFEST):
+        raise ConfigError(f"--out {out}: exists and is not a merge of parts (it would be overwritten); use another "
+                          f"--out")
     root.mkdir(parents=True, exist_ok=True)
     shards = sorted(({**s, "file": os.path.relpath(Path(p) / s["file"], root)} for p, m in zip(parts, manifests)
                      for s in m["shards"]), key=lambda s: (s["unit"], s["split"] != "train"))
-    settings = {k: first[k] for k in ("inputs", "tokenizer", "text_field", "val_fraction", "seed", "unit_bytes",
-                                      "units")}
+    files = {str(f) for shard in (Shard.of(root, s) for s in shards) for f in (shard.path, shard.index)}
+    stamps = {k: v for p in parts for k, v in read_stamps(Path(p)).items() if k in files}  # the parts' checks
     counts = sum((Counter(m["counts"]["rows"]) for m in manifests), Counter())
-    merged = _write_manifest(root, {**settings, "part": None, "merged": [str(Path(p).resolve()) for p in parts]},
-                             [{"shards": shards, "counts": counts}], first["dtype"])
-    return {**merged, "missing_units": sorted(set(range(first["units"])) - set(owner))}
+    return _write_manifest(root, {**{k: first[k] for k in MERGED_KEYS}, "part": None,
+                                  "merged": [str(Path(p).resolve()) for p in parts]},
+                           [{"shards": shards, "counts": counts}], first["dtype"], stamps)
+
+
+def _part_manifest(part: str, root: Path) -> dict:
+    path = Path(part) / MANIFEST
+    if Path(part).resolve() == root.resolve():
+        raise ConfigError(f"--merge {part}: --out is this part itself; merge into a directory of its own")
+    manifest = _read_json(path)
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"--merge {part}: no readable {MANIFEST}: not a prepared part (or not finished)")
+    return manifest
+
+
+def _check_cover(parts: list[str], manifests: list[dict], units: int) -> None:
+    """Each unit in exactly one part (a part's units are every N-th: `--part I/N`)."""
+    owner: dict[int, int] = {}
+    for i, m in enumerate(manifests):
+        which = parse_part(m.get("part"))
+        for u in range(units) if which is None else range(which[0] - 1, units, which[1]):
+            if owner.setdefault(u, i) != i:
+                raise ConfigError(f"--merge: {parts[i]} and {parts[owner[u]]} both hold unit {u}: the parts overlap")
+    missing = sorted(set(range(units)) - set(owner))
+    if missing:
+        sizes = {parse_part(m.get("part"))[1] for m in manifests if m.get("part")}
+        hint = ""
+        if len(sizes) == 1:
+            n = sizes.pop()
+            hint = f": prepare {', '.join(f'--part {i}/{n}' for i in sorted({u % n + 1 for u in missing}))} first"
+        raise ConfigError(f"--merge: units {missing[:5]}{' ...' if len(missing) > 5 else ''} of {units} are in none "
+                          f"of the parts{hint}")

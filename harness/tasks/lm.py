@@ -76,6 +76,24 @@ def default_corpus() -> str:
     return str(path)
 
 
+def _check_tokens(cfg: RunConfig, key: str, path: str, corpus: Corpus) -> None:
+    """A prepared corpus's tokens are the run's model's: bytes for the lm's own model (or a model.hf without a
+    tokenizer), the tokenizer of a model.hf that has one (its fingerprint)."""
+    spec = corpus.tokenizer
+    kind = spec.get("kind")
+    made = "bytes" if kind == "bytes" else "protein residues (harness prepare protein)" if kind == "residues" else \
+        f"the tokenizer {spec.get('name', kind)} (vocabulary {spec.get('vocab_size')})"
+    if hf.own_tokenizer(cfg):
+        from ..prepare.corpus import fingerprint
+
+        if kind != "hf" or spec.get("fingerprint") != fingerprint(hf.tokenizer(cfg)):
+            raise ConfigError(f"{key} = {path}: prepared with {made}, but {cfg.model.hf} has its own tokenizer; "
+                              f"prepare it with --tokenizer {hf.tokenizer_dir(cfg)}")
+    elif kind != "bytes":
+        raise ConfigError(f"{key} = {path}: prepared with {made}, but the run's model reads bytes; prepare it "
+                          f"without --tokenizer" + (", or name a model.hf with that tokenizer" if kind == "hf" else ""))
+
+
 class LanguageModelTask:
     """Byte-level with the built-in Transformer; with a Hugging Face causal LM (`model.hf`), its own tokenizer."""
 
@@ -90,8 +108,11 @@ class LanguageModelTask:
         d = cfg.data
         if d.mix and d.path:
             raise ConfigError(f"data.mix and data.path = {d.path} are both set: a run reads one or the other")
-        for path in [p for p, _ in d.mix] or ([d.path] if is_corpus(d.path) else []):
+        sources = [p for p, _ in d.mix] or ([d.path] if is_corpus(d.path) else [])
+        for path in sources:
             self._check_corpus(cfg, path)
+        if sources:
+            self._check_val_corpus(cfg)
         if not d.mix and not is_corpus(d.path):
             check_paths(d)
             if d.document_mask:
@@ -132,7 +153,7 @@ class LanguageModelTask:
                                                d_ff=m.d_ff or 4 * m.d_model, dropout=m.dropout))
 
     def _check_corpus(self, cfg: RunConfig, path: str) -> None:
-        """A prepared corpus: its shards whole, its tokens those of the run's model, a validation set named."""
+        """A prepared corpus: its shards whole, its tokens those of the run's model."""
         key = "data.mix" if cfg.data.mix else "data.path"
         if not is_corpus(path):
             raise ConfigError(f"{key}: {path} is no prepared corpus (no manifest.json); `harness prepare lm --input "
@@ -142,24 +163,22 @@ class LanguageModelTask:
         if cfg.data.mix and corpus.tokens() <= cfg.data.seq_len:
             raise ConfigError(f"data.mix: {path} holds {corpus.tokens():,} training tokens, not one window of "
                               f"data.seq_len + 1 = {cfg.data.seq_len + 1}; leave it out or shorten data.seq_len")
-        kind, own = corpus.tokenizer["kind"], hf.own_tokenizer(cfg)
-        if own:
-            from ..prepare.corpus import fingerprint
+        _check_tokens(cfg, key, path, corpus)
 
-            tok = hf.tokenizer(cfg)
-            if kind != "hf" or corpus.tokenizer["fingerprint"] != fingerprint(tok):
-                raise ConfigError(f"{key} = {path}: prepared with {corpus.tokenizer.get('name', kind)} tokens, but "
-                                  f"{cfg.model.hf} has its own tokenizer; prepare it with --tokenizer "
-                                  f"{hf.tokenizer_dir(cfg)}")
-        elif kind != "bytes":
-            raise ConfigError(f"{key} = {path}: prepared with the tokenizer {corpus.tokenizer['name']} (vocabulary "
-                              f"{corpus.tokenizer['vocab_size']}), but the run's model reads bytes; prepare it without "
-                              f"--tokenizer, or name a model.hf with that tokenizer")
+    def _check_val_corpus(self, cfg: RunConfig) -> None:
+        """With prepared training data, a data.val_path is a prepared corpus too, checked as the training one."""
         if cfg.data.val_path and not is_corpus(cfg.data.val_path):
+            key = "data.mix" if cfg.data.mix else "data.path"
             raise ConfigError(f"data.val_path = {cfg.data.val_path}: with a prepared {key}, validation is a "
                               f"prepared directory too (or the corpus's own, --val-fraction at prepare)")
         if cfg.data.val_path:
-            Corpus(cfg.data.val_path).check()
+            val = Corpus(cfg.data.val_path)
+            val.check()
+            _check_tokens(cfg, "data.val_path", cfg.data.val_path, val)
+            if val.tokens() <= cfg.data.seq_len:
+                raise ConfigError(f"data.val_path = {cfg.data.val_path}: its training split (what validation reads) "
+                                  f"holds {val.tokens():,} tokens, not one window of data.seq_len + 1 = "
+                                  f"{cfg.data.seq_len + 1}; prepare more text for it, or shorten data.seq_len")
 
     def describe_data(self, cfg: RunConfig, global_batch: int) -> str | None:
         """The plan's and the start's account of prepared data: each corpus's size, a step's tokens, the epochs the
@@ -172,7 +191,8 @@ class LanguageModelTask:
         windows = [max(1, len(Windows(c, "train", seq))) for c in corpora]
         steps = run_steps(cfg.train, sum(windows) // global_batch)
         total = sum(w for _, w in sources)
-        val = f"; validation: data.val_path = {d.val_path}" if d.val_path else ""
+        val = f"; validation: data.val_path = {d.val_path} ({Corpus(d.val_path).tokens():,} tokens: its training " \
+            f"split)" if d.val_path else ""
         lines = [f"data: {'a mixture of prepared corpora' if d.mix else 'a prepared corpus'}; a step reads "
                  f"{global_batch * seq:,} tokens ({global_batch} x {seq}), {steps:,} steps{val}"]
         for (path, weight), corpus, n in zip(sources, corpora, windows):
