@@ -164,6 +164,25 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_on_the_last_complete_on
     assert (out / "model.safetensors").exists()
 
 
+def test_a_checkpoint_write_that_fails_on_one_rank_stops_every_rank_in_one_line(tmp_path, corpus):
+    """2 processes at ZeRO-0: rank 0 writes the weights and the optimizer (~5.5 MB here), rank 1 a few KB, so a
+    nearly full disk fails rank 0 alone. DeepSpeed's save_checkpoint then raised past its last barrier, where rank 1
+    waited: a hang until the collective timeout, then exit 4 blaming rank 1. Now exit 3, the write named."""
+    sets = ["model.d_model=128", "train.save_every=2", "train.max_steps=4", "train.collective_timeout_s=60"]
+    out = tmp_path / "run"
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 * 2**20, 4 * 2**20))
+
+    full = subprocess.run(command(out, corpus, nproc=2, sets=sets, front=True), cwd=ROOT, env=_env(cold=True),
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    assert full.returncode == 3, full.stderr[-3000:]
+    line = next(x for x in full.stderr.splitlines() if x.startswith("harness: error: "))
+    assert line.startswith("harness: error: checkpoint step_00000002 could not be written (a write failed on rank "
+                           "0: "), line
+    assert "no checkpoint is kept" in line and not list((out / "checkpoints").glob("*.partial")), line
+
+
 def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, monkeypatch):
     """Resuming onto another data-parallel size converts the checkpoint (`checkpoint.to_universal`): before launch the
     disk must hold that too, CONVERSION_FACTOR x the checkpoint, unless the conversion is already there."""
@@ -229,14 +248,19 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
     assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
     assert "| CPU threads 1 (OMP_NUM_THREADS) |" in run.proc.stdout  # the tests' launcher environment sets it
-    # --resume auto on the finished run: said, and nothing evaluated, exported or logged again
+    # --resume auto on the finished run: said, and nothing evaluated, exported, logged or written again (other
+    # settings on the command line included: config.toml stays the record of the run that made the weights)
     sets = ["train.max_steps=0", "train.epochs=0.01", "train.eval_every=2", "train.eval_batches=1",
             "train.save_every=3"]
     evals, export = (run.dir / "eval.jsonl").read_text(), (run.dir / "model.safetensors").stat().st_mtime_ns
-    done = harness(tmp_path / "a", corpus, sets=sets, args=["--resume", "auto"])
+    configs = {name: (run.dir / name).read_text() for name in ("config.toml", "ds_config.json")}
+    done = harness(tmp_path / "a", corpus, sets=[*sets, "train.eval_batches=2", "optimizer.lr=0.05"],
+                   args=["--resume", "auto"])
     assert f"the run finished at step {steps} of {steps}" in done.proc.stdout and "nothing to do" in done.proc.stdout
+    assert "optimizer.lr" not in done.proc.stdout, done.proc.stdout[-2000:]
     assert (run.dir / "eval.jsonl").read_text() == evals
     assert (run.dir / "model.safetensors").stat().st_mtime_ns == export
+    assert {name: (run.dir / name).read_text() for name in configs} == configs
     # another model size: refused before anything loads or is written, naming the setting
     saved = (run.dir / "config.toml").read_text()
     wider = harness(tmp_path / "a", corpus, sets=[*sets, "model.d_model=64"], args=["--resume", "auto"], check=False)
@@ -391,3 +415,49 @@ def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tm
     assert [m["lr"] for m in resumed.metrics] == [3e-3, 3e-3, 0.0, 0.0]
     before, after = load_file(str(two.dir / "model.safetensors")), load_file(str(resumed.dir / "model.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_checkpoint_cut_short_is_one_line_naming_the_one_before_it(tmp_path, corpus):
+    """A file of the latest checkpoint truncated (or emptied, or gone): before, a traceback from torch's zip reader or
+    DeepSpeed's bare assert, exit 1, and a last line to resume from that same checkpoint."""
+    sets = ["train.save_every=2", "train.max_steps=6"]
+    out = tmp_path / "run"
+    harness(out, corpus, sets=sets, args=["--stop-at", "4"])
+    ckpts = out / "checkpoints"
+    states = next((ckpts / "step_00000004").glob("*model_states.pt"))
+    for damage in ("cut short", "gone"):
+        if damage == "cut short":
+            states.write_bytes(states.read_bytes()[:1000])
+        else:
+            for f in (ckpts / "step_00000004").glob("*.pt"):
+                f.unlink()
+        bad = harness(out, corpus, sets=sets, args=["--resume", "auto"], check=False)
+        assert bad.proc.returncode == 2, bad.proc.stderr[-3000:]
+        line = bad.proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"harness: error: checkpoint {ckpts / 'step_00000004'} cannot be read on rank 0 ("), line
+        assert line.endswith(f"the one before it is {ckpts / 'step_00000002'}: continue from it with --resume "
+                             f"{ckpts / 'step_00000002'}"), line
+        assert "Traceback" not in bad.proc.stderr
+    resumed = harness(out, corpus, sets=sets, args=["--resume", str(ckpts / "step_00000002")])
+    assert "at step 2" in resumed.proc.stdout and max(resumed.losses) == 6
+
+
+def test_a_lost_rank_or_memory_while_loading_is_not_called_a_damaged_checkpoint(tmp_path):
+    """Only the file's faults become the one line naming the checkpoint before; a peer gone, a timeout or memory
+    run out leave as they came (the loop's lost-rank and timeout lines, exit 4)."""
+    from types import SimpleNamespace
+
+    from harness.run.checkpoint import _said_unreadable
+
+    for step in (2, 4):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    world = SimpleNamespace(rank=1)
+    with pytest.raises(ConfigError, match=r"cannot be read on rank 1 \(RuntimeError: PytorchStreamReader failed "
+                                          r".*the one before it is .*step_00000002"):
+        _said_unreadable(tmp_path / "step_00000004", world, RuntimeError("PytorchStreamReader failed reading zip"))
+    for error in (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:6000"),
+                  RuntimeError("Timed out waiting 60000ms for recv operation to complete"),
+                  torch.OutOfMemoryError("CUDA out of memory")):
+        with pytest.raises(type(error)) as raised:
+            _said_unreadable(tmp_path / "step_00000004", world, error)
+        assert raised.value is error

@@ -202,6 +202,14 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     assert "converting step_00000005" in leg(2, "zero2_offload.json", 7).proc.stdout  # 1 -> 2, the optimizer offloaded
     leg(4, "zero3.json", 9, "train.micro_batch_size=2")  # 2 -> 4 (2 x 4 x 1), offload off, ZeRO-2 -> ZeRO-3
     leg(1, "zero1.json", 12)  # 4 -> 1, ZeRO-3 -> ZeRO-1
+    # another run's checkpoint is converted in this run's directory, not in the other's (which may be read-only)
+    theirs = sorted(p.name for p in (whole.dir / "checkpoints").iterdir())
+    fork = harness(tmp_path / "fork", corpus, ds="zero1.json", sets=sets,
+                   args=["--resume", str(whole.dir / "checkpoints" / "step_00000009"), "--stop-at", "10"])
+    assert "converting step_00000009" in fork.proc.stdout
+    assert_losses_close(fork.losses, {10: whole.losses[10]}, 1e-5)
+    assert sorted(p.name for p in (whole.dir / "checkpoints").iterdir()) == theirs
+    assert not list((tmp_path / "fork" / "checkpoints").glob("*universal*"))  # read, then removed
     # ZeRO-0 resumes on any data-parallel size as it is: every rank holds the whole optimizer
     zero = tmp_path / "zero0"
     harness(zero, corpus, nproc=2, ds="zero0.json", sets=sets, args=["--stop-at", "3"])

@@ -7,6 +7,8 @@ error: a DeepSpeed this file does not know trains as DeepSpeed trains.
 - `import_muon_lazily`: DeepSpeed's Muon module imported without compiling at import.
 - `fix_universal_conversion` and `after_universal_load`: a checkpoint converted to DeepSpeed's universal format loads
   into another ZeRO stage, with each param group's hyperparameters and each state's own step.
+- `writes_that_fail_in_step`: a checkpoint write that fails on some ranks only is reported, not a hang in
+  save_checkpoint's last barrier.
 - `forget_groups`: DeepSpeed's process-wide memory of the process groups cleared, so a process can train again.
 - `claim_cpu_fp16`: DeepSpeed's CPU accelerator told fp16 is supported, where the user opted in (HARNESS_CPU_FP16).
 
@@ -21,6 +23,7 @@ import importlib.util
 import inspect
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -271,6 +274,54 @@ def after_universal_load(engine, path: Path) -> None:
     for state in inner.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
+
+
+# --- a checkpoint write that fails on some ranks -------------------------------------------------------------------
+
+def _save_relies() -> list[str]:
+    """save_checkpoint's writes go through the checkpoint engine's `save` and the recovery script's copy, and it ends
+    with a barrier every rank must reach."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return [*_lacks(DeepSpeedEngine, "save_checkpoint", calls="dist.barrier()"),
+            *_lacks(DeepSpeedEngine, "_save_checkpoint", calls="self.checkpoint_engine.save("),
+            *_lacks(DeepSpeedEngine, "_save_zero_checkpoint", calls="self._copy_recovery_script("),
+            *_lacks(DeepSpeedEngine, "_copy_recovery_script", ("self", "save_path")),
+            *_lacks(TorchCheckpointEngine, "save", ("self", "state_dict", "path"))]
+
+
+@contextmanager
+def writes_that_fail_in_step(engine, failures: list):
+    """Within it, a write of DeepSpeed's save_checkpoint that fails (a full disk) is put in `failures` instead of
+    raised, and the rank writes nothing more but goes on through the save in step with the others. Raised, it skipped
+    save_checkpoint's last barrier while the ranks whose writes succeeded waited in it: a hang until the collective
+    timeout (30 minutes by default), then a line blaming a healthy rank. Under ZeRO-0 rank 0 writes all the weights
+    and the optimizer, the others a few KB: a nearly full disk fails rank 0 alone. The caller reports `failures`."""
+    if not fence("writes_that_fail_in_step", _save_relies):
+        yield
+        return
+
+    def guarded(write):
+        @functools.wraps(write)
+        def call(*args, **kwargs):
+            if failures:
+                return None
+            try:
+                return write(*args, **kwargs)
+            except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's "file write failed"
+                failures.append(e)
+                return None
+        return call
+
+    targets = ((engine.checkpoint_engine, "save"), (engine, "_copy_recovery_script"))
+    for obj, name in targets:
+        setattr(obj, name, guarded(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name in targets:
+            vars(obj).pop(name, None)  # the class's own method again
 
 
 # --- process groups ------------------------------------------------------------------------------------------------

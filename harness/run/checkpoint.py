@@ -13,8 +13,10 @@ The run directory must be on a file system that every node sees (as DeepSpeed's 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -235,10 +237,22 @@ def reshape(path: Path, ds) -> bool:
     return convert
 
 
-def to_universal(path: Path, world: World) -> Path:
-    """Collective: `path` converted to DeepSpeed's universal checkpoint (rank 0, once: kept as step_N.universal
-    beside it, and reused by a later resume), for an engine built with checkpoint.load_universal."""
-    out = path.with_name(path.name + UNIVERSAL)
+def conversion_of(path: Path, run_dir: Path) -> Path:
+    """Where `to_universal` converts `path`: beside it when it is this run's own checkpoint (kept, and reused by a
+    later resume), else in this run's checkpoints under a name of its source's (another run's directory is not this
+    run's to write, and may be read-only)."""
+    own = run_dir / "checkpoints"
+    if path.parent.resolve() == own.resolve():
+        return path.with_name(path.name + UNIVERSAL)
+    source = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    return own / f"{path.name}.from-{source}{UNIVERSAL}"
+
+
+def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> Path:
+    """Collective: `path` converted to DeepSpeed's universal checkpoint as `out` (rank 0, once; `afresh`: again
+    whatever `out` holds), for an engine built with checkpoint.load_universal."""
+    if world.is_main and afresh:
+        shutil.rmtree(out, ignore_errors=True)
     if world.is_main and not out.is_dir():
         import argparse
         import contextlib
@@ -248,14 +262,15 @@ def to_universal(path: Path, world: World) -> Path:
 
         work = out.with_name(out.name + ".partial")
         shutil.rmtree(work, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
         args = argparse.Namespace(input_folder=str(path), output_folder=str(work), num_extract_workers=1,
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, no_strict=False,
                                   inject_missing_state=True)  # the state Megatron adds; DeepSpeed's default
         print(f"converting {path.name} to DeepSpeed's universal checkpoint for this layout: {out}", flush=True)
         with checkpoint_reads():  # the source's files and the converted ones: data, not code (trust.py)
-            with contextlib.redirect_stdout(io.StringIO()):  # its progress bars and steps
-                ds_to_universal(args)
-            (path.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ds_to_universal(args)  # (its progress bars and steps)
+            (out.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
             for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
                 shutil.copy(path / name, work / name)
             ds_patches.fix_universal_conversion(work, path)
@@ -294,9 +309,12 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         for stale in root.glob("*.partial"):  # left by a crash
             shutil.rmtree(stale, ignore_errors=True)
     barrier()
-    failed = None
+    failed, failures = None, []
     try:
-        engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+        with ds_patches.writes_that_fail_in_step(engine, failures):
+            engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+        if failures:
+            raise failures[0]
         partial.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
         if world.is_main and layout is not None:
@@ -353,23 +371,72 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     barrier()
 
 
-def load(engine, path: Path, world: World) -> dict[str, Any]:
+def load(engine, path: Path, world: World, named: Path | None = None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state. A
-    step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has."""
+    step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has; `named`: the
+    checkpoint it was converted from, which a file that cannot be read is said of."""
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
     engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
-    with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
-        _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
-        if client_state is None:
-            raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint")
-        if path.name.endswith(UNIVERSAL):
-            ds_patches.after_universal_load(engine, path)
-        rng = path / f"rng_rank{world.rank:05d}.pt"
-        if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
-            set_rng_state(torch.load(rng))
-            if world.sp_size > 1 and (saved_layout(path) or {}).get("sp_size", 1) != world.sp_size:
-                # saved by ranks whose streams were one (data parallel): each rank of a sequence group draws its own
-                # dropout masks again (parallel.build_engine)
-                torch.manual_seed(int(torch.randint(2**31, ())) + 7919 * world.sp_rank)
+    try:
+        with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
+            _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+            if client_state is None:
+                raise RuntimeError("DeepSpeed found no state in it")
+            if path.name.endswith(UNIVERSAL):
+                ds_patches.after_universal_load(engine, path)
+            rng = path / f"rng_rank{world.rank:05d}.pt"
+            if rng.exists():  # absent when resuming with more ranks than saved; data order is still exact
+                set_rng_state(torch.load(rng))
+                if world.sp_size > 1 and (saved_layout(path) or {}).get("sp_size", 1) != world.sp_size:
+                    # saved by ranks whose streams were one (data parallel): each rank of a sequence group draws
+                    # its own dropout masks again (parallel.build_engine)
+                    torch.manual_seed(int(torch.randint(2**31, ())) + 7919 * world.sp_rank)
+    except UNREADABLE as e:
+        _said_unreadable(named or path, world, e)
     return client_state
+
+
+# What reading a checkpoint cut short (torch's zip reader), emptied or gone (DeepSpeed's bare assert) raises
+UNREADABLE = (RuntimeError, OSError, EOFError, AssertionError, ValueError, KeyError, pickle.UnpicklingError)
+
+
+def load_onto(engine, path: Path, run_dir: Path, ds, world: World) -> dict[str, Any]:
+    """`load` into this engine's layout: converted first where it is not the checkpoint's (`reshape`). Another run's
+    checkpoint is converted afresh into this run's checkpoints, read, and the conversion removed."""
+    if not reshape(path, ds):
+        return load(engine, path, world)
+    out = conversion_of(path, run_dir)
+    foreign = out.parent != path.parent
+    try:
+        try:
+            converted = to_universal(path, out, world, afresh=foreign)
+        except UNREADABLE as e:
+            _said_unreadable(path, world, e)
+        state = load(engine, converted, world, named=path)
+    except BaseException:
+        if foreign and world.is_main:  # (no barrier: the other ranks may be anywhere in the load)
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    if foreign:
+        barrier()  # every rank has read it
+        if world.is_main:
+            shutil.rmtree(out, ignore_errors=True)
+    return state
+
+
+def _said_unreadable(path: Path, world: World, e: BaseException) -> None:
+    """Raise the line for a checkpoint that cannot be read, naming the one before it (`latest` names this one, so
+    `--resume auto` would take it again). A collective that failed (a lost rank, a timeout) or memory that ran out
+    is not the file's fault: raised as it is."""
+    from .heartbeat import is_lost, is_timeout
+
+    if isinstance(e, torch.OutOfMemoryError) or is_lost(e) or is_timeout(e) or \
+            type(e).__module__.startswith("torch.distributed"):
+        raise e
+    said = " ".join(str(e).split())[:200] or "no message"
+    earlier = [p for p in complete(path.parent) if step_of(p) < step_of(path)]
+    then = f"the one before it is {earlier[-1]}: continue from it with --resume {earlier[-1]}" if earlier else \
+        "there is none before it to resume from"
+    raise ConfigError(f"checkpoint {path} cannot be read on rank {world.rank} ({type(e).__name__}: {said}): a file "
+                      f"in it is cut short, damaged or missing; {then}") from None

@@ -42,7 +42,7 @@ from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
 from .preemption import EXIT_PREEMPTED, Watch
 from .selection import Selection
-from .startup import check_free_space, data_identity, prepare_run_dir
+from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -176,13 +176,17 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     teardown.callback(release, engine)  # however the run ends (parallel.release)
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers)
     build_peaks = all_gather_objects(engine.harness_build_peak)
-    state = _resume(plan, world, engine, schedule, resume_from, say) if resume_from is not None else {}
+    state, notes = _resume(plan, world, engine, schedule, resume_from, say) if resume_from is not None else ({}, [])
     start_step = state.get("step", 0)
     selection = Selection.start(cfg.train, every.patience, state.get("selection"))  # train.select_best, or None
     if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
         finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps)
-        if finished is not None:
+        if finished is not None:  # nothing written: the run directory stays the finished run's record
             return {**finished, **({"best": selection.state()} if selection else {})}
+    for note in notes:
+        say(note)
+    if resume_from is not None:
+        write_configs(plan, world, resume_from)
     if selection and selection.value is not None:
         checkpoint.adopt_best(plan.run_dir / "checkpoints", selection.step, resume_from.parent, world)
     if world.is_main:
@@ -236,23 +240,21 @@ def _data(plan: Plan, world: World) -> tuple:
     return data, sampler_args, steps_per_epoch, max_steps, every
 
 
-def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) -> dict:
+def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) -> tuple[dict, list[str]]:
     """The checkpoint loaded (converted once to DeepSpeed's universal format for another data-parallel size or ZeRO
     stage); its client state."""
-    source = checkpoint.to_universal(resume_from, world) if checkpoint.reshape(resume_from, plan.ds) else resume_from
-    state = checkpoint.load(engine, source, world)
+    state = checkpoint.load_onto(engine, resume_from, plan.run_dir, plan.ds, world)
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
-    if note := checkpoint.batch_note(resume_from, plan.ds):
-        say(note)
+    notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds)) else []
     lr = plan.run.cfg.optimizer.lr
     saved = follow_config_lr(schedule, lr)
     if saved is not None:  # e.g. lowered after a non-finite stop, or the run made longer or shorter
         now, step = schedule.optimizer.param_groups[0]["lr"], state["step"] + 1
         changed = f"optimizer.lr {lr:g} (the checkpoint's run had {saved[0]:g})" if saved[0] != lr else \
             "the lr follows this run's schedule (its length and [schedule])"
-        say(f"{changed} from step {step}; lr there {now:.3g} (the checkpoint's run: {saved[1]:.3g})")
-    return state
+        notes.append(f"{changed} from step {step}; lr there {now:.3g} (the checkpoint's run: {saved[1]:.3g})")
+    return state, notes
 
 
 def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStack) -> tuple[int, dict]:

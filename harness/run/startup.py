@@ -275,7 +275,7 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     complete ones already there that it will keep (not set-aside `.bad` ones or `.universal` conversions), at least
     the next one, and the fp32 model.safetensors; and, for a resume onto another layout whose checkpoint is not
     converted yet, the universal conversion (`checkpoint.to_universal`: CONVERSION_FACTOR x that checkpoint while it
-    is written, 1.05x once done, kept beside it)."""
+    is written, 1.05x once done, in this run's checkpoints)."""
     from . import checkpoint
 
     t = plan.run.cfg.train
@@ -287,7 +287,7 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
     convert = 0
     if resume_from is not None and checkpoint.reshape(resume_from, plan.ds) and \
-            not resume_from.with_name(resume_from.name + checkpoint.UNIVERSAL).is_dir():
+            not checkpoint.conversion_of(resume_from, plan.run_dir).is_dir():
         convert = CONVERSION_FACTOR * _bytes_on_disk(resume_from)
     free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
     if free >= need + convert:
@@ -471,11 +471,10 @@ def check_fits(plan: Plan, model, capacity: int) -> str | None:
 
 
 def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrite: bool):
-    """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and writes the resolved
-    configs; an --overwrite clears the old run first. Collective: a lock taken meanwhile by another run is refused
-    on every rank."""
+    """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and, for a new run, writes the
+    resolved configs (a resume writes them once it knows it will train: `write_configs`); an --overwrite clears the
+    old run first. Collective: a lock taken meanwhile by another run is refused on every rank."""
     from ..distributed.world import all_gather_objects
-    from ..plan.render import ds_json
     from .lock import Lock
 
     held, error = None, None
@@ -490,17 +489,9 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
     error = all_gather_objects(error)[0]
     if error:
         raise ConfigError(error)
+    if resume_from is None:  # first: what tells a run directory (`is_run_dir`, `harness launch`'s launch.log)
+        write_configs(plan, world, None)
     if world.is_main:
-        saved = plan.run_dir / "config.toml"
-        if resume_from is not None and saved.exists():
-            old = flatten(read_toml(saved))
-            changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in flatten(plan.run.cfg.to_dict()).items()
-                       if old.get(k) != v]
-            if changed:
-                print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
-        saved.write_text(to_toml(plan.run.cfg))
-        # in full: the optimizer and scheduler the run trains with too
-        (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
         if world.library_output:  # DeepSpeed's own lines at start-up: kept, out of the terminal
             with open(plan.run_dir / "deepspeed.log", "a") as f:
                 f.write(world.library_output)
@@ -511,6 +502,26 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
             held.release()
         raise
     return held
+
+
+def write_configs(plan: Plan, world: World, resume_from: Path | None) -> None:
+    """Rank 0 writes the resolved configs: a new run's at once, a resume's once it will train (a resume of a finished
+    run leaves its record as it was; a checkpoint loaded has read its own run's ds_config.json), saying what the
+    resume changed."""
+    from ..plan.render import ds_json
+
+    if not world.is_main:
+        return
+    saved = plan.run_dir / "config.toml"
+    if resume_from is not None and saved.exists():
+        old = flatten(read_toml(saved))
+        changed = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in flatten(plan.run.cfg.to_dict()).items()
+                   if old.get(k) != v]
+        if changed:
+            print(f"note: the config differs from the saved run's: {'; '.join(changed)}", flush=True)
+    saved.write_text(to_toml(plan.run.cfg))
+    # in full: the optimizer and scheduler the run trains with too
+    (plan.run_dir / "ds_config.json").write_text(ds_json(plan) + "\n")
 
 
 SHARED_WAIT_ENV = "HARNESS_SHARED_WAIT_S"  # how long a node looks for the others' tokens (a slow NFS cache)
