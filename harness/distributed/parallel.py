@@ -96,10 +96,9 @@ def build_engine(plan, world: World, total_steps: int):
         # over one rank and a copy back every step). ZeRO-1/2/3 need their reduce path to fill their partitions.
         engine.enable_backward_allreduce = False
     ds_patches.fewer_step_syncs(engine, layout.tp_size)
-    # (a pipeline's stages take their inputs inside DeepSpeed's schedule, past a hook on the whole model)
-    if plan.ds.precision in ("bf16", "fp16") and not plan.ds.autocast and layout.pp_size == 1 and \
-            not getattr(engine.module, "casts_own_inputs", False):
-        engine.module.register_forward_pre_hook(_float_inputs_as(DTYPES[plan.ds.precision]))
+    cast = input_cast(plan.ds, engine.module)
+    if cast:
+        engine.module.register_forward_pre_hook(cast)
     if torch.cuda.is_available() and hasattr(plan.task, "padding"):
         # Padded batches of varying length: cuDNN's attention builds a new plan for every (batch, length) shape it
         # meets, 0.1 to 3 s each, on the host (the multi-second steps of the first GPU suite's translation model);
@@ -114,10 +113,20 @@ def build_engine(plan, world: World, total_steps: int):
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a plan's precision
 
 
+def input_cast(ds, module: torch.nn.Module):
+    """The forward pre-hook that casts `module`'s floating-point inputs to its 16-bit dtype, or None where none is
+    due: DeepSpeed's bf16 and fp16 hold the weights in 16 bits but pass the inputs on as they come (only fp16's
+    `auto_cast` casts them), so a task whose positional inputs are fp32 features fails its first matmul. None under
+    fp32 or autocast, under a pipeline (its stages take their inputs inside DeepSpeed's schedule, past a hook on the
+    whole model), and for a model that sets `casts_own_inputs` (it takes them as they come)."""
+    if ds.precision not in ("bf16", "fp16") or ds.autocast or ds.layout.pp_size > 1 or \
+            getattr(module, "casts_own_inputs", False):
+        return None
+    return _float_inputs_as(DTYPES[ds.precision])
+
+
 def _float_inputs_as(dtype: torch.dtype):
-    """A forward pre-hook: DeepSpeed's bf16 and fp16 hold the weights in 16 bits but pass the inputs on as they come
-    (only fp16's `auto_cast` casts them), so a task whose positional inputs are fp32 features fails its first matmul.
-    Integer inputs (token ids) are left alone; a model that sets `casts_own_inputs` takes them as they come."""
+    """Integer inputs (token ids) are left alone."""
     def cast(module, args):
         if any(torch.is_tensor(a) and a.is_floating_point() and a.dtype != dtype for a in args):
             return tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
