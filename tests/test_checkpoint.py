@@ -440,6 +440,11 @@ def test_a_checkpoint_cut_short_is_one_line_naming_the_one_before_it(tmp_path, c
         assert "Traceback" not in bad.proc.stderr
     resumed = harness(out, corpus, sets=sets, args=["--resume", str(ckpts / "step_00000002")])
     assert "at step 2" in resumed.proc.stdout and max(resumed.losses) == 6
+    # the export gone (as `evaluate` advises for a damaged one): --resume auto exports again, evaluating once more
+    # in place of the final evaluation, not beside it
+    (out / "model.safetensors").unlink()
+    again = harness(out, corpus, sets=sets, args=["--resume", "auto"])
+    assert (out / "model.safetensors").exists() and [e["step"] for e in again.evals].count(6) == 1, again.evals
 
 
 def test_a_lost_rank_or_memory_while_loading_is_not_called_a_damaged_checkpoint(tmp_path):

@@ -190,8 +190,9 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     if selection and selection.value is not None:
         checkpoint.adopt_best(plan.run_dir / "checkpoints", selection.step, resume_from.parent, world)
     if world.is_main:
-        for name in ("metrics.jsonl", "eval.jsonl"):
-            truncate_jsonl(plan.run_dir / name, start_step)
+        truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
+        # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again
+        truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
         if selection:
             selection.record(plan.run_dir)
     tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
