@@ -149,6 +149,31 @@ def test_malformed_rows_are_counted(tmp_path):
     assert meta["splits"]["train"]["first"].startswith("2019-12-31T23")
 
 
+def test_a_date_column_is_read_in_one_format(tmp_path):
+    """Day-first dates read as one format (value by value, 01/02 was read month first and 13/02 day first, and the
+    series reordered); offsets that change within the file (daylight saving) no traceback; a column of no dates is
+    named as such, not as channels without numbers."""
+    path = write_series(tmp_path / "iso.csv", n=400)
+    iso = P.clean(*P.read_table(cfg_for(str(path)), "csv")[:2], log=False)
+    lines = path.read_text().splitlines()
+    day_first = [lines[0]] + [f"{d[8:10]}/{d[5:7]}/{d[:4]} {d[11:]},{rest}" for d, rest in
+                              (line.split(",", 1) for line in lines[1:])]
+    (tmp_path / "dmy.csv").write_text("\n".join(day_first) + "\n")
+    dates_raw, columns, unsorted = P.read_table(cfg_for(str(tmp_path / "dmy.csv")), "csv")
+    dmy = P.clean(dates_raw, columns, log=False)
+    assert unsorted == 0 and dmy[0] == iso[0] and np.array_equal(dmy[1], iso[1])
+    import pandas as pd
+
+    local = pd.date_range("2020-03-20", periods=400, tz="Europe/Berlin")  # +01:00, then +02:00 from March 29
+    (tmp_path / "tz.csv").write_text("date,a\n" + "".join(f"{d},{i}\n" for i, d in
+                                                          enumerate(local.strftime("%Y-%m-%dT%H:%M:%S%z"))))
+    dates, values, _ = P.clean(*P.read_table(cfg_for(str(tmp_path / "tz.csv")), "csv")[:2], log=False)
+    assert len(dates) == 400 and dates == sorted(dates) and values[:, 0].tolist() == list(range(400))
+    (tmp_path / "steps.csv").write_text("t,a\n" + "".join(f"{i},{i}\n" for i in range(50)))
+    with pytest.raises(ConfigError, match=r"column 't' \(prices.date_column\) holds no date \(the first value: "):
+        P.read_table(cfg_for(str(tmp_path / "steps.csv")), "csv")
+
+
 def test_bad_settings_fail_before_training(series_csv):
     task = PricesTask()
     with pytest.raises(ConfigError, match="patch_len"):

@@ -120,6 +120,17 @@ def test_fitness_csv_keeps_flip_splits_and_averages_repeats(tmp_path):
     assert samples[0]["value"].item() == pytest.approx((0.25 - 2.0) / 1.0)  # z-scored with train's statistics
     with pytest.raises(ConfigError, match="look like measurements .* use protein.objective = 'regress'"):
         prep.prepare(config('protein.label_field="target"', path=str(write_fitness(tmp_path / "f.csv", n=40))))
+    # a missing label ("NA", as pandas writes it) is no class of its own, and hides no measurements
+    measured = write_fitness(tmp_path / "na.csv", n=40)
+    measured.write_text(measured.read_text().replace("\n", "\nNAKLMW,NA,train,False\n", 1))
+    with pytest.raises(ConfigError, match="look like measurements"):
+        prep.prepare(config('protein.label_field="target"', path=str(measured)))
+    flags = write_fitness(tmp_path / "flags.csv", n=40)  # R writes TRUE/FALSE
+    flags.write_text(flags.read_text().replace(",True\n", ",TRUE\n"))
+    upper = read_meta(prep.prepare(config('protein.objective="regress"', path=str(flags))))
+    same = read_meta(prep.prepare(config('protein.objective="regress"', path=str(write_fitness(tmp_path / "g.csv",
+                                                                                               n=40)))))
+    assert upper["counts"] == same["counts"] and sum(upper["counts"]["validation"].values()) == 4
     with pytest.raises(ConfigError, match="needs a number per sequence"):
         ProteinTask().check(config('protein.objective="regress"'))
 

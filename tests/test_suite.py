@@ -259,3 +259,27 @@ def test_smoke_without_the_benchmark_sets_makes_stand_ins_in_their_layout(tmp_pa
         str(p.relative_to(made)) for p in made.rglob("*") if p.is_file())
     assert main(["prepare", "translation", "--from", str(made / "flip_ss"), "--out", str(laid)]) == 2
 
+
+
+def test_prepare_from_a_release_checks_what_it_reads(tmp_path, capsys):
+    """A gzip damaged inside (zlib's error), FLIP fasta files that are not FLIP's (they were laid out, and failed
+    later), a sentence file whose last line has no newline (counted one line short, refused as misaligned)."""
+    import gzip
+
+    data = bytearray(gzip.compress(b"".join(b"date,a\n2020-01-01,%d\n" % i for i in range(2000))))
+    data[20:60] = bytes(40)
+    (tmp_path / "ETTh1.csv.gz").write_bytes(bytes(data))
+    assert main(["prepare", "prices", "--from", str(tmp_path / "ETTh1.csv.gz"), "--out", str(tmp_path / "o")]) == 2
+    assert "unreadable (error: Error -3 while decompressing" in capsys.readouterr().err
+    ss = tmp_path / "ss"
+    ss.mkdir()
+    (ss / "sequences.fasta").write_text(">a\nMKVL\n>b\nACDE\n")
+    (ss / "sampled.fasta").write_text(">a SET=train VALIDATION=False\nCCHH\n>b SET=test VALIDATION=False\nCCH\n")
+    assert main(["prepare", "protein", "--from", str(ss), "--out", str(tmp_path / "o")]) == 2
+    assert "are not FLIP's secondary-structure files (record b: 4 residues, 3 states)" in capsys.readouterr().err
+    pairs = tmp_path / "m30k"
+    pairs.mkdir()
+    for split in ("train", "val", "test_2016_flickr"):
+        (pairs / f"{split}.en").write_text("a dog runs\nthe man\n")
+        (pairs / f"{split}.de").write_text("ein hund rennt\nder mann")  # no newline at its end
+    assert main(["prepare", "translation", "--from", str(pairs), "--out", str(tmp_path / "o")]) == 0

@@ -25,6 +25,11 @@ PEEK = 1 << 16  # bytes read before launch to judge a data file: empty, only whi
 KEPT = ("ok", "truncated", "whole", "off_site")
 
 
+# pandas' default NA strings: a csv is read as text (`parse_records`), and these stay "missing" as they were (a
+# price, a protein's class label)
+NA_STRINGS = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+              "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+
 @dataclass
 class DataSummary:
     counts: dict[str, Counter] = field(default_factory=dict)  # split -> status -> rows

@@ -14,6 +14,7 @@ import io
 import math
 import random
 import zipfile
+import zlib
 from pathlib import Path
 
 from ..config.run import ConfigError
@@ -41,7 +42,7 @@ def from_release(task: str, source: str, root: str) -> list[Path]:
         raise ConfigError(f"--from {source}: no such file or folder")
     try:
         return _lay_out(task, _members(path), Path(root), source)
-    except (UnicodeDecodeError, zipfile.BadZipFile, gzip.BadGzipFile, EOFError, csv.Error) as e:
+    except (UnicodeDecodeError, zipfile.BadZipFile, gzip.BadGzipFile, EOFError, csv.Error, zlib.error) as e:
         raise ConfigError(f"--from {source}: unreadable ({type(e).__name__}: {e})") from None
 
 
@@ -52,7 +53,7 @@ def _lay_out(task: str, files: dict[str, bytes], out: Path, source: str) -> list
         return _ett(files, out / "ett", source)
     written = []
     if all(any(Path(n).name == f for n in files) for f in FLIP_SS[:2]):
-        written += _flip_ss(files, out / "flip_ss")
+        written += _flip_ss(files, out / "flip_ss", source)
     written += _flip_gb1(files, out / "flip_gb1")
     if not written:
         raise ConfigError(f"--from {source}: neither {SOURCES['flip_ss']} nor {SOURCES['flip_gb1']}")
@@ -105,14 +106,15 @@ def _multi30k(files: dict[str, bytes], out: Path, source: str) -> list[Path]:
             if found is None:
                 raise ConfigError(f"--from {source}: no {split}.{lang}[.gz]; expected {SOURCES['multi30k']}")
             texts[split, lang] = _text(*found)
-        en, de = (texts[split, lang].count("\n") for lang in ("en", "de"))
+        en, de = (len(texts[split, lang].splitlines()) for lang in ("en", "de"))  # a last line with or without \n
         if en != de or not en:
             raise ConfigError(f"--from {source}: {split}.en has {en} lines and {split}.de {de}: not one sentence "
                               f"pair a line")
     return [_write_gz(out / f"{split}.{lang}.gz", texts[split, lang]) for split, lang in texts]
 
 
-def _flip_ss(files: dict[str, bytes], out: Path) -> list[Path]:
+def _flip_ss(files: dict[str, bytes], out: Path, source: str = "") -> list[Path]:
+    _check_flip_ss(_text(*_find(files, FLIP_SS[0])), _text(*_find(files, FLIP_SS[1])), source)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "splits.zip.tmp"
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
@@ -122,6 +124,31 @@ def _flip_ss(files: dict[str, bytes], out: Path) -> list[Path]:
                 z.writestr(name, _text(*found))
     tmp.replace(out / "splits.zip")
     return [out / "splits.zip"]
+
+
+def _check_flip_ss(sequences: str, sampled: str, source: str) -> None:
+    """FLIP's secondary-structure files: the same records in both, each state string as long as its sequence, each
+    record's split named (`SET=train|test`)."""
+    def records(text: str) -> dict[str, tuple[str, str]]:
+        out, name = {}, None
+        for line in text.splitlines():
+            if line.startswith(">"):
+                name = line[1:].split()[0] if line[1:].split() else ""
+                out[name] = (line, "")
+            elif name is not None:
+                out[name] = (out[name][0], out[name][1] + line.strip())
+        return out
+
+    seqs, states = records(sequences), records(sampled)
+    bad = "no record" if not seqs or not states else \
+        "their records differ" if seqs.keys() != states.keys() else \
+        next((f"record {k}: {len(seqs[k][1])} residues, {len(states[k][1])} states" for k in seqs
+              if len(seqs[k][1]) != len(states[k][1])), None) or \
+        next((f"record {k}'s header names no SET=train|test" for k, (head, _) in states.items()
+              if "SET=train" not in head and "SET=test" not in head), None)
+    if bad:
+        raise ConfigError(f"--from {source}: {FLIP_SS[0]} and {FLIP_SS[1]} are not FLIP's secondary-structure files "
+                          f"({bad})")
 
 
 def _flip_gb1(files: dict[str, bytes], out: Path) -> list[Path]:

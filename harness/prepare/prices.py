@@ -44,7 +44,7 @@ from ..config.run import ConfigError, RunConfig
 from ..data import rows as data
 from . import load_split, package_file, prepared, read_meta, save_split
 
-VERSION = 1  # bump when the preparation changes: the cache key includes it
+VERSION = 2  # bump when the preparation changes: the cache key includes it (2: one date format a column)
 SPLITS = ("train", "validation", "test")
 STOCKS = ("bokeh_sampledata", "_data/stocks.csv.gz")
 ETT_ROWS = (8640, 2880, 2880)  # the standard 12/4/4-month split of the hourly ETT sets
@@ -155,7 +155,11 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
         raise ConfigError(f"{path}: no column(s) {missing or 'to forecast'} (prices.date_column, "
                           f"prices.columns); columns are {list(df.columns)}")
     dates = list(df[date_col])
-    return dates, {c: list(df[c]) for c in names}, _unsorted(_dates(dates))
+    parsed = _dates(dates)
+    if dates and not any(d is not None for d in parsed):
+        raise ConfigError(f"{path}: column {date_col!r} (prices.date_column) holds no date (the first value: "
+                          f"{dates[0]!r}); name the column of dates with prices.date_column")
+    return dates, {c: list(df[c]) for c in names}, _unsorted(parsed)
 
 
 def _from_long(df, symbols: list[str], fields: list[str]) -> tuple[list, dict[str, list], int]:
@@ -178,12 +182,26 @@ def _isnan(v) -> bool:
 
 
 def _dates(raw: list) -> list:
-    """Parsed time stamps (numpy datetime64) or None where a value is not a date."""
+    """Parsed time stamps (numpy datetime64, UTC where the file gives offsets) or None where a value is not a date.
+    One format for the whole column: ISO 8601, else the one pandas infers month first, else day first, whichever
+    reads the most values (parsed value by value, 01/02 and 13/02 were read as two formats, and the series reordered);
+    offsets that change within the file (daylight saving) are taken to UTC."""
+    import warnings
+
     import pandas as pd
 
-    parsed = pd.to_datetime(pd.Series([str(v) if v is not None else "" for v in raw], dtype=object),
-                            errors="coerce", format="mixed")
-    return [None if pd.isna(d) else np.datetime64(d, "s") for d in parsed]
+    text = pd.Series([str(v) if v is not None else "" for v in raw], dtype=object)
+    best = None
+    for how in ({"format": "ISO8601"}, {}, {"dayfirst": True}):
+        with warnings.catch_warnings():  # pandas' note that it guessed a format, or fell back to dateutil
+            warnings.simplefilter("ignore")
+            try:
+                parsed = pd.to_datetime(text, errors="coerce", utc=True, **how)
+            except (ValueError, TypeError):
+                continue
+        if best is None or parsed.notna().sum() > best.notna().sum():
+            best = parsed
+    return [None if pd.isna(d) else np.datetime64(d.tz_localize(None), "s") for d in best]
 
 
 def _unsorted(dates: list) -> int:
@@ -198,13 +216,8 @@ def _unsorted(dates: list) -> int:
     return n
 
 
-# pandas' default NA strings: a csv is read as text (data.parse_records), and these stay "missing" as they were
-NA_STRINGS = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
-              "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
-
-
 def _number(v, log: bool) -> tuple[float | None, str]:
-    if v is None or _isnan(v) or (isinstance(v, str) and v.strip() in NA_STRINGS):
+    if v is None or _isnan(v) or (isinstance(v, str) and v.strip() in data.NA_STRINGS):
         return None, "missing"
     try:
         x = float(v)

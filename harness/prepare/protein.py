@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.run import ConfigError, RunConfig
-from ..data.rows import KEPT
+from ..data.rows import KEPT, NA_STRINGS
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from . import load_split, package_file, prepared, read_meta, save_split
 from .protein_sources import (
@@ -58,7 +58,7 @@ from .protein_sources import (
     source_kind,
 )
 
-VERSION = 2
+VERSION = 3  # the cache key includes it (3: "NA" labels missing, validation flags of any case)
 MAX_CLASSES = 100
 SPLIT_SEED = 0
 TOKENIZER = "spm.model"
@@ -200,11 +200,12 @@ def clean(row: Row, kind: str, seq_len: int) -> tuple[str, str, Any]:
 
 
 def _class(label) -> str | None:
-    """A class label as a string ("1", "1.0" and 1 are the same class); None when missing."""
+    """A class label as a string ("1", "1.0" and 1 are the same class); None when missing ("NA" too, as for prices:
+    it had become a class of its own)."""
     if label is None or isinstance(label, bool) or (isinstance(label, float) and math.isnan(label)):
         return None
     text = str(label).strip()
-    if "\ufffd" in text:  # undecodable bytes
+    if "\ufffd" in text or text in NA_STRINGS:  # undecodable bytes, a missing value
         return None
     try:
         number = float(text)
@@ -244,9 +245,11 @@ def _numeric(label: str) -> float | None:
 
 
 def refuse_measurements(classes: list[str], source: str) -> None:
-    """Classify's labels must be classes: numbers that are not whole, or very many of them, are measurements."""
-    numbers = [_numeric(c) for c in classes]
-    if classes and None not in numbers and (any(not x.is_integer() for x in numbers) or len(classes) > MAX_CLASSES):
+    """Classify's labels must be classes: numbers that are not whole, or very many of them, are measurements (judged
+    on the numbers, so that a stray word among them does not hide it)."""
+    numbers = [x for x in map(_numeric, classes) if x is not None]
+    if numbers and len(numbers) >= 0.9 * len(classes) and \
+            (any(not x.is_integer() for x in numbers) or len(classes) > MAX_CLASSES):
         raise ConfigError(f"{source}: the labels look like measurements ({len(classes)} distinct numbers, e.g. "
                           f"{', '.join(classes[:3])}), not classes: use protein.objective = 'regress'")
 

@@ -33,6 +33,7 @@ DEFAULT = ("modlamp", "data/AMPvsUniProt.csv")
 DEFAULT_CLASS_NAMES = {"0": "UniProt (random)", "1": "antimicrobial peptide"}
 FLIP_FILES = ("sequences.fasta", "sampled.fasta", "mask.fasta")
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa")
+TRUE = ("true", "1")  # a FLIP validation flag as R or pandas may write it ("TRUE", "True", "1")
 Row = tuple  # (sequence, label, resolved, parse_status: "" or "malformed")
 
 
@@ -146,7 +147,7 @@ def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ","
     if flip:  # FLIP's layout: its own train/validation/test (a row that cannot be parsed counts under train)
         seti, vi = head.index("set"), head.index("validation") if "validation" in head else None
         info["sets"] = ["test" if len(r) == len(head) and r[seti].strip().lower() == "test" else
-                        "validation" if len(r) == len(head) and vi is not None and r[vi].strip() == "True" else
+                        "validation" if len(r) == len(head) and vi is not None and r[vi].strip().lower() in TRUE else
                         "train" for r in body]
     return rows, info
 
@@ -195,7 +196,7 @@ def _read_flip(directory: Path) -> dict[str, list[Row]]:
     splits: dict[str, list[Row]] = {s: [] for s in SPLITS}
     for name, fields, states in _fasta(_flip_lines(directory, "sampled.fasta")):
         split = "test" if fields.get("SET") == "test" else \
-            "validation" if fields.get("VALIDATION") == "True" else "train"
+            "validation" if fields.get("VALIDATION", "").lower() in TRUE else "train"
         seq = seqs.get(name)
         splits[split].append((seq, states, masks.get(name), "" if seq is not None else "malformed"))
     return splits
