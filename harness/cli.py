@@ -357,16 +357,18 @@ def _evaluate(args) -> int:
 
 def _prepare_corpus(args) -> int:
     """`harness prepare lm`: prepare (or continue, or merge) a corpus; one line of what it holds."""
-    from .prepare.corpus import merge, prepare_corpus
-
     if args.merge:
         if args.input or args.part:
             raise ConfigError("--merge joins prepared parts: leave out --input and --part")
+        from .prepare.corpus import merge
+
         m = merge(args.merge, args.out)
     else:
         if not args.input:
             raise ConfigError(f"harness prepare {args.task} needs --input PATH... (or --merge DIR...)")
         try:
+            from .prepare.corpus import prepare_corpus
+
             m = prepare_corpus(args.input, args.out, args.workers, args.tokenizer, args.text_field,
                                args.val_fraction, args.seed, args.part, args.on_error)
         except KeyboardInterrupt:

@@ -311,6 +311,18 @@ def test_prepare_reads_what_the_raw_path_reads(tmp_path):
     (src / "e.json").write_text(json.dumps([{"text": f"row {i}"} for i in range(3)], indent=1))
     with pytest.raises(ConfigError, match="a JSON array, not JSON lines"):
         prepare_corpus([str(src / "e.json")], str(tmp_path / "array"))
+    # a .zst cut short stops as a .gz does (it ended quietly, its last document cut); a BOM before FASTA's first
+    # header (its record was lost); csv rows of another width than the header (kept, where the raw path skips them)
+    whole = (src / "a.txt.zst").read_bytes()
+    (tmp_path / "cut.txt.zst").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"unreadable at about row .* \(EOFError: the compressed stream ends"):
+        prepare_corpus([str(tmp_path / "cut.txt.zst")], str(tmp_path / "cut"))
+    (tmp_path / "bom.fa").write_bytes(b"\xef\xbb\xbf>s1\nMKTAYIAKQR\n>s2\nMKLLVV\n")
+    assert prepare_corpus([str(tmp_path / "bom.fa")], str(tmp_path / "fa"), tokenizer="residues")["counts"]["train"][
+        "documents"] == 2
+    (tmp_path / "ragged.csv").write_text("text,id\nfine,1\nextra row,2,3\nshort row\n\n")
+    m = prepare_corpus([str(tmp_path / "ragged.csv")], str(tmp_path / "ragged"))
+    assert m["counts"]["rows"] == {"ok": 1, "malformed": 2}
 
 
 def test_prepare_s_command_line_takes_every_input_and_passes_over_its_own_output(tmp_path):
@@ -326,6 +338,12 @@ def test_prepare_s_command_line_takes_every_input_and_passes_over_its_own_output
     assert first.returncode == 0 and "in 150 documents" in first.stdout, first.stderr[-2000:]
     again = cli(*args)
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
+    glob_args = ["prepare", "lm", "--input", str(src / "**" / "*.*"), "--out", str(src / "globbed"),
+                 "--val-fraction", "0"]  # a glob over the input folder, its corpora included
+    globbed = cli(*glob_args)
+    assert globbed.returncode == 0 and "in 100 documents" in globbed.stdout, globbed.stderr[-2000:]
+    again = cli(*glob_args)
+    assert again.returncode == 0 and again.stdout == globbed.stdout, again.stderr[-2000:]
     (tmp_path / "r.jsonl").write_text('{"body": "x y"}\n{"body": "z"}\n')
     wrong = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"))
     assert wrong.returncode == 2 and "no row has the field 'text'" in wrong.stderr
@@ -396,7 +414,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sets, message", [
     (["data.val_path={bpe}"], "data.val_path = {bpe}: prepared with the tokenizer"),
     (["data.val_path={protein}"], "data.val_path = {protein}: prepared with protein residues"),
-    (["data.path={protein}", "data.val_path=\"\""], "data.path = {protein}: prepared with protein residues"),
+    (["data.path={protein}", "data.val_path=\"\""], "data.path = {protein}: prepared with protein residues "
+                                                    "(harness prepare protein), a corpus for the protein task's"),
+    (["data.path={short}"], "data.path: {short} holds 3 training tokens, not one window"),
+    (["data.path={raw}", "data.val_path={bytes}"], "data.val_path = {bytes} is a prepared corpus, and data.path = "
+                                                   "{raw} is not"),
     (["data.val_path={short}"], "its training split (what validation reads) holds"),
 ])
 def test_a_corpus_of_other_tokens_or_a_validation_corpus_too_short_is_refused(sets, message, tmp_path, tiny_llama):
@@ -404,7 +426,7 @@ def test_a_corpus_of_other_tokens_or_a_validation_corpus_too_short_is_refused(se
     (tmp_path / "s.fasta").write_text(">s1\nMKVLAAGIVG\n>s2\nMKTAYIAKQR\n")
     (tmp_path / "short.txt").write_text("ab\n")
     paths = {"bytes": tmp_path / "bytes", "bpe": tmp_path / "bpe", "protein": tmp_path / "protein",
-             "short": tmp_path / "short"}
+             "short": tmp_path / "short", "raw": src}
     prepare_corpus([str(src)], str(paths["bytes"]))
     prepare_corpus([str(src)], str(paths["bpe"]), tokenizer=str(tiny_llama))
     prepare_corpus([str(tmp_path / "s.fasta")], str(paths["protein"]), tokenizer="residues")
@@ -418,3 +440,39 @@ def test_a_corpus_of_other_tokens_or_a_validation_corpus_too_short_is_refused(se
     assert done.returncode == 2 and message.format(**{k: str(v) for k, v in paths.items()}) in done.stderr, \
         done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_killed_from_outside_stops_the_prepare_in_one_line(tmp_path, tiny_llama):
+    """The OOM killer (here kill -9) takes a worker mid-unit: multiprocessing.Pool replaced it and waited for its unit
+    for ever. Now one line, exit 2; the same command again finishes the corpus."""
+    import os
+    import signal
+    import time
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(3):
+        write_corpus(src / f"{i}.txt", lines=60_000, seed=i)
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "harness", "prepare", "lm", "--input", str(src), "--out", str(out), "--tokenizer",
+            str(tiny_llama), "--workers", "2"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, deadline = None, time.monotonic() + 120
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        for partial in out.glob("*.tmp"):  # NAME.PID.tmp: the worker writing it
+            pid = int(partial.name.split(".")[-2])
+            if pid != proc.pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = pid
+                break
+        time.sleep(0.05)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert killed and proc.returncode == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("harness: error: a worker of the prepare died"), err[-2000:]
+    assert "Traceback" not in err
+    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert Corpus(out).documents() + Corpus(out).documents("validation") == 180_000

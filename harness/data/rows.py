@@ -64,6 +64,11 @@ def check_paths(d: DataSection) -> None:
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
         if path and not path.startswith("hub:"):
             p = Path(path)
+            if p.is_dir() and key == "data.val_path" and (p / "manifest.json").is_file():
+                train = d.path or "(the embedded default)"
+                raise ConfigError(f"data.val_path = {path} is a prepared corpus, and data.path = {train} is not: a "
+                                  f"prepared validation corpus goes with a prepared data.path (harness prepare lm "
+                                  f"--input {d.path or 'FILES'} --out DIR)")
             if p.is_dir():  # the lm task reads one file (the case studies read their own directory layouts)
                 files = sorted(f.name for f in p.iterdir() if f.is_file())[:3]
                 raise ConfigError(f"{path}: {key} is a directory ({', '.join(files) or 'empty'}"

@@ -86,24 +86,30 @@ def kind_of(path: str) -> str | None:
 
 def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
     """Files named, found in directories (recursively) or matched by globs, sorted, each once; one line for a name
-    that matches nothing. A directory's search passes over prepared corpora (their manifests and records are JSON),
-    `exclude` (the prepare's own --out) among them."""
+    that matches nothing. What a directory or a glob finds passes over prepared corpora (their manifests and records
+    are JSON), `exclude` (the prepare's own --out) among them; a file named is taken as it is."""
     files: list[str] = []
+    passed_over = _corpora(exclude)
     for name in inputs:
         if name.startswith("hub:"):  # streamed by `datasets`, never held whole
             files.append(name)
             continue
         matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else [name]
-        found = []
+        found, over = [], []
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                found += [str(f) for f in _search(p, exclude)]
-            elif p.is_file():
+                kind = [f for f in p.rglob("*") if f.is_file() and kind_of(str(f))]
+                found += sorted(str(f) for f in kind if not passed_over(f))  # (as strings: the unit numbers of before)
+                over += [f for f in kind if passed_over(f)]
+            elif p.is_file() and (m == name or not passed_over(p)):
                 found.append(m)
+            elif p.is_file():
+                over.append(p)
         if not found:
             raise ConfigError(f"--input {name}: matches no file" + (f" of a known kind ({KNOWN}, compressed "
-                              ".gz/.bz2/.xz/.zst) outside prepared corpora and --out" if Path(name).is_dir() else ""))
+                              f".gz/.bz2/.xz/.zst)" if Path(name).is_dir() else "") +
+                              (f" outside prepared corpora and --out ({len(over)} inside)" if over else ""))
         for f in found:
             if kind_of(f) is None:
                 raise ConfigError(f"--input {f}: cannot tell its kind from its name ({KNOWN}, optionally "
@@ -112,13 +118,17 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
     return list(dict.fromkeys(files))
 
 
-def _search(directory: Path, exclude: Path | None) -> list[Path]:
-    """The files of a known kind under `directory`, outside prepared corpora and `exclude`."""
-    skip = {exclude.resolve()} if exclude else set()
-    skip |= {f.parent.resolve() for f in directory.rglob(MANIFEST) if _read_json(f).get("format") == FORMAT}
-    skip |= {f.parent.parent.resolve() for f in directory.rglob("units/settings.json")}
-    return sorted((f for f in directory.rglob("*") if f.is_file() and kind_of(str(f)) and
-                   not skip.intersection(f.resolve().parents)), key=str)  # as strings: the unit numbers of before
+def _corpora(exclude: Path | None):
+    """Whether a file lies in `exclude` or in a prepared corpus (one prepare's look: a folder is asked once)."""
+    skip, seen = exclude.resolve() if exclude else None, {}
+
+    def corpus(d: Path) -> bool:
+        if d not in seen:
+            seen[d] = d == skip or (d / "units" / "settings.json").is_file() or \
+                _read_json(d / MANIFEST).get("format") == FORMAT
+        return seen[d]
+
+    return lambda f: any(corpus(d) for d in Path(f).resolve().parents)
 
 
 def _stat(path: str) -> tuple[int, int]:
@@ -169,9 +179,41 @@ def _open(path: str):
         except ImportError:
             raise ConfigError(f"--input {path}: reading .zst needs the zstandard package (pip install zstandard)") \
                 from None
-        # zstandard's reader has neither readline nor line iteration: `text_blocks` and `fasta_records` need both
-        return io.BufferedReader(zstandard.open(path, "rb"))
+        # buffered: `text_blocks` and `fasta_records` read lines, which zstandard's own reader does not
+        return io.BufferedReader(_Zstd(path, zstandard.ZstdDecompressor()))
     return OPENERS[comp](path, "rb") if comp else open(path, "rb")
+
+
+class _Zstd(io.RawIOBase):
+    """A .zst file's bytes, frame after frame; a stream cut short raises EOFError, as gzip, bz2 and lzma do
+    (zstandard's own reader ends there quietly, the last document cut)."""
+
+    def __init__(self, path: str, dctx):
+        self.raw, self.dctx, self.d, self.fed, self.out = open(path, "rb"), dctx, dctx.decompressobj(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.out:
+            if self.d.eof:  # a frame ended: the next one, if any, starts in what is left over
+                rest, self.d, self.fed = self.d.unused_data, self.dctx.decompressobj(), False
+                if rest:
+                    self.out, self.fed = self.d.decompress(rest), True
+                    continue
+            chunk = self.raw.read(1 << 17)
+            if not chunk:
+                if self.fed:
+                    raise EOFError("the compressed stream ends before its last frame does (cut short)")
+                return 0
+            self.out, self.fed = self.d.decompress(chunk), True
+        n = min(len(buffer), len(self.out))
+        buffer[:n], self.out = self.out[:n], self.out[n:]
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 def text_blocks(unit: Unit):
@@ -204,7 +246,8 @@ def fasta_records(unit: Unit):
             f.seek(unit.start - 1)
             f.readline()  # the line under way belongs to the unit before
         pos, block, seq, header = f.tell(), [], None, False
-        for line in f:
+        for raw in f:
+            line = raw.removeprefix(BOM) if pos == 0 else raw  # a BOM is no part of the first header
             if line.startswith(b">"):
                 if seq is not None:
                     block.append(b"".join(seq))
@@ -217,7 +260,7 @@ def fasta_records(unit: Unit):
                 seq, header = [], True
             elif seq is not None:
                 seq.append(line.strip())
-            pos += len(line)
+            pos += len(raw)
         if seq is not None:
             block.append(b"".join(seq))
         if not header and unit.start == 0 and pos:
@@ -270,19 +313,22 @@ def documents(unit: Unit, text_field: str, counts: Counter):
 
 def _csv_texts(unit: Unit, text_field: str, counts: Counter):
     """A csv or tsv file's text column, 10,000 rows at a time. Bytes that are not UTF-8 are kept as surrogates so that
-    `_clean_texts` skips their rows, as the raw path does; a BOM is no part of the header."""
+    `_clean_texts` skips their rows, as it does rows of another width than the header, as the raw path does; a BOM is
+    no part of the header."""
     csv.field_size_limit(2**31 - 1)  # a document of any length (the default stops at 128 KiB)
     with _open(unit.path) as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
-        reader = csv.DictReader(text, delimiter="\t" if _suffix(unit.path) == ".tsv" else ",")
-        if reader.fieldnames is None:
+        reader = csv.reader(text, delimiter="\t" if _suffix(unit.path) == ".tsv" else ",")
+        header = next(reader, None)
+        if header is None:
             raise ConfigError(f"--input {unit.path}: empty: no header line naming the column {text_field!r}")
-        if text_field not in reader.fieldnames:
-            raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field) in its header "
-                              f"{reader.fieldnames}")
-        batch = []
+        if text_field not in header:
+            raise ConfigError(f"--input {unit.path}: no column {text_field!r} (--text-field) in its header {header}")
+        at, batch = header.index(text_field), []
         for row in reader:
-            batch.append(row.get(text_field))
+            if not row:  # a blank line
+                continue
+            batch.append(row[at] if len(row) == len(header) else None)  # another width: malformed
             if len(batch) >= 10_000:
                 yield _clean_texts(batch, counts)
                 batch = []
@@ -530,6 +576,13 @@ def _stamps(root: Path, shards: list[dict]) -> dict:
     return {str(f): [(st := f.stat()).st_size, st.st_mtime_ns] for f in files}
 
 
+def _write_changed(path: Path, value: dict, out: Path, indent: int | None = None) -> None:
+    """`write_json`, unless the file holds `value` already: a rerun that does nothing writes nothing (a full disk
+    does not stop it)."""
+    if _read_json(path) != value:
+        write_json(path, value, out, indent)
+
+
 def _disk_full(e: OSError, what: str, out: Path, removed: str = "") -> ConfigError:
     return ConfigError(f"the disk filled while writing {what} in {out} ({e.strerror}); {removed}free space and run "
                        f"the same command again, it continues")
@@ -644,7 +697,7 @@ def _claim(root: Path, settings: dict):
             _remove_partial(root)
             if settings_file.is_file():
                 _check_settings(root, _read_json(settings_file), settings)
-            write_json(settings_file, settings, root, indent=1)
+            _write_changed(settings_file, settings, root, indent=1)
             yield
         finally:
             _remove_partial(root)
@@ -708,14 +761,46 @@ def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: floa
             for job in jobs:
                 finished(job[0], prepare_unit(*job))
         else:
-            import multiprocessing
-
-            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_worker_start,
-                                                           initargs=(os.getpid(),)) as pool:
-                for job, record in zip(jobs, pool.imap(_run_unit, jobs)):
-                    finished(job[0], record)
+            _in_workers(jobs, workers, root, finished)
     finally:
         bar.close()  # an error's line then starts a line of its own
+
+
+def _in_workers(jobs: list[tuple], workers: int, root: Path, finished) -> None:
+    """The units in `workers` processes, each `finished` as it ends. A worker killed from outside (the OOM killer)
+    breaks the pool, said in one line (multiprocessing.Pool replaced it and waited for its unit for ever); on any
+    error or Ctrl-C the other workers are stopped, not waited for."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_start, initargs=(os.getpid(),))
+    try:
+        pending = {pool.submit(_run_unit, job): job[0] for job in jobs}
+        while pending:
+            ended, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in ended:
+                finished(pending.pop(future), future.result())
+    except BrokenProcessPool:
+        _stop(pool)
+        raise ConfigError(f"a worker of the prepare died (killed from outside, or out of memory: each holds up to "
+                          f"{BLOCK >> 20} MB of text and its tokens at a time); {root} keeps the units it finished: "
+                          f"run the same command again (with fewer --workers if memory ran out)") from None
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown()
+
+
+def _stop(pool) -> None:
+    """Stop a pool's workers now, their units unfinished (`_claim` removes what they leave)."""
+    stop = getattr(pool, "terminate_workers", None)  # Python 3.14
+    for process in ([] if stop else list((getattr(pool, "_processes", None) or {}).values())):
+        process.terminate()
+    if stop:
+        stop()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _worker_start(parent: int) -> None:
@@ -755,8 +840,8 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
                     "documents": sum(s["documents"] for s in shards if s["split"] == split)}
                     for split in ("train", "validation")}},
                 "shards": shards}
-    write_json(root / MANIFEST, manifest, root, indent=1)
-    write_json(root / VERIFIED, stamps, root)
+    _write_changed(root / MANIFEST, manifest, root, indent=1)
+    _write_changed(root / VERIFIED, stamps, root)
     if settings["tokenizer"]["kind"] == RESIDUES:  # what the protein task reads of a prepared directory
         from . import META
 

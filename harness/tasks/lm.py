@@ -89,9 +89,13 @@ def _check_tokens(cfg: RunConfig, key: str, path: str, corpus: Corpus) -> None:
         if kind != "hf" or spec.get("fingerprint") != fingerprint(hf.tokenizer(cfg)):
             raise ConfigError(f"{key} = {path}: prepared with {made}, but {cfg.model.hf} has its own tokenizer; "
                               f"prepare it with --tokenizer {hf.tokenizer_dir(cfg)}")
+    elif kind == "residues":
+        raise ConfigError(f"{key} = {path}: prepared with {made}, a corpus for the protein task's masked-LM: set "
+                          f"run.task = \"protein\" (protein.objective = \"mlm\"), or prepare text with `harness "
+                          f"prepare lm`")
     elif kind != "bytes":
         raise ConfigError(f"{key} = {path}: prepared with {made}, but the run's model reads bytes; prepare it "
-                          f"without --tokenizer" + (", or name a model.hf with that tokenizer" if kind == "hf" else ""))
+                          f"without --tokenizer, or name a model.hf with that tokenizer")
 
 
 class LanguageModelTask:
@@ -160,10 +164,11 @@ class LanguageModelTask:
                               f"FILES --out {path}` makes one")
         corpus = Corpus(path)
         corpus.check()
-        if cfg.data.mix and corpus.tokens() <= cfg.data.seq_len:
-            raise ConfigError(f"data.mix: {path} holds {corpus.tokens():,} training tokens, not one window of "
-                              f"data.seq_len + 1 = {cfg.data.seq_len + 1}; leave it out or shorten data.seq_len")
         _check_tokens(cfg, key, path, corpus)
+        if corpus.tokens() <= cfg.data.seq_len:
+            raise ConfigError(f"{key}: {path} holds {corpus.tokens():,} training tokens, not one window of "
+                              f"data.seq_len + 1 = {cfg.data.seq_len + 1}; "
+                              f"{'leave it out' if cfg.data.mix else 'prepare more text'} or shorten data.seq_len")
 
     def _check_val_corpus(self, cfg: RunConfig) -> None:
         """With prepared training data, a data.val_path is a prepared corpus too, checked as the training one."""
