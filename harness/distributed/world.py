@@ -300,3 +300,19 @@ def all_gather_objects(obj) -> list:
 def barrier() -> None:
     if _grouped():
         torch.distributed.barrier()
+
+
+# What a failed collective says (run/loop.py names the rank; run/checkpoint.py does not blame the file it read)
+def is_timeout(error: BaseException) -> bool:
+    """A collective that gave up waiting (gloo: "Timed out waiting ...ms", or "Application timeout caused pair
+    closure" in an all-gather; NCCL's watchdog: "Watchdog caught collective operation timeout")."""
+    text = str(error).lower()
+    return "timed out" in text or "application timeout" in text or ("timeout" in text and "collective" in text)
+
+
+def is_lost(error: BaseException) -> bool:
+    """A collective whose peer went away (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL:
+    "remote process exited or there was a network error"): a rank died, or its node did."""
+    text = str(error).lower()
+    return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
+                                   "remote process exited"))

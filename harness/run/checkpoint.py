@@ -27,7 +27,7 @@ import torch
 
 from ..config.run import ConfigError, TrainingStopped
 from ..distributed import ds_patches
-from ..distributed.world import World, all_gather_objects, barrier
+from ..distributed.world import World, all_gather_objects, barrier, is_lost, is_timeout
 from .trust import checkpoint_reads
 
 LATEST = "latest"
@@ -429,8 +429,6 @@ def _said_unreadable(path: Path, world: World, e: BaseException) -> None:
     """Raise the line for a checkpoint that cannot be read, naming the one before it (`latest` names this one, so
     `--resume auto` would take it again). A collective that failed (a lost rank, a timeout) or memory that ran out
     is not the file's fault: raised as it is."""
-    from .heartbeat import is_lost, is_timeout
-
     if isinstance(e, torch.OutOfMemoryError) or is_lost(e) or is_timeout(e) or \
             type(e).__module__.startswith("torch.distributed"):
         raise e

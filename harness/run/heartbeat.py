@@ -64,21 +64,6 @@ class Heartbeat:
             pass
 
 
-def is_timeout(error: BaseException) -> bool:
-    """A collective that gave up waiting (gloo: "Timed out waiting ...ms", or "Application timeout caused pair
-    closure" in an all-gather; NCCL's watchdog: "Watchdog caught collective operation timeout")."""
-    text = str(error).lower()
-    return "timed out" in text or "application timeout" in text or ("timeout" in text and "collective" in text)
-
-
-def is_lost(error: BaseException) -> bool:
-    """A collective whose peer went away (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL:
-    "remote process exited or there was a network error"): a rank died, or its node did."""
-    text = str(error).lower()
-    return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
-                                   "remote process exited"))
-
-
 def running_here(host: str, pid: int) -> bool | None:
     """Whether process `pid` of `host` still runs: known on this host only (None elsewhere). A heartbeat's rank, the
     run directory's lock holder (`lock.py`)."""

@@ -30,7 +30,8 @@ from ..distributed.parallel import (
     pipeline_loss_sum,
     release,
 )
-from ..distributed.world import World, all_gather_objects, all_reduce, cpu_threads, oversubscribed
+from ..distributed.world import (World, all_gather_objects, all_reduce, cpu_threads, is_lost, is_timeout,
+                                 oversubscribed)
 from ..models import sequence
 from ..models.flops import ForwardFlops
 from ..plan.render import build_report, start_line
@@ -39,7 +40,7 @@ from ..prepare import store_run_data
 from ..tasks.interface import check_data, check_metrics, check_model
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
-from .heartbeat import Heartbeat, diagnose, is_lost, is_timeout
+from .heartbeat import Heartbeat, diagnose
 from .preemption import EXIT_PREEMPTED, Watch
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
