@@ -170,8 +170,14 @@ def test_a_date_column_is_read_in_one_format(tmp_path):
     dates, values, _ = P.clean(*P.read_table(cfg_for(str(tmp_path / "tz.csv")), "csv")[:2], log=False)
     assert len(dates) == 400 and dates == sorted(dates) and values[:, 0].tolist() == list(range(400))
     (tmp_path / "steps.csv").write_text("t,a\n" + "".join(f"{i},{i}\n" for i in range(50)))
-    with pytest.raises(ConfigError, match=r"column 't' \(prices.date_column\) holds no date \(the first value: "):
+    with pytest.raises(ConfigError, match=r"column 't' \(prices.date_column\) holds no dates \(0 of 50 values"):
         P.read_table(cfg_for(str(tmp_path / "steps.csv")), "csv")
+    # a first value that is no date (pandas then parsed value by value); a weekday in the date (only the Mondays
+    # matched the format guessed)
+    assert P._dates(["NA", "01/02/2020", "13/02/2020"])[1:] == [np.datetime64("2020-02-01"),
+                                                                np.datetime64("2020-02-13")]
+    days = pd.date_range("2020-01-01", periods=30)
+    assert P._dates(list(days.strftime("%a, %d %b %Y"))) == list(days.to_numpy(dtype="datetime64[s]"))
 
 
 def test_bad_settings_fail_before_training(series_csv):

@@ -273,10 +273,12 @@ def test_prepare_from_a_release_checks_what_it_reads(tmp_path, capsys):
     assert "unreadable (error: Error -3 while decompressing" in capsys.readouterr().err
     ss = tmp_path / "ss"
     ss.mkdir()
-    (ss / "sequences.fasta").write_text(">a\nMKVL\n>b\nACDE\n")
-    (ss / "sampled.fasta").write_text(">a SET=train VALIDATION=False\nCCHH\n>b SET=test VALIDATION=False\nCCH\n")
+    (ss / "sequences.fasta").write_text(">a\nMKVL\n>b\nACDE\n>c\nGG\n")
+    (ss / "sampled.fasta").write_text(">a SET=train VALIDATION=False\nCCHH\n>b SET=test VALIDATION=False\nCCH\n"
+                                      ">c\nCC\n")  # b: a state short; c: no SET=
     assert main(["prepare", "protein", "--from", str(ss), "--out", str(tmp_path / "o")]) == 2
-    assert "are not FLIP's secondary-structure files (record b: 4 residues, 3 states)" in capsys.readouterr().err
+    assert "are not FLIP's secondary-structure files (2 of 3 records without a sequence of their length or a SET=, " \
+           "e.g. b)" in capsys.readouterr().err
     pairs = tmp_path / "m30k"
     pairs.mkdir()
     for split in ("train", "val", "test_2016_flickr"):

@@ -127,7 +127,7 @@ def _flip_ss(files: dict[str, bytes], out: Path, source: str = "") -> list[Path]
 
 
 def _check_flip_ss(sequences: str, sampled: str, source: str) -> None:
-    """FLIP's secondary-structure files: the same records in both, each state string as long as its sequence, each
+    """FLIP's secondary-structure files: most records in both, each state string as long as its sequence, each
     record's split named (`SET=train|test`)."""
     def records(text: str) -> dict[str, tuple[str, str]]:
         out, name = {}, None
@@ -140,15 +140,15 @@ def _check_flip_ss(sequences: str, sampled: str, source: str) -> None:
         return out
 
     seqs, states = records(sequences), records(sampled)
-    bad = "no record" if not seqs or not states else \
-        "their records differ" if seqs.keys() != states.keys() else \
-        next((f"record {k}: {len(seqs[k][1])} residues, {len(states[k][1])} states" for k in seqs
-              if len(seqs[k][1]) != len(states[k][1])), None) or \
-        next((f"record {k}'s header names no SET=train|test" for k, (head, _) in states.items()
-              if "SET=train" not in head and "SET=test" not in head), None)
-    if bad:
+    fits = [k for k, (head, residues) in states.items() if k in seqs and len(seqs[k][1]) == len(residues) and
+            ("SET=train" in head or "SET=test" in head)]
+    if len(fits) < max(1, len(states) / 2):  # (a few odd records are the reader's to count as malformed)
+        example = next((k for k in states if k not in fits), None)
+        why = "no record" if not states or not seqs else \
+            f"{len(states) - len(fits)} of {len(states)} records without a sequence of their length or a SET=, " \
+            f"e.g. {example}"
         raise ConfigError(f"--from {source}: {FLIP_SS[0]} and {FLIP_SS[1]} are not FLIP's secondary-structure files "
-                          f"({bad})")
+                          f"({why})")
 
 
 def _flip_gb1(files: dict[str, bytes], out: Path) -> list[Path]:

@@ -99,9 +99,9 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                kind = [f for f in p.rglob("*") if f.is_file() and kind_of(str(f))]
-                found += sorted(str(f) for f in kind if not passed_over(f))  # (as strings: the unit numbers of before)
-                over += [f for f in kind if passed_over(f)]
+                kind = [(f, passed_over(f)) for f in p.rglob("*") if f.is_file() and kind_of(str(f))]
+                found += sorted(str(f) for f, over_it in kind if not over_it)  # (as strings: the unit numbers of before)
+                over += [f for f, over_it in kind if over_it]
             elif p.is_file() and (m == name or not passed_over(p)):
                 found.append(m)
             elif p.is_file():
@@ -189,26 +189,28 @@ class _Zstd(io.RawIOBase):
     (zstandard's own reader ends there quietly, the last document cut)."""
 
     def __init__(self, path: str, dctx):
-        self.raw, self.dctx, self.d, self.fed, self.out = open(path, "rb"), dctx, dctx.decompressobj(), False, b""
+        self.raw, self.dctx, self.d, self.fed = open(path, "rb"), dctx, dctx.decompressobj(), False
+        self.out, self.at = memoryview(b""), 0  # what the last input piece gave, and how much of it was read
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while not self.out:
+        while self.at == len(self.out):
             if self.d.eof:  # a frame ended: the next one, if any, starts in what is left over
                 rest, self.d, self.fed = self.d.unused_data, self.dctx.decompressobj(), False
                 if rest:
-                    self.out, self.fed = self.d.decompress(rest), True
+                    self.out, self.at, self.fed = memoryview(self.d.decompress(rest)), 0, True
                     continue
-            chunk = self.raw.read(1 << 17)
-            if not chunk:
+            piece = self.raw.read(1 << 14)  # small pieces: what one gives stays small however well it compressed
+            if not piece:
                 if self.fed:
                     raise EOFError("the compressed stream ends before its last frame does (cut short)")
                 return 0
-            self.out, self.fed = self.d.decompress(chunk), True
-        n = min(len(buffer), len(self.out))
-        buffer[:n], self.out = self.out[:n], self.out[n:]
+            self.out, self.at, self.fed = memoryview(self.d.decompress(piece)), 0, True
+        n = min(len(buffer), len(self.out) - self.at)
+        buffer[:n] = self.out[self.at:self.at + n]
+        self.at += n
         return n
 
     def close(self) -> None:
@@ -431,7 +433,8 @@ class Residues:
     def write_vocabulary(self, out: Path) -> None:
         from .protein import TOKENIZER
 
-        (out / TOKENIZER).write_bytes(self.model)
+        if not (out / TOKENIZER).is_file() or (out / TOKENIZER).read_bytes() != self.model:
+            (out / TOKENIZER).write_bytes(self.model)
 
 
 class HFTokenizer:
@@ -796,10 +799,13 @@ def _in_workers(jobs: list[tuple], workers: int, root: Path, finished) -> None:
 def _stop(pool) -> None:
     """Stop a pool's workers now, their units unfinished (`_claim` removes what they leave)."""
     stop = getattr(pool, "terminate_workers", None)  # Python 3.14
-    for process in ([] if stop else list((getattr(pool, "_processes", None) or {}).values())):
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in ([] if stop else processes):
         process.terminate()
     if stop:
         stop()
+    for process in processes:  # gone before `_claim` removes their partial files and lets the directory go
+        process.join(5)
     pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -847,7 +853,7 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
 
         Residues().write_vocabulary(root)
         split_counts = {split: {"ok": manifest["counts"][split]["documents"]} for split in ("train", "validation")}
-        write_json(root / META, {"task": "protein", "corpus": True, "labels": "none", "classes": [], "values": {},
+        _write_changed(root / META, {"task": "protein", "corpus": True, "labels": "none", "classes": [], "values": {},
                                  "vocab_size": settings["tokenizer"]["vocab_size"], "sites": None,
                                  "counts": {**split_counts, "test": {}}}, root, indent=1)
     return manifest

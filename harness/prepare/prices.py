@@ -86,11 +86,11 @@ def check_source(cfg: RunConfig) -> None:
         package_file(*STOCKS)
     for key in ("train_end", "val_end"):
         value = getattr(p, key)
-        if value and _dates([value])[0] is None:
-            raise ConfigError(f"prices.{key} = {value!r} is not a date (e.g. 2010-12-31)")
+        if value and _dates([value], iso=True)[0] is None:
+            raise ConfigError(f"prices.{key} = {value!r} is not an ISO 8601 date (e.g. 2010-12-31)")
     if bool(p.train_end) != bool(p.val_end):
         raise ConfigError("set both prices.train_end and prices.val_end, or neither")
-    if p.train_end and _dates([p.train_end])[0] >= _dates([p.val_end])[0]:
+    if p.train_end and _dates([p.train_end], iso=True)[0] >= _dates([p.val_end], iso=True)[0]:
         raise ConfigError(f"prices.train_end = {p.train_end!r} must come before prices.val_end = {p.val_end!r}")
 
 
@@ -156,8 +156,9 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
                           f"prices.columns); columns are {list(df.columns)}")
     dates = list(df[date_col])
     parsed = _dates(dates)
-    if dates and not any(d is not None for d in parsed):
-        raise ConfigError(f"{path}: column {date_col!r} (prices.date_column) holds no date (the first value: "
+    if dates and sum(d is not None for d in parsed) < len(dates) / 2:
+        raise ConfigError(f"{path}: column {date_col!r} (prices.date_column) holds no dates ("
+                          f"{sum(d is not None for d in parsed)} of {len(dates)} values read as one; the first: "
                           f"{dates[0]!r}); name the column of dates with prices.date_column")
     return dates, {c: list(df[c]) for c in names}, _unsorted(parsed)
 
@@ -181,27 +182,44 @@ def _isnan(v) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
-def _dates(raw: list) -> list:
+def _dates(raw: list, iso: bool = False) -> list:
     """Parsed time stamps (numpy datetime64, UTC where the file gives offsets) or None where a value is not a date.
-    One format for the whole column: ISO 8601, else the one pandas infers month first, else day first, whichever
-    reads the most values (parsed value by value, 01/02 and 13/02 were read as two formats, and the series reordered);
-    offsets that change within the file (daylight saving) are taken to UTC."""
+    One format for the whole column (value by value, 01/02 and 13/02 were read as two formats, and the series
+    reordered): ISO 8601; else the format pandas guesses from the first values, month first or day first; else, only
+    where it reads more values than either (a weekday in the date, date-only rows among timed ones), each value
+    as it comes. Offsets that change within the file (daylight saving) are taken to UTC. `iso`: ISO 8601 only."""
     import warnings
 
     import pandas as pd
+    from pandas.tseries.api import guess_datetime_format
 
-    text = pd.Series([str(v) if v is not None else "" for v in raw], dtype=object)
-    best = None
-    for how in ({"format": "ISO8601"}, {}, {"dayfirst": True}):
-        with warnings.catch_warnings():  # pandas' note that it guessed a format, or fell back to dateutil
+    text = pd.Series([str(v).strip() if v is not None else "" for v in raw], dtype=object)
+    text = text.where(~text.isin(data.NA_STRINGS), "")
+    present = int((text != "").sum())
+
+    def parse(**how):
+        with warnings.catch_warnings():  # pandas' notes that it fell back to dateutil
             warnings.simplefilter("ignore")
             try:
-                parsed = pd.to_datetime(text, errors="coerce", utc=True, **how)
+                return pd.to_datetime(text, errors="coerce", utc=True, **how)
             except (ValueError, TypeError):
-                continue
-        if best is None or parsed.notna().sum() > best.notna().sum():
-            best = parsed
-    return [None if pd.isna(d) else np.datetime64(d.tz_localize(None), "s") for d in best]
+                return None
+
+    best = parse(format="ISO8601")
+    if not iso and (best is None or int(best.notna().sum()) < present):
+        samples = [v for v in text if v][:20]
+        for dayfirst in (False, True):
+            fmt = next((f for v in samples if (f := guess_datetime_format(v, dayfirst=dayfirst))), None)
+            found = parse(format=fmt) if fmt else None
+            if found is not None and (best is None or found.notna().sum() > best.notna().sum()):
+                best = found
+        mixed = parse(format="mixed")
+        if mixed is not None and (best is None or mixed.notna().sum() > best.notna().sum()):
+            best = mixed
+    if best is None:
+        return [None] * len(raw)
+    stamps = best.dt.tz_localize(None).to_numpy(dtype="datetime64[s]")
+    return [None if np.isnat(d) else d for d in stamps]
 
 
 def _unsorted(dates: list) -> int:
@@ -264,7 +282,8 @@ def boundaries(kind: str, cfg: RunConfig, dates: list) -> tuple[np.datetime64, n
     """Last dates of train and validation, and of test (None = the end of the data)."""
     p = cfg.task
     if p.train_end:
-        return _dates([p.train_end])[0] + _day_end(p.train_end), _dates([p.val_end])[0] + _day_end(p.val_end), None
+        return _dates([p.train_end], iso=True)[0] + _day_end(p.train_end), \
+            _dates([p.val_end], iso=True)[0] + _day_end(p.val_end), None
     if kind == "stocks":
         a, b = DEFAULT_DATES["stocks"]
         return _dates([a])[0] + _day_end(a), _dates([b])[0] + _day_end(b), None
