@@ -70,6 +70,17 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     with torch.no_grad():
         assert torch.equal(again(ids).logits, theirs(ids).logits)
     assert transformers.AutoTokenizer.from_pretrained(out)("the model")["input_ids"] == tok("the model")["input_ids"]
+    # the source's use_cache (true), not the training's override (false: generate() would run without a KV cache)
+    for exported in (run.dir / "hf", out):
+        assert json.loads((exported / "config.json").read_text())["use_cache"] is True
+    assert theirs.config.use_cache is True and ours.config.use_cache is False  # (the live model keeps training's)
+    # a shard its index names is missing: one line before launch (a safetensors traceback on every rank)
+    gone = tmp_path / "gone"
+    shutil.copytree(tiny_llama_shards, gone)
+    next(gone.glob("model-*.safetensors")).unlink()
+    bad = cli("plan", "--set", f"model.hf={json.dumps(str(gone))}", "--set", "train.max_steps=1")
+    assert bad.returncode == 2 and "of the shards its model.safetensors.index.json names are missing" in bad.stderr, \
+        bad.stderr[-2000:]
 
 
 def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_path):
@@ -121,6 +132,13 @@ def test_hf_tensor_parallel_sizes_are_checked_before_launch_and_an_odd_vocabular
         bad = transformers.AutoConfig.from_pretrained(tiny_llama, **{key: value})
         with pytest.raises(ConfigError, match=f"tensor_parallel.autotp_size = 2 {message} of model.hf = "):
             check_hf_tensor_parallel(run, 2, bad)
+    # tied embeddings: AutoTP left each rank's logits a share of the vocabulary ("Target 304 is out of bounds" in
+    # the loss, after launch); GPT-2: DeepSpeed's AutoTP refuses it by an assert on every rank
+    tied = transformers.AutoConfig.from_pretrained(tiny_llama, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="ties its output layer to its input embeddings"):
+        check_hf_tensor_parallel(run, 2, tied)
+    with pytest.raises(ConfigError, match="DeepSpeed's AutoTP does not support 'gpt2' models"):
+        check_hf_tensor_parallel(run, 2, transformers.GPT2Config(n_embd=32, n_head=4, n_inner=64))
 
 
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):

@@ -72,6 +72,11 @@ def check(cfg: RunConfig, auto_class: str) -> None:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
                           f"pytorch_model*.bin); to start from random initialisation name its config.json: "
                           f"model.hf = {str(Path(source) / 'config.json')!r}")
+    missing = [name for name in _shards(Path(source)) if not (Path(source) / name).is_file()] \
+        if has_weights and Path(source).is_dir() else []
+    if missing:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(missing)} of the shards its {INDEX} names are missing "
+                          f"(e.g. {missing[0]}); copy or download the checkpoint whole")
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
         _check_model(cfg, cls, config)
@@ -154,12 +159,17 @@ def takes_packed(cfg: RunConfig, auto_class: str) -> bool:
     return cls is not None and hasattr(sys.modules[cls.__module__], "create_causal_mask")
 
 
+TRAINING_ONLY = ("use_cache",)  # config overrides an export leaves out (the others: ids, labels, sizes stay)
+
+
 def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
     """The task's Hugging Face model: pretrained weights where `model.hf` has them, else initialised from its config;
     on the meta device (a `torch.device("meta")` context) always from the config."""
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     cls = getattr(transformers, cfg.model.hf_class or auto_class)
     config = load_config(cfg)
+    # what an export writes back (`save`): the source's own value of a setting for training alone
+    saved = {key: getattr(config, key, None) for key in config_overrides if key in TRAINING_ONLY}
     for key, value in config_overrides.items():
         setattr(config, key, value)
     source, has_weights = _config_source(cfg.model.hf)
@@ -176,6 +186,7 @@ def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
         model = cls.from_pretrained(source, config=config, trust_remote_code=cfg.model.trust_remote_code)
     else:
         model = cls.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    model.harness_source_config = saved
     return model.train()
 
 
@@ -193,8 +204,8 @@ def weight_files(source: str) -> list[Path]:
                 path = Path(snapshot_download(source, allow_patterns=shards))
         except (OSError, ValueError):  # not on the hub, or neither reachable nor cached: from_pretrained says which
             return []
-    if shards := _shards(path):
-        return [path / name for name in shards]
+    if shards := _shards(path):  # all of them, or none (the loader then falls back, saying why)
+        return [path / name for name in shards] if all((path / name).is_file() for name in shards) else []
     return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
 
 
@@ -277,7 +288,19 @@ def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Pa
     """A directory that `AutoModelFor...from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load with no
     code of ours: the config, the consolidated fp32 weights and the tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    # the source's own values of what training overrode (use_cache: false while training, true for generate())
+    configs = [c for c in (model.config, getattr(model, "generation_config", None)) if c is not None]
+    source = getattr(model, "harness_source_config", {})
+    trained = [{k: getattr(c, k) for k in source if hasattr(c, k)} for c in configs]
+    for c, had in zip(configs, trained):
+        for key in had:
+            setattr(c, key, source[key])
+    try:
+        model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    finally:
+        for c, had in zip(configs, trained):
+            for key, value in had.items():
+                setattr(c, key, value)
     if tok is not None:
         tok.save_pretrained(str(out))
     return out

@@ -162,6 +162,30 @@ def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:
     if isinstance(vocab, int) and vocab < tp:
         raise ConfigError(f"tensor_parallel.autotp_size = {tp} is more than vocab_size = {vocab} of "
                           f"{run.describe('model.hf')}: each rank holds a share of the output layer's rows")
+    base = _base_model_class(config)
+    if base is not None:
+        from deepspeed.module_inject.auto_tp import AutoTP
+
+        if not AutoTP.supported(f": {base}"):  # DeepSpeed's own list, read as it reads a model's repr
+            raise ConfigError(f"tensor_parallel.autotp_size = {tp}: DeepSpeed's AutoTP does not support "
+                              f"{config.model_type!r} models ({run.describe('model.hf')}; it has a kernel-injection "
+                              f"policy for them instead); train it without tensor parallelism")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "tie_word_embeddings", False):  # AutoTP (DeepSpeed 0.19) then leaves the logits split by rank
+        raise ConfigError(f"tensor_parallel.autotp_size = {tp}: {run.describe('model.hf')} ties its output layer to "
+                          f"its input embeddings (tie_word_embeddings = true), which DeepSpeed's AutoTP does not "
+                          f"split as one (each rank's logits cover its share of the vocabulary); train it without "
+                          f"tensor parallelism, or save it untied (tie_word_embeddings = false, its own lm_head)")
+
+
+def _base_model_class(config) -> str | None:
+    """The name of a config's base model class (GPT2Model for a GPT-2 config), as AutoTP reads it; None if unknown."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    except ImportError:
+        return None
+    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+    return name if isinstance(name, str) and name.endswith("Model") else None
 
 
 def metric_key(name: str) -> str:
