@@ -245,7 +245,7 @@ def tokenizer(cfg: RunConfig):
     try:
         return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({str(e).splitlines()[0]}); "
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({' '.join(str(e).split())[:300]}); "
                           f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None
 
 
