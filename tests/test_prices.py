@@ -374,6 +374,10 @@ def test_skill_bootstrap_and_verdict_by_hand():
     assert trivial_directions(last, truth, up_share=0.8) == {"always_up_directional_accuracy": pytest.approx(2 / 3),
                                                              "majority_directional_accuracy": pytest.approx(2 / 3)}
     assert trivial_directions(last, truth, up_share=0.3)["majority_directional_accuracy"] == pytest.approx(1 / 3)
+    # a small difference keeps the digits that tell it from a tie ("0.0% lower")
+    from harness.tasks.prices import _share
+
+    assert [_share(x) for x in (0.25, 0.0004, 0.0, -0.000031)] == ["25.0%", "0.04%", "0.0%", "-0.0031%"]
 
 
 def test_rolling_origin_periods_score_each_stretch_of_windows_by_hand():

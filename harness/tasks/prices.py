@@ -233,13 +233,18 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
     mse, ref_mse = (e.mean().item() for e in errors)  # windows hold equally many values: the mean of the means
     gain = M.skill(mse, ref_mse)
     if gain >= 0:
-        line = f"the model beats {name}: its MSE is {gain:.1%} lower"
+        line = f"the model beats {name}: its MSE is {_share(gain)} lower"
     else:
-        line = f"{name} beats the model: the model's MSE is {mse / ref_mse - 1:.1%} higher"
+        line = f"{name} beats the model: the model's MSE is {_share(mse / ref_mse - 1)} higher"
     holds_zero = low <= 0 <= high
     line += (f"; {'not ' if holds_zero else ''}significant (the 95% block-bootstrap interval of the MSE difference, "
              f"[{low:.4g}, {high:.4g}], {'holds' if holds_zero else 'excludes'} 0)")
     return {f"skill_vs_{name}": gain, "mse_difference_ci_low": low, "mse_difference_ci_high": high, "verdict": line}
+
+
+def _share(x: float) -> str:
+    """A relative difference as a percentage, with the digits that tell it from 0 ("0.0%" read as a tie)."""
+    return f"{x:.1%}" if abs(x) >= 0.001 or x == 0 else f"{x * 100:.2g}%"
 
 
 MIN_BLOCKS = 4  # blocks of H windows each rolling-origin period must hold (`by_period`)
