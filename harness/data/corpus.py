@@ -142,11 +142,28 @@ def read_stamps(directory: Path) -> dict:
 
 def write_stamps(directory: Path, stamps: dict) -> None:
     try:
-        tmp = directory / f"{VERIFIED}.{os.getpid()}.tmp"  # (the name a prepare's files take while written)
-        tmp.write_text(json.dumps(stamps))
-        os.replace(tmp, directory / VERIFIED)
+        write_whole(directory / VERIFIED, json.dumps(stamps))
     except OSError:  # a read-only corpus: checked again next time
         pass
+
+
+TMP = ".tmp"  # the suffix of a corpus file being written
+
+
+def partial(path: Path) -> Path:
+    """A corpus file's name while this process writes it (`harness prepare lm` removes what killed ones leave)."""
+    return path.with_name(f"{path.name}.{os.getpid()}{TMP}")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`path` whole or not at all: written under `partial`'s name, then renamed (the partial file removed on error)."""
+    tmp = partial(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:

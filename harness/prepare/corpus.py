@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config.run import ConfigError
-from ..data.corpus import FORMAT, INDEX, MANIFEST, VERIFIED, VERSION, Shard, dtype_for, read_stamps
+from ..data.corpus import (FORMAT, INDEX, MANIFEST, TMP, VERIFIED, VERSION, Shard, dtype_for, partial, read_stamps,
+                           write_whole)
 
 UNIT_BYTES = 64 << 20
 BLOCK = 16 << 20  # bytes of text tokenized at a time
@@ -50,7 +51,6 @@ NEWLINE = 10
 BOM = b"\xef\xbb\xbf"
 RESIDUES = "residues"  # the protein task's tokenizer (`harness prepare protein --input`)
 MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
-TMP = ".tmp"  # the suffix of a file being written
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
@@ -479,12 +479,6 @@ def fingerprint(tok) -> str:
 
 # --- writing -------------------------------------------------------------------------------------------------------
 
-def _tmp(path: Path) -> Path:
-    """A file's name while this process writes it: a worker of an earlier prepare killed with its parent may still
-    be writing under its own (`_claim` removes what such processes leave)."""
-    return path.with_name(f"{path.name}.{os.getpid()}{TMP}")
-
-
 class ShardWriter:
     """One split's shards of a unit: tokens and document ends appended under temporary names, each shard's sha256
     taken as it goes; a shard that would pass `limit` tokens (its index's uint32) is closed and the next opened;
@@ -497,7 +491,8 @@ class ShardWriter:
     def _open(self) -> None:
         stem = self.name if not self.done else f"{self.name}-{len(self.done)}"
         self.bin, self.idx = self.out / f"{stem}.bin", self.out / f"{stem}.idx"
-        self.tmp_bin, self.tmp_idx = (_tmp(p) for p in (self.bin, self.idx))
+        # per process: a worker of an earlier prepare killed with its parent may still be writing under its own
+        self.tmp_bin, self.tmp_idx = (partial(p) for p in (self.bin, self.idx))
         self.f_bin, self.f_idx = open(self.tmp_bin, "wb"), open(self.tmp_idx, "wb")
         self.tokens, self.documents, self.hash, self.idx_hash = 0, 0, hashlib.sha256(), hashlib.sha256()
 
@@ -592,13 +587,10 @@ def _disk_full(e: OSError, what: str, out: Path, removed: str = "") -> ConfigErr
 
 
 def write_json(path: Path, value, out: Path, indent: int | None = None) -> None:
-    """`path` whole or not at all (a temporary name, then renamed); a full disk is one line."""
-    tmp = _tmp(path)
+    """`path` whole or not at all (`data.corpus.write_whole`); a full disk is one line."""
     try:
-        tmp.write_text(json.dumps(value, indent=indent))
-        os.replace(tmp, path)
+        write_whole(path, json.dumps(value, indent=indent))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         if e.errno in FULL:
             raise _disk_full(e, path.name, out) from None
         raise
@@ -707,8 +699,8 @@ def _claim(root: Path, settings: dict):
 
 
 def _remove_partial(root: Path) -> None:
-    for partial in (*root.glob(f"*{TMP}"), *(root / "units").glob(f"*{TMP}")):
-        partial.unlink(missing_ok=True)
+    for left in (*root.glob(f"*{TMP}"), *(root / "units").glob(f"*{TMP}")):
+        left.unlink(missing_ok=True)
 
 
 def _check_settings(root: Path, before: dict, settings: dict) -> None:
