@@ -159,8 +159,8 @@ def test_a_date_column_is_read_in_one_format(tmp_path):
     day_first = [lines[0]] + [f"{d[8:10]}/{d[5:7]}/{d[:4]} {d[11:]},{rest}" for d, rest in
                               (line.split(",", 1) for line in lines[1:])]
     (tmp_path / "dmy.csv").write_text("\n".join(day_first) + "\n")
-    dates_raw, columns, unsorted = P.read_table(cfg_for(str(tmp_path / "dmy.csv")), "csv")
-    dmy = P.clean(dates_raw, columns, log=False)
+    parsed, columns, unsorted = P.read_table(cfg_for(str(tmp_path / "dmy.csv")), "csv")
+    dmy = P.clean(parsed, columns, log=False)
     assert unsorted == 0 and dmy[0] == iso[0] and np.array_equal(dmy[1], iso[1])
     import pandas as pd
 

@@ -141,13 +141,15 @@ def _load(kind: str, path: str):
 
 
 def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list, dict[str, list], int]:
-    """The source (or `path`, in its layout) as (raw dates, {channel: raw values}, rows out of date order), one
-    entry per wide row."""
+    """The source (or `path`, in its layout) as (dates, parsed once: None where a value is not one; {channel: raw
+    values}; rows out of date order), one entry per wide row."""
     path = cfg.data.path if path is None else path
     df = _load(kind, path)
     names = [c.strip() for c in cfg.task.columns.split(",") if c.strip()]
     if kind == "stocks":
-        return _from_long(df, [s.strip() for s in cfg.task.symbols.split(",") if s.strip()], names or ["Adj Close"])
+        raw, columns, unsorted = _from_long(df, [s.strip() for s in cfg.task.symbols.split(",") if s.strip()],
+                                            names or ["Adj Close"])
+        return _dates(raw), columns, unsorted
     date_col = cfg.task.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
     names = names or [c for c in df.columns if c != date_col]
     missing = [c for c in [date_col, *names] if c not in df.columns]
@@ -160,7 +162,7 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
         raise ConfigError(f"{path}: column {date_col!r} (prices.date_column) holds no dates ("
                           f"{sum(d is not None for d in parsed)} of {len(dates)} values read as one; the first: "
                           f"{dates[0]!r}); name the column of dates with prices.date_column")
-    return dates, {c: list(df[c]) for c in names}, _unsorted(parsed)
+    return parsed, {c: list(df[c]) for c in names}, _unsorted(parsed)
 
 
 def _from_long(df, symbols: list[str], fields: list[str]) -> tuple[list, dict[str, list], int]:
@@ -248,9 +250,9 @@ def _number(v, log: bool) -> tuple[float | None, str]:
 
 # ---------------------------------------------------------------- cleaning and splitting
 
-def clean(dates_raw: list, columns: dict[str, list], log: bool) -> tuple[list, np.ndarray, list[tuple]]:
-    """Kept rows sorted by date: (dates, values (N, C) after the transform, [(date or None, status)] for all rows)."""
-    dates = _dates(dates_raw)
+def clean(dates: list, columns: dict[str, list], log: bool) -> tuple[list, np.ndarray, list[tuple]]:
+    """Kept rows sorted by date: (dates, values (N, C) after the transform, [(date or None, status)] for all rows);
+    `dates` as `read_table` parsed them."""
     names = list(columns)
     seen, status, rows = set(), [], []
     for i, d in enumerate(dates):
@@ -316,8 +318,8 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
     import datasets
 
     kind = s["kind"]
-    dates_raw, columns, unsorted = read_table(cfg, kind)
-    dates, values, status = clean(dates_raw, columns, log=s["transform"] == "log")
+    parsed, columns, unsorted = read_table(cfg, kind)
+    dates, values, status = clean(parsed, columns, log=s["transform"] == "log")
     ends = boundaries(kind, cfg, dates)
     counts: dict[str, Counter] = {name: Counter() for name in SPLITS}
     for d, st in status:
@@ -424,11 +426,11 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
     stocks = source_kind(cfg.data.path) == "stocks"
     if not stocks:  # exactly the run's channels, in its order
         cfg = replace(cfg, task=replace(p, columns=",".join(meta["channels"])))
-    dates_raw, columns, _ = read_table(cfg, "stocks" if stocks else "csv", str(f))
+    parsed, columns, _ = read_table(cfg, "stocks" if stocks else "csv", str(f))
     if list(columns) != meta["channels"]:
         raise ConfigError(f"{path}: its channels are {list(columns)}; the run forecasts {meta['channels']}")
     norm = meta["norm"]
-    dates, values, status = clean(dates_raw, columns, log=norm["transform"] == "log")
+    dates, values, status = clean(parsed, columns, log=norm["transform"] == "log")
     z = torch.tensor((values - np.array(norm["mean"])) / np.array(norm["std"]), dtype=torch.float32)
     starts = range(p.lookback, len(z) - p.horizon + 1)
     if len(starts) == 0:
