@@ -96,6 +96,13 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_pa
             task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(ref)}"]).cfg)
     with pytest.raises(ConfigError, match="model.d_model = 64 .* belongs to the built-in model"):
         resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}", "model.d_model=64"])
+    contradicted = tmp_path / "contradicted"  # a config.json edited apart from its weights: refused before launch
+    shutil.copytree(tiny_llama, contradicted)
+    config = json.loads((contradicted / "config.json").read_text())
+    (contradicted / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(ConfigError, match=r"6 of its weights do not fit .*\(e\.g\. model\.layers\.0\.mlp\.down_proj\."
+                                          r"weight: \[32, 64\] in model\.safetensors, \[32, 96\] by config\.json\)"):
+        task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(contradicted))}"]).cfg)
 
 
 def test_hf_autotp_size_2_matches_one_process_and_exports_whole(cached_run, tiny_llama):

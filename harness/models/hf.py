@@ -80,6 +80,8 @@ def check(cfg: RunConfig, auto_class: str) -> None:
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
         _check_model(cfg, cls, config)
+        if has_weights and Path(source).is_dir():
+            _check_weights(cfg, cls, config, weight_files(source))
     vocab = getattr(config, "vocab_size", None) or 0
     tok = tokenizer(cfg) if own_tokenizer(cfg) and vocab else None
     # the ids the task's rows can take: the base vocabulary and EOS (which joins them); a pad token added on top of
@@ -132,6 +134,34 @@ def _check_model(cfg: RunConfig, cls, config) -> None:
             raise ConfigError(f"data.seq_len = {cfg.data.seq_len} is longer than model.hf = {cfg.model.hf!r} has "
                               f"positions: {key} = {limit} in its config.json (a table of absolute positions, "
                               f"{tables[0]}); set data.seq_len <= {limit}")
+
+
+def _check_weights(cfg: RunConfig, cls, config, files: list[Path]) -> None:
+    """The checkpoint's tensors have the shapes its config.json gives the model (read from the safetensors headers
+    alone): `from_pretrained` refuses a mismatch only once the weights load, on every rank, after a report a screen
+    long. A name matched neither as it is nor across the base model's prefix is left to transformers."""
+    if getattr(config, "quantization_config", None) or not files:  # packed shapes; or .bin weights, not read here
+        return
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = cls(config)
+    shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
+    prefix = f"{getattr(cls, 'base_model_prefix', '')}."
+    wrong = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as weights:
+            for name in weights.keys():
+                for key in (name, prefix + name, name.removeprefix(prefix)):
+                    if key in shapes:
+                        shape = weights.get_slice(name).get_shape()
+                        if list(shape) != shapes[key]:
+                            wrong.append(f"{name}: {list(shape)} in {f.name}, {shapes[key]} by config.json")
+                        break
+    if wrong:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(wrong)} of its weights do not fit the model its "
+                          f"config.json describes (e.g. {wrong[0]}); the config and the weights must come from the "
+                          f"same checkpoint")
 
 
 def own_tokenizer(cfg: RunConfig) -> bool:
