@@ -102,9 +102,15 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
         raise ConfigError(f"{who}: {', '.join(asked)} would be ignored: accelerate takes parallelism settings only "
                           f"from a config file that has them, with no launch type (--use_deepspeed, --multi_gpu, ...) "
                           f"on the command line; with DeepSpeed write {SP_FORM}")
+    machines = 1 if args.num_machines is None else args.num_machines
+    gpu_ids = str(args.gpu_ids or "all").strip()
     return {"num_processes": processes, "machine_rank": args.machine_rank or 0, "mixed_precision": precision.lower(),
+            "per_machine": processes // machines, "gpu_ids": None if gpu_ids == "all" else gpu_ids,
             "deepspeed_config_file": given["deepspeed_config_file"] or ds.get("deepspeed_config_file"),
-            "env": _deepspeed_env(args, defaults, who)}
+            "env": _deepspeed_env(args, defaults, who),
+            # DeepSpeed's own launcher of other hosts (pdsh, openmpi, ...): it starts their ranks over ssh
+            "runner": args.use_deepspeed and machines > 1 and (args.deepspeed_multinode_launcher or "pdsh") != "standard"
+            and (args.deepspeed_multinode_launcher or "pdsh")}
 
 
 def _validated(args, who: str):
@@ -216,8 +222,26 @@ def check(train_args: list[str], settings: dict, parse):
     plan = plan_launch(args.run, args.set, args.ds, settings)
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-    preflight(plan, args.resume, args.overwrite, args.data_changed_ok)
+    preflight(plan, args.resume, args.overwrite, args.data_changed_ok, settings["machine_rank"])
+    check_gpus_per_process(settings)
     return plan
+
+
+def check_gpus_per_process(settings: dict) -> None:
+    """A GPU for each process this machine starts, where it has GPUs: without, the ranks past the last GPU end in
+    CUDA's "invalid device ordinal" (and two ranks on one GPU in NCCL's "Duplicate GPU detected")."""
+    from .run.startup import device_memory_bytes
+
+    gpus = len(device_memory_bytes())
+    if not gpus:
+        return
+    ids, visible = settings["gpu_ids"], os.environ.get("CUDA_VISIBLE_DEVICES")
+    usable, seen = (len(ids.split(",")), f"gpu_ids = {ids}") if ids else \
+        (gpus, f"CUDA_VISIBLE_DEVICES = {visible}" if visible is not None else "nvidia-smi")
+    if settings["per_machine"] > usable:
+        raise ConfigError(f"harness launch: {settings['per_machine']} processes on this machine and {usable} GPUs for "
+                          f"them ({seen}): each process needs a GPU of its own; start {usable} per machine "
+                          f"(num_processes is the total over all machines), or give the job more GPUs")
 
 
 def descendants(pid: int) -> list[int]:
@@ -241,6 +265,11 @@ def main(argv: list[str], parse) -> int:
     """`harness launch ARGV`; `parse` reads `harness train`'s arguments (the CLI's parser, which owns them)."""
     accelerate_args, train_args = split_argv(argv)
     settings = launch_settings(accelerate_args)
+    if settings["runner"]:  # its ranks are children of sshd on the other hosts: no signal, status or log reaches here
+        raise ConfigError(f"harness launch: deepspeed_multinode_launcher = {settings['runner']} starts the other hosts' "
+                          f"processes over ssh, where harness launch cannot pass them signals or hear how they end; "
+                          f"launch it with accelerate itself: rm -f .deepspeed_env; accelerate launch "
+                          f"{' '.join(accelerate_args)} -m harness {' '.join(train_args)}")
     plan = check(train_args, settings, parse)
     fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
     os.close(fd)

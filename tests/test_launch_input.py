@@ -10,6 +10,7 @@ from conftest import DS, LAUNCH, ROOT
 from harness.cli import main
 from harness.config.run import ConfigError
 from harness.launcher import launch_settings
+from harness.launcher import main as launcher_main
 
 RUN = str(ROOT / "configs" / "runs" / "lm_demo.toml")
 CPU = (LAUNCH / "cpu_2proc.yaml").read_text()
@@ -120,7 +121,56 @@ def test_the_shipped_multi_node_launches_are_still_accepted():
                              "--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port", "29511",
                              "--num_machines", "2", "--num_processes", "4"])
     assert (slurm["num_processes"], slurm["machine_rank"]) == (4, 1)
-    assert launch_settings(["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml")])["num_processes"] == 16
+    hostfile = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml")]
+    assert launch_settings(hostfile, "harness plan")["num_processes"] == 16
+    # harness launch cannot watch ranks that pdsh starts on other hosts: the command that can is named
+    with pytest.raises(ConfigError, match=r"deepspeed_multinode_launcher = pdsh starts .* rm -f \.deepspeed_env; "
+                                          r"accelerate launch --config_file \S+deepspeed_hostfile\.yaml -m harness "
+                                          r"train --run R\.toml$"):
+        launcher_main([*hostfile, "train", "--run", "R.toml"], None)
+
+
+def test_a_runs_lock_is_judged_on_the_first_node_alone(tmp_path, monkeypatch):
+    """A lock renewed a minute ago by a pid on another host: alive by its age there, while its own host can tell by
+    the pid that it is gone. Another node refusing alone would leave the first waiting at the rendezvous."""
+    import json
+    import os
+    import time
+
+    from harness.plan.resolve import make_plan
+    from harness.run.startup import preflight
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = run_dir / ".lock"
+    lock.write_text(json.dumps({"host": "another-node", "pid": 999999, "since": "earlier"}))
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    plan = make_plan(None, [f"run.output_dir={json.dumps(str(run_dir))}", "train.max_steps=1"], None, 2)
+    with pytest.raises(ConfigError, match=r"is in use by another run \(pid 999999 on another-node, .* renewed 6\d s ago"):
+        preflight(plan, "auto", False)
+    assert preflight(plan, "auto", False, machine_rank=1) is None  # node 1's harness launch
+    monkeypatch.setenv("RANK", "3")  # a rank of node 1
+    assert preflight(plan, "auto", False) is None
+
+
+def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(monkeypatch):
+    """SLURM's --gpus-per-task=1 with 8 ranks a node, 16 processes over 2 machines of 4 GPUs: the ranks past the last
+    GPU would end in CUDA's "invalid device ordinal"."""
+    from harness.launcher import check_gpus_per_process
+    from harness.run import startup
+
+    monkeypatch.setattr(startup, "device_memory_bytes", lambda: [80 * 2**30] * 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    node = ["--config_file", str(LAUNCH / "multi_node.yaml"), "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
+            "--num_machines", "2"]
+    with pytest.raises(ConfigError, match=r"^harness launch: 8 processes on this machine and 4 GPUs for them "
+                                          r"\(nvidia-smi\): each process needs a GPU of its own; start 4 per machine"):
+        check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
+    check_gpus_per_process(launch_settings([*node, "--num_processes", "8"]))
+    with pytest.raises(ConfigError, match=r"4 processes on this machine and 2 GPUs for them \(gpu_ids = 0,1\)"):
+        check_gpus_per_process(launch_settings([*node, "--num_processes", "8", "--gpu_ids", "0,1"]))
+    monkeypatch.setattr(startup, "device_memory_bytes", lambda: [])  # no GPU: CPU processes, as many as asked
+    check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
 
 
 def test_a_taken_port_on_machine_rank_0_is_one_line():

@@ -281,6 +281,14 @@ def test_a_jit_build_lock_left_by_a_killed_build_is_removed_at_start_or_while_wa
     assert f"harness: removed {lock}: a JIT build of DeepSpeed's deepspeed_shm_comm op left it " in \
         capsys.readouterr().err
     assert not lock.exists()
+    # a folder the nodes share (NFS, Lustre): another host's build cannot be seen from here, so its lock stays
+    mounts = f"server:/home /home nfs4 rw 0 0\n/dev/sda1 / ext4 rw 0 0\nfs {tmp_path / 'ext'} lustre rw 0 0\n"
+    assert startup.network_fs(tmp_path / "ext" / "deepspeed_shm_comm", mounts) == "lustre"
+    assert startup.network_fs(tmp_path, mounts) is None and startup.network_fs(Path("/home/u"), mounts) == "nfs4"
+    monkeypatch.setattr(startup, "network_fs", lambda path: "lustre")
+    lock.touch()
+    os.utime(lock, (old, old))
+    assert clear_stale_build_locks(tmp_path / "ext") == [] and lock.exists()
 
 
 @pytest.mark.parametrize("arch,plain", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.0 9.0a+PTX", "8.0 9.0+PTX"),

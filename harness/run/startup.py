@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,29 @@ def compilers_in(where: Path) -> list[int]:
     return found
 
 
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs", "ceph", "glusterfs", "panfs",
+              "wekafs", "9p", "fuse.glusterfs", "fuse.sshfs", "fuse.juicefs", "fuse.s3fs", "fuse.gcsfuse"}
+
+
+def network_fs(path: Path, mounts: str | None = None) -> str | None:
+    """The type of the file system `path` is on where other hosts may write to it too (NFS, Lustre, ...), from
+    /proc/mounts (`mounts`: its text); None for a local one, or where it cannot be told."""
+    try:
+        mounts = Path("/proc/mounts").read_text() if mounts is None else mounts
+        path = Path(os.path.realpath(path))
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]))  # \040: a space
+        if (point == path or point in path.parents) and len(point.parts) > best:
+            best, kind = len(point.parts), fields[2]
+    return kind if kind in NETWORK_FS else None
+
+
 class BuildLocks:
     """JIT-build locks seen through repeated `look()`s. torch's FileBaton takes `<extension>/lock` for a build and
     every other process polls for the file to vanish, silently and forever: a build killed midway leaves it behind
@@ -111,7 +135,9 @@ class BuildLocks:
     `file_baton.py wait`). A lock is proven stale, and removed with a line saying so, when it is `min_age_s` old
     and no compiler ran in its folder in two looks at least `confirm_s` apart (the holder writes its build file and
     starts ninja within a second of taking it, and releases it as the build ends). Where this process's main
-    thread waits in FileBaton.wait, it says once what it waits for and where, then every `say_every_s` how long."""
+    thread waits in FileBaton.wait, it says once what it waits for and where, then every `say_every_s` how long.
+    Under a root on a network file system (a TORCH_EXTENSIONS_DIR the nodes share) no lock is removed: another
+    host's build cannot be seen from here; the wait then says so."""
 
     def __init__(self, root: Path | None = None, min_age_s: float = 10.0, confirm_s: float = 3.0,
                  say_every_s: float = 30.0, say=None):
@@ -122,6 +148,7 @@ class BuildLocks:
         # one rank of a node speaks (its siblings wait on the same builds)
         quiet = os.environ.get("LOCAL_RANK", "0") != "0"
         self.say = say or (lambda line: quiet or print(f"harness: {line}", file=sys.stderr, flush=True))
+        self.shared = network_fs(self.root)
         self.idle: dict[Path, float] = {}  # lock -> when a look first found no compiler in its folder
         self.waiting: tuple[Path, float, float] | None = None  # the lock waited on, since, last said
 
@@ -145,7 +172,7 @@ class BuildLocks:
                 self.idle.pop(lock, None)
             else:
                 self.idle.setdefault(lock, now)
-            if not builders and age >= self.min_age_s and now - self.idle[lock] >= self.confirm_s:
+            if not builders and age >= self.min_age_s and now - self.idle[lock] >= self.confirm_s and not self.shared:
                 try:
                     lock.unlink()
                 except FileNotFoundError:
@@ -165,7 +192,9 @@ class BuildLocks:
 
     def _waits(self, lock: Path, builders: list[int], now: float) -> None:
         if self.waiting is None or self.waiting[0] != lock:
-            who = f"by pid {', '.join(map(str, builders))}" if builders else "with no compiler running yet"
+            who = f"by pid {', '.join(map(str, builders))}" if builders else \
+                f"on another host, or left by one killed midway: {lock.parent} is on {self.shared}, shared by the " \
+                f"hosts; remove the lock if no host builds there" if self.shared else "with no compiler running yet"
             self.say(f"waiting for another process's JIT build of DeepSpeed's {lock.parent.name} op ({who}): "
                      f"torch waits until its lock {lock} is gone")
             self.waiting = (lock, now, now)
@@ -194,7 +223,7 @@ def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
 
     locks = BuildLocks(root)
     cleared = locks.look()
-    if locks.idle:
+    if locks.idle and not locks.shared:
         time.sleep(locks.confirm_s)
         cleared += locks.look()
     return cleared
@@ -372,8 +401,10 @@ def _check_replaceable(plan: Plan, overwrite: bool) -> None:
                           f"was left as it is; set run.output_dir to a new directory or a run's")
 
 
-def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False) -> Path | None:
-    """Checks of this machine that need no process group. Returns the checkpoint to resume from, if any."""
+def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False,
+              machine_rank: int = 0) -> Path | None:
+    """Checks of this machine that need no process group (`machine_rank`: the node's, for `harness launch` on each
+    node). Returns the checkpoint to resume from, if any."""
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
     check_nvme(plan.ds)
@@ -383,8 +414,11 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
 
     run_dir = plan.run_dir
     check_writable(run_dir, plan.run.describe("run.output_dir"))
-    note = lock.check(run_dir)  # a live run in this directory: refused, whatever the flags say
-    if note and launched_rank() == 0:
+    # A live run in this directory: refused, whatever the flags say. Judged on the first node alone: a lock's holder
+    # is told by its pid on its own host but by the lock's age elsewhere, and a node refusing alone would leave the
+    # others waiting at the rendezvous; rank 0 takes the lock for every rank (prepare_run_dir, collective).
+    note = lock.check(run_dir) if launched_rank() == 0 and machine_rank == 0 else None
+    if note:
         print(note, flush=True)
     found = None
     if resume and overwrite:
