@@ -222,7 +222,10 @@ def _data(plan: Plan, world: World) -> tuple:
     from accelerate import PartialState
 
     datasets.disable_progress_bars()  # the data summary line reports what they would
-    with PartialState().main_process_first():  # rank 0 prepares and caches the data, then the others read it
+    state = PartialState()
+    # rank 0 prepares and caches the data; then each node's local rank 0, which finds it where the cache is shared by
+    # the nodes and prepares it again where each node has its own; then the others read it (two barriers on each rank)
+    with state.main_process_first(), state.local_main_process_first():
         data = task.build_data(cfg)
     check_data(task, data)
     if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
