@@ -13,21 +13,26 @@ it can be called again in the same process. Bad input raises `ConfigError` befor
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 
-def _sources(run, fn: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """(run file, overrides) for any accepted form of `run`."""
-    from .config.run import ConfigError, RunConfig, flatten
+def _sources(run, fn: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    """(run file, overrides) for any accepted form of `run`: a dict's values, and a RunConfig's other than their
+    defaults, taken as they are (no TOML text between: a dict-valued key stays one key)."""
+    from .config.run import ConfigError, RunConfig
 
     if run is None or isinstance(run, (str, Path)):
         return (None if run is None else str(run)), []
     if isinstance(run, (RunConfig, dict)):  # named as the origin of its values in errors
         origin = f"the {'RunConfig' if isinstance(run, RunConfig) else 'config dict'} given to harness.{fn}"
-        flat = flatten(run.to_dict() if isinstance(run, RunConfig) else run)
-        return None, [(origin, f"{k}={json.dumps(v)}") for k, v in flat.items()]
+        flat = {}
+        for section, body in (run.changed() if isinstance(run, RunConfig) else run).items():
+            if not isinstance(section, str) or not isinstance(body, dict):
+                raise ConfigError(f"harness.{fn}: {origin.removeprefix('the ')}: {section!r} must name a section "
+                                  f"and hold a dict of its keys, got {_shown(body)}")
+            flat.update({f"{section}.{k}": v for k, v in body.items()})
+        return None, [(origin, flat)]
     raise ConfigError(f"harness.{fn}: run = {_shown(run)} must be a run file, a dict of sections or a RunConfig")
 
 
@@ -45,6 +50,9 @@ _ARGS = {
     "resume": (lambda v: v is None or isinstance(v, (str, Path)),
                '"auto" or the path of a run directory or checkpoint'),
     "stop_at": (lambda v: v is None or (_is_int(v) and v > 0), "a positive step, an int"),
+    "run_dir": (lambda v: isinstance(v, (str, Path)), "the path of a run directory"),
+    "data": (lambda v: v is None or isinstance(v, (str, Path)), "the path of a data file or directory"),
+    "name": (lambda v: v is None or isinstance(v, str), "a name for the data's entry, a str"),
     **{flag: (lambda v: isinstance(v, bool), "True or False")
        for flag in ("overwrite", "trust_checkpoint", "data_changed_ok", "trust_run_dir")},
 }
@@ -70,6 +78,9 @@ def _check_task(fn: str, task) -> None:
     if isinstance(task, type):  # would be recorded as 'builtins:type'
         raise ConfigError(f"harness.{fn}: task = {task.__qualname__} is a class; pass an instance: "
                           f"task={task.__qualname__}()")
+    if task is not None and not isinstance(task, str) and not callable(getattr(task, "build_model", None)):
+        raise ConfigError(f"harness.{fn}: task = {_shown(task)} must be a task's name or a task object (the Task "
+                          f"interface of harness/tasks/interface.py)")
 
 
 def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world_size: int | None = None):
@@ -87,10 +98,13 @@ def _plan(fn: str, run, sets, ds, task, world_size=None):
     _check_task(fn, task)
     run_file, overrides = _sources(run, fn)
     if isinstance(task, str):  # a name, as run.task takes it
-        overrides.append((f"task= given to harness.{fn}", f"run.task={json.dumps(task)}"))
+        overrides.append((f"task= given to harness.{fn}", {"run.task": task}))
     elif task is not None:  # recorded by reference; the object itself is what trains
+        from .tasks.registry import GIVEN
+
         name = f"{type(task).__module__}:{type(task).__qualname__}"
-        overrides.append((f"task= given to harness.{fn}", f"run.task={json.dumps(name)}"))
+        GIVEN[name] = type(task)
+        overrides.append((f"task= given to harness.{fn}", {"run.task": name}))
     p = make_plan(run_file, [*overrides, *sets], None if ds is None else str(ds), world_size)
     return p if task is None or isinstance(task, str) else replace(p, task=task)
 
@@ -134,11 +148,13 @@ def _note_main_task(p) -> None:
     process can import: said once, at the start (not refused: this process trains it)."""
     from .distributed.world import launched_rank
 
-    if type(p.task).__module__ == "__main__" and launched_rank() == 0:
-        cls = type(p.task).__qualname__
-        print(f"note: run.task = '__main__:{cls}': {p.run_dir} names a task class defined in the calling script, "
-              f"which other processes cannot import: a later harness.evaluate, harness.load_model or resume needs "
-              f"task={cls}() given again; or move the class to a file and name it \"path/to/file.py:{cls}\"",
+    cls, module = type(p.task).__qualname__, type(p.task).__module__
+    short = cls.rsplit(".", 1)[-1]
+    if (module == "__main__" or "<locals>" in cls) and launched_rank() == 0:
+        where = "in the calling script" if module == "__main__" else "in a function"
+        print(f"note: run.task = '{module}:{cls}': {p.run_dir} names a task class defined {where}, which other "
+              f"processes cannot import: a later harness.evaluate, harness.load_model or resume needs "
+              f"task={short}() given again; or move the class to a file and name it \"path/to/file.py:{short}\"",
               flush=True)
 
 
@@ -170,7 +186,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None =
     from .eval.evaluate import evaluate_data, evaluate_run
     from .run.trust import trusting
 
-    _check_args("evaluate", trust_run_dir=trust_run_dir)
+    _check_args("evaluate", run_dir=run_dir, data=data, name=name, trust_run_dir=trust_run_dir)
     _check_task("evaluate", task)
     given = None if task is None or isinstance(task, str) else task
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
@@ -185,7 +201,7 @@ def load_model(run_dir: str | Path, task=None, trust_run_dir: bool = False):
     from .run.export import load_model as load
     from .run.trust import trusting
 
-    _check_args("load_model", trust_run_dir=trust_run_dir)
+    _check_args("load_model", run_dir=run_dir, trust_run_dir=trust_run_dir)
     _check_task("load_model", task)
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
         return load(run_dir, None if task is None or isinstance(task, str) else task)

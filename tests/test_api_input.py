@@ -37,17 +37,39 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     ("train", {"stop_at": "2"}, "harness.train: stop_at = '2' must be a positive step"),
     ("train", {"stop_at": 0}, "harness.train: stop_at = 0 must be a positive step"),
     ("evaluate", {"run_dir": "runs/none", "trust_run_dir": "yes"}, "harness.evaluate: trust_run_dir = 'yes' must be"),
+    ("evaluate", {"run_dir": 5}, "harness.evaluate: run_dir = 5 must be the path of a run directory"),
+    ("evaluate", {"run_dir": "runs/none", "data": 5}, "harness.evaluate: data = 5 must be the path of a data file"),
+    ("evaluate", {"run_dir": "runs/none", "name": 3}, "harness.evaluate: name = 3 must be a name"),
+    ("evaluate", {"run_dir": "runs/none", "task": 3}, "harness.evaluate: task = 3 must be a task's name or a task"),
+    ("load_model", {"run_dir": "runs/none", "task": 3}, "harness.load_model: task = 3 must be a task's name or a"),
 ])
 def test_api_arguments_of_a_wrong_type_or_range_are_refused_naming_them(fn, kwargs, message, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("")  # overwrite="no" must not replace it
     sets = [*TINY, "train.max_steps=1", f"run.output_dir={json.dumps(str(run_dir))}"]
-    kwargs = {"sets": sets, **kwargs} if fn != "evaluate" else kwargs
+    kwargs = {"sets": sets, **kwargs} if fn not in ("evaluate", "load_model") else kwargs
     with pytest.raises(ConfigError) as e:
         getattr(harness, fn)(**kwargs)
     assert message in _one_line(e)
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml"]
+
+
+def test_a_train_that_fails_after_taking_the_run_directory_lets_go_of_it(tmp_path, corpus, monkeypatch):
+    """A notebook trains again after a failure: the lock had been kept ("in use by another run (pid <its own>)")."""
+    from harness.run import startup
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    sets = [*TINY, "train.max_steps=1", f"data.path={json.dumps(str(corpus))}",
+            f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"]
+    with monkeypatch.context() as m:
+        m.setattr(startup, "write_configs", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            harness.train(sets=sets)
+    assert not (tmp_path / "run" / ".lock").exists()
+    assert harness.train(sets=sets, overwrite=True)["step"] == 1
 
 
 def test_a_wrong_type_in_a_dict_config_names_the_dict_not_the_command_line():
@@ -98,6 +120,17 @@ def test_training_a_task_class_of_the_calling_script_says_what_later_needs(tmp_p
     out = capsys.readouterr().out
     assert out.count("note: run.task = '__main__:NotebookTask'") == 1
     assert "task=NotebookTask() given again" in out and '"path/to/file.py:NotebookTask"' in out
+
+    def make():  # a class of a function's: the object trains all the same (it had been refused: no such class)
+        class LocalTask(LanguageModelTask):
+            pass
+        return LocalTask()
+
+    with pytest.raises(ConfigError, match="run directory exists and is not empty"):
+        harness.train(sets=[*TINY, f"run.output_dir={json.dumps(str(run_dir))}"], task=make())
+    out = capsys.readouterr().out
+    assert ".make.<locals>.LocalTask': " in out and "names a task class defined in a function" in out
+    assert "task=LocalTask() given again" in out
 
 
 # --- 5, 6. plug-in modules: found from the current directory, failures located ---------------------------------------

@@ -4,11 +4,13 @@ run directory alone; its [task] section is checked like every other; the Python 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from harness.config.run import ConfigError
 from conftest import ROOT, _env, assert_losses_close, cli, ds_variant, harness, python
 
 BY_FILE = ["--run", "examples/digits.toml"]  # run.task = "examples/digits_task.py:DigitsTask"
@@ -126,6 +128,27 @@ class T:
 """
 
 
+TYPED = """from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.tasks.lm import LanguageModelTask
+
+
+@dataclass(frozen=True)
+class Typed:
+    shape: tuple = (2, 3)
+    pair: tuple[int, int] = (1, 2)
+    tags: list[str] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)
+    limit: int | None = None
+
+
+class T(LanguageModelTask):
+    Config = Typed
+"""
+
+
 @pytest.mark.parametrize("config,data,message", [
     ("NoDefault", "None", "T.Config.depth has no default (every [task] key needs one)"),
     ("Settings", "None", "T.Config must be a dataclass (the [task] section's keys)"),
@@ -148,6 +171,34 @@ def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):
     assert cfg.task.length == 8 and cfg.run.task.endswith("examples/digits_task.py:DigitsTask")
     (tmp_path / "config.toml").write_text(to_toml(cfg))
     assert resolve(str(tmp_path / "config.toml")).cfg == cfg  # what evaluate and --resume read back
+    # typed containers and optional keys: set, written and read back (a tuple had been refused once read back as
+    # a TOML array, a list[str] refused as "must be str", a None default failed to write)
+    typed = tmp_path / "typed_task.py"
+    typed.write_text(TYPED)
+    ref = f"run.task={json.dumps(f'{typed}:T')}"
+    cfg = resolve(None, [ref, 'task.tags=["a", "b"]', "task.weights={x = 1, y = 0.5}", "task.pair=[3, 4]"]).cfg
+    assert (cfg.task.shape, cfg.task.pair, cfg.task.tags, cfg.task.weights, cfg.task.limit) == \
+        ((2, 3), (3, 4), ["a", "b"], {"x": 1.0, "y": 0.5}, None)
+    for given in (cfg, resolve(None, [ref, "task.limit=7"]).cfg):
+        (tmp_path / "typed.toml").write_text(to_toml(given))
+        assert resolve(str(tmp_path / "typed.toml")).cfg == given
+    for bad, said in [("task.pair=[1, 2, 3]", "task.pair must be tuple[int, int], got list [1, 2, 3]"),
+                      ("task.tags=[1]", "task.tags must be list[str], got list [1]"),
+                      ('task.weights={x = "a"}', "task.weights must be dict[str, float], got dict {'x': 'a'}"),
+                      ("task.limit=true", "task.limit must be int or None, got bool True")]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            resolve(None, [ref, bad])
+    # the Python API's dict and RunConfig forms read as a run file does: a dict-valued key is one key, any string
+    # is a string, and a RunConfig's defaults leave a DeepSpeed file's values to it
+    import harness
+
+    given = {"run": {"task": f"{typed}:T", "name": "\N{GRINNING FACE}"}, "task": {"weights": {"x": 1}},
+             "train": {"max_steps": 2}}
+    assert harness.plan(given).run.cfg.task.weights == {"x": 1.0}
+    assert harness.plan(harness.plan(given).run.cfg).run.cfg == harness.plan(given).run.cfg
+    ds = tmp_path / "lr.json"
+    ds.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}))
+    assert harness.plan(harness.plan(given).run.cfg, ds=str(ds)).run.cfg.optimizer.lr == 0.01
 
 
 def test_python_api_trains_twice_in_one_process(tmp_path):

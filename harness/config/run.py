@@ -13,7 +13,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+import types
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from . import cadence
 
@@ -231,6 +232,14 @@ class RunConfig:
         new = dataclasses.replace(self.section(section), **{name: value})
         return dataclasses.replace(self, **{"task" if section == self.task_section else section: new})
 
+    def changed(self) -> dict[str, dict[str, Any]]:
+        """Every section by its run-file name, with the keys whose values are not their defaults: what its maker set."""
+        def default(f: dataclasses.Field) -> Any:
+            return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+        return {name: {f.name: getattr(self.section(name), f.name) for f in dataclasses.fields(self.section(name))
+                       if getattr(self.section(name), f.name) != default(f)} for name in self.sections()}
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section by its run-file name: the core ones, then the task's (none for a task without one)."""
         plain = lambda v: [plain(x) for x in v] if isinstance(v, (list, tuple)) else v  # noqa: E731 - as TOML reads
@@ -293,21 +302,54 @@ def _unknown(key: str, sections: dict[str, type], origin: str) -> ConfigError:
     return ConfigError(f"unknown config key `{key}` ({origin}){hint}")
 
 
+_NO = object()
+
+
+def _conform(value: Any, expected: Any) -> Any:
+    """`value` as a field declared `expected` holds it, or _NO: the type itself (a bool is no int), an int where a
+    float is declared, a TOML array where a tuple is, each item of a `list[str]`, `tuple[int, int]` or
+    `dict[str, float]`, any member of a union (`int | str`: a cadence; `int | None`)."""
+    origin, args = get_origin(expected), get_args(expected)
+    if expected is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        return next((out for a in args if (out := _conform(value, a)) is not _NO), _NO)
+    if expected is float and type(value) is int:
+        return float(value)
+    kind = origin or expected
+    if kind in (list, tuple) and isinstance(value, (list, tuple)):
+        if kind is tuple and args and args[-1] is not Ellipsis:  # tuple[int, int]: one type a place
+            items = [_conform(v, a) for v, a in zip(value, args)] if len(value) == len(args) else [_NO]
+        else:
+            items = [_conform(v, args[0]) if args else v for v in value]
+        return _NO if any(i is _NO for i in items) else kind(items)
+    if kind is dict and isinstance(value, dict):
+        pairs = [(_conform(k, args[0]), _conform(v, args[1])) if args else (k, v) for k, v in value.items()]
+        return _NO if any(_NO in pair for pair in pairs) else dict(pairs)
+    return value if type(value) is expected else _NO
+
+
+def _type_name(t: Any) -> str:
+    origin, args = get_origin(t), get_args(t)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+    return "None" if t is type(None) else getattr(t, "__name__", str(t))
+
+
 def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any:
     section, name = key.split(".")
     expected = get_type_hints(sections[section])[name]
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
     parse = all_keys(sections)[key].metadata.get("parse")
     if parse is not None:
         try:
             value = parse(key, value)
         except ValueError as e:
             raise ConfigError(f"{key}: {e} ({origin})") from None
-    allowed = get_args(expected) if get_origin(expected) is not None else (expected,)  # int | str: a cadence
-    if type(value) not in allowed:
-        raise ConfigError(f"{key} must be {' or '.join(a.__name__ for a in allowed)}, got {type(value).__name__} "
-                          f"{value!r} ({origin})")
+    given, value = value, _conform(value, expected)
+    if value is _NO:
+        raise ConfigError(f"{key} must be {_type_name(expected)}, got {type(given).__name__} {given!r} ({origin})")
     if expected is float and not math.isfinite(value):  # TOML has nan and inf literals
         raise ConfigError(f"{key} must be a finite number, got {value!r} ({origin})")
     choices = all_keys(sections)[key].metadata.get("choices")
@@ -402,8 +444,8 @@ def resolve(run_file: str | None, overrides: list[str], task_ref, task_sections:
 
 def _layers(run_file: str | None, overrides: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """The run file's `section.key`s and the overrides', each with its origin, the last winning. An override is the
-    command line's `section.key=value`, or (origin, `section.key=value`) from elsewhere: the Python API's dict
-    config, named as such in errors."""
+    command line's `section.key=value`, or (origin, `section.key=value`) or (origin, {`section.key`: value}) from
+    elsewhere: the Python API's dict config, named as such in errors."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if run_file:
         flat = {}
@@ -414,11 +456,11 @@ def _layers(run_file: str | None, overrides: list[str]) -> list[tuple[str, dict[
         layers.append((f"run file {run_file}", flat))
     last = None
     for item in overrides:
-        origin, text = item if isinstance(item, tuple) else ("command line", item)
+        origin, given = item if isinstance(item, tuple) else ("command line", item)
         if origin != last:  # a layer of its own where the origin changes, in their order
             layers.append((origin, {}))
             last = origin
-        layers[-1][1].update([parse_override(text)])
+        layers[-1][1].update(given if isinstance(given, dict) else [parse_override(given)])
     return layers
 
 
@@ -556,4 +598,5 @@ def to_toml(cfg: RunConfig) -> str:
     control characters included, reads back as it was)."""
     import tomli_w
 
-    return tomli_w.dumps(cfg.to_dict())
+    # None (a task's `x: int | None = None`) has no TOML form: left out, the key reads back as its default
+    return tomli_w.dumps({name: {k: v for k, v in body.items() if v is not None} for name, body in cfg.to_dict().items()})

@@ -523,15 +523,14 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
     error = all_gather_objects(error)[0]
     if error:
         raise ConfigError(error)
-    if resume_from is None:  # first: what tells a run directory (`is_run_dir`, `harness launch`'s launch.log)
-        write_configs(plan, world, None)
-    if world.is_main:
-        if world.library_output:  # DeepSpeed's own lines at start-up: kept, out of the terminal
+    try:  # the lock is let go of whatever fails from here (a later train() in this process takes it again)
+        if resume_from is None:  # first: what tells a run directory (`is_run_dir`, `harness launch`'s launch.log)
+            write_configs(plan, world, None)
+        if world.is_main and world.library_output:  # DeepSpeed's own lines at start-up: kept, out of the terminal
             with open(plan.run_dir / "deepspeed.log", "a") as f:
                 f.write(world.library_output)
-    try:
         check_shared(plan, world)
-    except ConfigError:
+    except BaseException:
         if held:
             held.release()
         raise

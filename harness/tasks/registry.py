@@ -79,19 +79,7 @@ def task_class(name: str) -> type:
     target, _, cls_name = name.rpartition(":")
     if not target or not cls_name:
         raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
-    try:
-        module = _import_file(target) if target.endswith(".py") else _import_module(target)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
-        raise ConfigError(f"run.task = {name!r}: importing {target} failed{_where(e, target)}: "
-                          f"{type(e).__name__}: {e}") from None
-    cls = getattr(module, cls_name, None)
-    if not isinstance(cls, type):
-        classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
-        close = closest(cls_name, classes)
-        hint = f"; did you mean {close!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
-        raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
+    cls = GIVEN.get(name) or _plugin_class(name, target, cls_name)
     missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
@@ -104,6 +92,30 @@ def task_class(name: str) -> type:
     for attr in ("Config", "check", "loss", "metrics"):  # the defaults of what it leaves out, on its own class
         if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
             setattr(cls, attr, TaskDefaults.__dict__[attr])
+    return cls
+
+
+# Classes of task objects given to the Python API (`task=`), by the name run.task records: the object trains, in this
+# process, whether or not its class can be imported by name (one defined in a function, `f.<locals>.Task`)
+GIVEN: dict[str, type] = {}
+
+
+def _plugin_class(name: str, target: str, cls_name: str) -> type:
+    try:
+        module = _import_file(target) if target.endswith(".py") else _import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import: one line naming it
+        raise ConfigError(f"run.task = {name!r}: importing {target} failed{_where(e, target)}: "
+                          f"{type(e).__name__}: {e}") from None
+    cls = module
+    for part in cls_name.split("."):  # Outer.Inner: a class defined in a class
+        cls = getattr(cls, part, None)
+    if not isinstance(cls, type):
+        classes = [k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__]
+        close = closest(cls_name, classes)
+        hint = f"; did you mean {close!r}?" if close else f"; its classes: {', '.join(classes) or 'none'}"
+        raise ConfigError(f"run.task = {name!r}: {target} has no class {cls_name!r}{hint}")
     return cls
 
 
