@@ -340,6 +340,9 @@ BROKEN = [
      "metrics(mean_loss)['mse'] returned a torch.float32 tensor"),
     ("    def metrics(self, mean_loss):\n        return {'mse': mean_loss, 'step': 1.0}",
      "metrics(mean_loss) names a metric 'step', which the evaluation record keeps for itself"),
+    ("    def evaluate(self, model, cfg, split, world, data=None, in_training=False):\n        import numpy\n"
+     "        return {'r': numpy.float32(0.5)}",
+     "evaluate(model, cfg, split, world)['r'] returned float32 np.float32(0.5); each metric must be a Python number"),
 ]
 
 

@@ -21,6 +21,7 @@ from ..config.run import ConfigError, RunConfig
 from ..distributed.world import single_world
 from ..prepare import CHECKSUMS, STORED, differences, sha256, stored
 from ..run.export import check_finished, load_model, run_config
+from ..tasks.interface import check_metrics
 from ..tasks import ReadData, get_task
 
 RESULTS = "eval.json"
@@ -78,6 +79,7 @@ def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, ta
     world = single_world(next(model.parameters()).device)
     if hasattr(task, "evaluate"):
         metrics = task.evaluate(model, cfg, split, world)
+        check_metrics(task, metrics, "evaluate(model, cfg, split, world)")
     else:  # the task's own figures from the mean loss, on the split its build_data gives
         data = task.build_data(cfg)
         samples = {"validation": data.val, "test": getattr(data, "test", None)}[split]
@@ -129,8 +131,11 @@ def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None
         kept, skipped, noted = _rows(part)
         if not kept:
             raise ConfigError(f"{path}: no row to score survived cleaning ({_counts(part.counts)})")
-        metrics = task.evaluate(model, cfg, key, world, data=part.data) if hasattr(task, "evaluate") else \
-            loss_metrics(task, model, cfg, part.data, world)
+        if hasattr(task, "evaluate"):
+            metrics = task.evaluate(model, cfg, key, world, data=part.data)
+            check_metrics(task, metrics, "evaluate(model, cfg, split, world, data)")
+        else:
+            metrics = loss_metrics(task, model, cfg, part.data, world)
         results[key] = {"data": ", ".join(map(str, part.files)), "data_sha256": checksum(part.files), **metrics,
                         "rows_kept": kept, "rows_skipped": sum(skipped.values()),
                         **({"skipped": _counts(skipped)} if skipped else {}),

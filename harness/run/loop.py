@@ -420,7 +420,9 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
             model.load_state_dict(full_state_dict(engine, world, everywhere=True))
             model.to(world.device)
             eval_world = replace(world, dp_rank=world.rank, dp_size=world.world_size, stage=0, pp_size=1)
-        metrics.update(plan.task.evaluate(model, plan.run.cfg, "validation", eval_world, in_training=True))
+        own = plan.task.evaluate(model, plan.run.cfg, "validation", eval_world, in_training=True)
+        check_metrics(plan.task, own, "evaluate(model, cfg, split, world)")
+        metrics.update(own)
     if metrics:
         tracker.log({"step": step, **metrics}, file="eval.jsonl")
         if world.is_main:

@@ -180,13 +180,16 @@ def check_loss(task, loss) -> None:
                        "(not .item(), not detached)")
 
 
-def check_metrics(task, metrics) -> None:
+def check_metrics(task, metrics, method: str = "metrics(mean_loss)") -> None:
+    """What the evaluation record takes from `method` (metrics, or a task's own evaluate): a dict of names to Python
+    numbers (that a float can hold) or strings, none of them a name the record keeps for itself."""
     if not isinstance(metrics, Mapping) or not all(isinstance(k, str) for k in metrics):
-        raise _refused(task, "metrics(mean_loss)", metrics, "it must return a dict of names to numbers")
+        raise _refused(task, method, metrics, "it must return a dict of names to numbers")
     for key, value in metrics.items():
         if key in RESERVED_METRICS:
-            raise ConfigError(f"task {type(task).__name__}: metrics(mean_loss) names a metric {key!r}, which the "
+            raise ConfigError(f"task {type(task).__name__}: {method} names a metric {key!r}, which the "
                               f"evaluation record keeps for itself; rename it")
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise _refused(task, f"metrics(mean_loss)[{key!r}]", value, "each metric must be a Python number "
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or \
+                (isinstance(value, int) and abs(value) > 2**1023):  # past float's range: it cannot be printed so
+            raise _refused(task, f"{method}[{key!r}]", value, "each metric must be a Python number "
                            "(float(...)) or a string")
