@@ -139,6 +139,15 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
                      "optimizer.params.weight_decay = 0.01 vs optimizer.weight_decay = 0.0 (command line)",
                      "scheduler.params.warmup_num_steps = 7 vs schedule.warmup_steps = 2 (command line)"):
         assert mismatch in line, line
+    # what `harness plan --ds-json` and RUN/ds_config.json write reads back as the same run: under ZeRO-0 in fp32 the
+    # loop clips, and the file says so (it had said 0, which the run's own clipping then contradicted)
+    from harness.plan.render import ds_json
+
+    zero0 = make_plan(None, BASE, str(ROOT / "configs" / "ds" / "zero0.json"), 1)
+    written = json.loads(ds_json(zero0))
+    assert zero0.ds.loop_clips == written["gradient_clipping"] == zero0.run.cfg.train.grad_clip > 0
+    again = make_plan(None, BASE, write(tmp_path, "written", written), 1)
+    assert again.ds.loop_clips == zero0.ds.loop_clips and again.ds.config == zero0.ds.config
 
 
 def test_adam_w_mode_and_torch_adam_build_what_deepspeed_would():

@@ -40,6 +40,26 @@ KNOWN_KEYS = {
     "eigenvalue", "progressive_layer_drop", "quantize_training", "mics_shard_size", "zenflow",
     "sequence_parallel_size",
 }
+# Sections DeepSpeed reads but acts on only when the training script asks it to, which the harness does not (or does
+# the work itself): refused where they are on, as they would be ignored.
+NOT_APPLIED = {
+    "activation_checkpointing": "DeepSpeed recomputes only what a model passes to deepspeed.checkpointing; set "
+                                "train.activation_checkpointing = true (the harness recomputes each block)",
+    "compile": "the harness compiles the model's blocks itself: set train.compile = true",
+    "data_efficiency": "the harness's sampler orders the data: DeepSpeed's curriculum and data routing are not applied",
+    "comms_logger": "DeepSpeed prints its summary only when the training script calls deepspeed.comm.log_summary()",
+    "autotuning": "DeepSpeed's autotuner runs from the deepspeed launcher; `harness bench sweep` tries sizes here",
+    "dataloader_drop_last": "the harness's sampler makes the batches (DeepSpeed's data loader is not used)",
+}
+# Sections DeepSpeed 0.19 reads key by key from a plain dict (no model of its own): a misspelled key is dropped
+PLAIN_SECTIONS = {
+    "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+                       "output_file"},
+    "checkpoint": {"tag_validation", "load_universal", "use_node_local_storage", "parallel_write"},
+}
+# zero_optimization keys of DeepSpeed's old spelling, which it still maps: the harness reads the new ones alone
+OLD_ZERO = {"cpu_offload": 'offload_optimizer: {"device": "cpu"}', "cpu_offload_param": 'offload_param: {"device": '
+            '"cpu"}', "cpu_offload_use_pin_memory": '"pin_memory": true in offload_optimizer or offload_param'}
 # Batch keys and clipping: DeepSpeed key -> run key.
 RUN_OWNED = {
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
@@ -74,8 +94,36 @@ class DSResolved:
             self.layout.tp_size == self.layout.pp_size == 1
 
 
+class KeyTwice(ValueError):
+    pass
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if twice := next((k for k in keys if keys.count(k) > 1), None):  # json keeps the last; DeepSpeed refuses it
+        raise KeyTwice(f"the key {twice!r} is given twice in one object")
+    return dict(pairs)
+
+
+def _parse(text: str) -> Any:
+    """JSON, or what DeepSpeed's own reader (hjson) also takes: comments, trailing commas."""
+    try:
+        return json.loads(text, object_pairs_hook=_once)
+    except json.JSONDecodeError:
+        if not text.strip():  # hjson reads nothing as {}
+            raise
+        try:
+            import hjson
+
+            return hjson.loads(text, object_pairs_hook=_once)
+        except (ImportError, ValueError) as e:
+            if isinstance(e, KeyTwice):
+                raise
+        raise
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
-    return read_file(path, "DeepSpeed config", json.loads, json.JSONDecodeError, "JSON")
+    return read_file(path, "DeepSpeed config", _parse, (json.JSONDecodeError, KeyTwice), "JSON")
 
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "ds"  # the repository's DeepSpeed files
@@ -102,14 +150,26 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     label, ds = _strategy(ds_file, given)
     source = {k: label for k in flatten(ds)}
     c = run.cfg
-    for key in ds:
+    for key, value in ds.items():
         if key not in KNOWN_KEYS:
             close = closest(key, sorted(KNOWN_KEYS))
-            hint = f"; did you mean `{close}`?" if close else ""
+            hint = f"; did you mean `{close}`?" if close else "; an accelerate config file? name it with " \
+                "harness launch --config_file" if key in ("compute_environment", "distributed_type") else ""
             raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
+        if key in NOT_APPLIED and value not in (None, False, {}) and \
+                not (isinstance(value, dict) and value.get("enabled") is False):
+            raise ConfigError(f"{key} ({label}) would be ignored: {NOT_APPLIED[key]}; remove it")
+        for name in (value.keys() - PLAIN_SECTIONS.get(key, value.keys())) if isinstance(value, dict) else ():
+            close = closest(name, sorted(PLAIN_SECTIONS[key]))
+            raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
+                              f"{f'; did you mean `{close}`?' if close else ''} (it takes "
+                              f"{', '.join(sorted(PLAIN_SECTIONS[key]))})")
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")
+    for key in OLD_ZERO.keys() & zero.keys():
+        raise ConfigError(f"zero_optimization.{key} ({label}) is DeepSpeed's old spelling, which the harness does not "
+                          f"read: write zero_optimization.{OLD_ZERO[key]}")
     _accelerate_auto(zero, given, source)
     _check_types(ds, label)
     _validate_zero(zero, label)
@@ -151,7 +211,36 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         ds["gradient_clipping"] = 0.0
         source["gradient_clipping"] += ("; clipped by the harness loop, which computes the norm ZeRO-0 in fp32 (or bf16 "
                                         "by autocast) keeps none of")
+    _deepspeed_reads(ds, label)
     return resolved
+
+
+def _deepspeed_reads(ds: dict, label: str) -> None:
+    """The whole config read by DeepSpeed's own `DeepSpeedConfig`, as each rank's engine will read it, for the
+    sections the checks above do not cover (its removed features, the monitors', checkpoint's and compile's keys,
+    communication_data_type, ...): its refusal in one line here, not a traceback on every rank. Read for one process:
+    the batch size is this rank's share."""
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from deepspeed.utils import logger
+    from pydantic import ValidationError
+
+    mine = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its info lines (the world size it reads) are not the plan's
+    try:
+        DeepSpeedConfig(copy.deepcopy(mine))
+    except ValidationError as e:  # a pydantic model's: the key and why
+        err = e.errors()[0]
+        why = "it reads no such key there" if err["type"] == "extra_forbidden" else choices_once(err["msg"])
+        raise ConfigError(f"{'.'.join(map(str, err['loc'])) or e.title} ({label}): DeepSpeed refuses it: {why}") \
+            from None
+    except (DeepSpeedConfigError, ValueError, AssertionError, TypeError, KeyError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{label}: DeepSpeed refuses it: {why}") from None
+    finally:
+        logger.setLevel(level)
 
 
 def _strategy(ds_file: str | None, given: dict) -> tuple[str, dict]:
@@ -210,7 +299,12 @@ def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offlo
         if offload_device(section) == "nvme" and not section.get("nvme_path"):
             raise ConfigError(f"zero_optimization.{key}.device = \"nvme\" ({label}) needs "
                               f"zero_optimization.{key}.nvme_path: a directory on a fast local NVMe drive")
-    if (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0 and "zero_allow_untested_optimizer" not in ds:
+    untested = (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0
+    if untested and ds.get("zero_allow_untested_optimizer") is False:  # its ZeRO would assert at start, on every rank
+        raise ConfigError(f"zero_allow_untested_optimizer = false ({label}) with "
+                          f"{run.describe('optimizer.name') if c.optimizer.name != 'adamw' else 'its optimizer section'}"
+                          f": DeepSpeed's ZeRO refuses an optimizer outside its tested list at start; remove the key")
+    if untested and "zero_allow_untested_optimizer" not in ds:
         # DeepSpeed lists the optimizers it tested with ZeRO (Adam family, Lamb, ...); SGD is not among them, and
         # the harness's tests show its ZeRO-1 losses equal one process's.
         ds["zero_allow_untested_optimizer"] = True
@@ -466,7 +560,7 @@ def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout
         if precision != "fp32":
             raise ConfigError(f"torch_autocast.enabled with {precision} ({label}): autocast runs over fp32 weights; "
                               f"disable {precision}.enabled, or torch_autocast")
-        if given.setdefault("dtype", "bfloat16") not in ("bfloat16", "bf16"):  # DeepSpeed's None: fp16 on a GPU
+        if given.setdefault("dtype", "bfloat16") not in ("bfloat16", "bf16", "torch.bfloat16"):  # None: fp16 on a GPU
             raise ConfigError(f"torch_autocast.dtype = {given['dtype']!r} ({label}): the harness runs autocast in "
                               f"bfloat16; for fp16 use fp16.enabled (DeepSpeed's loss scaling)")
         source.setdefault("torch_autocast.dtype", "harness default")

@@ -185,6 +185,8 @@ def ds_json(plan: Plan) -> str:
     DeepSpeed's scheduler where the file names one (the run file's own schedule has no DeepSpeed section; a total
     step count known only once the data is read stays "auto"), for another tool to take."""
     config = {**plan.ds.config, "optimizer": optimizer_section(plan)}
+    if plan.ds.loop_clips:  # the loop clips (DeepSpeed's own clipping is off): written as the run clips, so the file
+        config["gradient_clipping"] = plan.ds.loop_clips  # reads back as the same run, here and elsewhere
     if plan.ds.sections.scheduler:
         config["scheduler"] = plan.ds.sections.scheduler
     return json.dumps(config, indent=2)

@@ -29,6 +29,9 @@ class Plan:
 def ds_file_arg(ds_file: str | None) -> str | None:
     """--ds (a path, or a name in configs/ds), else the DeepSpeed file named in the accelerate launch config
     (deepspeed_config_file)."""
+    if ds_file is not None and not str(ds_file).strip():  # an unset $DS: not the harness default, silently
+        raise ConfigError("--ds is empty: name a DeepSpeed file or one of configs/ds (e.g. zero2), or leave --ds out "
+                          "for the harness default (ZeRO-0, fp32)")
     ds_file = ds_path(ds_file) if ds_file else None
     from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
     if ds_file and from_accelerate and Path(ds_file).resolve() != Path(from_accelerate).resolve():
