@@ -562,7 +562,8 @@ def _ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> t
             why = " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
             return EXIT_HUNG, f"harness: error: {who} was killed by {name}{when}{why}; {resume}; every rank's " \
                               f"output: {log}", ""
-        why = (" (NCCL's watchdog aborts a rank whose collective failed or timed out: see its output)"
+        why = (" (its collective library aborts a rank whose collective failed, timed out or did not match the other "
+               "ranks', e.g. NCCL's watchdog or gloo's size check: see its output)"
                if name == "SIGABRT" else "")
         return 1, f"harness: error: {who} crashed with {name}{when}{why}; {resume}; every rank's output: {log}", \
             _without_torchrun(held)

@@ -279,6 +279,50 @@ def test_a_task_with_float_inputs_trains_in_bf16_as_it_does_in_fp32(ds, tmp_path
     assert len(run.losses) == 3 and all(loss == loss for loss in run.losses), run.proc.stdout[-2000:]
 
 
+SIZED_TASK = FLOAT_TASK + '''
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Size:
+    width: int = 16
+
+
+class Sized(FloatTask):
+    Config = Size
+
+    def build_model(self, cfg):
+        return nn.Sequential(nn.Linear(4, cfg.task.width), nn.ReLU(), nn.Linear(cfg.task.width, 1){extra})
+
+    def metrics(self, mean_loss):
+        return {"rmse": mean_loss ** 0.5}
+'''
+
+
+def test_a_checkpoint_resumes_only_into_the_model_it_was_saved_from_whatever_changed(tmp_path):
+    """A [task] key that shapes the model, or the task's model code itself (the settings the same): one line naming
+    it before anything loads (the code change had read as a checkpoint cut short or damaged). The task's own metrics
+    leave out the loss, which the best checkpoint is still selected by (it had been refused)."""
+    task = tmp_path / "sized_task.py"
+    task.write_text(SIZED_TASK.replace("{extra}", ""))
+    args = ["--set", f"run.task={json.dumps(f'{task}:Sized')}"]
+    sets = ["train.max_steps=4", "train.micro_batch_size=8", 'train.select_best="loss"', "train.eval_every=1"]
+    first = harness(tmp_path / "run", tmp_path, sets=sets, args=[*args, "--stop-at", "2"])
+    assert (first.dir / "checkpoints" / "step_00000002" / "parameters.json").is_file()
+    assert [sorted(e) for e in first.evals] == [["loss", "rmse", "step"]] * 2
+    assert json.loads((first.dir / "best.json").read_text())["metric"] == "loss"
+    wider = harness(tmp_path / "run", tmp_path, check=False, sets=[*sets, "task.width=32"], args=[*args, "--resume",
+                                                                                                  "auto"])
+    line = wider.proc.stderr.strip().splitlines()[-1]
+    assert wider.proc.returncode == 2 and "its model is not this run's (task.width 16 there, 32 here" in line, line
+    task.write_text(SIZED_TASK.replace("{extra}", ", nn.Linear(1, 1)"))
+    changed = harness(tmp_path / "run", tmp_path, check=False, sets=sets, args=[*args, "--resume", "auto"])
+    line = changed.proc.stderr.strip().splitlines()[-1]
+    assert changed.proc.returncode == 2 and "the model's code changed since it was saved (Sized); parameters 3.bias " \
+        "None -> [1], 3.weight None -> [1, 1]" in line, line
+
+
 def test_16_bit_inputs_are_cast_except_for_a_model_that_casts_its_own():
     """The price model normalises each window in fp32 (`casts_own_inputs`): cast to bf16 first, a price of 150 moves
     in steps of 1 and its window's scale is lost. Every other model under DeepSpeed's 16 bits takes its inputs cast."""

@@ -93,10 +93,10 @@ def check_selection(run: Resolved, task: Task) -> None:
     metrics all come from the loss; a task with a field evaluation (`evaluate`) is checked at its first one."""
     name = run.cfg.train.select_best
     if name and not hasattr(task, "evaluate"):
-        reported = [k for k, v in task.metrics(1.0).items() if not isinstance(v, str)]
+        reported = list(dict.fromkeys(["loss", *(k for k, v in task.metrics(1.0).items() if not isinstance(v, str))]))
         if metric_key(name) not in reported:
             raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
-                              f"{', '.join(reported)} at each evaluation (or val_loss for loss)")
+                              f"{', '.join(reported)} at each evaluation (val_loss is loss)")
 
 
 def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:

@@ -37,6 +37,7 @@ BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
 LAYOUT = "layout.json"
 DATA = "data.json"  # what the run trained on (a prepared corpus's fingerprint): a resume on other data is refused
+SHAPES = "parameters.json"  # the model's parameters by name and shape: a resume into a model of other code is refused
 LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "sp_size", "zero_stage", "offload_optimizer", "offload_params")
 
 
@@ -190,6 +191,14 @@ def saved_layout(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def saved_shapes(path: Path) -> dict[str, list[int]] | None:
+    """A checkpoint's parameters.json (its model's parameter shapes by name); None where there is none."""
+    try:
+        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / SHAPES).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
     """Before launch: a checkpoint trained on a prepared corpus resumes on that corpus (its fingerprint), else the
     samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it."""
@@ -300,9 +309,11 @@ def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
-         best: int | None = None, layout: dict[str, Any] | None = None, data: dict | None = None) -> Path:
+         best: int | None = None, layout: dict[str, Any] | None = None, data: dict | None = None,
+         shapes: dict[str, list[int]] | None = None) -> Path:
     """Collective: every rank calls it. `best`: the step of the best checkpoint (`train.select_best`), named in
-    `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json, `data` as data.json."""
+    `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json, `data` as data.json,
+    `shapes` as parameters.json."""
     name = step_name(step)
     partial = root / f"{name}.partial"
     if world.is_main:
@@ -319,8 +330,9 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
         if world.is_main and layout is not None:
             (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
-        if world.is_main and data is not None:
-            (partial / DATA).write_text(json.dumps(data) + "\n")
+        for file, record in ((DATA, data), (SHAPES, shapes)):
+            if world.is_main and record is not None:
+                (partial / file).write_text(json.dumps(record) + "\n")
     except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
         failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
     failures = [f for f in all_gather_objects(failed) if f]  # every rank's shards are on disk, or none goes on

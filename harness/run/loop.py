@@ -86,7 +86,7 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
     total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
-    return metrics
+    return {"loss": total / count, **metrics} if count else {}  # the loss whatever the task reports: train.select_best
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
@@ -131,6 +131,7 @@ class Run:
     flops: ForwardFlops
     min_loss_scale: float
     build_peaks: list[dict]
+    shapes: dict[str, list[int]]  # the whole model's parameters (checkpoint.SHAPES)
 
     @property
     def checkpoints(self) -> Path:
@@ -211,7 +212,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     return Run(plan, world, data, engine, schedule, every, StepSampler(**sampler_args, start_step=start_step,
                max_steps=max_steps), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
                state.get("samples_seen", 0), selection, tracker, flops,
-               float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks)
+               float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
+               {n: list(p.shape) for n, p in meta_model.named_parameters()})
 
 
 def _data(plan: Plan, world: World) -> tuple:
@@ -357,7 +359,7 @@ def _save(run: Run, step: int, result, progress) -> None:
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
-                        data=data_identity(run.plan))
+                        data=data_identity(run.plan), shapes=run.shapes)
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 

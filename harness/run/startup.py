@@ -336,6 +336,7 @@ def check_same_model(plan: Plan, found: Path) -> None:
     anything is loaded or written. Refused in one line naming the settings that differ."""
     import torch
 
+    from . import checkpoint
     from .export import run_config
     from .trust import TRUST, trusting
 
@@ -352,19 +353,22 @@ def check_same_model(plan: Plan, found: Path) -> None:
             ours.model.trust_remote_code and raw.get("model", {}).get("trust_remote_code") is True)):
         theirs = run_config(source)
     with torch.device("meta"):
-        shapes = [{n: tuple(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]
-    if shapes[0] == shapes[1]:
+        shapes = [{n: list(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]
+    saved = checkpoint.saved_shapes(found)
+    if shapes[0] == shapes[1] and saved in (None, shapes[1]):
         return
     old, new = flatten(theirs.to_dict()), flatten(ours.to_dict())
-    shaping = ("model.", f"{ours.run.task}.", "data.seq_len", "data.path", "data.vocab")
+    shaping = ("model.", f"{ours.task_section}.", "data.seq_len", "data.path", "data.vocab")
     keys = [f"{k} {old.get(k)!r} there, {new[k]!r} here ({plan.run.source.get(k, 'default')})" for k in new
             if k.startswith(shaping) and old.get(k) != new[k]]
+    if shapes[0] == shapes[1]:  # the same settings build another model: its code changed since the checkpoint
+        shapes[0], keys = saved, [f"the model's code changed since it was saved ({type(plan.task).__name__})"]
     differ = [f"{n} {shapes[0].get(n)} -> {shapes[1].get(n)}" for n in sorted(shapes[0].keys() | shapes[1].keys())
               if shapes[0].get(n) != shapes[1].get(n)]
     raise ConfigError(f"--resume {found}: its model is not this run's ({'; '.join(keys) or 'the data it was built for'}"
                       f"; parameters {', '.join(differ[:3])}{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}"
-                      f"): resume with the settings it was saved with, or start a new run (--overwrite, or another "
-                      f"run.output_dir)")
+                      f"): resume with the settings and code it was saved with, or start a new run (--overwrite, or "
+                      f"another run.output_dir)")
 
 
 def data_identity(plan: Plan) -> dict | None:
