@@ -323,6 +323,20 @@ def test_a_checkpoint_resumes_only_into_the_model_it_was_saved_from_whatever_cha
         "None -> [1], 3.weight None -> [1, 1]" in line, line
 
 
+def test_ranks_that_built_different_data_are_refused_in_one_line(tmp_path):
+    """A split drawn unseeded (each process its own order): validation would overlap training, silently."""
+    task = tmp_path / "unseeded_task.py"
+    task.write_text(FLOAT_TASK + "\n\nclass Unseeded(FloatTask):\n    def build_data(self, cfg):\n"
+                    "        import os, random\n        d = super().build_data(cfg)\n        rows = list(d.train)\n"
+                    "        random.Random(os.getpid()).shuffle(rows)\n        return TaskData(rows, d.val)\n")
+    run = harness(tmp_path / "run", tmp_path, nproc=2, ds="zero2.json", check=False, front=True,
+                  sets=["train.max_steps=2", "train.micro_batch_size=8"],
+                  args=["--set", f"run.task={json.dumps(f'{task}:Unseeded')}"])
+    assert run.proc.returncode == 2, run.proc.stderr[-2000:]
+    assert run.proc.stderr.strip().splitlines()[-1].startswith(
+        "harness: error: task Unseeded: build_data(cfg) gave rank 1 other data than rank 0 (train "), run.proc.stderr[-2000:]
+
+
 def test_16_bit_inputs_are_cast_except_for_a_model_that_casts_its_own():
     """The price model normalises each window in fp32 (`casts_own_inputs`): cast to bf16 first, a price of 150 moves
     in steps of 1 and its window's scale is lost. Every other model under DeepSpeed's 16 bits takes its inputs cast."""

@@ -37,7 +37,7 @@ from ..models.flops import ForwardFlops
 from ..plan.render import build_report, start_line
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
-from ..tasks.interface import check_data, check_metrics, check_model
+from ..tasks.interface import check_data, check_metrics, check_model, check_same_data, data_digest
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose
@@ -230,6 +230,8 @@ def _data(plan: Plan, world: World) -> tuple:
     with state.main_process_first(), state.local_main_process_first():
         data = task.build_data(cfg)
     check_data(task, data)
+    if world.world_size > 1:  # a split drawn unseeded differs by rank: validation would overlap training
+        check_same_data(task, all_gather_objects(data_digest(data)))
     if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
         note = store_run_data(task, cfg, plan.run_dir)
         if note:

@@ -163,6 +163,49 @@ def check_data(task, data) -> None:
                               f"a torch Dataset with __len__); [] for none")
 
 
+def data_digest(data: TaskData) -> tuple:
+    """What ranks compare of the data each built (`build_data` runs on every rank): each split's size and three of
+    its samples, by value (tensors and arrays by their bytes), in a form no process's hash seed changes."""
+    import hashlib
+
+    def value(x) -> Any:
+        if isinstance(x, (str, int, float, bool, type(None))):
+            return x
+        if isinstance(x, torch.Tensor) or hasattr(x, "__array__"):
+            try:
+                t = torch.as_tensor(x).detach().cpu()
+                flat = t.contiguous().reshape(-1).view(torch.uint8)
+            except (TypeError, ValueError, RuntimeError):  # an array of objects, an image: its kind alone
+                return type(x).__name__
+            return str(t.dtype), tuple(t.shape), hashlib.sha1(flat.numpy().tobytes()).hexdigest()
+        if isinstance(x, Mapping):
+            return tuple((str(k), value(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return tuple(value(v) for v in x)
+        if isinstance(x, (set, frozenset)):
+            return tuple(sorted(repr(value(v)) for v in x))
+        return type(x).__name__  # an object of the task's own: its kind alone
+
+    digest = []
+    for name in ("train", "val"):
+        split = getattr(data, name)
+        n = len(split)
+        digest.append((name, n, tuple(value(split[i]) for i in sorted({0, n // 2, n - 1}) if n)))
+    return tuple(digest)
+
+
+def check_same_data(task, digests: list[tuple]) -> None:
+    """Every rank's `data_digest` alike, or one line (on every rank) naming the first that differs."""
+    rank = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if rank is None:
+        return
+    sizes = lambda d: ", ".join(f"{name} {n}" for name, n, _ in d)  # noqa: E731
+    raise ConfigError(f"task {type(task).__name__}: build_data(cfg) gave rank {rank} other data than rank 0 "
+                      f"({sizes(digests[rank])} samples there, {sizes(digests[0])} on rank 0, or other samples): "
+                      f"every rank must build the same splits; seed any shuffle or split (e.g. "
+                      f"random.Random(cfg.train.seed))")
+
+
 def check_batch(task, batch) -> None:
     """A batch as the loop moves, splits and checksums it: a dict of tensors."""
     if not isinstance(batch, Mapping):  # a dict, or e.g. transformers' BatchEncoding
