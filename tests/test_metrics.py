@@ -130,3 +130,12 @@ def test_the_run_directory_s_config_reads_back_whatever_its_strings_hold(tmp_pat
     assert tomllib.loads(text) == cfg.to_dict()  # every field, as it was
     (tmp_path / "config.toml").write_text(text)
     assert resolve(str(tmp_path / "config.toml")).cfg == cfg
+
+
+def test_the_evaluate_table_keeps_its_columns_whatever_the_metric_names():
+    """Metric names shorter than the header's "metric" had shifted the rows left of it."""
+    from harness.eval.evaluate import render_table
+
+    for scores in ({"r": 0.5, "mse": 1.25}, {"a_long_metric_name": 2.0}):
+        table = render_table("test", {**scores, "signature": "x"}).splitlines()
+        assert len({len(line) for line in table[:-1]}) == 1 and table[-1] == "signature: x", table

@@ -398,6 +398,9 @@ BROKEN = [
      "metrics(mean_loss)['mse'] returned a torch.float32 tensor"),
     ("    def metrics(self, mean_loss):\n        return {'mse': mean_loss, 'step': 1.0}",
      "metrics(mean_loss) names a metric 'step', which the evaluation record keeps for itself"),
+    ("    def inputs(self, batch):\n        return batch['x']",
+     "inputs(batch) returned a torch.float32 tensor of shape (8, 4)"),
+    ("    def count(self, batch):\n        return None", "count(batch) returned NoneType None; it must return the batch's number"),
     ("    def evaluate(self, model, cfg, split, world, data=None, in_training=False):\n        import numpy\n"
      "        return {'r': numpy.float32(0.5)}",
      "evaluate(model, cfg, split, world)['r'] returned float32 np.float32(0.5); each metric must be a Python number"),

@@ -185,7 +185,7 @@ def _number(v: float) -> str:
 def render_table(split: str, metrics: dict[str, float | str]) -> str:
     """Numbers first, in a two-column table; signatures and other strings below it."""
     numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
-    width, column = max((len(k) for k in numbers), default=6), max(12, len(split))
+    width, column = max([len("metric"), *(len(k) for k in numbers)]), max(12, len(split))
     lines = [f"| {'metric':{width}} | {split:>{column}} |", f"|{'-' * (width + 2)}|{'-' * (column + 2)}|"]
     lines += [f"| {k:{width}} | {_number(v):>{column}} |" for k, v in numbers.items()]
     lines += [f"{k}: {v}" for k, v in metrics.items() if isinstance(v, str)]

@@ -27,7 +27,7 @@ from ..distributed.world import (
 from ..models import sequence
 from ..models.flops import TRAIN_FACTOR, ForwardFlops
 from ..plan.resolve import Plan
-from ..tasks.interface import check_batch, check_loss
+from ..tasks.interface import check_batch, check_count_and_inputs, check_loss
 from . import profiling
 from .tracking import Tracker
 
@@ -335,9 +335,10 @@ def step_work(task, flops: ForwardFlops, batches: list[dict[str, torch.Tensor]])
     items = model_flops = real = padded = hashed = 0
     for b in batches:
         check_batch(task, b)
-        n = task.count(b)
+        n, args = task.count(b), task.inputs(b)
+        check_count_and_inputs(task, n, args)
         r, p = task.padding(b) if hasattr(task, "padding") else (1, 1)
-        items, model_flops, real, padded = items + n, model_flops + flops(task.inputs(b), n), real + r, padded + p
+        items, model_flops, real, padded = items + n, model_flops + flops(args, n), real + r, padded + p
         hashed += batch_hash(b)
     return Work(float(items), float(TRAIN_FACTOR * model_flops), float(real), float(padded), float(hashed))
 
