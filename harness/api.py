@@ -86,7 +86,10 @@ def _check_task(fn: str, task) -> None:
 def plan(run=None, sets: list[str] = (), ds: str | None = None, task=None, world_size: int | None = None):
     """Resolve and check everything (`harness plan`): a `Plan` whose `harness.plan_text(plan)` is what the
     command prints."""
-    return _plan("plan", run, sets, ds, task, world_size)
+    from .tasks.registry import given
+
+    with given(task):
+        return _plan("plan", run, sets, ds, task, world_size)
 
 
 def _plan(fn: str, run, sets, ds, task, world_size=None):
@@ -99,12 +102,10 @@ def _plan(fn: str, run, sets, ds, task, world_size=None):
     run_file, overrides = _sources(run, fn)
     if isinstance(task, str):  # a name, as run.task takes it
         overrides.append((f"task= given to harness.{fn}", {"run.task": task}))
-    elif task is not None:  # recorded by reference; the object itself is what trains
-        from .tasks.registry import GIVEN
+    elif task is not None:  # recorded by reference; the object itself is what trains (`registry.given`)
+        from .tasks.registry import name_of
 
-        name = f"{type(task).__module__}:{type(task).__qualname__}"
-        GIVEN[name] = type(task)
-        overrides.append((f"task= given to harness.{fn}", {"run.task": name}))
+        overrides.append((f"task= given to harness.{fn}", {"run.task": name_of(task)}))
     p = make_plan(run_file, [*overrides, *sets], None if ds is None else str(ds), world_size)
     return p if task is None or isinstance(task, str) else replace(p, task=task)
 
@@ -122,16 +123,24 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0).
     `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`).
     `data_changed_ok`: resume on a prepared corpus other than the checkpoint's (`--data-changed-ok`)."""
-    from .distributed.world import barrier, close_world, init_world
-    from .run.loop import train as run_training
-    from .run.startup import preflight, watching_build_locks
-    from .run.trust import trusting
+    from .run.startup import preflight
+    from .tasks.registry import given
 
     _check_args("train", resume=resume, overwrite=overwrite, stop_at=stop_at, trust_checkpoint=trust_checkpoint,
                 data_changed_ok=data_changed_ok)
-    p = _plan("train", run, sets, ds, task)
-    _note_main_task(p)
-    resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok)
+    with given(task):
+        p = _plan("train", run, sets, ds, task)
+        _note_main_task(p)
+        resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok)
+        return _train(p, resume_from, overwrite, stop_at, trust_checkpoint)
+
+
+def _train(p, resume_from, overwrite: bool, stop_at: int | None, trust_checkpoint: bool) -> dict[str, Any]:
+    from .distributed.world import barrier, close_world, init_world
+    from .run.loop import train as run_training
+    from .run.startup import watching_build_locks
+    from .run.trust import trusting
+
     with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's
         world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
         try:

@@ -108,9 +108,12 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
             "per_machine": processes // machines, "gpu_ids": None if gpu_ids == "all" else gpu_ids,
             "deepspeed_config_file": given["deepspeed_config_file"] or ds.get("deepspeed_config_file"),
             "env": _deepspeed_env(args, defaults, who),
-            # DeepSpeed's own launcher of other hosts (pdsh, openmpi, ...): it starts their ranks over ssh
-            "runner": args.use_deepspeed and machines > 1 and (args.deepspeed_multinode_launcher or "pdsh") != "standard"
+            # DeepSpeed's launchers that start other hosts' ranks from this one (over ssh, mpirun or srun)
+            "runner": args.use_deepspeed and machines > 1 and (args.deepspeed_multinode_launcher or "pdsh") in REMOTE
             and (args.deepspeed_multinode_launcher or "pdsh")}
+
+
+REMOTE = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")  # DeepSpeed's (standard, nossh: each node its own)
 
 
 def _validated(args, who: str):
@@ -223,7 +226,6 @@ def check(train_args: list[str], settings: dict, parse):
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
     preflight(plan, args.resume, args.overwrite, args.data_changed_ok, settings["machine_rank"])
-    check_gpus_per_process(settings)
     return plan
 
 
@@ -236,12 +238,14 @@ def check_gpus_per_process(settings: dict) -> None:
     if not gpus:
         return
     ids, visible = settings["gpu_ids"], os.environ.get("CUDA_VISIBLE_DEVICES")
-    usable, seen = (len(ids.split(",")), f"gpu_ids = {ids}") if ids else \
-        (gpus, f"CUDA_VISIBLE_DEVICES = {visible}" if visible is not None else "nvidia-smi")
+    listed = [v for v in (ids or visible or "").split(",") if v.strip()]  # MIG-... entries counted as they are
+    usable, seen = (len(listed), f"gpu_ids = {ids}" if ids else f"CUDA_VISIBLE_DEVICES = {visible}") if listed else \
+        (gpus, "nvidia-smi")
     if settings["per_machine"] > usable:
         raise ConfigError(f"harness launch: {settings['per_machine']} processes on this machine and {usable} GPUs for "
                           f"them ({seen}): each process needs a GPU of its own; start {usable} per machine "
-                          f"(num_processes is the total over all machines), or give the job more GPUs")
+                          f"(num_processes is the total over all machines), give the job more GPUs, or run on the "
+                          f"CPU with CUDA_VISIBLE_DEVICES=\"\"")
 
 
 def descendants(pid: int) -> list[int]:
@@ -265,11 +269,12 @@ def main(argv: list[str], parse) -> int:
     """`harness launch ARGV`; `parse` reads `harness train`'s arguments (the CLI's parser, which owns them)."""
     accelerate_args, train_args = split_argv(argv)
     settings = launch_settings(accelerate_args)
-    if settings["runner"]:  # its ranks are children of sshd on the other hosts: no signal, status or log reaches here
+    if settings["runner"]:  # its ranks are not this process's children: no signal, status or log reaches here
         raise ConfigError(f"harness launch: deepspeed_multinode_launcher = {settings['runner']} starts the other hosts' "
-                          f"processes over ssh, where harness launch cannot pass them signals or hear how they end; "
-                          f"launch it with accelerate itself: rm -f .deepspeed_env; accelerate launch "
+                          f"processes from this one, where harness launch cannot pass them signals or hear how they "
+                          f"end; launch it with accelerate itself: rm -f .deepspeed_env; accelerate launch "
                           f"{' '.join(accelerate_args)} -m harness {' '.join(train_args)}")
+    check_gpus_per_process(settings)
     plan = check(train_args, settings, parse)
     fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
     os.close(fd)

@@ -148,6 +148,13 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
     assert zero0.ds.loop_clips == written["gradient_clipping"] == zero0.run.cfg.train.grad_clip > 0
     again = make_plan(None, BASE, write(tmp_path, "written", written), 1)
     assert again.ds.loop_clips == zero0.ds.loop_clips and again.ds.config == zero0.ds.config
+    # sections that ask for nothing (DeepSpeed's templates, all off) plan; the same ones switched on are refused
+    off = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                        "number_checkpoints": None}, "compile": {"deepcompile": False},
+           "comms_logger": {"enabled": False, "verbose": True}, "checkpoint": {"writer": {"type": "fast"}}}
+    assert make_plan(None, BASE, write(tmp_path, "off", off), 1).ds.config["compile"] == {"deepcompile": False}
+    with pytest.raises(ConfigError, match=r"^compile \(ds file .*\) would be ignored: .* set train.compile = true"):
+        make_plan(None, BASE, write(tmp_path, "on", {**off, "compile": {"deepcompile": True}}), 1)
 
 
 def test_adam_w_mode_and_torch_adam_build_what_deepspeed_would():

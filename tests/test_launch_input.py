@@ -124,6 +124,8 @@ def test_the_shipped_multi_node_launches_are_still_accepted():
     hostfile = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml")]
     assert launch_settings(hostfile, "harness plan")["num_processes"] == 16
     # harness launch cannot watch ranks that pdsh starts on other hosts: the command that can is named
+    nossh = [*hostfile, "--deepspeed_multinode_launcher", "nossh"]  # each node starts its own: harness launch's
+    assert launch_settings(nossh)["runner"] is False
     with pytest.raises(ConfigError, match=r"deepspeed_multinode_launcher = pdsh starts .* rm -f \.deepspeed_env; "
                                           r"accelerate launch --config_file \S+deepspeed_hostfile\.yaml -m harness "
                                           r"train --run R\.toml$"):
@@ -149,8 +151,10 @@ def test_a_runs_lock_is_judged_on_the_first_node_alone(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"is in use by another run \(pid 999999 on another-node, .* renewed 6\d s ago"):
         preflight(plan, "auto", False)
     assert preflight(plan, "auto", False, machine_rank=1) is None  # node 1's harness launch
-    monkeypatch.setenv("RANK", "3")  # a rank of node 1
-    assert preflight(plan, "auto", False) is None
+    monkeypatch.setenv("WORLD_SIZE", "4")  # launched ranks, rank 0's included: left to its taking of the lock,
+    for rank in ("3", "0"):                # which refuses on every rank together
+        monkeypatch.setenv("RANK", rank)
+        assert preflight(plan, "auto", False) is None
 
 
 def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(monkeypatch):

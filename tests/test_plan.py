@@ -285,10 +285,13 @@ def test_a_jit_build_lock_left_by_a_killed_build_is_removed_at_start_or_while_wa
     mounts = f"server:/home /home nfs4 rw 0 0\n/dev/sda1 / ext4 rw 0 0\nfs {tmp_path / 'ext'} lustre rw 0 0\n"
     assert startup.network_fs(tmp_path / "ext" / "deepspeed_shm_comm", mounts) == "lustre"
     assert startup.network_fs(tmp_path, mounts) is None and startup.network_fs(Path("/home/u"), mounts) == "nfs4"
+    stacked = "auto /shared autofs rw 0 0\nserver:/shared /shared nfs4 rw 0 0\n"  # the last mounted is the one seen
+    assert startup.network_fs(Path("/shared/ext"), stacked) == "nfs4"
     monkeypatch.setattr(startup, "network_fs", lambda path: "lustre")
     lock.touch()
     os.utime(lock, (old, old))
     assert clear_stale_build_locks(tmp_path / "ext") == [] and lock.exists()
+    assert BuildLocks(ours).shared is None  # the default folder is this host's alone, on whatever file system
 
 
 @pytest.mark.parametrize("arch,plain", [("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("8.0 9.0a+PTX", "8.0 9.0+PTX"),

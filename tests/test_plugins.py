@@ -131,6 +131,7 @@ class T:
 TYPED = """from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from harness.tasks.lm import LanguageModelTask
 
@@ -142,6 +143,9 @@ class Typed:
     tags: list[str] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)
     limit: int | None = None
+    kind: Literal["a", "b"] = "a"
+    rate: float = 0.5
+    cap: int | None = 5
 
 
 class T(LanguageModelTask):
@@ -185,7 +189,8 @@ def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):
     for bad, said in [("task.pair=[1, 2, 3]", "task.pair must be tuple[int, int], got list [1, 2, 3]"),
                       ("task.tags=[1]", "task.tags must be list[str], got list [1]"),
                       ('task.weights={x = "a"}', "task.weights must be dict[str, float], got dict {'x': 'a'}"),
-                      ("task.limit=true", "task.limit must be int or None, got bool True")]:
+                      ("task.limit=true", "task.limit must be int or None, got bool True"),
+                      ("task.kind=\"c\"", "task.kind must be one of 'a', 'b', got str 'c'")]:
         with pytest.raises(ConfigError, match=re.escape(said)):
             resolve(None, [ref, bad])
     # the Python API's dict and RunConfig forms read as a run file does: a dict-valued key is one key, any string
@@ -199,6 +204,12 @@ def test_the_task_s_section_is_kept_in_the_run_directory_s_config(tmp_path):
     ds = tmp_path / "lr.json"
     ds.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}))
     assert harness.plan(harness.plan(given).run.cfg, ds=str(ds)).run.cfg.optimizer.lr == 0.01
+    import numpy as np  # a sweep's numbers, taken as Python's; None only where the default is None
+
+    swept = harness.plan({**given, "task": {"rate": np.float64(0.25)}, "train": {"max_steps": np.int64(2)}}).run.cfg
+    assert (swept.task.rate, swept.train.max_steps) == (0.25, 2) and type(swept.task.rate) is float
+    with pytest.raises(ConfigError, match=r"task.cap = None .*only a key whose default is None may be None"):
+        harness.plan({**given, "task": {"cap": None}})
 
 
 def test_python_api_trains_twice_in_one_process(tmp_path):
@@ -319,8 +330,8 @@ def test_a_checkpoint_resumes_only_into_the_model_it_was_saved_from_whatever_cha
     task.write_text(SIZED_TASK.replace("{extra}", ", nn.Linear(1, 1)"))
     changed = harness(tmp_path / "run", tmp_path, check=False, sets=sets, args=[*args, "--resume", "auto"])
     line = changed.proc.stderr.strip().splitlines()[-1]
-    assert changed.proc.returncode == 2 and "the model's code changed since it was saved (Sized); parameters 3.bias " \
-        "None -> [1], 3.weight None -> [1, 1]" in line, line
+    assert changed.proc.returncode == 2 and "the model's code (Sized), or the data or config.json it is built from, " \
+        "changed since it was saved; parameters 3.bias None -> [1], 3.weight None -> [1, 1]" in line, line
 
 
 def test_ranks_that_built_different_data_are_refused_in_one_line(tmp_path):

@@ -407,7 +407,7 @@ def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_trace
     assert "was killed by SIGKILL" in ending(1, told, held.replace("CODE", "-9"), run_dir, run_dir / "x")[1]
     # a crash is not a kill from outside: exit 1, its output shown; a real-time signal has no name
     code, line, _ = ending(1, {}, held.replace("CODE", "-6"), run_dir, run_dir / "x")
-    assert code == 1 and "crashed with SIGABRT after step 8 (NCCL's watchdog" in line, line
+    assert code == 1 and "crashed with SIGABRT after step 8 (its collective library aborts" in line, line
     line = ending(1, {}, held.replace("CODE", "-35"), run_dir, run_dir / "x")[1]
     assert "crashed with signal 35 after step 8" in line
     # metrics.jsonl lags by up to train.log_every steps: a rank's heartbeat, written as it stopped, is further on

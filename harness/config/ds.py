@@ -43,8 +43,8 @@ KNOWN_KEYS = {
 # Sections DeepSpeed reads but acts on only when the training script asks it to, which the harness does not (or does
 # the work itself): refused where they are on, as they would be ignored.
 NOT_APPLIED = {
-    "activation_checkpointing": "DeepSpeed recomputes only what a model passes to deepspeed.checkpointing; set "
-                                "train.activation_checkpointing = true (the harness recomputes each block)",
+    "activation_checkpointing": "DeepSpeed recomputes only what a model passes to deepspeed.checkpointing; the "
+                                "harness's recomputation is train.activation_checkpointing (each block)",
     "compile": "the harness compiles the model's blocks itself: set train.compile = true",
     "data_efficiency": "the harness's sampler orders the data: DeepSpeed's curriculum and data routing are not applied",
     "comms_logger": "DeepSpeed prints its summary only when the training script calls deepspeed.comm.log_summary()",
@@ -55,7 +55,8 @@ NOT_APPLIED = {
 PLAIN_SECTIONS = {
     "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
                        "output_file"},
-    "checkpoint": {"tag_validation", "load_universal", "use_node_local_storage", "parallel_write"},
+    "checkpoint": {"tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer",
+                   "checkpoint_serialization"},
 }
 # zero_optimization keys of DeepSpeed's old spelling, which it still maps: the harness reads the new ones alone
 OLD_ZERO = {"cpu_offload": 'offload_optimizer: {"device": "cpu"}', "cpu_offload_param": 'offload_param: {"device": '
@@ -150,26 +151,8 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     label, ds = _strategy(ds_file, given)
     source = {k: label for k in flatten(ds)}
     c = run.cfg
-    for key, value in ds.items():
-        if key not in KNOWN_KEYS:
-            close = closest(key, sorted(KNOWN_KEYS))
-            hint = f"; did you mean `{close}`?" if close else "; an accelerate config file? name it with " \
-                "harness launch --config_file" if key in ("compute_environment", "distributed_type") else ""
-            raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
-        if key in NOT_APPLIED and value not in (None, False, {}) and \
-                not (isinstance(value, dict) and value.get("enabled") is False):
-            raise ConfigError(f"{key} ({label}) would be ignored: {NOT_APPLIED[key]}; remove it")
-        for name in (value.keys() - PLAIN_SECTIONS.get(key, value.keys())) if isinstance(value, dict) else ():
-            close = closest(name, sorted(PLAIN_SECTIONS[key]))
-            raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
-                              f"{f'; did you mean `{close}`?' if close else ''} (it takes "
-                              f"{', '.join(sorted(PLAIN_SECTIONS[key]))})")
-    zero = ds.setdefault("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise ConfigError(f"zero_optimization ({label}) must be an object")
-    for key in OLD_ZERO.keys() & zero.keys():
-        raise ConfigError(f"zero_optimization.{key} ({label}) is DeepSpeed's old spelling, which the harness does not "
-                          f"read: write zero_optimization.{OLD_ZERO[key]}")
+    _check_sections(ds, label)
+    zero = ds["zero_optimization"]
     _accelerate_auto(zero, given, source)
     _check_types(ds, label)
     _validate_zero(zero, label)
@@ -218,17 +201,17 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
 def _deepspeed_reads(ds: dict, label: str) -> None:
     """The whole config read by DeepSpeed's own `DeepSpeedConfig`, as each rank's engine will read it, for the
     sections the checks above do not cover (its removed features, the monitors', checkpoint's and compile's keys,
-    communication_data_type, ...): its refusal in one line here, not a traceback on every rank. Read for one process:
-    the batch size is this rank's share."""
+    communication_data_type, ...): its refusal in one line here, not a traceback on every rank."""
     import logging
 
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from deepspeed.utils import logger
     from pydantic import ValidationError
 
-    mine = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    # without train_batch_size DeepSpeed derives it for the world it sees: 1 before a process group, else the group's
+    mine = {k: v for k, v in ds.items() if k != "train_batch_size"}
     level = logger.level
-    logger.setLevel(logging.WARNING)  # its info lines (the world size it reads) are not the plan's
+    logger.setLevel(logging.ERROR)  # its lines (the world size it reads, its notes) are the engine's to say, once
     try:
         DeepSpeedConfig(copy.deepcopy(mine))
     except ValidationError as e:  # a pydantic model's: the key and why
@@ -241,6 +224,38 @@ def _deepspeed_reads(ds: dict, label: str) -> None:
         raise ConfigError(f"{label}: DeepSpeed refuses it: {why}") from None
     finally:
         logger.setLevel(level)
+
+
+def _check_sections(ds: dict, label: str) -> None:
+    """Top-level keys DeepSpeed reads, none of them one it would leave unused here; the keys of the sections it reads
+    key by key; zero_optimization an object, without DeepSpeed's old spellings."""
+    for key, value in ds.items():
+        if key not in KNOWN_KEYS:
+            close = closest(key, sorted(KNOWN_KEYS))
+            hint = f"; did you mean `{close}`?" if close else "; an accelerate config file? name it with " \
+                "harness launch --config_file" if key in ("compute_environment", "distributed_type") else ""
+            raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
+        if key in NOT_APPLIED and _on(value):
+            raise ConfigError(f"{key} ({label}) would be ignored: {NOT_APPLIED[key]}; remove it")
+        for name in (value.keys() - PLAIN_SECTIONS.get(key, value.keys())) if isinstance(value, dict) else ():
+            close = closest(name, sorted(PLAIN_SECTIONS[key]))
+            raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
+                              f"{f'; did you mean `{close}`?' if close else ''} (it takes "
+                              f"{', '.join(sorted(PLAIN_SECTIONS[key]))})")
+    zero = ds.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization ({label}) must be an object")
+    for key in OLD_ZERO.keys() & zero.keys():
+        raise ConfigError(f"zero_optimization.{key} ({label}) is DeepSpeed's old spelling, which the harness does not "
+                          f"read: write zero_optimization.{OLD_ZERO[key]}")
+
+
+def _on(value: Any) -> bool:
+    """Whether a section asks for anything: a value that is not off (None, false, 0, "auto", empty), an object
+    with one such value inside unless its `enabled` is false."""
+    if isinstance(value, dict):
+        return value.get("enabled") is not False and any(_on(v) for v in value.values())
+    return value not in (None, False, 0, "auto", "", [])
 
 
 def _strategy(ds_file: str | None, given: dict) -> tuple[str, dict]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 import types
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from . import cadence
 
@@ -314,8 +315,16 @@ def _conform(value: Any, expected: Any) -> Any:
         return value
     if origin in (Union, types.UnionType):
         return next((out for a in args if (out := _conform(value, a)) is not _NO), _NO)
-    if expected is float and type(value) is int:
+    if origin is Literal:  # True == 1: the type too
+        return value if any(value == a and type(value) is type(a) for a in args) else _NO
+    if isinstance(value, bool) and expected is not bool:  # a switch is no number
+        return _NO
+    if expected is float and isinstance(value, numbers.Real):  # an int, numpy's numbers (a sweep's np.float64)
         return float(value)
+    if expected is int and isinstance(value, numbers.Integral):
+        return int(value)
+    if expected is str and isinstance(value, str):
+        return str(value)
     kind = origin or expected
     if kind in (list, tuple) and isinstance(value, (list, tuple)):
         if kind is tuple and args and args[-1] is not Ellipsis:  # tuple[int, int]: one type a place
@@ -333,6 +342,8 @@ def _type_name(t: Any) -> str:
     origin, args = get_origin(t), get_args(t)
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
     if origin is not None:
         return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
     return "None" if t is type(None) else getattr(t, "__name__", str(t))
@@ -348,6 +359,9 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
         except ValueError as e:
             raise ConfigError(f"{key}: {e} ({origin})") from None
     given, value = value, _conform(value, expected)
+    if value is None and all_keys(sections)[key].default is not None:  # a run file cannot say None: it would read
+        raise ConfigError(f"{key} = None ({origin}): only a key whose default is None may be None (a run file has "
+                          f"no None, so it would read back as the default)")
     if value is _NO:
         raise ConfigError(f"{key} must be {_type_name(expected)}, got {type(given).__name__} {given!r} ({origin})")
     if expected is float and not math.isfinite(value):  # TOML has nan and inf literals

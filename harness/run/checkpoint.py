@@ -183,28 +183,29 @@ def _how(layout: dict[str, Any]) -> str:
     return f"{n} process{'es' if n > 1 else ''} with a DeepSpeed file of {', '.join(keys)}"
 
 
-def saved_layout(path: Path) -> dict[str, Any] | None:
-    """A checkpoint's layout.json (a universal conversion's: the one it was made from); None where there is none."""
+def _saved(path: Path, name: str) -> Any:
+    """A record `save` wrote in checkpoint `path` (a universal conversion's: in the one it was made from); None where
+    there is none (saved before it was recorded)."""
     try:
-        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / LAYOUT).read_text())
+        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / name).read_text())
     except (OSError, ValueError):
         return None
+
+
+def saved_layout(path: Path) -> dict[str, Any] | None:
+    return _saved(path, LAYOUT)
 
 
 def saved_shapes(path: Path) -> dict[str, list[int]] | None:
-    """A checkpoint's parameters.json (its model's parameter shapes by name); None where there is none."""
-    try:
-        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / SHAPES).read_text())
-    except (OSError, ValueError):
-        return None
+    """Its model's parameter shapes by name."""
+    return _saved(path, SHAPES)
 
 
 def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
     """Before launch: a checkpoint trained on a prepared corpus resumes on that corpus (its fingerprint), else the
     samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it."""
-    try:
-        saved = json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / DATA).read_text())
-    except (OSError, ValueError):
+    saved = _saved(path, DATA)
+    if saved is None:
         return  # saved without a prepared corpus (or before data.json existed)
     if (data or {}).get("fingerprint") != saved.get("fingerprint") and not changed_ok:  # moved is the same data
         now = f"{data['path']} (fingerprint {data['fingerprint']})" if data else "data that is no prepared corpus"

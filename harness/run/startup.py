@@ -123,7 +123,7 @@ def network_fs(path: Path, mounts: str | None = None) -> str | None:
         if len(fields) < 3:
             continue
         point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]))  # \040: a space
-        if (point == path or point in path.parents) and len(point.parts) > best:
+        if (point == path or point in path.parents) and len(point.parts) >= best:  # the last mounted on top
             best, kind = len(point.parts), fields[2]
     return kind if kind in NETWORK_FS else None
 
@@ -141,6 +141,7 @@ class BuildLocks:
 
     def __init__(self, root: Path | None = None, min_age_s: float = 10.0, confirm_s: float = 3.0,
                  say_every_s: float = 30.0, say=None):
+        import socket
         import sys
 
         self.root = root or extension_root()
@@ -148,7 +149,8 @@ class BuildLocks:
         # one rank of a node speaks (its siblings wait on the same builds)
         quiet = os.environ.get("LOCAL_RANK", "0") != "0"
         self.say = say or (lambda line: quiet or print(f"harness: {line}", file=sys.stderr, flush=True))
-        self.shared = network_fs(self.root)
+        own = self.root.name.startswith("env-") and self.root.name.endswith(f"-{socket.gethostname().split('.')[0]}")
+        self.shared = None if own else network_fs(self.root)  # extension_root's default is this host's alone
         self.idle: dict[Path, float] = {}  # lock -> when a look first found no compiler in its folder
         self.waiting: tuple[Path, float, float] | None = None  # the lock waited on, since, last said
 
@@ -362,7 +364,8 @@ def check_same_model(plan: Plan, found: Path) -> None:
     keys = [f"{k} {old.get(k)!r} there, {new[k]!r} here ({plan.run.source.get(k, 'default')})" for k in new
             if k.startswith(shaping) and old.get(k) != new[k]]
     if shapes[0] == shapes[1]:  # the same settings build another model: its code changed since the checkpoint
-        shapes[0], keys = saved, [f"the model's code changed since it was saved ({type(plan.task).__name__})"]
+        shapes[0], keys = saved, [f"the model's code ({type(plan.task).__name__}), or the data or config.json it is "
+                                  f"built from, changed since it was saved"]
     differ = [f"{n} {shapes[0].get(n)} -> {shapes[1].get(n)}" for n in sorted(shapes[0].keys() | shapes[1].keys())
               if shapes[0].get(n) != shapes[1].get(n)]
     raise ConfigError(f"--resume {found}: its model is not this run's ({'; '.join(keys) or 'the data it was built for'}"
@@ -418,10 +421,12 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
 
     run_dir = plan.run_dir
     check_writable(run_dir, plan.run.describe("run.output_dir"))
-    # A live run in this directory: refused, whatever the flags say. Judged on the first node alone: a lock's holder
-    # is told by its pid on its own host but by the lock's age elsewhere, and a node refusing alone would leave the
-    # others waiting at the rendezvous; rank 0 takes the lock for every rank (prepare_run_dir, collective).
-    note = lock.check(run_dir) if launched_rank() == 0 and machine_rank == 0 else None
+    # A live run in this directory: refused, whatever the flags say. Judged here by one process alone, before any
+    # rank starts: `harness train`, or `harness launch` on the first node. A lock's holder is told by its pid on its
+    # own host but by the lock's age elsewhere, and a rank or node refusing alone would leave the others waiting at
+    # the rendezvous: launched ranks leave it to rank 0's taking of the lock, which refuses on every rank together
+    # (prepare_run_dir).
+    note = lock.check(run_dir) if launched_world_size() == 1 and machine_rank == 0 else None
     if note:
         print(note, flush=True)
     found = None

@@ -3,6 +3,8 @@ with the task it names (a task's `Config` is its section: [translation] for the 
 plug-in). The config knows no task; this module tells it."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import importlib
@@ -79,7 +81,7 @@ def task_class(name: str) -> type:
     target, _, cls_name = name.rpartition(":")
     if not target or not cls_name:
         raise ConfigError(f"run.task = {name!r}: {PLUGIN_HINT}")
-    cls = GIVEN.get(name) or _plugin_class(name, target, cls_name)
+    cls = GIVEN.get().get(name) or _plugin_class(name, target, cls_name)
     missing = [m for m in REQUIRED if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
@@ -95,9 +97,26 @@ def task_class(name: str) -> type:
     return cls
 
 
-# Classes of task objects given to the Python API (`task=`), by the name run.task records: the object trains, in this
-# process, whether or not its class can be imported by name (one defined in a function, `f.<locals>.Task`)
-GIVEN: dict[str, type] = {}
+# Classes of task objects given to the Python API (`task=`), by the name run.task records, while that call runs
+# (`given`): the object trains whether or not its class can be imported by name (one of a function's,
+# `f.<locals>.Task`); a later call that names the run's task without the object imports it, or cannot
+GIVEN: contextvars.ContextVar[dict[str, type]] = contextvars.ContextVar("given_tasks", default={})
+
+
+@contextlib.contextmanager
+def given(task):
+    """While the block runs, `task` (an object given to the API) is the class its name (`name_of`) finds."""
+    token = GIVEN.set({**GIVEN.get(), name_of(task): type(task)} if task is not None and not isinstance(task, str)
+                      else GIVEN.get())
+    try:
+        yield
+    finally:
+        GIVEN.reset(token)
+
+
+def name_of(task) -> str:
+    """run.task for a task object: its class's module and qualified name."""
+    return f"{type(task).__module__}:{type(task).__qualname__}"
 
 
 def _plugin_class(name: str, target: str, cls_name: str) -> type:
