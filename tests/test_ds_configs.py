@@ -148,6 +148,16 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
     assert zero0.ds.loop_clips == written["gradient_clipping"] == zero0.run.cfg.train.grad_clip > 0
     again = make_plan(None, BASE, write(tmp_path, "written", written), 1)
     assert again.ds.loop_clips == zero0.ds.loop_clips and again.ds.config == zero0.ds.config
+    # a run sized by epochs learns its length when the engine is built: a total the file gives is checked then
+    from harness.distributed.optim import make_schedule
+
+    total = write(tmp_path, "total", {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000,
+                                                                                        "warmup_num_steps": 1}}})
+    by_epochs = make_plan(None, [*(s for s in BASE if "max_steps" not in s), "train.epochs=1.0"], total, 1)
+    weights = [torch.nn.Parameter(torch.zeros(1))]
+    with pytest.raises(ConfigError, match=r"total_num_steps = 1000 \(DeepSpeed file\) vs the run's 5 steps .*late"):
+        make_schedule(torch.optim.AdamW(weights), by_epochs.run.cfg, 5, by_epochs.ds.sections)
+    assert make_schedule(torch.optim.AdamW(weights), by_epochs.run.cfg, 1000, by_epochs.ds.sections) is not None
     # sections that ask for nothing (DeepSpeed's templates, all off) plan; the same ones switched on are refused
     off = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
                                         "number_checkpoints": None}, "compile": {"deepcompile": False},

@@ -325,9 +325,8 @@ def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offlo
         ds["zero_allow_untested_optimizer"] = True
         source["zero_allow_untested_optimizer"] = f"derived: {run.describe('optimizer.name')}"
     if offload_opt and sections.switches.get("torch_adam"):
-        raise ConfigError(f"optimizer.params.torch_adam with zero_optimization.offload_optimizer ({label}): offloaded "
-                          f"states are stepped by DeepSpeed's CPU Adam (torch's would need "
-                          f"zero_force_ds_cpu_optimizer = false); drop one")
+        raise ConfigError(f"optimizer.params.torch_adam with zero_optimization.offload_optimizer ({label}): the "
+                          f"harness steps offloaded states with DeepSpeed's CPU Adam, not torch's; drop one")
     if offload_opt and c.optimizer.name != "adamw":
         raise ConfigError(f"zero_optimization.offload_optimizer ({label}) runs DeepSpeed's CPU Adam, not "
                           f"{run.describe('optimizer.name')}: use optimizer.name = \"adamw\" or a config without "

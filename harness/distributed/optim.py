@@ -10,7 +10,8 @@ import warnings
 import torch
 from torch import nn
 
-from ..config.run import RunConfig, ScheduleSection
+from ..config.ds_optim import SCHEDULERS, TOTAL
+from ..config.run import ConfigError, RunConfig, ScheduleSection
 
 
 def lr_factor(step: int, total: int, s: ScheduleSection) -> float:
@@ -65,8 +66,16 @@ def make_schedule(optimizer, cfg: RunConfig, total_steps: int, sections=None):
     if sections and sections.scheduler:
         from deepspeed.runtime import lr_schedules
 
-        params = {k: total_steps if v == "auto" else v for k, v in sections.scheduler["params"].items()}
-        return getattr(lr_schedules, sections.scheduler["type"])(optimizer, **params)
+        kind, given = sections.scheduler["type"], sections.scheduler["params"]
+        for key, value in given.items():  # a run sized by train.epochs learns its length only now
+            if SCHEDULERS.get(kind, {}).get(key) == TOTAL and value not in ("auto", total_steps) and \
+                    cfg.run.config_wins != "deepspeed":
+                raise ConfigError(f"scheduler.params.{key} = {value!r} (DeepSpeed file) vs the run's {total_steps} "
+                                  f"steps (train.epochs x steps per epoch): the lr would end "
+                                  f"{'early' if value < total_steps else 'late'}; set it to \"auto\", or "
+                                  f"run.config_wins = \"deepspeed\" to keep it")
+        params = {k: total_steps if v == "auto" else v for k, v in given.items()}
+        return getattr(lr_schedules, kind)(optimizer, **params)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.schedule))
 
 
