@@ -53,7 +53,7 @@ EXAMPLES = """examples:
   harness launch --config_file launch/cpu_2proc.yaml train --run configs/runs/lm_demo.toml --ds zero2
   harness plan --run configs/runs/lm_demo.toml --ds zero3 --world-size 8   # everything checked, nothing trained
   harness prepare lm --input 'corpus/*.jsonl.gz' --out prepared/corpus      # then --set data.path='"prepared/corpus"'
-  harness evaluate --run-dir runs/lm_demo --split test
+  harness evaluate --run-dir runs/lm_demo --split validation
   harness bench sweep --run configs/runs/lm_demo.toml --ds zero0,zero2 --nproc 1,2
 """
 BENCH = ("sweep", "overhead", "proxy", "suite", "seeds", "corpus")
@@ -349,9 +349,12 @@ def _evaluate(args) -> int:
             raise ConfigError("--name names new data: it goes with --data")
         split = args.split or "test"
         print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
-    else:
-        sentences = args.sentences or [line.strip() for line in sys.stdin if line.strip()]
-        print("\n".join(evaluate.translate(args.run_dir, sentences)))
+    elif args.sentences:
+        print("\n".join(evaluate.translate(args.run_dir, args.sentences)))
+    else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
+        lines = [line.strip() for line in sys.stdin]
+        said = iter(evaluate.translate(args.run_dir, [line for line in lines if line]))
+        print("\n".join(next(said) if line else "" for line in lines))
     return 0
 
 

@@ -47,6 +47,14 @@ def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_bes
     assert json.loads((resumed.dir / "best.json").read_text())["step"] == best["step"]
     assert json.loads((full.dir / "best.json").read_text())["step"] == best["step"]
     assert abs(val_loss_of_export(resumed.dir) - best["loss"]) < 1e-5
+    # trained on past its export (more steps, stopped before their end): evaluate says whose weights it scores
+    from harness.run.export import trained_on_note
+
+    assert trained_on_note(resumed.dir) is None  # the best step's weights, exported as the run finished
+    harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=[*sets, "train.max_steps=10"],
+            args=["--resume", "auto", "--stop-at", "9"])
+    assert "is the export of step 8; the run has trained to step 9 since and not finished" in \
+        trained_on_note(resumed.dir)
 
 
 def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
@@ -132,7 +140,9 @@ def test_metrics_the_disk_cannot_hold_stop_the_run_with_exit_3_and_its_checkpoin
     assert line.endswith("the run stops, its last checkpoint kept: make room and continue with --resume auto"), line
     assert "Traceback" not in full.stderr
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    (out / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[1:2]))  # room made
+    # the record is whole or not there (a half line had failed the resume's truncation and the plots): room made,
+    # the same command continues
+    assert all(json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines())
     resumed = harness(out, corpus, sets=sets, args=["--resume", "auto"])
     assert max(resumed.losses) == 6 and (out / "model.safetensors").exists()
 

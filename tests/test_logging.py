@@ -48,6 +48,10 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     assert (meta.display_name, meta.project) == ("tiny", "proj")
     config = [r.config for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "config"]
     assert any(item.key == "train.max_steps" for c in config for item in c.update)
+    # a tracker that cannot start (a project name W&B refuses): one line, and the run goes on with its jsonl record
+    refused = harness(tmp_path / "refused", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=2",
+                                                                   "logging.project=\"a/b\""])
+    assert "harness: logging.backend wandb: start failed (" in refused.proc.stderr and len(refused.metrics) == 2
 
 
 def test_a_log_gets_plain_progress_lines_and_deepspeed_s_chatter_stays_in_the_run(tmp_path, corpus):
@@ -88,7 +92,8 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert [s for s, _ in panels["validation loss"]] == [3, 6]
     other = tmp_path / "other"  # a second run to overlay: the same one, its losses doubled
     shutil.copytree(run.dir, other)
-    (other / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss": 2 * m["loss"]}) + "\n" for m in run.metrics))
+    (other / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss": 2 * m["loss"]}) + "\n" for m in run.metrics)
+                                         + '{"step": 7, "lo')  # and a line a killed writer cut short: left out
     out = tmp_path / "both.png"
     assert main(["plot", str(run.dir), str(other), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"

@@ -378,11 +378,13 @@ def test_a_run_whose_last_steps_are_not_finite_exports_nothing(tmp_path):
     task = tmp_path / "nan_task.py"
     task.write_text(FLOAT_TASK + "\n\nclass NanTask(FloatTask):\n    def loss_from(self, out, batch):\n"
                     "        return super().loss_from(out, batch) * float('nan')\n")
-    run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=3", "train.micro_batch_size=8"],
+    run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=3", "train.micro_batch_size=8",
+                                                                 "logging.plots=true"],
                   args=["--set", f"run.task={json.dumps(f'{task}:NanTask')}"])
     assert run.proc.returncode == 3, run.proc.stderr[-2000:]
     assert "non-finite for 3 consecutive steps (steps 1-3" in run.proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "curves.png").is_file()  # drawn however the run ends (it had been at the end alone)
     task.write_text(FLOAT_TASK + "\n\nclass NoItems(FloatTask):\n    def count(self, batch):\n        return 0\n")
     run = harness(tmp_path / "run", tmp_path, check=False, sets=["train.max_steps=3", "train.micro_batch_size=8"],
                   args=["--overwrite", "--set", f"run.task={json.dumps(f'{task}:NoItems')}"])  # a 0/0 loss

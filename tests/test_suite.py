@@ -165,6 +165,9 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     table.unlink()
     with pytest.raises(ConfigError, match="its block names results/cpu/proxy/proxy.md, which is no file"):
         results.main(check=True, root=root)
+    (root / "results" / "gpu" / "full" / "suite.json").write_text('{"parts": ')  # cut short: one line
+    with pytest.raises(ConfigError, match=r"^results/gpu/full/suite.json: not a GPU suite's record \(JSONDecodeError"):
+        results.load(root)
 
 
 def test_suite_refuses_bad_input_before_running(tmp_path, capsys):

@@ -6,11 +6,12 @@ import json
 import math
 import random
 import re
+import subprocess
 
 import pytest
 import torch
 
-from conftest import assert_losses_close, bare_copy, cli, ds_variant, harness
+from conftest import ROOT, _env, assert_losses_close, bare_copy, cli, ds_variant, harness, python
 from harness.config.run import ConfigError
 from harness.tasks import resolve
 from harness.models.decoding import beam_search, greedy
@@ -394,3 +395,10 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
                env={"HARNESS_CACHE": str(cache)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(proc.stdout.strip().splitlines()) == 2
+    # from standard input a line out for each line in, a blank one for a blank one (they had been dropped)
+    piped = subprocess.run([python(), "-m", "harness", "translate", "--run-dir", str(run.dir)], cwd=ROOT,
+                           input="the big cat sees a dog.\n\na child likes the red bread.\n", capture_output=True,
+                           text=True, env=_env({"HARNESS_CACHE": str(cache)}), timeout=120)
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    first, second = proc.stdout.strip().splitlines()
+    assert piped.stdout.splitlines() == [first, "", second]

@@ -23,9 +23,17 @@ LINK_UP = "../" * (len(PAGE.parts) - 1)  # from the page back to the repository 
 
 def load(root: Path) -> list[tuple[str, dict]]:
     """(path relative to the repository, suite.json) of every full run, newest first."""
-    runs = [(p.relative_to(root).as_posix(), json.loads(p.read_text()))
-            for p in sorted((root / "results" / "gpu").glob("*/suite.json"))]
-    return sorted([r for r in runs if not r[1].get("smoke")], key=lambda r: r[1]["environment"]["date"], reverse=True)
+    runs = []
+    for p in sorted((root / "results" / "gpu").glob("*/suite.json")):
+        path = p.relative_to(root).as_posix()
+        try:
+            data = json.loads(p.read_text())
+            runs.append((path, data, str(data["environment"]["date"])))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # cut short, or not a suite's record
+            raise ConfigError(f"{path}: not a GPU suite's record ({type(e).__name__}: {e}); `harness bench suite` "
+                              f"writes one whole: fix or remove it") from None
+    return [(path, data) for path, data, _ in sorted((r for r in runs if not r[1].get("smoke")), key=lambda r: r[2],
+                                                     reverse=True)]
 
 
 def _first(runs, pick):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..config.run import ConfigError, RunConfig
 from ..distributed.world import single_world
 from ..prepare import CHECKSUMS, STORED, differences, sha256, stored
-from ..run.export import check_finished, load_model, run_config
+from ..run.export import check_finished, load_model, run_config, trained_on_note
 from ..tasks.interface import check_metrics
 from ..tasks import ReadData, get_task
 
@@ -32,6 +33,8 @@ SCORED = ("validation", "test")  # the splits a finished run is scored on (`--sp
 def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None) -> tuple[RunConfig, object]:
     """The run's config and its task (`given`: the object the caller passed, used as it is)."""
     check_finished(run_dir)
+    if note := trained_on_note(run_dir):
+        print(note, file=sys.stderr, flush=True)
     cfg = run_config(run_dir)
     task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):

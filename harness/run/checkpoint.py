@@ -296,17 +296,22 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
     return out
 
 
-def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int) -> dict | None:
-    """Collective. A resumed run that has nothing left to train (its last step reached, or stopped early) and whose
-    model was exported (rank 0's view decides): said, and its last evaluation returned; else None (train on)."""
+def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int,
+             early: str | None = None) -> dict | None:
+    """Collective. A resumed run that has nothing left to train (its last step reached, or stopped early: `early`,
+    why) and whose model was exported (rank 0's view decides): said, and its last evaluation returned; else None
+    (train on)."""
+    from .tracking import read_jsonl
+
     if not all_gather_objects(model.is_file() if world.is_main else None)[0]:
         return None
-    evals = run_dir / "eval.jsonl"
-    last = evals.read_text().splitlines()[-1:] if world.is_main and evals.is_file() else []
+    last = read_jsonl(run_dir / "eval.jsonl")[-1:] if world.is_main else []
     if world.is_main:
-        print(f"{run_dir}: the run finished at step {step} of {max_steps} and exported {model}; nothing to do (raise "
-              f"train.max_steps or train.epochs to train on, --overwrite to train again)")
-    return {"step": step, **(json.loads(last[0]) if last else {})}
+        more = "raise train.early_stopping_patience to train on" if early else \
+            "raise train.max_steps or train.epochs to train on"
+        print(f"{run_dir}: the run {f'stopped early at step {step} ({early})' if early else f'finished at step {step}'}"
+              f" of {max_steps} and exported {model}; nothing to do ({more}, --overwrite to train again)")
+    return {"step": step, **(last[0] if last else {})}
 
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,

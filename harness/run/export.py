@@ -24,9 +24,11 @@ MODEL_FILE = "model.safetensors"
 HF_DIR = "hf"  # beside model.safetensors for a Hugging Face model: what from_pretrained loads
 
 
-def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig | None = None) -> Path | None:
-    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically, and for a Hugging Face
-    model `RUN/hf/` (config, weights, tokenizer: `from_pretrained` loads it with no code of ours)."""
+def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig | None = None,
+                 step: int | None = None) -> Path | None:
+    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically (`step`: the step the run
+    had reached, in its metadata), and for a Hugging Face model `RUN/hf/` (config, weights, tokenizer:
+    `from_pretrained` loads it with no code of ours)."""
     from safetensors.torch import save_file
 
     from ..distributed.parallel import full_state_dict
@@ -37,7 +39,7 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
         return None
     path = run_dir / MODEL_FILE
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(_unshared(state), str(tmp), metadata={"format": "pt"})
+    save_file(_unshared(state), str(tmp), metadata={"format": "pt", **({"step": str(step)} if step else {})})
     readable(tmp)
     os.replace(tmp, path)
     if hf.is_hf(engine.module):
@@ -75,6 +77,24 @@ def check_finished(run_dir: Path) -> None:
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; is it a finished run directory? (an unfinished run can be "
                               f"continued with `harness train ... --resume auto`)")
+
+
+def trained_on_note(run_dir: Path) -> str | None:
+    """A line where the run has trained on since its export (resumed for more steps and stopped before their end):
+    the weights scored are not the run's last."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(run_dir / MODEL_FILE), framework="pt") as f:
+            exported = int((f.metadata() or {}).get("step", 0))
+        latest = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError, RuntimeError):  # an export of before the step was recorded, no checkpoint
+        return None
+    if not exported or latest <= exported:
+        return None
+    return (f"note: {run_dir / MODEL_FILE} is the export of step {exported}; the run has trained to step {latest} "
+            f"since and not finished: these are step {exported}'s weights (`harness train ... --resume auto` "
+            f"finishes it and exports again)")
 
 
 def run_config(run_dir: str | Path) -> RunConfig:

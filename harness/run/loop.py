@@ -182,7 +182,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     start_step = state.get("step", 0)
     selection = Selection.start(cfg.train, every.patience, state.get("selection"))  # train.select_best, or None
     if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
-        finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps)
+        early = selection.why_stopped() if selection and selection.stopped_at and start_step < max_steps else None
+        finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps, early)
         if finished is not None:  # nothing written: the run directory stays the finished run's record
             return {**finished, **({"best": selection.state()} if selection else {})}
     for note in notes:
@@ -301,6 +302,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         if ledger.signal:
             progress.close()
             run.tracker.close()
+            _draw_curves(run)
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
                             f"{checkpoint.resume_hint(run.checkpoints)}")
     progress.close()
@@ -340,6 +342,7 @@ def _give_up(run: Run, ledger: Ledger) -> None:
     first_bad = ledger.step - ledger.nonfinite + 1
     good = checkpoint.rewind_latest(run.checkpoints, first_bad - 2) if run.world.is_main else None
     run.tracker.close()
+    _draw_curves(run)  # where the loss went, when it matters most
     kept = f"{good} (--resume auto takes it)" if good else \
         "none (later ones are set aside as step_*.bad; --overwrite starts again)"
     fp16 = run.plan.ds.precision == "fp16"
@@ -381,12 +384,11 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
             checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")
-        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg)}")
+        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg, step)}")
     else:
         run.say(f"stopped at step {step} of {run.max_steps} (--stop-at); continue with --resume auto")
     run.tracker.close()
-    if plan.run.cfg.logging.plots and world.is_main:
-        _draw_curves(plan.run_dir, run.say)
+    _draw_curves(run)
     return {"step": step, **metrics, **({"best": selection.state()} if selection else {})}
 
 
@@ -403,10 +405,14 @@ def _select(selection: Selection, metrics: dict, step: int, plan: Plan, world: W
     return improved
 
 
-def _draw_curves(run_dir: Path, say) -> None:
-    """RUN/curves.png; a picture that cannot be drawn is said, never the end of a finished run."""
+def _draw_curves(run: Run) -> None:
+    """RUN/curves.png (rank 0, logging.plots) at the end, however the run ends with its records; a picture that
+    cannot be drawn is said, never the end of the run."""
     from .plots import PLOT_FILE, plot
 
+    if not (run.plan.run.cfg.logging.plots and run.world.is_main):
+        return
+    run_dir, say = run.plan.run_dir, run.say
     try:
         say(f"curves {plot([run_dir], run_dir / PLOT_FILE)}")
     except Exception as e:  # noqa: BLE001 - matplotlib missing or failing must not fail the training

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..config.run import ConfigError
+from .tracking import read_jsonl
 
 PLOT_FILE = "curves.png"
 METRICS = ("bleu", "q3", "spearman", "auroc", "accuracy", "masked_accuracy", "mse", "perplexity", "bits_per_byte")
@@ -21,7 +22,7 @@ _SKIP = {"step", "loss", "epoch"}
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return read_jsonl(path)
 
 
 def task_metric(evals: list[dict]) -> str | None:

@@ -175,6 +175,7 @@ class Ledger:
         self.itemless = 0  # of the non-finite steps in a row, those whose batches counted no items (a 0/0 loss)
         self.applied_bad = False  # whether any of them updated the weights (ZeRO-0 in fp32 does; 1-3 skip it)
         self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0, 0), 0, time.perf_counter()
+        self.data_hash = 0.0  # the last step's `batch_hash`
 
     def carry(self) -> torch.Tensor:
         """What the next span's collective carries: this rank's figures of the steps not yet read, in order."""
@@ -238,6 +239,7 @@ class Ledger:
         self.step, self.result = step, r
         self.window_work = self.window_work + work
         self.window_steps += 1
+        self.data_hash = work.data_hash  # the logged step's own: comparable with any other run's at that step
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
         # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
         if r.skipped and self.world.is_main:
@@ -259,7 +261,7 @@ class Ledger:
                   "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
                   "peak_mem_bytes": r.peak_mem, "epoch": step / self.steps_per_epoch,
                   "flops_method": self.flops.method, **self.fixed,  # the method: once the first batch was counted
-                  "skipped_steps": r.skipped_steps, "data_hash": int(w.data_hash)}  # updates skipped for a non-finite gradient, so far
+                  "skipped_steps": r.skipped_steps, "data_hash": int(self.data_hash)}  # skipped: non-finite, so far
         if r.loss_scale is not None:
             record["loss_scale"] = r.loss_scale
         if self.compiled:

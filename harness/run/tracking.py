@@ -32,11 +32,22 @@ def wandb_has_key() -> bool:
         return False
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """A run's records, each line that parses: a line a killed writer or a full disk cut short is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            if isinstance(row := json.loads(line), dict):
+                rows.append(row)
+    return rows
+
+
 def truncate_jsonl(path: Path, after_step: int) -> None:
-    """Drop records past `after_step` (written by a run that crashed before its next checkpoint)."""
+    """Drop records past `after_step` (written by a run that crashed before its next checkpoint), and any line cut
+    short."""
     if path.exists():
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= after_step]
-        path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in read_jsonl(path) if row.get("step", 0) <= after_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
 class Tracker:
@@ -55,10 +66,11 @@ class Tracker:
             self.backend = tracking.WandBTracker(cfg.logging.project, name=name, dir=str(run_dir))
         else:
             self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
-        self.backend.start()
+        self._call("start")  # e.g. a W&B project name it refuses, an unwritable folder: one line, and on without it
         config = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)  # TensorBoard's hparams: scalars
                   for k, v in flatten(cfg.to_dict()).items()}
-        self.backend.store_init_configuration(config)
+        if self.backend is not None:
+            self._call("store_init_configuration", config)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
@@ -66,12 +78,15 @@ class Tracker:
         try:
             if file not in self.files:
                 self.files[file] = (self.run_dir / file).open("a", buffering=1)
+            whole = self.files[file].tell()
             self.files[file].write(json.dumps(record) + "\n")
         except OSError as e:  # a full disk (or a quota, a file-size limit): the run cannot keep its record
             stream = self.files.pop(file, None)
             with contextlib.suppress(OSError):
                 if stream is not None:
-                    stream.close()
+                    stream.close()  # its buffer's flush fails again
+            with contextlib.suppress(OSError, UnboundLocalError):  # the record whole or not there (no room needed)
+                os.truncate(self.run_dir / file, whole)
             free = shutil.disk_usage(self.run_dir).free / 2**30
             raise TrainingStopped(f"{self.run_dir / file}: a record of step {record.get('step')} could not be "
                                   f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops, its last "
