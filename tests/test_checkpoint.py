@@ -348,6 +348,10 @@ def test_best_checkpoint_is_exported_and_early_stopping_stops_the_same_after_a_r
     assert resumed.evals[-1]["loss"] == pytest.approx(run.evals[-1]["loss"], rel=1e-6)
     again = load_file(str(resumed.dir / "model.safetensors"))
     assert all(torch.equal(again[k], exported[k]) for k in exported)
+    # resumed again, with more steps: stopped early, so it is patience that would take it on (not more steps)
+    more = harness(tmp_path / "run", corpus, sets=[*BEST, "train.max_steps=40"], args=["--resume", "auto"])
+    assert f"the run stopped early at step {stop} (no improvement of validation loss" in more.proc.stdout
+    assert "of 40 and exported" in more.proc.stdout and "raise train.early_stopping_patience" in more.proc.stdout
 
 
 def test_select_mode_auto_minimises_errors_and_maximises_scores():
