@@ -47,7 +47,15 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     meta = next(r.run for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "run")
     assert (meta.display_name, meta.project) == ("tiny", "proj")
     config = [r.config for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "config"]
-    assert any(item.key == "train.max_steps" for c in config for item in c.update)
+    keys = {item.key for c in config for item in c.update}
+    assert {"train.max_steps", "layout.world_size", "layout.zero_stage", "layout.precision"} <= keys, keys
+    # resumed for more steps: the same W&B run goes on (a new one had started at each resume)
+    harness(tmp_path / "run", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=5",
+                                                     "run.name=\"tiny\"", "logging.project=\"proj\""],
+            args=["--resume", "auto"])
+    runs = sorted((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    ids = {next(r.run for r in wandb_records(f) if r.WhichOneof("record_type") == "run").run_id for f in runs}
+    assert len(runs) == 2 and ids == {(run.dir / "wandb" / "harness_run_id").read_text().strip()}, (runs, ids)
     # a tracker that cannot start (a project name W&B refuses): one line, and the run goes on with its jsonl record
     refused = harness(tmp_path / "refused", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=2",
                                                                    "logging.project=\"a/b\""])

@@ -198,7 +198,9 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
         if selection:
             selection.record(plan.run_dir)
-    tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main)
+    layout = {"layout.world_size": world.world_size, "layout.zero_stage": ds.zero_stage,
+              "layout.precision": ds.precision, "layout.global_batch_size": ds.global_batch_size}
+    tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main, resumed=resume_from is not None, layout=layout)
     say(start_line(plan, world, type(meta_model).__name__, n_params, flops.method, start_step, max_steps,
                    steps_per_epoch, every.describe(steps_per_epoch), threads))
     for line in [build_report(build_peaks, n_params)] if build_peaks[0]["host"] is not None else []:

@@ -50,8 +50,29 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
 
+WANDB_ID = "wandb/harness_run_id"  # the W&B run a resume continues (one id per run directory)
+
+
+def wandb_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id of this run directory: the one its first start wrote, on a resume; a new one otherwise."""
+    import uuid
+
+    path = run_dir / WANDB_ID
+    with contextlib.suppress(OSError):
+        if resumed and (known := path.read_text().strip()):
+            return known
+    new = uuid.uuid4().hex[:8]
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(new + "\n")
+    return new
+
+
 class Tracker:
-    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool):
+    def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool, resumed: bool = False,
+                 layout: dict[str, Any] | None = None):
+        """`resumed`: W&B continues the run directory's own W&B run; `layout`: what the run config does not say (the
+        world, ZeRO stage, precision, global batch), logged with it."""
         self.enabled, self.run_dir, self.backend = enabled, run_dir, None
         self.files: dict[str, Any] = {}  # open for the run, line-buffered: each record is on disk when logged
         if not enabled or cfg.logging.backend == "none":
@@ -63,12 +84,13 @@ class Tracker:
             if "WANDB_MODE" not in os.environ and not wandb_has_key():
                 os.environ["WANDB_MODE"] = "offline"
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.backend = tracking.WandBTracker(cfg.logging.project, name=name, dir=str(run_dir))
+            self.backend = tracking.WandBTracker(cfg.logging.project, name=name, dir=str(run_dir),
+                                                 id=wandb_id(run_dir, resumed), resume="allow")
         else:
             self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
         self._call("start")  # e.g. a W&B project name it refuses, an unwritable folder: one line, and on without it
         config = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)  # TensorBoard's hparams: scalars
-                  for k, v in flatten(cfg.to_dict()).items()}
+                  for k, v in {**flatten(cfg.to_dict()), **(layout or {})}.items()}
         if self.backend is not None:
             self._call("store_init_configuration", config)
 
