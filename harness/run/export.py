@@ -82,13 +82,13 @@ def check_finished(run_dir: Path) -> None:
 def trained_on_note(run_dir: Path) -> str | None:
     """A line where the run has trained on since its export (resumed for more steps and stopped before their end):
     the weights scored are not the run's last."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(run_dir / MODEL_FILE), framework="pt") as f:
             exported = int((f.metadata() or {}).get("step", 0))
         latest = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError, RuntimeError):  # an export of before the step was recorded, no checkpoint
+    except (OSError, ValueError, SafetensorError):  # no checkpoint, a damaged export (loading it says so)
         return None
     if not exported or latest <= exported:
         return None

@@ -217,13 +217,13 @@ def check_batch(task, batch) -> None:
 
 def check_count_and_inputs(task, count, inputs) -> None:
     """What `count(batch)` and `inputs(batch)` return: a whole number of items >= 0 (an int, or a one-value integer
-    tensor) and the model's positional arguments as a tuple (or list) of tensors."""
+    tensor) and the model's positional arguments as a tuple (or list)."""
     number = count.item() if isinstance(count, torch.Tensor) and count.numel() == 1 else count
     if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0 or number != int(number):
         raise _refused(task, "count(batch)", count, "it must return the batch's number of items, a whole number >= 0")
-    if not isinstance(inputs, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in inputs):
-        raise _refused(task, "inputs(batch)", inputs, "it must return the model's positional arguments as a tuple "
-                       "of tensors, e.g. (batch['ids'],)")
+    if not isinstance(inputs, (tuple, list)):  # a bare tensor would be unpacked into the model's arguments
+        raise _refused(task, "inputs(batch)", inputs, "it must return the model's positional arguments as a tuple, "
+                       "e.g. (batch['ids'],)")
 
 
 def check_loss(task, loss) -> None:
