@@ -74,6 +74,9 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    missing = [str(d) for d in run_dirs if not Path(d).is_dir()]
+    if missing:  # one run drawn without the other, silently, had looked like a comparison
+        raise ConfigError(f"no such run directory: {', '.join(missing)}")
     panels = curves(run_dirs)
     if not panels:
         raise ConfigError(f"nothing to draw: no metrics.jsonl or eval.jsonl with figures in "
