@@ -53,8 +53,9 @@ def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_bes
     assert trained_on_note(resumed.dir) is None  # the best step's weights, exported as the run finished
     harness(tmp_path / "part", corpus, nproc=2, ds=ds, sets=[*sets, "train.max_steps=10"],
             args=["--resume", "auto", "--stop-at", "9"])
-    assert "is the export of step 8; the run has trained to step 9 since and not finished" in \
-        trained_on_note(resumed.dir)
+    note = trained_on_note(resumed.dir)
+    assert "is the export of step 8; the run has trained to step 9 since and not finished: these are step " \
+        f"{best['step']}'s weights" in note, note
 
 
 def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):

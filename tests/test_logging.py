@@ -56,6 +56,15 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     runs = sorted((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     ids = {next(r.run for r in wandb_records(f) if r.WhichOneof("record_type") == "run").run_id for f in runs}
     assert len(runs) == 2 and ids == {(run.dir / "wandb" / "harness_run_id").read_text().strip()}, (runs, ids)
+    # a crash had logged past the checkpoint, which W&B would keep: the resume goes on in a new W&B run
+    with (run.dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 9, "loss": 1.0}) + "\n")
+    harness(tmp_path / "run", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=6",
+                                                     "run.name=\"tiny\"", "logging.project=\"proj\""],
+            args=["--resume", "auto"])
+    runs = sorted((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    newer = {next(r.run for r in wandb_records(f) if r.WhichOneof("record_type") == "run").run_id for f in runs}
+    assert len(runs) == 3 and len(newer - ids) == 1, (runs, newer)
     # a tracker that cannot start (a project name W&B refuses): one line, and the run goes on with its jsonl record
     refused = harness(tmp_path / "refused", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=2",
                                                                    "logging.project=\"a/b\""])

@@ -68,8 +68,8 @@ def make_schedule(optimizer, cfg: RunConfig, total_steps: int, sections=None):
 
         kind, given = sections.scheduler["type"], sections.scheduler["params"]
         for key, value in given.items():  # a run sized by train.epochs learns its length only now
-            if SCHEDULERS.get(kind, {}).get(key) == TOTAL and value not in ("auto", total_steps) and \
-                    cfg.run.config_wins != "deepspeed":
+            if SCHEDULERS.get(kind, {}).get(key) == TOTAL and isinstance(value, (int, float)) and \
+                    value != total_steps and cfg.run.config_wins != "deepspeed":  # a type DeepSpeed checks itself
                 raise ConfigError(f"scheduler.params.{key} = {value!r} (DeepSpeed file) vs the run's {total_steps} "
                                   f"steps (train.epochs x steps per epoch): the lr would end "
                                   f"{'early' if value < total_steps else 'late'}; set it to \"auto\", or "

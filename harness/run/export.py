@@ -25,10 +25,11 @@ HF_DIR = "hf"  # beside model.safetensors for a Hugging Face model: what from_pr
 
 
 def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig | None = None,
-                 step: int | None = None) -> Path | None:
-    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically (`step`: the step the run
-    had reached, in its metadata), and for a Hugging Face model `RUN/hf/` (config, weights, tokenizer:
-    `from_pretrained` loads it with no code of ours)."""
+                 step: int | None = None, weights_step: int | None = None) -> Path | None:
+    """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically (in its metadata `step`, the
+    step the run had reached, and `weights_step`, the step whose weights these are: the best's with
+    train.select_best), and for a Hugging Face model `RUN/hf/` (config, weights, tokenizer: `from_pretrained` loads it
+    with no code of ours)."""
     from safetensors.torch import save_file
 
     from ..distributed.parallel import full_state_dict
@@ -39,7 +40,8 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
         return None
     path = run_dir / MODEL_FILE
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(_unshared(state), str(tmp), metadata={"format": "pt", **({"step": str(step)} if step else {})})
+    steps = {"step": str(step), "weights_step": str(weights_step or step)} if step else {}
+    save_file(_unshared(state), str(tmp), metadata={"format": "pt", **steps})
     readable(tmp)
     os.replace(tmp, path)
     if hf.is_hf(engine.module):
@@ -86,14 +88,15 @@ def trained_on_note(run_dir: Path) -> str | None:
 
     try:
         with safe_open(str(run_dir / MODEL_FILE), framework="pt") as f:
-            exported = int((f.metadata() or {}).get("step", 0))
+            meta = f.metadata() or {}
+        exported, weights = int(meta.get("step", 0)), int(meta.get("weights_step", meta.get("step", 0)))
         latest = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     except (OSError, ValueError, SafetensorError):  # no checkpoint, a damaged export (loading it says so)
         return None
     if not exported or latest <= exported:
         return None
     return (f"note: {run_dir / MODEL_FILE} is the export of step {exported}; the run has trained to step {latest} "
-            f"since and not finished: these are step {exported}'s weights (`harness train ... --resume auto` "
+            f"since and not finished: these are step {weights}'s weights (`harness train ... --resume auto` "
             f"finishes it and exports again)")
 
 

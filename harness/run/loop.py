@@ -45,7 +45,7 @@ from .preemption import EXIT_PREEMPTED, Watch
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
-from .tracking import Tracker, truncate_jsonl
+from .tracking import Tracker, read_jsonl, truncate_jsonl
 from .trust import TRUST
 
 
@@ -192,15 +192,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         write_configs(plan, world, resume_from)
     if selection and selection.value is not None:
         checkpoint.adopt_best(plan.run_dir / "checkpoints", selection.step, resume_from.parent, world)
-    if world.is_main:
-        truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
-        # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again
-        truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
-        if selection:
-            selection.record(plan.run_dir)
-    layout = {"layout.world_size": world.world_size, "layout.zero_stage": ds.zero_stage,
-              "layout.precision": ds.precision, "layout.global_batch_size": ds.global_batch_size}
-    tracker = Tracker(cfg, plan.run_dir, enabled=world.is_main, resumed=resume_from is not None, layout=layout)
+    tracker = _records(plan, world, start_step, max_steps, selection, resume_from is not None)
     say(start_line(plan, world, type(meta_model).__name__, n_params, flops.method, start_step, max_steps,
                    steps_per_epoch, every.describe(steps_per_epoch), threads))
     for line in [build_report(build_peaks, n_params)] if build_peaks[0]["host"] is not None else []:
@@ -217,6 +209,26 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                state.get("samples_seen", 0), selection, tracker, flops,
                float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
                {n: list(p.shape) for n, p in meta_model.named_parameters()})
+
+
+def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,
+             resumed: bool) -> Tracker:
+    """The run's records from `start_step` on: what a crashed run logged past its checkpoint dropped (rank 0), and
+    the tracker. W&B continues the run directory's own W&B run where nothing was logged past the checkpoint (a
+    preemption's stop); past it, W&B keeps the steps it has, so the run goes on in a new W&B run."""
+    ds = plan.ds
+    logged = max((row.get("step", 0) for row in read_jsonl(plan.run_dir / "metrics.jsonl")), default=0) \
+        if world.is_main and resumed else 0
+    if world.is_main:
+        truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
+        # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again
+        truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
+        if selection:
+            selection.record(plan.run_dir)
+    layout = {"layout.world_size": world.world_size, "layout.zero_stage": ds.zero_stage,
+              "layout.precision": ds.precision, "layout.global_batch_size": ds.global_batch_size}
+    return Tracker(plan.run.cfg, plan.run_dir, enabled=world.is_main, resumed=resumed and logged <= start_step,
+                   layout=layout)
 
 
 def _data(plan: Plan, world: World) -> tuple:
@@ -303,8 +315,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             _save(run, step, result, progress)
         if ledger.signal:
             progress.close()
-            run.tracker.close()
-            _draw_curves(run)
+            run.tracker.close()  # no curves: a scheduler's kill follows its signal, and the exit code must come first
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
                             f"{checkpoint.resume_hint(run.checkpoints)}")
     progress.close()
@@ -382,11 +393,13 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
     if step == run.max_steps or run.stopped_early:
         if run.stopped_early:
             run.say(f"stopped early at step {step} of {run.max_steps}: {selection.why_stopped()}")
+        weights = step
         if selection and selection.value is not None and selection.step != step:
             checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")
-        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg, step)}")
+            weights = selection.step
+        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg, step, weights)}")
     else:
         run.say(f"stopped at step {step} of {run.max_steps} (--stop-at); continue with --resume auto")
     run.tracker.close()

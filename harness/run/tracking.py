@@ -44,10 +44,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
     """Drop records past `after_step` (written by a run that crashed before its next checkpoint), and any line cut
-    short."""
-    if path.exists():
-        kept = [row for row in read_jsonl(path) if row.get("step", 0) <= after_step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    short: the file rewritten whole (a temporary file renamed) only where something is dropped."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    rows = read_jsonl(path)
+    kept = [row for row in rows if row.get("step", 0) <= after_step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, path)
 
 
 WANDB_ID = "wandb/harness_run_id"  # the W&B run a resume continues (one id per run directory)
@@ -71,8 +77,8 @@ def wandb_id(run_dir: Path, resumed: bool) -> str:
 class Tracker:
     def __init__(self, cfg: RunConfig, run_dir: Path, enabled: bool, resumed: bool = False,
                  layout: dict[str, Any] | None = None):
-        """`resumed`: W&B continues the run directory's own W&B run; `layout`: what the run config does not say (the
-        world, ZeRO stage, precision, global batch), logged with it."""
+        """`resumed`: W&B continues the run directory's own W&B run (else a new one); `layout`: what the run config
+        does not say (the world, ZeRO stage, precision, global batch), logged with it."""
         self.enabled, self.run_dir, self.backend = enabled, run_dir, None
         self.files: dict[str, Any] = {}  # open for the run, line-buffered: each record is on disk when logged
         if not enabled or cfg.logging.backend == "none":
@@ -84,8 +90,10 @@ class Tracker:
             if "WANDB_MODE" not in os.environ and not wandb_has_key():
                 os.environ["WANDB_MODE"] = "offline"
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.backend = tracking.WandBTracker(cfg.logging.project, name=name, dir=str(run_dir),
-                                                 id=wandb_id(run_dir, resumed), resume="allow")
+            self.backend = tracking.WandBTracker(  # the user's WANDB_RUN_ID and WANDB_RESUME win, as wandb says
+                cfg.logging.project, name=name, dir=str(run_dir),
+                id=os.environ.get("WANDB_RUN_ID") or wandb_id(run_dir, resumed),
+                resume=os.environ.get("WANDB_RESUME", "allow"))
         else:
             self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
         self._call("start")  # e.g. a W&B project name it refuses, an unwritable folder: one line, and on without it

@@ -3,6 +3,8 @@ The harness owns everything else (parallelism, the loop, checkpoints, logging). 
 names: a plug-in imports them from there."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -169,7 +171,9 @@ def data_digest(data: TaskData) -> tuple:
     import hashlib
 
     def value(x) -> Any:
-        if isinstance(x, (str, int, float, bool, type(None))):
+        if isinstance(x, float):  # NaN, unpickled on another rank, is not equal to itself: its hex is
+            return x.hex()
+        if isinstance(x, (str, int, bool, type(None))):
             return x
         if isinstance(x, torch.Tensor) or hasattr(x, "__array__"):
             try:
@@ -178,8 +182,8 @@ def data_digest(data: TaskData) -> tuple:
             except (TypeError, ValueError, RuntimeError):  # an array of objects, an image: its kind alone
                 return type(x).__name__
             return str(t.dtype), tuple(t.shape), hashlib.sha1(flat.numpy().tobytes()).hexdigest()
-        if isinstance(x, Mapping):
-            return tuple((str(k), value(v)) for k, v in x.items())
+        if isinstance(x, Mapping):  # the same keys in another order are the same sample
+            return tuple(sorted(((str(k), value(v)) for k, v in x.items()), key=lambda kv: kv[0]))
         if isinstance(x, (list, tuple)):
             return tuple(value(v) for v in x)
         if isinstance(x, (set, frozenset)):
@@ -219,7 +223,8 @@ def check_count_and_inputs(task, count, inputs) -> None:
     """What `count(batch)` and `inputs(batch)` return: a whole number of items >= 0 (an int, or a one-value integer
     tensor) and the model's positional arguments as a tuple (or list)."""
     number = count.item() if isinstance(count, torch.Tensor) and count.numel() == 1 else count
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0 or number != int(number):
+    if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number) or \
+            number < 0 or number != int(number):  # numpy's integers too
         raise _refused(task, "count(batch)", count, "it must return the batch's number of items, a whole number >= 0")
     if not isinstance(inputs, (tuple, list)):  # a bare tensor would be unpacked into the model's arguments
         raise _refused(task, "inputs(batch)", inputs, "it must return the model's positional arguments as a tuple, "

@@ -398,7 +398,8 @@ class ProteinTask:
         return (f"data: a prepared corpus {cfg.data.path}: {corpus.documents():,} sequences ({corpus.tokens():,} "
                 f"tokens) in {len(corpus.shards['train'])} shard(s), validation {corpus.documents('validation'):,}; "
                 f"each cropped to data.seq_len = {cfg.data.seq_len} residues; a step reads {global_batch} of them, "
-                f"{steps:,} steps cover {steps * global_batch / n:.3g} epochs of {n:,} samples")
+                f"{steps:,} steps cover {(e := steps * global_batch / n):.3g} epoch{'s' * (f'{e:.3g}' != '1')} of "
+                f"{n:,} samples")
 
     def tokenizer(self, cfg: RunConfig):
         """A Hugging Face model's own tokenizer, for its export (the residue vocabulary stays with the data)."""
