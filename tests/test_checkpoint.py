@@ -279,6 +279,12 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     line = wider.proc.stderr.strip().splitlines()[-1]
     assert "its model is not this run's (model.d_model 32 there, 64 here (command line); parameters " in line, line
     assert (run.dir / "config.toml").read_text() == saved and (run.dir / "eval.jsonl").read_text() == evals
+    # its export gone, resumed with fewer steps than it trained: evaluated and exported again (it had said "stopped
+    # at step N of M (--stop-at)" and exported nothing, at every resume)
+    (run.dir / "model.safetensors").unlink()
+    fewer = harness(tmp_path / "a", corpus, sets=["train.max_steps=2", "train.epochs=0.0", "train.eval_batches=1"],
+                    args=["--resume", "auto"])
+    assert (run.dir / "model.safetensors").is_file() and "--stop-at" not in fewer.proc.stdout, fewer.proc.stdout
 
 
 def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):

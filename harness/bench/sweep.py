@@ -26,6 +26,7 @@ from ..plan.resolve import Plan, make_plan
 from ..plan.scaling import PEAK_TFLOPS
 from ..run.profiling import PROFILE_FILE
 from ..run.startup import FIT_CHECK_ENV, clear_stale_build_locks
+from ..run.tracking import read_jsonl
 from . import report
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: launch/ configs live there
@@ -240,7 +241,7 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
     if proc.returncode != 0:
         oom = re.search(r"out of memory|OutOfMemoryError|Killed|MemoryError", text, re.I)
         return {**entry, "status": "oom" if oom else "failed", "error": last_error(text)}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     timed = [r for r in records if warmup < r["step"] <= warmup + steps]
     if not timed:
         return {**entry, "status": "failed", "error": f"no step after the {warmup} warm-up steps was recorded"}

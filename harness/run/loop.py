@@ -386,11 +386,11 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
     """The final evaluation, the best checkpoint's weights (train.select_best) and the export, or a line saying how
     to continue a run stopped by --stop-at; then the curves."""
     plan, world, selection, ckpts = run.plan, run.world, run.selection, run.checkpoints
-    if step == run.max_steps:
+    if step >= run.max_steps:  # past it too: a finished run resumed with fewer steps, its export gone
         metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True)
         if selection and _select(selection, metrics, step, plan, world, run.tracker, final=True) and world.is_main:
             checkpoint.mark_best(ckpts, step)
-    if step == run.max_steps or run.stopped_early:
+    if step >= run.max_steps or run.stopped_early:
         if run.stopped_early:
             run.say(f"stopped early at step {step} of {run.max_steps}: {selection.why_stopped()}")
         weights = step
