@@ -12,9 +12,9 @@ import difflib
 import math
 import numbers
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-import types
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from . import cadence
@@ -320,7 +320,7 @@ def _conform(value: Any, expected: Any) -> Any:
     if isinstance(value, bool) and expected is not bool:  # a switch is no number
         return _NO
     if expected is float and isinstance(value, numbers.Real):  # an int, numpy's numbers (a sweep's np.float64)
-        return float(value)
+        return float(value) if abs(value) < 2**1024 else _NO  # an int past float's range
     if expected is int and isinstance(value, numbers.Integral):
         return int(value)
     if expected is str and isinstance(value, str):
