@@ -136,6 +136,9 @@ def test_impossible_inputs_are_config_errors():
         render_scaling(tp, 1000, 1, 4, "ib-ndr400")
     with pytest.raises(ConfigError, match="at least 1"):
         render_scaling(plan, 1000, 0, 4, "ib-ndr400")
+    sp = make_plan(None, STEPS, "configs/ds/sp2_zero3.json", world_size=2)  # its figures had been of a world of dp x 1
+    with pytest.raises(ConfigError, match="does not model sequence parallelism"):
+        render_scaling(sp, 1000, 8, 1, "ib-ndr400")
 
 
 def test_profile_gives_compute_time_and_activations(tmp_path):
@@ -184,6 +187,14 @@ def test_profile_gives_compute_time_and_activations(tmp_path):
     assert s.activations == pytest.approx(34 * 128 * micro * 128 * 2 * 2)
     assert s.gpu is None and "GPU memory unknown" in s.assumptions[-1]
     assert all(": fits" not in line for line in render_scaling(plan, n, 8, 2, "ib-ndr400", profile_path=path))
+    # a CPU profile's peak is the whole process's: its measured activations are taken instead
+    bench["configs"][-1].update(params=n, peak_mem_bytes=states + 10**9, activation_bytes=3 * 10**7)
+    path.write_text(json.dumps(bench))
+    assert estimate(plan, n, 8, 2, "ib-ndr400", profile_path=path).activations == pytest.approx(3 * 10**7)
+    del bench["configs"][-1]["activation_bytes"]
+    path.write_text(json.dumps(bench))
+    assert estimate(plan, n, 8, 2, "ib-ndr400", profile_path=path).activations == \
+        pytest.approx(34 * 128 * micro * 128 * 2 * 2)  # not peak - states: the formula
 
 
 def test_bad_profiles_are_config_errors(tmp_path):

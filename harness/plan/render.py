@@ -6,7 +6,7 @@ import json
 import torch
 
 from ..config.ds import model_state_bytes
-from ..config.layout import tp_split_params
+from ..config.layout import layer_specs, tp_split_params
 from ..config.run import all_keys, flatten, warmup_note
 from ..distributed.parallel import pipeline_partition
 from ..tasks.interface import check_model
@@ -42,7 +42,11 @@ def parallel_lines(plan: Plan, model: torch.nn.Module) -> tuple[list[str], int]:
     lines = [f"layout: {layout.describe()}"]
     holds: dict[int, str] = {}
     per_rank = n
-    if layout.tp_size > 1:
+    if layout.tp_size > 1 and plan.run.cfg.model.hf and not layer_specs(ds.config):
+        lines.append(f"tensor parallel: AutoTP's own policy for {type(model).__name__} splits it {layout.tp_size} "
+                     f"ways (its layers are not counted here: the states per rank below are the whole model's, an "
+                     f"upper bound)")
+    elif layout.tp_size > 1:
         split = tp_split_params([name for name, _ in model.named_parameters()], ds.config)
         sizes = {name: p.numel() for name, p in model.named_parameters()}
         per_rank = sum(v // layout.tp_size if k in split else v for k, v in sizes.items())
@@ -126,6 +130,10 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
     """What sequence parallelism splits, the activations per rank with and without it, and the longest sequence that
     fits the GPUs the scaling estimate knows, on paper."""
     ds, c, sp = plan.ds, plan.run.cfg, plan.ds.layout.sp_size
+    if c.model.hf:  # the formula below reads the built-in model's widths (model.d_model, n_layers, n_heads)
+        return [f"sequence parallel: each sequence split over {sp} ranks by positions (DeepSpeed's Ulysses for "
+                f"Hugging Face models: its heads split {sp} ways); activations on paper are the built-in model's "
+                f"alone"]
     fixed = sample_positions(plan)
     states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
     sizes = [n for n in (1, 2, 4, 8) if c.model.n_heads % n == 0]

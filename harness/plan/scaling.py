@@ -148,6 +148,7 @@ class Profile:
     precision: str
     device: str
     name: str
+    activations: int = 0    # measured: the first micro-batch's saved activations (a CPU's peak holds the process)
 
 
 def read_profile(path: str | Path, precision: str) -> Profile:
@@ -168,7 +169,8 @@ def read_profile(path: str | Path, precision: str) -> Profile:
                     int(e.get("micro_batch", sets.get("train.micro_batch_size", samples))),
                     int(seq) if seq is not None else None, int(e["params"]),
                     int(e.get("peak_mem_bytes") or 0), str(e.get("precision", "?")),
-                    str((data.get("device") or {}).get("name", "unknown device")), str(e.get("name", "")))
+                    str((data.get("device") or {}).get("name", "unknown device")), str(e.get("name", "")),
+                    int(e.get("activation_bytes") or 0))
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ConfigError(f"{path}: the nproc=1 entry lacks step_s.median, global_batch or params ({err!r})") from None
     if min(p.step_s, p.samples, p.micro, p.params, p.seq or 1) <= 0:
@@ -230,10 +232,14 @@ class Scaling:
     assumptions: list[str]
 
 
-def _check_world(G: int, nodes: int, mfu: float, tp: int, pp: int) -> None:
+def _check_world(G: int, nodes: int, mfu: float, tp: int, pp: int, sp: int = 1) -> None:
     world = G * nodes
     if G < 1 or nodes < 1 or not 0 < mfu <= 1:
         raise ConfigError(f"--gpus-per-node {G} and --nodes {nodes} must be at least 1, the MFU {mfu} in (0, 1]")
+    if sp > 1:  # its all-to-all and split activations are not in the model: figures of a world that is not there
+        raise ConfigError(f"--gpus-per-node: the estimate on paper does not model sequence parallelism "
+                          f"(sequence_parallel_size = {sp}); plan it without --gpus-per-node (the plan's own sequence "
+                          f"lines say what it splits), or estimate the layout without it")
     if world % (tp * pp):
         raise ConfigError(f"{G} GPUs x {nodes} nodes = {world} is not a multiple of tensor parallel {tp} x pipeline "
                           f"{pp} (the plan's strategy)")
@@ -263,9 +269,14 @@ def _activations(profile, n_params: int, ds, micro: int, seq_ratio: float, posit
                  checkpointing: int, assumptions: list[str]) -> float:
     """One GPU's activation bytes of a micro-batch on one model-parallel rank before the split: from the profile's
     peak memory where it is usable, else Korthikanti et al.'s count; says which in `assumptions`."""
+    if profile and profile.params == n_params and profile.activations > 0:
+        assumptions.append(f"activations from the profile: {profile.activations / 2**30:.3g} GiB measured for micro "
+                           f"batch {profile.micro} scaled to {micro} and by seq, split by (10 + 24/tp)/34 and "
+                           f"min(p, m)/p")
+        return profile.activations * micro / profile.micro * seq_ratio
     own = profile.peak_mem - _states(n_params, ds, Layout(1, 1), precision=profile.precision)["device"] \
-        if profile and profile.params == n_params else 0
-    if own > 0:
+        if profile and profile.params == n_params and "cpu" not in profile.device.lower() else 0
+    if own > 0:  # a GPU's peak: the CUDA allocator's, the process's own memory apart
         assumptions.append(f"activations from the profile: peak memory {profile.peak_mem / 2**30:.2f} GiB minus its "
                            f"model states, for micro batch {profile.micro} (its train.micro_batch_size, else its "
                            f"global batch) scaled to {micro} and by seq, split by (10 + 24/tp)/34 and min(p, m)/p")
@@ -336,15 +347,28 @@ def _overlap_window(ds: DSResolved, pp: int, m: int, compute: float) -> tuple[fl
     return compute, "forward and backward at stage 3 (prefetched all-gathers)"
 
 
+def widths(c) -> tuple[int, int]:
+    """The model's width and depth: a Hugging Face model's from its config (the run config's model.d_model and
+    model.n_layers are the built-in model's)."""
+    if not c.model.hf:
+        return c.model.d_model, c.model.n_layers
+    from ..models.hf import load_config
+
+    text = load_config(c).get_text_config()
+    return int(getattr(text, "hidden_size", 0) or getattr(text, "d_model", 0) or c.model.d_model), \
+        int(getattr(text, "num_hidden_layers", 0) or getattr(text, "num_layers", 0) or c.model.n_layers)
+
+
 def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, interconnect: str,
              profile_path: str | Path | None = None, mfu: float = 0.40) -> Scaling:
     """The plan's strategy (ZeRO stage, offload, precision, tp, pp, micro batch, accumulation) on G x N GPUs."""
     ds, c = plan.ds, plan.run.cfg
     tp, pp, G, world = ds.layout.tp_size, ds.layout.pp_size, gpus_per_node, gpus_per_node * nodes
-    _check_world(G, nodes, mfu, tp, pp)
+    _check_world(G, nodes, mfu, tp, pp, ds.layout.sp_size)
     intra, inter = parse_interconnect(interconnect)
     layout = dataclasses.replace(ds.layout, world_size=world, dp_size=world // (tp * pp))
-    dp, m, B, seq, h = layout.dp_size, ds.grad_accum_steps, c.train.micro_batch_size, c.data.seq_len, c.model.d_model
+    h, layers = widths(c)
+    dp, m, B, seq = layout.dp_size, ds.grad_accum_steps, c.train.micro_batch_size, c.data.seq_len
     spans = _placement(layout, G)
     profile = read_profile(profile_path, ds.precision) if profile_path else None
     gpu = DEFAULT_GPU if not profile else next((k for k in GPUS if k in profile.device), None)
@@ -364,7 +388,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     seq_ratio = seq / profile.seq if profile and profile.seq else 1.0
     compute_s = _compute_time(profile, profile_path, n_params, B, m, seq, seq_ratio, mfu, peak, gpu, b_act,
                               ds.precision, A)
-    volume, seconds = _traffic(ds, layout, spans, share, b, act_bytes, c.model.n_layers, intra, inter)
+    volume, seconds = _traffic(ds, layout, spans, share, b, act_bytes, layers, intra, inter)
     # Lower bound: the data-parallel traffic hides behind the compute it is issued during.
     window, where = _overlap_window(ds, pp, m, compute_s(tp * pp))
     A.append(f"step time from no overlap (upper) to data-parallel traffic hidden behind {where} (lower); backward is "
@@ -375,7 +399,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     # Activations: Korthikanti et al. sbh(10 + 24/t) bytes per layer in 16-bit; 1F1B keeps min(p, m) micro-batches
     # of L/p layers on the first stage.
     split = (10 + 24 / tp) / 34 * min(pp, m) / pp
-    one_act = _activations(profile, n_params, ds, B, seq_ratio, seq * B * h * c.model.n_layers * b_act,
+    one_act = _activations(profile, n_params, ds, B, seq_ratio, seq * B * h * layers * b_act,
                            layout.checkpoint_interval, A)
     A.append(f"GPU memory {GPUS[gpu].memory / 2**30:g} GiB ({gpu})" if gpu else
              f"GPU memory unknown for {profile.device} (known: {', '.join(GPUS)})")
