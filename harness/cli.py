@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .config.run import UNSET_PREFIX, ConfigError, Preempted, TrainingStopped
 from .distributed.world import launched_rank, quiet_deepspeed
@@ -433,6 +434,12 @@ def _prepare(args) -> int:
 
 def _bench(args) -> int:
     """`harness bench STUDY`: exit 1 when a measurement failed (its results are written all the same)."""
+    for name in ("out", "work", "run", "data"):  # the runs start in the repository: paths are the caller's
+        if getattr(args, name, None):
+            setattr(args, name, str(Path(getattr(args, name)).resolve()))
+    for name in ("rounds", "repeats", "steps", "timeout"):
+        if isinstance(getattr(args, name, None), int) and getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)}: must be 1 or more")
     if args.study == "proxy":
         from .bench.proxy import run_proxy
 

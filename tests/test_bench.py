@@ -67,7 +67,7 @@ def test_cpu_sweep_writes_a_well_formed_report(tmp_path, corpus):
     assert (tmp_path / "b" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_checks_every_configuration_before_launching(tmp_path):
+def test_bench_checks_every_configuration_before_launching(tmp_path, capsys):
     proc = bench("sweep", "--ds", "zero2,nonexistent", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and "--ds nonexistent: neither a file" in proc.stderr
     proc = bench("sweep", "--ds", "pp2_zero1", "--nproc", "3", "--set", "train.max_steps=5", "--out", str(tmp_path / "b"))
@@ -79,6 +79,15 @@ def test_bench_checks_every_configuration_before_launching(tmp_path):
     proc = bench("sweep", "--ds", "zero0", "--largest", "n_layers", "--out", str(tmp_path / "b"))  # a CPU
     assert proc.returncode == 2 and "--largest on a CPU needs --memory-budget-gb" in proc.stderr
     assert not (tmp_path / "b").exists()  # nothing launched, nothing written
+    from harness.cli import main  # counts that cannot be (a ZeroDivisionError, or a row of world -1, before)
+
+    for argv, said in ((["sweep", "--nproc", "0"], "--nproc 0: comma-separated process counts, each 1 or more"),
+                       (["sweep", "--nproc", "a"], "--nproc a: comma-separated"),
+                       (["overhead", "--rounds", "0"], "--rounds 0: must be 1 or more"),
+                       (["corpus", "--repeats", "0"], "--repeats 0: must be 1 or more")):
+        assert main(["bench", *argv, "--out", str(tmp_path / "b")]) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("argv, usage, error", [

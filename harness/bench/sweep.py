@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,8 +59,11 @@ def grid(args) -> list[Config]:
         if not eq or not values:
             raise ConfigError(f"--vary expects section.key=value1,value2; got {vary!r}")
         axes.append([f"{key}={v}" for v in values.split(",")])
-    runs = itertools.product([ds_path(d) for d in args.ds.split(",")], [int(n) for n in args.nproc.split(",")],
-                             args.mixed_precision.split(","))
+    counts = [n.strip() for n in args.nproc.split(",")]
+    if not all(n.isdigit() and int(n) >= 1 for n in counts):
+        raise ConfigError(f"--nproc {args.nproc}: comma-separated process counts, each 1 or more")
+    runs = itertools.product([ds_path(d.strip()) for d in args.ds.split(",")], [int(n) for n in counts],
+                             [m.strip() for m in args.mixed_precision.split(",")])
     return [Config(ds, n, p, tuple(sets)) for ds, n, p in runs for sets in itertools.product(*axes)]
 
 
@@ -111,11 +115,29 @@ def program(config: Config, run_file: str | None, sets: list[str], *module: str)
 def run_program(cmd: list[str], env: dict[str, str], timeout: float,
                 cwd: Path | None = ROOT) -> subprocess.CompletedProcess:
     """The finished process; a timed-out one has returncode None and says so as its last line."""
+    # A session of its own: a timeout, or Ctrl-C here, ends every process it started (torchrun's ranks too, which
+    # would train on, adopted by init, beside the next measurement).
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # its partial output: bytes even under text=True on some Pythons
-        out, err = (o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
-        return subprocess.CompletedProcess(cmd, None, out, f"{err}\ntimed out after {timeout:.0f} s")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the session keeps the pipes: its output is lost
+            out, err = "", ""
+        return subprocess.CompletedProcess(cmd, None, out or "", f"{err or ''}\ntimed out after {timeout:.0f} s")
+    except BaseException:
+        _end_group(proc)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def json_line(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path | None = ROOT,
