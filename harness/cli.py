@@ -471,8 +471,12 @@ def _bench(args) -> int:
     from .bench.sweep import run_bench
 
     args.out = args.out or "bench"
-    (run_overhead if args.study == "overhead" else run_bench)(args)
-    return 0
+    result = (run_overhead if args.study == "overhead" else run_bench)(args)
+    failed = [e.get("name", "?") for e in result["configs"] if e.get("status") in ("failed", "timeout")]
+    if failed:  # an out-of-memory row is a finding of the sweep; a failed or timed-out one is not a measurement
+        print(f"harness: error: {len(failed)} of {len(result['configs'])} configurations failed or timed out "
+              f"({', '.join(failed)}): see their rows and logs in {args.out}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _plan(args) -> int:

@@ -88,6 +88,11 @@ def test_bench_checks_every_configuration_before_launching(tmp_path, capsys):
         assert main(["bench", *argv, "--out", str(tmp_path / "b")]) == 2
         assert said in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+    # a configuration that timed out is no measurement: written, said, exit 1 (it was 0)
+    proc = bench("sweep", "--ds", "zero0", "--timeout", "1", "--steps", "2", "--warmup", "1", "--out",
+                 str(tmp_path / "t"))
+    assert proc.returncode == 1 and "1 of 1 configurations failed or timed out (zero0 x1)" in proc.stderr, proc.stderr
+    assert (tmp_path / "t" / "bench.json").is_file()
 
 
 @pytest.mark.parametrize("argv, usage, error", [
