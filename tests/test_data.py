@@ -102,3 +102,18 @@ def test_records_keep_a_bom_out_of_the_header_line_separators_in_strings_and_lon
     quoted.write_text('text\tlabel\n"He said ""hi"""\t1\n')
     assert parse_records(str(quoted), "csv") == [{"text": 'He said "hi"', "label": "1"}]
     assert parse_records(str(quoted), "csv", tsv_quotes=False) == [{"text": '"He said ""hi"""', "label": "1"}]
+
+
+def test_the_held_out_rows_are_the_same_for_every_train_seed(corpus, monkeypatch, tmp_path):
+    """A seeds study scores each seed on the validation set: one set (it had been drawn with train.seed)."""
+    import torch
+
+    from harness.tasks import get_task, resolve
+
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    task = get_task("lm")
+    val = [task.build_data(resolve(None, ["train.max_steps=1", f"data.path={json.dumps(str(corpus))}",
+                                          f"train.seed={seed}"]).cfg).val for seed in (0, 1)]
+    assert len(val[0]) == len(val[1]) > 0
+    assert all(torch.equal(torch.as_tensor(a["ids"] if isinstance(a, dict) else a),
+                           torch.as_tensor(b["ids"] if isinstance(b, dict) else b)) for a, b in zip(val[0], val[1]))

@@ -28,8 +28,8 @@ def seeds_of(text: str) -> list[int]:
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+    """Mean and sample standard deviation (None for one value: there is none)."""
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else None,
             "n": len(values)}
 
 
@@ -107,9 +107,13 @@ def markdown(result: dict) -> str:
     for e in result["configs"]:
         per = ", ".join(f"{r[metric]:.4f}" if metric in r else "failed" for r in e["runs"])
         row = f"| {e['name']} | {per} |"
-        row += f" {e[metric]['mean']:.4f} | {e[metric]['sd']:.4f} |" if metric in e else " - | - |"
+        row += f" {e[metric]['mean']:.4f} | {_sd(e[metric]['sd'])} |" if metric in e else " - | - |"
         if baseline:
             b = e.get(baseline)
-            row += (f" {b['mean']:.4f} ({b['sd']:.4f}) | {e['above_baseline']} of {b['n']} |" if b else " - | - |")
+            row += (f" {b['mean']:.4f} ({_sd(b['sd'])}) | {e['above_baseline']} of {b['n']} |" if b else " - | - |")
         lines.append(row)
     return "\n".join(lines)
+
+
+def _sd(sd: float | None) -> str:
+    return "n/a (1 seed)" if sd is None else f"{sd:.4f}"
