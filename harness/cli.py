@@ -486,6 +486,17 @@ def _plan(args) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be 1 or more (the processes in all)")
+    if args.gpus_per_node is not None:
+        if args.ds_json:
+            raise ConfigError("--gpus-per-node estimates a launch on paper; --ds-json prints the DeepSpeed config alone")
+        if args.gpus_per_node < 1 or args.nodes < 1:
+            raise ConfigError(f"--gpus-per-node {args.gpus_per_node} and --nodes {args.nodes}: must be 1 or more")
+        world = args.gpus_per_node * args.nodes
+        if args.world_size not in (None, world):
+            raise ConfigError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} x --nodes "
+                              f"{args.nodes} = {world}: one world; name it once")
+        if not args.launch:  # the plan is of the world the estimate is of
+            args.world_size = world
     if args.launch:  # accelerate launch's options: the world and settings that launch gives
         from .launcher import launch_settings, plan_launch
 

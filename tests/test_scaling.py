@@ -226,6 +226,12 @@ def test_plan_command_prints_the_estimate_and_refuses_bad_input():
     assert out.returncode == 0, out.stderr
     assert "# scaling on paper: 4 node(s) x 8 GPUs = 32 GPUs over ib-ndr400" in out.stdout
     assert "assume: ring collectives" in out.stdout and "speedup vs 1 GPU" in out.stdout
+    assert "layout: data 32 x tensor 1 x pipeline 1 = world 32\n" in out.stdout  # the plan of the estimate's world
+    out = plan("--ds", "configs/ds/tp2_zero1.json", "--set", "train.max_steps=10", "--gpus-per-node", "8")
+    assert out.returncode == 0 and "layout: data 4 x tensor 2 x pipeline 1 = world 8" in out.stdout, out.stderr
+    out = plan("--ds", "configs/ds/zero3.json", "--set", "train.max_steps=10", "--gpus-per-node", "8",
+               "--world-size", "3")
+    assert out.returncode == 2 and "--world-size 3 and --gpus-per-node 8 x --nodes 1 = 8: one world" in out.stderr
     out = plan("--ds", "configs/ds/zero3.json", "--set", "train.max_steps=10", "--gpus-per-node", "8",
                "--interconnect", "carrier-pigeon")
     assert out.returncode == 2 and "carrier-pigeon" in out.stderr and "ib-ndr400" in out.stderr
