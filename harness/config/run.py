@@ -320,7 +320,7 @@ def _conform(value: Any, expected: Any) -> Any:
     if isinstance(value, bool) and expected is not bool:  # a switch is no number
         return _NO
     if expected is float and isinstance(value, numbers.Real):  # an int, numpy's numbers (a sweep's np.float64)
-        return float(value) if abs(value) < 2**1024 else _NO  # an int past float's range
+        return _NO if isinstance(value, numbers.Integral) and abs(value) >= 2**1024 else float(value)  # past float
     if expected is int and isinstance(value, numbers.Integral):
         return int(value)
     if expected is str and isinstance(value, str):
