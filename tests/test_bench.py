@@ -84,7 +84,9 @@ def test_bench_checks_every_configuration_before_launching(tmp_path, capsys):
     for argv, said in ((["sweep", "--nproc", "0"], "--nproc 0: comma-separated process counts, each 1 or more"),
                        (["sweep", "--nproc", "a"], "--nproc a: comma-separated"),
                        (["overhead", "--rounds", "0"], "--rounds 0: must be 1 or more"),
-                       (["corpus", "--repeats", "0"], "--repeats 0: must be 1 or more")):
+                       (["corpus", "--repeats", "0"], "--repeats 0: must be 1 or more"),
+                       (["proxy", "--stages", "a"], "and precisions fp32, bf16, fp16; not a"),
+                       (["proxy", "--stages", ""], 'and precisions fp32, bf16, fp16; not ""')):
         assert main(["bench", *argv, "--out", str(tmp_path / "b")]) == 2
         assert said in capsys.readouterr().err
     assert not (tmp_path / "b").exists()

@@ -161,13 +161,15 @@ def ds_config(stage: int, precision: str) -> dict:
 def run_proxy(args) -> dict:
     """Every speed-suite model at toy width x ZeRO stage x precision, one process each."""
     out = Path(args.out or "bench/proxy")
-    out.mkdir(parents=True, exist_ok=True)
-    stages = [int(s) for s in (args.stages or ",".join(map(str, STAGES))).split(",")]
-    precisions = (args.precisions or ",".join(PRECISIONS)).split(",")
-    bad = [p for p in precisions if p not in PRECISIONS] + [str(s) for s in stages if s not in STAGES]
-    if bad:
+    given = [x.strip() for x in (",".join(map(str, STAGES)) if args.stages is None else args.stages).split(",")]
+    precisions = [x.strip() for x in (",".join(PRECISIONS) if args.precisions is None else args.precisions).split(",")]
+    stages = [int(x) for x in given if x.isdigit()]
+    bad = [p or '""' for p in precisions if p not in PRECISIONS] + \
+        [x or '""' for x in given if not x.isdigit() or int(x) not in STAGES]
+    if bad:  # before anything is written (--stages a had been a ValueError, "" every stage)
         raise ConfigError(f"the proxy counts ZeRO stages {STAGES} and precisions {', '.join(PRECISIONS)}; "
                           f"not {', '.join(bad)}")
+    out.mkdir(parents=True, exist_ok=True)
     rows, env = [], {**os.environ, CPU_FP16_ENV: "1"}  # fp16 runs on a CPU only when asked
     for model, stage, precision in itertools.product([m for m in SPEED if m.smoke], stages, precisions):
         ds = out / f"zero{stage}_{precision}.json"
