@@ -341,6 +341,8 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     figures = re.search(r"model states (\S+ GiB) per rank \(fp32, ZeRO-0\) \+ activations (\S+ GiB)", line)
     assert figures and f"on a GPU, on paper: model states {figures[1]} + activations {figures[2]} of one micro-batch " \
         "of 64 x 2048 positions" in render(plan(None, [*sets, "train.micro_batch_size=64"]))  # what the line points to
+    auto = render(plan(None, [*sets, "train.micro_batch_size=64"], ds="zero2"))  # "auto": bf16 on a GPU, fp32 here
+    assert "on a GPU, on paper in fp32 as this host resolves it (an \"auto\" file trains in bf16" in auto
     small = plan(None, [*sets, "train.micro_batch_size=4"])
     assert fits(small, 81559 * 2**20) is None  # 4 x 2048 fits; with checkpointing 64 x 2048 does too
     assert fits(plan(None, [*sets, "train.micro_batch_size=64", "train.activation_checkpointing=true"]),

@@ -234,8 +234,11 @@ def _memory_line(plan: Plan, model: torch.nn.Module) -> list[str]:
         return []
     states, acts, positions = paper
     recompute = "checkpointed" if plan.run.cfg.train.activation_checkpointing else "no recomputation"
-    return [f"on a GPU, on paper: model states {size_text(states)} + activations {size_text(acts)} of one micro-batch "
-            f"of {plan.run.cfg.train.micro_batch_size} x {positions} positions ({recompute}) = "
+    auto = plan.ds.source.get("bf16.enabled", "").startswith("auto:") and plan.ds.precision != "bf16"
+    here = f" in {plan.ds.precision} as this host resolves it (an \"auto\" file trains in bf16 on a GPU that has it; " \
+        f"--gpus-per-node estimates that)" if auto else ""
+    return [f"on a GPU, on paper{here}: model states {size_text(states)} + activations {size_text(acts)} of one "
+            f"micro-batch of {plan.run.cfg.train.micro_batch_size} x {positions} positions ({recompute}) = "
             f"{size_text(states + acts)} per rank, before the CUDA context (a launch on GPUs refuses more than they "
             f"hold)"]
 
