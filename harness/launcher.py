@@ -109,11 +109,15 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
             "deepspeed_config_file": given["deepspeed_config_file"] or ds.get("deepspeed_config_file"),
             "env": _deepspeed_env(args, defaults, who),
             # DeepSpeed's launchers that start other hosts' ranks from this one (over ssh, mpirun or srun)
-            "runner": args.use_deepspeed and machines > 1 and (args.deepspeed_multinode_launcher or "pdsh") in REMOTE
-            and (args.deepspeed_multinode_launcher or "pdsh")}
+            "runner": launcher if machines > 1 and (launcher := _multinode_launcher(args)) in REMOTE else False}
 
 
 REMOTE = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")  # DeepSpeed's (standard, nossh: each node its own)
+
+
+def _multinode_launcher(args) -> str | None:
+    """The launcher DeepSpeed starts several machines with (accelerate's default pdsh); None without DeepSpeed."""
+    return (args.deepspeed_multinode_launcher or "pdsh") if args.use_deepspeed else None
 
 
 def _validated(args, who: str):
@@ -147,7 +151,7 @@ def _check_machines(args, processes: int, where, who: str) -> None:
                           f"{processes // machines} on each")
     # DeepSpeed's own multi-node launchers (pdsh, accelerate's default, and the MPI ones) find the first host in the
     # hostfile; torchrun's rendezvous, static or c10d, waits for ever for a host named None
-    runner = args.use_deepspeed and (args.deepspeed_multinode_launcher or "pdsh") != "standard"
+    runner = _multinode_launcher(args) not in (None, "standard")
     if machines > 1 and not args.main_process_ip and not runner:
         raise ConfigError(f"{who}: {where('num_machines')} = {machines} needs --main_process_ip (or main_process_ip in "
                           f"the config file): the address of machine rank 0, where torchrun's rendezvous meets")

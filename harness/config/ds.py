@@ -117,9 +117,10 @@ def _parse(text: str) -> Any:
             import hjson
 
             return hjson.loads(text, object_pairs_hook=_once)
-        except (ImportError, ValueError) as e:
-            if isinstance(e, KeyTwice):
-                raise
+        except KeyTwice:
+            raise
+        except (ImportError, ValueError):  # neither reads it: JSON's own error says where
+            pass
         raise
 
 
@@ -316,9 +317,9 @@ def _check_combinations(ds: dict, source: dict, run: Resolved, stage: int, offlo
                               f"zero_optimization.{key}.nvme_path: a directory on a fast local NVMe drive")
     untested = (c.optimizer.name != "adamw" or sections.optimizer) and stage > 0
     if untested and ds.get("zero_allow_untested_optimizer") is False:  # its ZeRO would assert at start, on every rank
-        raise ConfigError(f"zero_allow_untested_optimizer = false ({label}) with "
-                          f"{run.describe('optimizer.name') if c.optimizer.name != 'adamw' else 'its optimizer section'}"
-                          f": DeepSpeed's ZeRO refuses an optimizer outside its tested list at start; remove the key")
+        which = run.describe("optimizer.name") if c.optimizer.name != "adamw" else "its optimizer section"
+        raise ConfigError(f"zero_allow_untested_optimizer = false ({label}) with {which}: DeepSpeed's ZeRO refuses an "
+                          f"optimizer outside its tested list at start; remove the key")
     if untested and "zero_allow_untested_optimizer" not in ds:
         # DeepSpeed lists the optimizers it tested with ZeRO (Adam family, Lamb, ...); SGD is not among them, and
         # the harness's tests show its ZeRO-1 losses equal one process's.

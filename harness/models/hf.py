@@ -68,19 +68,19 @@ def check(cfg: RunConfig, auto_class: str) -> None:
     if not cfg.model.hf_tokenizer and has_weights:
         raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
                           f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
-    if has_weights and Path(source).is_dir() and not any(WEIGHTS.fullmatch(p.name) for p in Path(source).iterdir()):
+    local = has_weights and Path(source).is_dir()  # weights on this machine: their files are checked here
+    if local and not any(WEIGHTS.fullmatch(p.name) for p in Path(source).iterdir()):
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
                           f"pytorch_model*.bin); to start from random initialisation name its config.json: "
                           f"model.hf = {str(Path(source) / 'config.json')!r}")
-    missing = [name for name in _shards(Path(source)) if not (Path(source) / name).is_file()] \
-        if has_weights and Path(source).is_dir() else []
+    missing = [name for name in _shards(Path(source)) if not (Path(source) / name).is_file()] if local else []
     if missing:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(missing)} of the shards its {INDEX} names are missing "
                           f"(e.g. {missing[0]}); copy or download the checkpoint whole")
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
         _check_model(cfg, cls, config)
-        if has_weights and Path(source).is_dir():
+        if local:
             _check_weights(cfg, cls, config, weight_files(source))
     vocab = getattr(config, "vocab_size", None) or 0
     tok = tokenizer(cfg) if own_tokenizer(cfg) and vocab else None

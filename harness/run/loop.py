@@ -45,7 +45,7 @@ from .preemption import EXIT_PREEMPTED, Watch
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
-from .tracking import Tracker, read_jsonl, truncate_jsonl
+from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
 
 
@@ -216,11 +216,9 @@ def _records(plan: Plan, world: World, start_step: int, max_steps: int, selectio
     """The run's records from `start_step` on: what a crashed run logged past its checkpoint dropped (rank 0), and
     the tracker. W&B continues the run directory's own W&B run where nothing was logged past the checkpoint (a
     preemption's stop); past it, W&B keeps the steps it has, so the run goes on in a new W&B run."""
-    ds = plan.ds
-    logged = max((row.get("step", 0) for row in read_jsonl(plan.run_dir / "metrics.jsonl")), default=0) \
-        if world.is_main and resumed else 0
+    ds, logged = plan.ds, 0
     if world.is_main:
-        truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
+        logged = truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
         # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again
         truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
         if selection:

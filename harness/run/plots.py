@@ -21,10 +21,6 @@ METRICS = ("bleu", "q3", "spearman", "auroc", "accuracy", "masked_accuracy", "ms
 _SKIP = {"step", "loss", "epoch"}
 
 
-def _rows(path: Path) -> list[dict]:
-    return read_jsonl(path)
-
-
 def task_metric(evals: list[dict]) -> str | None:
     """The figure the run's evaluations are about, besides their loss."""
     keys = [k for row in evals for k, v in row.items() if isinstance(v, (int, float)) and k not in _SKIP]
@@ -33,7 +29,7 @@ def task_metric(evals: list[dict]) -> str | None:
 
 def curves(run_dirs: list[str | Path]) -> list[dict]:
     """Per panel: its title and, per run, the (steps, values) to draw; a panel no run has data for is left out."""
-    runs = [(Path(d), _rows(Path(d) / "metrics.jsonl"), _rows(Path(d) / "eval.jsonl")) for d in run_dirs]
+    runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
     metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
     panels = [("training loss", "loss", 1), ("learning rate", "lr", 1), ("validation loss", "loss", 2)]
     if metric:

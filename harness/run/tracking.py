@@ -34,26 +34,30 @@ def wandb_has_key() -> bool:
 
 def read_jsonl(path: Path) -> list[dict]:
     """A run's records, each line that parses: a line a killed writer or a full disk cut short is left out."""
+    return _records(path.read_text().splitlines() if path.is_file() else [])
+
+
+def _records(lines: list[str]) -> list[dict]:
     rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in lines:
         with contextlib.suppress(ValueError):
             if isinstance(row := json.loads(line), dict):
                 rows.append(row)
     return rows
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
+def truncate_jsonl(path: Path, after_step: int) -> int:
     """Drop records past `after_step` (written by a run that crashed before its next checkpoint), and any line cut
-    short: the file rewritten whole (a temporary file renamed) only where something is dropped."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    rows = read_jsonl(path)
+    short: the file rewritten whole (a temporary file renamed) only where something is dropped. Returns the last step
+    it had logged (0 for none)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    rows = _records(lines)
     kept = [row for row in rows if row.get("step", 0) <= after_step]
     if len(kept) < len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, path)
+    return max((row.get("step", 0) for row in rows), default=0)
 
 
 WANDB_ID = "wandb/harness_run_id"  # the W&B run a resume continues (one id per run directory)
@@ -105,6 +109,7 @@ class Tracker:
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
             return
+        whole = None  # the file's length before this record
         try:
             if file not in self.files:
                 self.files[file] = (self.run_dir / file).open("a", buffering=1)
@@ -115,8 +120,9 @@ class Tracker:
             with contextlib.suppress(OSError):
                 if stream is not None:
                     stream.close()  # its buffer's flush fails again
-            with contextlib.suppress(OSError, UnboundLocalError):  # the record whole or not there (no room needed)
-                os.truncate(self.run_dir / file, whole)
+            if whole is not None:
+                with contextlib.suppress(OSError):  # the record whole or not there (shrinking needs no room)
+                    os.truncate(self.run_dir / file, whole)
             free = shutil.disk_usage(self.run_dir).free / 2**30
             raise TrainingStopped(f"{self.run_dir / file}: a record of step {record.get('step')} could not be "
                                   f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops, its last "
