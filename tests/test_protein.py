@@ -85,6 +85,20 @@ def test_malformed_rows_are_counted(tmp_path):
     fasta.write_bytes(b">a label=pos\nACDK\n>b label=neg\nGG\xffKL\n>c label=n\xe9g\nMKVL\n>d label=neg\nWWYY\n")
     meta = read_meta(prep.prepare(config(path=str(fasta))))
     assert totals(meta) == Counter(ok=2, malformed=2) and meta["classes"] == ["neg", "pos"]
+    # As editors and other tools leave files: a byte-order mark (it hid the first record, or the csv's first column),
+    # text before the first header (dropped unseen), a translated ORF's stop "*" (which `prepare --input` drops)
+    fasta.write_bytes(b"\xef\xbb\xbf>a label=pos\r\nACDK*\r\n>b label=neg\r\nGGKL\r\n")
+    directory = prep.prepare(config(path=str(fasta)))
+    kept = [s for split in SPLITS for s in prep.load(directory, split)["sequence"]]
+    assert totals(read_meta(directory)) == Counter(ok=2) and sorted(kept) == ["ACDK", "GGKL"]
+    fasta.write_bytes(b"MKVL\n>a label=pos\nACDK\n>b label=neg\nGGKL\n")
+    assert totals(read_meta(prep.prepare(config(path=str(fasta))))) == Counter(ok=2, malformed=1)
+    csv = tmp_path / "excel.csv"
+    csv.write_bytes(b"\xef\xbb\xbfsequence,label\r\nACDK,pos\r\nGGKL,neg\r\n")
+    assert totals(read_meta(prep.prepare(config(path=str(csv))))) == Counter(ok=2)
+    residue = tmp_path / "states.csv"  # a trailing space after the states: one state too many, every row refused
+    residue.write_text("sequence,label\nACDKLM,CCHHEE \nGGKLWW,HHHCCC\t\n")
+    assert totals(read_meta(prep.prepare(config('protein.objective="residue"', path=str(residue))))) == Counter(ok=2)
 
 
 def write_fitness(path, n: int = 0, seed: int = 0):
@@ -115,6 +129,10 @@ def test_fitness_csv_keeps_flip_splits_and_averages_repeats(tmp_path):
     assert meta["counts"]["train"] == {"ok": 2, "duplicate": 1, "malformed": 2} and meta["labels"] == "value"
     assert [prep.load(directory, s)["sequence"] for s in SPLITS] == [["ACDKL", "MKVLA"], ["WWKLA"], ["YYKLA"]]
     assert prep.load(directory, "train")["value"] == [1.0, 3.0]  # MKVLA: the mean of 2 and 4
+    from harness.prepare.protein_sources import _read_csv  # new variants to score, FLIP's label column alone
+
+    (tmp_path / "new.csv").write_text("sequence,target\nACDKL,1.5\n")
+    assert _read_csv(tmp_path / "new.csv", "sequence", "label", labelled=True)[0] == [("ACDKL", "1.5", None, "")]
     assert meta["values"] == {"mean": 2.0, "std": 1.0}  # of the training values 1 and 3
     samples = ProteinTask().samples(config('protein.objective="regress"', path=str(path)), "test")
     assert samples[0]["value"].item() == pytest.approx((0.25 - 2.0) / 1.0)  # z-scored with train's statistics

@@ -128,6 +128,9 @@ def test_user_file_rules_are_counted(tmp_path):
     assert prep.load(directory, "validation")["src"][1] == '"quoted" words.'  # tsv: quotes are text
     with pytest.raises(ConfigError, match="no 'test' split"):
         prep.load(directory, "test")
+    held_out = [prep.load(prep.prepare(cfg_for(str(train), "model.vocab_size=60", f"train.seed={seed}")),
+                          "validation")["src"] for seed in (0, 1)]
+    assert held_out[0] == held_out[1]  # data.val_fraction's draw: every seed of a study validates on the same pairs
     with pytest.raises(ConfigError, match="model.vocab_size = 32: SentencePiece cannot train"):
         prep.prepare(cfg_for(str(train), "model.vocab_size=32"))  # fewer pieces than characters
     with pytest.raises(ConfigError, match="needs columns 'en' and 'de'"):
@@ -163,6 +166,59 @@ def test_directory_source(toy_dir, tmp_path):
         prep.prepare(cfg_for(str(bad), "model.vocab_size=40"))
     with pytest.raises(ConfigError, match="need exactly one train file for language 'de'"):
         TranslationTask().check(cfg_for(str(toy_dir), 'translation.source_lang="de"'))
+
+
+def test_files_as_editors_leave_them_are_read_line_by_line(tmp_path):
+    """A byte-order mark and CRLF endings are not text, a U+2028 inside a sentence is not a line break, an empty test
+    pair is no pairs; a file that is not the gzip its name says, or a gzip cut short, is one line, not a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.en").write_bytes(b"\xef\xbb\xbfthe cat.\r\nthe dog\xe2\x80\xa8barks.\r\n" + b"a man.\r\n" * 30)
+    (src / "train.fr").write_bytes(b"\xef\xbb\xbfle chat.\r\nle chien aboie.\r\n" + b"un homme.\r\n" * 30)
+    for name in ("val.en", "val.fr"):
+        (src / name).write_text("the child.\n")
+    for name in ("test.en", "test.fr"):
+        (src / name).write_text("")
+    cfg = cfg_for(str(src), 'translation.target_lang="fr"', "model.vocab_size=40")
+    with pytest.raises(ConfigError, match=r"test.en and .*test.fr hold no lines: fill the pair, or remove it"):
+        prep.prepare(cfg)
+    for name in ("test.en", "test.fr"):
+        (src / name).write_text("the river.\n")
+    train = prep.load(prep.prepare(cfg), "train")
+    assert (train["src"][0], train["src"][1], train["tgt"][0]) == ("the cat.", "the dog\u2028barks.", "le chat.")
+    (src / "test.en").write_text("plain text, not gzip\n")
+    (src / "test.en").rename(src / "test.en.gz")
+    with pytest.raises(ConfigError, match=r"test.en.gz: cannot read as gzip: Not a gzipped file"):
+        prep.prepare(cfg)
+    whole = gzip.compress("".join(f"the cat number {i}.\n" for i in range(2000)).encode())
+    (src / "test.en.gz").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"test.en.gz: cannot read as gzip: Compressed file ended"):
+        prep.prepare(cfg)
+
+
+def test_a_resume_on_other_pairs_is_refused_and_on_the_same_ones_goes_on(toy_dir, tmp_path):
+    """What a checkpoint records of a case study's data is the content of its prepared rows and tokenizer: the same
+    pairs touched, or moved elsewhere, are the same data; other pairs in the same files are not (with the same
+    vocabulary size they resumed silently on a tokenizer whose ids meant other pieces)."""
+    import shutil
+
+    from harness.plan.resolve import make_plan
+    from harness.run.startup import data_identity
+
+    src = shutil.copytree(toy_dir, tmp_path / "pairs")
+    identity = lambda path: data_identity(make_plan(None, [  # noqa: E731
+        'run.task="translation"', "train.max_steps=1", f"data.path={json.dumps(str(path))}", "model.vocab_size=64",
+        'translation.target_lang="fr"'], None, 1))
+    first = identity(src)
+    assert first["path"] == str(src) and len(first["fingerprint"]) == 16
+    (src / "train.en.gz").touch()
+    moved = src.rename(tmp_path / "moved")
+    assert identity(moved)["fingerprint"] == first["fingerprint"]
+    pairs = [toy_pair(random.Random(1)) for _ in range(1200)]
+    for lang, side in (("en", 0), ("fr", 1)):
+        with gzip.open(moved / f"train.{lang}.gz", "wt") as f:
+            f.write("\n".join(p[side] for p in pairs) + "\n")
+    assert identity(moved)["fingerprint"] != first["fingerprint"]
 
 
 # --- model and loss ----------------------------------------------------------------------------------------------

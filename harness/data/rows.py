@@ -12,6 +12,7 @@ import csv
 import gzip
 import io
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,9 @@ def check_paths(d: DataSection) -> None:
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
         if path and not path.startswith("hub:"):
             p = Path(path)
+            if p.is_dir() and (p / "units" / "settings.json").is_file() and not (p / "manifest.json").is_file():
+                raise ConfigError(f"{path}: {key} is a `harness prepare lm` output that was stopped before it ended "
+                                  f"(no manifest.json): run the same prepare command again, which finishes it")
             if p.is_dir() and key == "data.val_path" and (p / "manifest.json").is_file():
                 train = d.path or "(the embedded default)"
                 raise ConfigError(f"data.val_path = {path} is a prepared corpus, and data.path = {train} is not: a "
@@ -195,13 +199,29 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
 MALFORMED = None  # a record that does not parse, or lacks the field: counted "malformed" by load_rows
 
 
+def read_text(path: str | Path) -> str:
+    """A text file, gzipped or not, whole: undecodable bytes become U+FFFD (their row is skipped and counted by the
+    caller), a byte-order mark is dropped, and a file that cannot be read is one line."""
+    try:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # gzip's BadGzipFile is an OSError; a cut gzip stream EOFError
+        raise ConfigError(f"{path}: cannot read{' as gzip' if str(path).endswith('.gz') else ''}: {e}") from None
+    return data.decode("utf-8-sig", errors="replace")
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """`read_text`'s lines, split on line breaks alone (\\n, \\r\\n, \\r): a U+2028 or form feed inside a sentence is
+    text, so line-aligned files stay aligned. An empty file has no lines."""
+    lines = read_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines  # a final line break ends the last line, it starts none
+
+
 def parse_records(path: str, kind: str, tsv_quotes: bool = True) -> list:
     """Every record of a json (an array, or JSON lines) or csv/tsv file, in order: a dict, or MALFORMED for a line
     that does not parse (a csv row whose length differs from the header's). Undecodable bytes stay as U+FFFD; a
     byte-order mark is dropped. `tsv_quotes=False`: a quote in a tsv is text (sentence pairs), not csv quoting."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        text = f.read().decode("utf-8-sig", errors="replace")
+    text = read_text(path)
     if kind == "json":
         if text.lstrip().startswith("["):  # one JSON array of records
             try:

@@ -67,7 +67,8 @@ def prepared(task: str, settings: dict[str, Any], build: Callable[[Path], dict[s
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         meta = build(tmp)
-        (tmp / META).write_text(json.dumps({"task": task, "settings": settings, **meta}, indent=2, default=str))
+        meta = {"task": task, "settings": settings, **meta, "fingerprint": _content_digest(tmp)}
+        (tmp / META).write_text(json.dumps(meta, indent=2, default=str))
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first: keep its copy
@@ -76,6 +77,25 @@ def prepared(task: str, settings: dict[str, Any], build: Callable[[Path], dict[s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# `datasets`' own bookkeeping beside a split's arrow files: its cache fingerprints, not the data
+_BOOKKEEPING = {META, "state.json", "dataset_info.json"}
+
+
+def _content_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(f for f in directory.rglob("*") if f.is_file() and f.name not in _BOOKKEEPING):
+        digest.update(f"{f.relative_to(directory)}:{sha256(f)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(directory: Path) -> str:
+    """What training reads from a prepared directory, as one digest of its splits' rows and its tokenizer, by content:
+    the same data moved, re-read after a `touch` or prepared again gives the same one (the directory's name hashes
+    paths and times). Recorded in meta.json when prepared; computed for a directory prepared before it was."""
+    meta = read_meta(directory) if (directory / META).is_file() else {}
+    return meta.get("fingerprint") or _content_digest(directory)
 
 
 def save_split(directory: Path, name: str, dataset) -> None:
@@ -87,7 +107,8 @@ def load_split(directory: Path, name: str):
 
     path = directory / name
     if not path.is_dir():
-        raise ConfigError(f"{directory}: the prepared data has no {name!r} split")
+        raise ConfigError(f"{directory}: the prepared data has no {name!r} split (its source gives none)" + (
+            ": score --split validation, or new data with --data" if name == "test" else ""))
     return datasets.load_from_disk(str(path))
 
 

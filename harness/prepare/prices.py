@@ -133,7 +133,8 @@ def _load(kind: str, path: str):
         # with the wrong number of fields is an undated row (malformed), instead of a refused file
         records = data.parse_records(str(resolve_path(path)), "csv")
         if all(r is data.MALFORMED for r in records):
-            raise ConfigError(f"{path}: no row with as many fields as its header ({len(records)} lines after it)")
+            raise ConfigError(f"{path}: no row with as many fields as its header ({len(records)} lines after it); "
+                              f"fields are separated by commas (a .csv) or tabs (a .tsv), decimals marked by a point")
         return pd.DataFrame.from_records([{} if r is data.MALFORMED else r for r in records])
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         what = "the hub data set" if kind == "hub" else "csv data"
@@ -293,7 +294,9 @@ def boundaries(kind: str, cfg: RunConfig, dates: list) -> tuple[np.datetime64, n
     if kind == "ett":
         ends = np.cumsum(ETT_ROWS)
         if n < ends[-1]:
-            raise ConfigError(f"{cfg.data.path}: the standard ETTh split needs {ends[-1]} rows, found {n}")
+            raise ConfigError(f"{cfg.data.path}: the standard ETTh split needs {ends[-1]} rows, found {n} (a file "
+                              f"named ETTh* is split as ETTh1 is); set prices.train_end and prices.val_end to split "
+                              f"yours")
         return dates[ends[0] - 1], dates[ends[1] - 1], dates[ends[2] - 1]
     n_train, n_val = round(n * CSV_FRACTIONS[0]), round(n * sum(CSV_FRACTIONS))
     if n_train < 1 or n_val <= n_train or n_val >= n:

@@ -4,7 +4,7 @@ Sources (`data.path`): the embedded default (modlamp's AMP vs UniProt), a FLIP d
 `../shared/data/flip_ss`, a user's file, or `hub:NAME`; `protein_sources` reads them.
 
 Cleaning rules, counted per split in meta["counts"] (kept: ok, truncated, whole, off_site):
-- empty: no residues once whitespace is removed (sequences are upper-cased);
+- empty: no residues once whitespace is removed (sequences are upper-cased; a stop codon's trailing "*" dropped);
 - malformed: a letter outside the amino-acid alphabet (20 standard + B Z X U O), a missing label, a label that
   is not a class (classify), not one state per residue (residue; DSSP's 8 states are reduced to 3) or not a
   finite number (regress), or a row that cannot be parsed or holds bytes that are not UTF-8;
@@ -58,7 +58,7 @@ from .protein_sources import (
     source_kind,
 )
 
-VERSION = 3  # the cache key includes it (3: "NA" labels missing, validation flags of any case)
+VERSION = 4  # the cache key includes it (3: "NA" labels missing, validation flags of any case; 4: a "*" end dropped)
 MAX_CLASSES = 100
 SPLIT_SEED = 0
 TOKENIZER = "spm.model"
@@ -177,12 +177,13 @@ def clean(row: Row, kind: str, seq_len: int) -> tuple[str, str, Any]:
         return status, "", None
     if not isinstance(seq, str):
         return "malformed", "", None
-    seq = "".join(seq.split()).upper()
+    seq = "".join(seq.split()).upper().removesuffix("*")  # "*": a translated ORF's stop, as `prepare --input`
     if not seq:
         return "empty", "", None
     if not set(seq) <= ALPHABET:
         return "malformed", "", None
     if kind == "residue":
+        label, resolved = (x.strip() if isinstance(x, str) and len(x) != len(seq) else x for x in (label, resolved))
         if not isinstance(label, str) or len(label) != len(seq) or not set(label.upper()) <= DSSP_TO_3.keys():
             return "malformed", "", None
         if resolved is not None and (not isinstance(resolved, str) or len(resolved) != len(seq)

@@ -10,12 +10,12 @@ Sources (`data.path`):
 - a user's .csv/.tsv/.jsonl file (columns `protein.sequence_field`, `protein.label_field`; a csv may also use
   the count-line layout above) or .fasta file (`>name label=VALUE`); validation from `data.val_path` or held out.
   A FLIP-format csv (`sequence,target,set,validation`, e.g. `../shared/data/flip_gb1/sampled.csv.gz`) keeps its
-  splits: `set` = train/test, and `validation` = True marks the train rows FLIP reserves for validation; its
-  label is `target` unless `protein.label_field` names a column it has.
+  splits: `set` = train/test, and `validation` = True marks the train rows FLIP reserves for validation. A csv's
+  label is `target` (FLIP's column, in new data to score too) unless `protein.label_field` names a column it has.
 - `hub:NAME`: a Hugging Face data set with those two columns; its train/validation/test splits are used.
 Rows that cannot be parsed (a csv row with the wrong number of fields, a jsonl line that is not an object)
-come back with parse_status "malformed" and are counted by `protein.clean`; everything is read through
-`datasets`' text loader (gzip handled there) except FLIP's zip archive.
+come back with parse_status "malformed" and are counted by `protein.clean`; text files are read whole
+(`data.rows.read_lines`: gzip handled, a byte-order mark dropped), FLIP's zip archive through `zipfile`.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.run import ConfigError, RunConfig
+from ..data.rows import read_lines
 from . import package_file
 
 SPLITS = ("train", "validation", "test")
@@ -67,15 +68,9 @@ def read_source(cfg: RunConfig) -> tuple[dict[str, list[Row]], dict[str, Any]]:
 
 
 def _lines(path: Path) -> list[str]:
-    """A text file's lines, through `datasets` (gzip handled there). Undecodable bytes become U+FFFD: outside the
+    """A text file's lines (gzipped or not; a byte-order mark dropped). Undecodable bytes become U+FFFD: outside the
     residue alphabet, or not a number, so their row is skipped and counted as malformed."""
-    import datasets
-
-    try:
-        return datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=False,
-                                     encoding_errors="replace")["text"]
-    except (ValueError, OSError, UnicodeDecodeError, datasets.exceptions.DatasetGenerationError) as e:
-        raise ConfigError(f"{path}: cannot read as text: {str(e).splitlines()[0]}") from None
+    return read_lines(path)
 
 
 def file_format(path: str) -> str:
@@ -135,7 +130,7 @@ def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ","
     if seq_field not in head:
         raise ConfigError(f"{path}: no column {seq_field!r} (protein.sequence_field); the header is {head}")
     flip = {"set", "target"} <= set(head)
-    if flip and label_field not in head:
+    if "target" in head and label_field not in head:  # FLIP's name for the label, in its splits or in new data
         label_field = "target"
     if labelled and label_field not in head:
         raise ConfigError(f"{path}: no column {label_field!r} (protein.label_field), which the objective needs; "
@@ -153,10 +148,13 @@ def _read_csv(path: Path, seq_field: str, label_field: str, delimiter: str = ","
 
 
 def _fasta(lines) -> list[tuple[str, dict[str, str], str]]:
-    """(name, {key: value} from the header's KEY=VALUE words, sequence) per record."""
+    """(name, {key: value} from the header's KEY=VALUE words, sequence) per record. Text before the first header
+    is one record without a name or sequence (None, {}, None): malformed and counted, not dropped unseen."""
     records, name, fields, seq = [], None, {}, []
     for line in lines:
         line = line.strip()
+        if line and name is None and not line.startswith(">") and not records:
+            records.append((None, {}, None))
         if line.startswith(">"):
             if name is not None:
                 records.append((name, fields, "".join(seq)))
@@ -175,7 +173,7 @@ def _flip_lines(directory: Path, name: str) -> list[str] | None:
     if archive.is_file():
         with zipfile.ZipFile(archive) as z:
             found = [n for n in z.namelist() if Path(n).name == name]
-            return z.read(found[0]).decode("utf-8").splitlines() if found else None
+            return z.read(found[0]).decode("utf-8-sig").splitlines() if found else None
     return _lines(directory / name) if (directory / name).is_file() else None
 
 

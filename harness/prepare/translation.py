@@ -43,12 +43,13 @@ from typing import Any
 
 from ..config.run import ConfigError, RunConfig
 from ..data import rows as data
-from ..data.rows import keep
+from ..data.rows import keep, read_lines
 from ..data.tokenizer import Tokenizer, train_tokenizer
 from ..models import hf
 from . import load_split, package_file, prepared, read_meta, save_split
 
-VERSION = 1
+VERSION = 2  # the cache key includes it (2: files read by line breaks alone, a byte-order mark dropped)
+SPLIT_SEED = 0  # data.val_fraction's draw, not train.seed's: every seed of a study validates on the same pairs
 DEFAULT_VOCAB = 8000
 TOKENIZER = "spm.model"
 HF_TOKENIZER = "hf_tokenizer"  # a Hugging Face model's tokenizer, saved in the prepared directory
@@ -103,7 +104,7 @@ def settings(cfg: RunConfig) -> dict[str, Any]:
             stamp += [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     return {"version": VERSION, "path": d.path, "val_path": d.val_path, "files": stamp,
             "val_fraction": d.val_fraction if source_kind(d.path) in ("file", "hub") and not d.val_path else None,
-            "seed": cfg.train.seed, "langs": [t.source_lang, t.target_lang], "seq_len": d.seq_len,
+            "langs": [t.source_lang, t.target_lang], "seq_len": d.seq_len,
             "max_row_chars": d.max_row_chars, "vocab_size": cfg.model.vocab_size or DEFAULT_VOCAB,
             **({"hf": cfg.model.hf, "hf_files": _stamp(hf.tokenizer_dir(cfg))} if hf.own_tokenizer(cfg) else {})}
 
@@ -185,8 +186,9 @@ def read_pair(src_file: Path, tgt_file: Path):
     import datasets
 
     files = [src_file, tgt_file]
-    sides = [datasets.load_dataset("text", data_files=str(f), split="train", encoding_errors="replace")["text"]
-             for f in files]  # undecodable bytes become U+FFFD: that pair is skipped and counted, not a crash
+    sides = [read_lines(f) for f in files]  # undecodable bytes become U+FFFD: that pair is skipped and counted
+    if not sides[0] and not sides[1]:
+        raise ConfigError(f"{files[0]} and {files[1]} hold no lines: fill the pair, or remove it")
     if len(sides[0]) != len(sides[1]):
         raise ConfigError(f"{files[0]} has {len(sides[0])} lines but {files[1]} has {len(sides[1])}; "
                           f"line i of one must translate line i of the other")
@@ -318,7 +320,7 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
         elif kind == "hub" and _hub_has(d.path, "validation"):
             raw["validation"] = read_file(d.path, t.source_lang, t.target_lang, split="validation")
         else:
-            parts = raw["train"].train_test_split(test_size=d.val_fraction or 0.05, shuffle=True, seed=cfg.train.seed)
+            parts = raw["train"].train_test_split(test_size=d.val_fraction or 0.05, shuffle=True, seed=SPLIT_SEED)
             raw["train"], raw["validation"] = parts["train"], parts["test"]
         if kind == "hub" and _hub_has(d.path, "test"):
             raw["test"] = read_file(d.path, t.source_lang, t.target_lang, split="test")

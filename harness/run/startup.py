@@ -16,6 +16,7 @@ from ..config.run import ConfigError, flatten, read_toml, to_toml
 from ..distributed import ds_patches
 from ..distributed.world import World, launched_world_size, quiet_deepspeed
 from ..plan.resolve import Plan
+from ..prepare import fingerprint
 
 CPU_FP16_ENV = "HARNESS_CPU_FP16"
 
@@ -375,8 +376,14 @@ def check_same_model(plan: Plan, found: Path) -> None:
 
 
 def data_identity(plan: Plan) -> dict | None:
-    """What a checkpoint records of the data (a prepared corpus's path and fingerprint; None for other data)."""
-    return plan.task.data_identity(plan.run.cfg) if hasattr(plan.task, "data_identity") else None
+    """What a checkpoint records of the data, so that a resume on other data is refused: a prepared corpus's path and
+    fingerprint (the task's `data_identity`), else the content of the directory its `prepare` gives (a case study's
+    rows and tokenizer); None for data read as it is."""
+    task, cfg = plan.task, plan.run.cfg
+    found = task.data_identity(cfg) if hasattr(task, "data_identity") else None
+    if found is None and hasattr(task, "prepare"):
+        found = {"path": cfg.data.path or "the embedded default", "fingerprint": fingerprint(Path(task.prepare(cfg)))}
+    return found
 
 
 # What a run writes in its directory: one holding nothing else is a run's, whatever state a crash left it in
