@@ -21,7 +21,7 @@ COMMAND_EXAMPLES = {
     "keys": "python -m harness keys | grep ^data.",
     "prepare": "python -m harness prepare lm --input 'corpus/*.jsonl.gz' --out prepared/corpus --workers 4",
     "evaluate": "python -m harness evaluate --run-dir runs/lm_demo --split validation",
-    "export": "python -m harness export --run-dir runs/lm_demo --hf exported/lm_demo",
+    "export": "python -m harness export --run-dir runs/my_llama --hf exported/my_llama   # a run of model.hf",
     "plot": "python -m harness plot runs/lm_demo runs/lm_compare --out compare.png",
     "results": "python -m harness results --check",
     "translate": "python -m harness translate --run-dir runs/translation_cpu \"And he went up into a mountain.\"",
@@ -258,7 +258,9 @@ def parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
     _run_dir(ex)
-    ex.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    ex.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (new or empty)")
+    ex.add_argument("--overwrite", action="store_true", help="replace OUT where it holds a Hugging Face model "
+                    "(an earlier export)")
     pl = sub.add_parser("plot", help="draw runs' curves into one PNG (training loss, learning rate, validation loss, "
                         "the task's metric), each run a line")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -288,8 +290,9 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     p.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step with a checkpoint, as if "
                    "the job's time ran out; continue later with --resume auto")
-    p.add_argument("--data-changed-ok", action="store_true", help="resume on a prepared corpus other than the one the "
-                   "checkpoint trained on (refused without it: the steps after would read other samples)")
+    p.add_argument("--data-changed-ok", action="store_true", help="resume on data other than the checkpoint's (a "
+                   "prepared corpus, or a case study's prepared rows; refused without it: the steps after would read "
+                   "other samples)")
     p.add_argument("--trust-checkpoint", action="store_true", help="load checkpoints that hold more than weights "
                    "and the harness's own state (unpickled: they can run code); only for files from a source you "
                    "trust")
@@ -541,7 +544,7 @@ def _export(args) -> int:
     from .run.export import export_hf
 
     with trusting(task=args.task, run_dir=args.trust_run_dir):
-        print(f"wrote {export_hf(args.run_dir, args.hf)}")
+        print(f"wrote {export_hf(args.run_dir, args.hf, args.overwrite)}")
     return 0
 
 

@@ -395,8 +395,14 @@ def report(code: int, message: str) -> int:
     status = os.environ.get(STATUS_ENV)
     if not status:
         return code
+    from .run.heartbeat import EXIT_HUNG
+
     path = Path(status)
-    if os.environ.get("LOCAL_RANK", "0") == "0" or not path.read_text():  # local rank 0, or the first to end
+    earlier = json.loads(path.read_text() or "{}")
+    # local rank 0, or the first to end; but a rank's own failure is the cause of its peers' losing it: it replaces
+    # their report, and theirs never replaces it, whichever ended first
+    lost, cause = code == EXIT_HUNG, earlier and earlier["code"] != EXIT_HUNG
+    if not earlier or (os.environ.get("LOCAL_RANK", "0") == "0" and not (lost and cause)) or (not lost and not cause):
         tmp = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all: the launcher may read it now
         tmp.write_text(json.dumps({"code": code, "message": message}))
         os.replace(tmp, path)

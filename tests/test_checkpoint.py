@@ -194,6 +194,29 @@ def test_a_checkpoint_write_that_fails_on_one_rank_stops_every_rank_in_one_line(
     assert "no checkpoint is kept" in line and not list((out / "checkpoints").glob("*.partial")), line
 
 
+def test_a_zero_checkpoint_under_another_offload_or_precision_is_converted(tmp_path):
+    """A ZeRO checkpoint's optimizer files hold the optimizer and precision they were saved under: resumed at the same
+    size with the optimizer offloaded (DeepSpeed's CPU Adam then failed on AdamW's state: KeyError 'bias_correction'),
+    or in another precision (a 16-bit run's files are missing from an fp32 one's), it goes through the conversion."""
+    from harness.api import plan
+
+    def ds(name: str):
+        return plan(str(ROOT / "configs/runs/lm_demo.toml"), [], str(ROOT / f"configs/ds/{name}")).ds
+
+    step = tmp_path / "step_00000003"
+    step.mkdir()
+    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(ds("zero2.json"))))
+    assert not checkpoint.reshape(step, ds("zero2.json"))
+    assert checkpoint.reshape(step, ds("zero2_offload.json")) and checkpoint.reshape(step, ds("bf16.json"))
+    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(ds("zero2_offload.json"))))
+    assert checkpoint.reshape(step, ds("zero2.json"))
+    # tensor parallel: DeepSpeed's config has no train_batch_size (it derives it), the layout still records the batch
+    from harness.plan.resolve import make_plan
+
+    tp = make_plan(str(ROOT / "configs/runs/lm_demo.toml"), [], str(ROOT / "configs/ds/tp2_zero1.json"), 2).ds
+    assert "train_batch_size" not in tp.config and checkpoint.layout_of(tp)["global_batch"] == 8
+
+
 def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, monkeypatch):
     """Resuming onto another data-parallel size converts the checkpoint (`checkpoint.to_universal`): before launch the
     disk must hold that too, CONVERSION_FACTOR x the checkpoint, unless the conversion is already there."""
@@ -381,6 +404,10 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_or_refuses_never_resta
     (root / "latest").write_text("step_00000012\n")  # dangling: the checkpoint it names is gone
     assert checkpoint.resume_target(root).name == "step_00000008"
     assert "names step_00000012, which is gone" in capsys.readouterr().out
+    for damaged in ("", "..", ".", "step_00000012.partial", str(root / "step_00000004")):  # `latest` emptied: the
+        (root / "latest").write_text(damaged)  # run's checkpoints folder itself was taken, and failed to load
+        assert checkpoint.resume_target(root).name == "step_00000008"
+    assert "`latest` is empty" in capsys.readouterr().out
     (root / "latest").write_text("step_00000004\n")
     assert checkpoint.resume_target(root).name == "step_00000004"  # `latest` wins when it is there
     # a non-finite stop rewinds past weights gone bad: the newer checkpoints are set aside, not resumed from
@@ -466,6 +493,27 @@ def test_a_checkpoint_cut_short_is_one_line_naming_the_one_before_it(tmp_path, c
     (out / "model.safetensors").unlink()
     again = harness(out, corpus, sets=sets, args=["--resume", "auto"])
     assert (out / "model.safetensors").exists() and [e["step"] for e in again.evals].count(6) == 1, again.evals
+
+
+def test_the_rank_that_cannot_read_its_file_is_the_one_reported_not_the_peers_it_left(tmp_path, monkeypatch):
+    """Rank 1's optimizer file cut short: rank 1 stops with the line naming the checkpoint before (exit 2), and rank
+    0, waiting for it in a collective, with "lost its connection to another rank" (exit 4). Local rank 0 reported
+    last and won, so `harness launch` ended 4, advising --resume auto, which took the same checkpoint again."""
+    from harness.launcher import STATUS_ENV, report
+    from harness.run.heartbeat import EXIT_HUNG
+
+    status = tmp_path / "status.json"
+    status.write_text("")
+    monkeypatch.setenv(STATUS_ENV, str(status))
+    for order in ([(1, 2), (0, EXIT_HUNG)], [(0, EXIT_HUNG), (1, 2)]):  # whichever ends first
+        status.write_text("")
+        for rank, code in order:
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            assert report(code, f"rank {rank}") == code
+        assert json.loads(status.read_text()) == {"code": 2, "message": "rank 1"}
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert report(3, "every rank stopped: non-finite") == 0  # local rank 0's own account of a stop made together
+    assert json.loads(status.read_text())["code"] == 3
 
 
 def test_a_lost_rank_or_memory_while_loading_is_not_called_a_damaged_checkpoint(tmp_path):

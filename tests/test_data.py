@@ -40,6 +40,15 @@ def test_training_reports_the_cleaning_summary(tmp_path, corpus):
     dirty.write_bytes(corpus.read_bytes() + b"\n\n\xff\xff\n" + b"y" * 30000 + b"\n")
     run = harness(tmp_path / "run", dirty, sets=["train.max_steps=1", "data.val_fraction=0.0"])
     assert "2 empty, 1 undecodable" in run.proc.stdout and "1 truncated" in run.proc.stdout
+    # nothing held out: no evaluation, said; selecting by it refused before the first step, not after training
+    assert "note: the validation split holds nothing to evaluate: no evaluation runs; data.val_path or " \
+           "data.val_fraction gives one" in run.proc.stdout and not (run.dir / "eval.jsonl").exists()
+    refused = harness(tmp_path / "select", dirty, sets=["train.max_steps=1", "data.val_fraction=0.0",
+                                                        'train.select_best="loss"'], check=False)
+    assert refused.proc.returncode == 2 and not refused.metrics, refused.proc.stderr[-2000:]
+    assert refused.proc.stderr.strip().splitlines()[-1] == (
+        "harness: error: train.select_best = 'loss' selects by the validation split, which holds nothing to evaluate: "
+        "give one (data.val_path or data.val_fraction), or leave train.select_best out")
 
 
 def test_json_data_with_a_separate_validation_file_and_loader_workers(tmp_path, corpus):
@@ -87,6 +96,18 @@ def test_an_unusable_data_file_is_named_before_launch(tmp_path, name, content, m
     with pytest.raises(ConfigError) as e:
         check_paths(DataSection(path=str(path)))
     assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
+
+
+def test_a_prepare_stopped_before_its_end_is_named_as_such(tmp_path):
+    """Its folder has shards and unit records but no manifest: it was called a directory to prepare with --input,
+    which then matched no file (the prepare's own output is passed over)."""
+    from harness.data.rows import check_paths
+
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / "settings.json").write_text("{}")
+    (tmp_path / "train-000000.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"was stopped before it ended \(no manifest.json\): run the same prepare "):
+        check_paths(DataSection(path=str(tmp_path)))
 
 
 def test_records_keep_a_bom_out_of_the_header_line_separators_in_strings_and_long_fields_whole(tmp_path):

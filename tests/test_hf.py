@@ -70,6 +70,23 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     with torch.no_grad():
         assert torch.equal(again(ids).logits, theirs(ids).logits)
     assert transformers.AutoTokenizer.from_pretrained(out)("the model")["input_ids"] == tok("the model")["input_ids"]
+    # into a directory that holds files: refused (a stale tokenizer file there changed what from_pretrained loads),
+    # replaced with --overwrite where it is a model's, left as it is where it is not
+    from harness.config.run import ConfigError
+    from harness.run.export import export_hf
+
+    (out / "added_tokens.json").write_text('{"<zzz>": 999}')
+    with pytest.raises(ConfigError, match="holds added_tokens.json, config.json, .*files of an earlier export would "
+                                          "stay beside the new ones"):
+        export_hf(run.dir, out)
+    assert export_hf(run.dir, out, overwrite=True) == out and not (out / "added_tokens.json").exists()
+    assert transformers.AutoTokenizer.from_pretrained(out)("the model")["input_ids"] == tok("the model")["input_ids"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("x")
+    with pytest.raises(ConfigError, match="replaces a Hugging Face model's directory .*: it was left as it is"):
+        export_hf(run.dir, notes, overwrite=True)
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
     # the source's use_cache (true), not the training's override (false: generate() would run without a KV cache)
     for exported in (run.dir / "hf", out):
         assert json.loads((exported / "config.json").read_text())["use_cache"] is True
@@ -81,6 +98,18 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     bad = cli("plan", "--set", f"model.hf={json.dumps(str(gone))}", "--set", "train.max_steps=1")
     assert bad.returncode == 2 and "of the shards its model.safetensors.index.json names are missing" in bad.stderr, \
         bad.stderr[-2000:]
+
+
+def test_an_export_of_a_16_bit_module_says_the_dtype_of_the_weights_it_wrote(tiny_llama, tmp_path):
+    """A bf16 run's module is 16-bit, its export the fp32 masters: config.json said bfloat16 (save_pretrained reads
+    the module), so from_pretrained, and the harness's own load_model, loaded the fp32 weights as bf16."""
+    from harness.models import hf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    state = {k: v.float().clone() for k, v in model.state_dict().items()}
+    hf.save(model.to(torch.bfloat16), state, None, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    assert next(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").parameters()).dtype == torch.float32
 
 
 def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_path):

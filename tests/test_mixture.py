@@ -112,6 +112,8 @@ def test_a_blend_with_document_masks_resumes_exactly_on_another_world_size_or_se
     whole = harness(tmp_path / "whole", sources[0], nproc=2, ds="zero2.json", sets=sets)
     out = whole.proc.stdout + whole.proc.stderr
     assert "a mixture of prepared corpora" in out and out.count("the run reads it") == 2
+    assert "validation: the corpora's own (--val-fraction at prepare; data.val_fraction is for raw text); an " \
+           "evaluation reads ~" in out  # how much, before a run on a large corpus evaluates all of it
     hashes = {m["step"]: m["data_hash"] for m in whole.metrics}
     assert len(set(hashes.values())) == 8
     run_dir = rewind(whole.dir, tmp_path / "run", 2)

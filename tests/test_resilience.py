@@ -196,11 +196,11 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
         return run
 
     # each leg is converted once to DeepSpeed's universal checkpoint and loaded into the new partitioning
-    one = leg(1, "zero1.json", 5)  # 2 -> 1 process, ZeRO-2 -> ZeRO-1
+    one = leg(2, "zero2_offload.json", 5)  # the optimizer offloaded alone (DeepSpeed's CPU Adam read AdamW's state)
     assert "converting step_00000003 to DeepSpeed's universal checkpoint" in one.proc.stdout
     assert not (out / "checkpoints" / "step_00000003.universal").exists()  # rotated out with its checkpoint
-    assert "converting step_00000005" in leg(2, "zero2_offload.json", 7).proc.stdout  # 1 -> 2, the optimizer offloaded
-    leg(4, "zero3.json", 9, "train.micro_batch_size=2")  # 2 -> 4 (2 x 4 x 1), offload off, ZeRO-2 -> ZeRO-3
+    assert "converting step_00000005" in leg(1, "zero1.json", 7).proc.stdout  # 2 -> 1, ZeRO-2 offload -> ZeRO-1
+    leg(4, "zero3.json", 9, "train.micro_batch_size=2")  # 1 -> 4 (2 x 4 x 1), ZeRO-1 -> ZeRO-3
     leg(1, "zero1.json", 12)  # 4 -> 1, ZeRO-3 -> ZeRO-1
     # another run's checkpoint is converted in this run's directory, not in the other's (which may be read-only)
     theirs = sorted(p.name for p in (whole.dir / "checkpoints").iterdir())
@@ -223,6 +223,18 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-2" in line, line
     assert line.endswith("Resume it as it was saved: 1 process with a DeepSpeed file of zero_optimization.stage 0"), \
         line
+    # rank 1's optimizer file cut short: rank 1's line, naming the checkpoint before, on 2 processes (rank 0 lost it
+    # in a collective and its exit 4 "--resume auto" won), and on 1 (converted: no half conversion left behind)
+    cut = rewind(whole.dir, tmp_path / "cut", 9)
+    rank1 = cut / "checkpoints" / "step_00000009" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank1.write_bytes(rank1.read_bytes()[:len(rank1.read_bytes()) // 2])
+    for nproc in (2, 1):
+        refused = harness(cut, corpus, nproc=nproc, front=True, ds="zero2.json", sets=sets, args=["--resume", "auto"],
+                          check=False)
+        line = refused.proc.stderr.strip().splitlines()[-1]
+        assert refused.proc.returncode == 2 and "step_00000009 cannot be read on rank" in line, refused.proc.stderr
+        assert line.endswith(f"continue from it with --resume {cut / 'checkpoints' / 'step_00000006'}"), line
+    assert sorted(p.name for p in (cut / "checkpoints").glob("step_*")) == [f"step_0000000{i}" for i in (3, 6, 9)]
 
 
 def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_counts_none_past_giving_up():
@@ -292,6 +304,14 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
     assert step == 7 and books.step == 6 and books.nonfinite == 2
     books.settle(last=True)
     assert not books.pending and [r["step"] for r in logged] == list(range(1, 7))
+    # what the loop asks at the last step: a skipped update with a finite loss left the weights as they were; a
+    # non-finite loss says they were damaged before (a checkpoint's bytes), however its update went
+    books, suspect = ledger(log_every=1, stop=100, max_nonfinite=5), []
+    for step, (loss, skipped) in enumerate([(1.0, False), (1.0, True), (math.nan, True), (1.0, False)], 1):
+        books.add(step, made_up(books, step, loss, span=1, skipped=skipped), lr=1e-3, samples_seen=8 * step)
+        books.settle()
+        suspect.append(books.bad_weights)
+    assert suspect == [False, False, True, False]
     # one span of 4 read at once: non-finite at 2 and 3 gives up at 3; step 4, read with them, is not counted
     books = ledger(log_every=1, stop=100)
     for step, loss in zip(range(1, 5), [1.0, math.nan, math.nan, 1.0]):

@@ -282,6 +282,11 @@ def tokenizer(cfg: RunConfig):
                           f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None
 
 
+# A data set's text is text: "<|endoftext|>" or "</s>" written in it are those characters, not the special ids (a
+# document boundary or padding the model would learn in the middle of a document)
+AS_TEXT = {"add_special_tokens": False, "split_special_tokens": True}
+
+
 class TextTokenizer:
     """A Hugging Face tokenizer behind the interface of the harness's own (`harness.data.tokenizer.Tokenizer`): piece ids
     without special tokens (the task adds its own end and begin ids), so prepared data reads the same either way.
@@ -296,14 +301,14 @@ class TextTokenizer:
         return len(self.tok)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.tok(text, **AS_TEXT)["input_ids"]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        return self.tok(list(texts), **AS_TEXT)["input_ids"]
 
     def encode_target_batch(self, texts: list[str]) -> list[list[int]]:
         """The target side: a tokenizer with a vocabulary per language (Marian) reads it with its target model."""
-        return self.tok(text_target=list(texts), add_special_tokens=False)["input_ids"]
+        return self.tok(text_target=list(texts), **AS_TEXT)["input_ids"]
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -315,6 +320,17 @@ def need_tokens(cfg: RunConfig, tok, task: str, *names: str) -> None:
     if missing:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no {', '.join(missing)}; the {task} task "
                           f"needs {', '.join(names)}")
+
+
+def _record_dtype(config: Path, state: dict[str, torch.Tensor]) -> None:
+    """The config's dtype is the weights' written (fp32 masters), not the live module's: a bf16 run's module is
+    16-bit, and save_pretrained wrote that, so from_pretrained loaded the fp32 file as bf16."""
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None)
+    written = json.loads(config.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in written]
+    if dtype is not None and keys:
+        config.write_text(json.dumps({**written, **{k: str(dtype).removeprefix("torch.") for k in keys}}, indent=2,
+                                     sort_keys=True) + "\n")
 
 
 def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Path:
@@ -334,6 +350,7 @@ def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Pa
         for c, had in zip(configs, trained):
             for key, value in had.items():
                 setattr(c, key, value)
+    _record_dtype(out / "config.json", state)
     if tok is not None:
         tok.save_pretrained(str(out))
     return out

@@ -24,6 +24,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import lzma
 import os
@@ -99,7 +100,7 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                kind = [(f, passed_over(f)) for f in p.rglob("*") if f.is_file() and kind_of(str(f))]
+                kind = [(f, passed_over(f)) for f in _walk(p) if kind_of(str(f))]
                 found += sorted(str(f) for f, over_it in kind if not over_it)  # (as strings: the unit numbers of before)
                 over += [f for f, over_it in kind if over_it]
             elif p.is_file() and (m == name or not passed_over(p)):
@@ -116,6 +117,25 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
                                   f"compressed .gz/.bz2/.xz/.zst)")
         files += [str(Path(f).resolve()) for f in found]
     return list(dict.fromkeys(files))
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every file under `root`, through linked folders as a glob's ** goes (Path.rglob does not follow them before
+    Python 3.13), each folder once; a link to nothing is refused: its data is missing (an unmounted volume)."""
+    files, seen = [], set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in names + [d for d in dirs if not os.path.exists(os.path.join(folder, d))]:
+            f = Path(folder) / name
+            if not f.exists():
+                raise ConfigError(f"--input {root}: {f} is a link to nothing ({os.readlink(f)}); its data is missing")
+            if f.is_file():
+                files.append(f)
+    return files
 
 
 def _corpora(exclude: Path | None):
@@ -227,17 +247,46 @@ def text_blocks(unit: Unit):
             f.seek(unit.start - 1)
             f.readline()  # the line under way belongs to the unit before
             pos = f.tell()
-        block = BLOCK if not _compression(unit.path) else 1 << 18  # a truncated stream loses at most its last block
+        compressed = bool(_compression(unit.path))
+        block = BLOCK if not compressed else 1 << 18
         while end < 0 or pos < end:
-            chunk = f.read(block if end < 0 else min(block, end - pos))
+            try:
+                chunk = _read(f, block if end < 0 else min(block, end - pos), compressed)
+                if chunk and not chunk.endswith(b"\n"):
+                    try:
+                        chunk += f.readline()
+                    except EOFError as e:
+                        raise _Cut(chunk, e) from None
+            except _Cut as cut:  # a compressed stream cut short: its whole lines, then the error (counted)
+                kept = cut.kept[:cut.kept.rfind(b"\n") + 1]
+                if kept:
+                    yield kept.removeprefix(BOM) if first else kept
+                raise cut.error from None
             if not chunk:
                 return
             pos += len(chunk)
-            if not chunk.endswith(b"\n"):
-                rest = f.readline()
-                chunk, pos = chunk + rest, pos + len(rest)
             yield chunk.removeprefix(BOM) if first else chunk  # a BOM is no part of the first document
             first = False
+
+
+class _Cut(Exception):
+    def __init__(self, kept: bytes, error: EOFError):
+        self.kept, self.error = kept, error
+
+
+def _read(f, n: int, compressed: bool) -> bytes:
+    """Up to `n` bytes. A compressed stream cut short raises EOFError in the read that reaches the cut, losing what
+    that read had decompressed: read piece by piece, the bytes before the cut come with the error (`_Cut`)."""
+    if not compressed:
+        return f.read(n)
+    parts, got = [], 0
+    try:
+        while got < n and (piece := f.read1(n - got)):
+            parts.append(piece)
+            got += len(piece)
+    except EOFError as e:
+        raise _Cut(b"".join(parts), e) from None
+    return b"".join(parts)
 
 
 def fasta_records(unit: Unit):
@@ -464,7 +513,9 @@ class HFTokenizer:
         self._load()
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        from ..models.hf import AS_TEXT  # (torch: imported once a worker has a tokenizer, not by every prepare)
+
+        ids = self.tok(texts, **AS_TEXT)["input_ids"] if texts else []
         eos = self.spec["separator"]
         flat = np.fromiter((i for doc in ids for i in (*doc, eos)), dtype=np.int64, count=sum(len(d) + 1 for d in ids))
         return flat, np.cumsum([len(d) + 1 for d in ids], dtype=np.int64)
@@ -698,6 +749,16 @@ def _claim(root: Path, settings: dict):
             _remove_partial(root)
 
 
+def _inputs_changed(before: list[dict], now: list[dict]) -> str:
+    """Which input files differ: added, gone, or of another size (the first of each, and how many)."""
+    was, are = ({i["path"]: i["size"] for i in x} for x in (before, now))
+    kinds = (("added", [p for p in are if p not in was]), ("gone", [p for p in was if p not in are]),
+             ("resized", [p for p in are if p in was and are[p] != was[p]]))
+    said = [f"{what} {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") for what, names in kinds
+            if names]
+    return f"inputs ({'; '.join(said) or 'in another order'})"
+
+
 def _remove_partial(root: Path) -> None:
     for left in (*root.glob(f"*{TMP}"), *(root / "units").glob(f"*{TMP}")):
         left.unlink(missing_ok=True)
@@ -708,7 +769,7 @@ def _check_settings(root: Path, before: dict, settings: dict) -> None:
     --text-field was wrong), whose records then go: anything else is refused."""
     changed = [k for k in settings if k != "inputs" and not _same(k, before.get(k), settings[k])]
     if before.get("inputs") != settings["inputs"]:
-        changed.insert(0, "inputs")
+        changed.insert(0, _inputs_changed(before.get("inputs") or [], settings["inputs"]))
     if not changed:
         return
     records = sorted((root / "units").glob("[0-9]*.json"))
@@ -820,6 +881,26 @@ def _weight(unit: Unit) -> int:
     return unit.end - unit.start if unit.end >= 0 and unit.kind != PARQUET else unit.size
 
 
+def _json_fields(paths: list[str]) -> list[str]:
+    """The fields of the first JSON object among the first lines of the first JSON-lines input (for the line that
+    says none has --text-field); [] where there is none."""
+    path = next((p for p in paths if kind_of(p) == JSON), None)
+    if path is None:
+        return []
+    try:
+        with _open(path) as f:
+            for line in itertools.islice(f, 100):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict):
+                    return list(row)
+    except (OSError, EOFError, ConfigError):  # one that cannot be read: the line without the fields
+        pass
+    return []
+
+
 def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str, stamps: dict) -> dict:
     """The manifest over `records`' shards, and `stamps` (their files checked) as `verified.json`. A part (`--part`)
     may hold no document; a corpus must."""
@@ -829,8 +910,10 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
     shards = [s for r in records for s in r["shards"]]
     if not any(s["split"] == "train" for s in shards) and not settings.get("part"):
         if counts["malformed"] and not counts["ok"]:
+            found = _json_fields([i["path"] for i in settings["inputs"]])
             raise ConfigError(f"{root}: no row has the field {settings['text_field']!r} (--text-field) as text "
-                              f"({counts['malformed']} rows without it)")
+                              f"({counts['malformed']} rows without it)" + (f"; fields found: {', '.join(found)}"
+                                                                           if found else ""))
         raise ConfigError(f"{root}: the inputs hold no document to train on ({dict(counts) or 'nothing read'})")
     manifest = {"format": FORMAT, "version": VERSION, "dtype": dtype, **settings,
                 "counts": {"rows": dict(counts), **{split: {

@@ -71,11 +71,14 @@ def is_complete(path: Path) -> bool:
 
 
 def latest(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names, a step_N folder of `root` (an empty or damaged file named `root` itself),
+    never one set aside or half written; else None."""
     marker = root / LATEST
     if not marker.is_file():
         return None
-    path = root / marker.read_text().strip()
-    return path if path.is_dir() else None
+    name = marker.read_text().strip()
+    path = root / name
+    return path if Path(name).name == name and is_complete(path) and path.is_dir() else None
 
 
 def resume_hint(root: Path) -> str:
@@ -119,7 +122,8 @@ def resume_target(root: Path) -> Path | None:
     marker, ready = root / LATEST, complete(root)
     named = marker.read_text().strip() if marker.is_file() else None
     if ready:
-        why = f"`latest` names {named}, which is gone" if named else "`latest` is missing"
+        why = f"`latest` names {named}, which is gone or no complete checkpoint of it" if named else \
+            f"`latest` is {'empty' if marker.is_file() else 'missing'}"
         print(f"note: {root}: {why}; resuming from the newest complete checkpoint, {ready[-1].name}", flush=True)
         return ready[-1]
     bad = sorted(root.glob(f"step_*{BAD}"))
@@ -137,13 +141,14 @@ def layout_of(ds) -> dict[str, Any]:
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
             "sp_size": ds.layout.sp_size, "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer,
             "offload_params": ds.offload_params,
-            "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.config.get("train_batch_size")}
+            "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.global_batch_size}
 
 
 def batch_note(path: Path, ds) -> str | None:
     """A line where resuming checkpoint `path` under `ds` changes the global batch (e.g. fewer processes at the same
     micro-batch): the steps after it are then not the uninterrupted run's. None where it is kept or not recorded."""
-    saved, now = (saved_layout(path) or {}).get("global_batch"), ds.config.get("train_batch_size")
+    saved, now = (saved_layout(path) or {}).get("global_batch"), ds.global_batch_size  # (tensor parallel: not in
+    # DeepSpeed's config, which then derives it)
     if not saved or not now or saved == now:
         return None
     return (f"note: global batch {now}, where the checkpoint's run had {saved}: the steps from here are not the "
@@ -216,9 +221,9 @@ def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
 
 def reshape(path: Path, ds) -> bool:
     """Before launch: whether resuming checkpoint `path` under `ds` needs the universal conversion (another data-
-    parallel size or ZeRO stage). Raises ConfigError, naming both layouts, for a change it cannot make: another
-    tensor- or pipeline-parallel size, or between ZeRO-0 and a ZeRO stage. A checkpoint without layout.json
-    (saved before it existed) is loaded as it is."""
+    parallel size, ZeRO stage, optimizer offload or precision). Raises ConfigError, naming both layouts, for a
+    change it cannot make: another tensor- or pipeline-parallel size, or between ZeRO-0 and a ZeRO stage. A
+    checkpoint without layout.json (saved before it existed) is loaded as it is."""
     saved = saved_layout(path)
     if saved is None:
         return False
@@ -226,18 +231,20 @@ def reshape(path: Path, ds) -> bool:
     saved.setdefault("sp_size", 1)  # saved before sequence parallelism
     if "weights" not in saved and (weights := _saved_weights(path)):
         saved["weights"] = weights  # layout.json written before it recorded the weights
+    saved.setdefault("weights", new["weights"])  # not known: taken as unchanged, as before
     if saved == new:
         return False
-    if saved["zero_stage"] == new["zero_stage"] == 0 and saved.get("weights", new["weights"]) != new["weights"]:
+    if saved["zero_stage"] == new["zero_stage"] == 0 and saved["weights"] != new["weights"]:
         # ZeRO-0's optimizer state is a plain optimizer's over fp32 weights, or DeepSpeed's wrapper's over 16-bit ones
         fix = 'add "torch_autocast": {"enabled": false} to the DeepSpeed file' if saved["weights"] != "fp32" else \
             "resume with fp32, or bf16 by autocast (no torch_autocast section)"
         raise ConfigError(f"--resume: {path} holds its ZeRO-0 weights as {saved['weights']}; this run as "
                           f"{new['weights']} (bf16 under ZeRO-0 runs as torch autocast over fp32 weights), and neither "
                           f"loads as the other: {fix}")
-    # ZeRO partitions over the data x sequence ranks (distributed/sequence.py)
-    convert = saved["zero_stage"] != 0 and (saved["dp_size"] * saved["sp_size"], saved["zero_stage"]) != \
-        (new["dp_size"] * new["sp_size"], new["zero_stage"])
+    # ZeRO partitions over the data x sequence ranks (distributed/sequence.py). Its optimizer files hold the state
+    # of the optimizer and precision they were saved under: DeepSpeed's CPU Adam (offload) reads no torch AdamW param
+    # groups (KeyError 'bias_correction'), and a 16-bit run's files are not an fp32 one's; the conversion rewrites both
+    convert = saved["zero_stage"] != 0 and _zero_files(saved) != _zero_files(new)
     if (saved["tp_size"], saved["pp_size"]) != (new["tp_size"], new["pp_size"]) or \
             0 in (saved["zero_stage"], new["zero_stage"]) and saved["zero_stage"] != new["zero_stage"]:
         raise ConfigError(f"--resume: {path} was saved as {_describe(saved)}; this run is {_describe(new)}. The "
@@ -245,6 +252,12 @@ def reshape(path: Path, ds) -> bool:
                           f"(and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
                           f"parallel size, or between ZeRO-0 and ZeRO. Resume it as it was saved: {_how(saved)}")
     return convert
+
+
+def _zero_files(layout: dict[str, Any]) -> tuple:
+    """What a ZeRO checkpoint's files depend on: resumed under anything else, they go through the conversion."""
+    return (layout["dp_size"] * layout["sp_size"], layout["zero_stage"], bool(layout.get("offload_optimizer")),
+            layout.get("weights"))
 
 
 def conversion_of(path: Path, run_dir: Path) -> Path:
@@ -277,21 +290,24 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
                                   num_merge_workers=1, keep_temp_folder=False, strict=True, no_strict=False,
                                   inject_missing_state=True)  # the state Megatron adds; DeepSpeed's default
         print(f"converting {path.name} to DeepSpeed's universal checkpoint for this layout: {out}", flush=True)
-        with checkpoint_reads():  # the source's files and the converted ones: data, not code (trust.py)
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                ds_to_universal(args)  # (its progress bars and steps)
-            (out.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
-            for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
-                shutil.copy(path / name, work / name)
-            ds_patches.fix_universal_conversion(work, path)
-        # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
-        # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
-        for states in list(work.glob("*mp_rank_*_model_states.pt")):
-            mp = states.name.split("mp_rank_")[1]
-            for twin in (f"mp_rank_{mp}", f"zero_pp_rank_0_mp_rank_{mp}"):
-                if not (work / twin).exists():
-                    os.link(states, work / twin)
-        os.replace(work, out)
+        try:  # a source that cannot be read leaves no half conversion behind
+            with checkpoint_reads():  # the source's files and the converted ones: data, not code (trust.py)
+                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                    ds_to_universal(args)  # (its progress bars and steps)
+                (out.parent / "latest_universal").unlink(missing_ok=True)  # it names the work folder; tags name ours
+                for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
+                    shutil.copy(path / name, work / name)
+                ds_patches.fix_universal_conversion(work, path)
+            # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
+            # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
+            for states in list(work.glob("*mp_rank_*_model_states.pt")):
+                mp = states.name.split("mp_rank_")[1]
+                for twin in (f"mp_rank_{mp}", f"zero_pp_rank_0_mp_rank_{mp}"):
+                    if not (work / twin).exists():
+                        os.link(states, work / twin)
+            os.replace(work, out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     barrier()
     return out
 

@@ -9,6 +9,8 @@ optimizer's fp32 master copy, not the 16-bit weights.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from torch import nn
@@ -150,8 +152,11 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     return model.eval(), cfg
 
 
-def export_hf(run_dir: str | Path, out: str | Path) -> Path:
-    """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory."""
+def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory, written whole beside
+    OUT and then put in its place. A directory that holds files is refused (an earlier export's tokenizer files
+    would stay beside the new ones and change what from_pretrained loads), or with `overwrite` replaced where it is
+    a Hugging Face model's (its config.json)."""
     from ..models import hf
     from ..tasks import get_task
 
@@ -159,11 +164,28 @@ def export_hf(run_dir: str | Path, out: str | Path) -> Path:
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ConfigError(f"--hf {out}: {blocked} is a file; name a directory to write")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not (overwrite and (out / "config.json").is_file()):
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ConfigError(f"--hf {out}: holds {shown}; " + (
+            "--overwrite replaces a Hugging Face model's directory (config.json) only: it was left as it is"
+            if overwrite else "files of an earlier export would stay beside the new ones: name a new or empty "
+                              "directory, or replace it with --overwrite"))
     model, cfg = load_model(run_dir)
     if not hf.is_hf(model):
         raise ConfigError(f"{run_dir}: its model ({type(model).__name__}) is the harness's own, not a Hugging Face "
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
-    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), out)
+    if note := trained_on_note(Path(run_dir)):
+        print(note, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _tokenizer(task, cfg: RunConfig):

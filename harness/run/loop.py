@@ -22,6 +22,7 @@ from ..config.run import (  # raised here, caught by the CLI
     warmup_note,
 )
 from ..console import progress
+from ..data.corpus import is_corpus
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
 from ..distributed.optim import follow_config_lr
 from ..distributed.parallel import (
@@ -229,6 +230,22 @@ def _records(plan: Plan, world: World, start_step: int, max_steps: int, selectio
                    layout=layout)
 
 
+def _check_validation(cfg, data, world: World) -> None:
+    """An empty validation split: no evaluation runs. Selecting by it is refused now, not at its first evaluation
+    after training; otherwise said once."""
+    if len(data.val):
+        return
+    where = (f"data.val_path, or a corpus whose validation split (--val-fraction at prepare) holds data.seq_len + 1 = "
+             f"{cfg.data.seq_len + 1} tokens" if cfg.data.mix or is_corpus(cfg.data.path) else
+             "data.val_path or data.val_fraction")
+    if cfg.train.select_best:
+        raise ConfigError(f"train.select_best = {cfg.train.select_best!r} selects by the validation split, which "
+                          f"holds nothing to evaluate: give one ({where}), or leave train.select_best out")
+    if world.is_main:
+        print(f"note: the validation split holds nothing to evaluate: no evaluation runs; {where} gives one",
+              flush=True)
+
+
 def _data(plan: Plan, world: World) -> tuple:
     """The task's data (rank 0 first, caching it for the others), the sampler's arguments, steps per epoch, the
     run's steps and its cadence in steps."""
@@ -243,6 +260,7 @@ def _data(plan: Plan, world: World) -> tuple:
     with state.main_process_first(), state.local_main_process_first():
         data = task.build_data(cfg)
     check_data(task, data)
+    _check_validation(cfg, data, world)
     if world.world_size > 1:  # a split drawn unseeded differs by rank: validation would overlap training
         check_same_data(task, all_gather_objects(data_digest(data)))
     if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
@@ -298,8 +316,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         saving = run.every.save_steps and step % run.every.save_steps == 0
         if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
-        if ledger.give_up or (step == run.max_steps and ledger.applied_bad):  # no export of weights the last
-            _give_up(run, ledger)                                               # non-finite steps updated
+        if ledger.give_up or (step == run.max_steps and ledger.bad_weights):  # no export of suspect weights, nor
+            _give_up(run, ledger)                                              # exit 0 after a non-finite loss
         improved = False
         if evaluating and not ledger.signal:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,

@@ -173,7 +173,9 @@ class Ledger:
         self.step, self.result = None, None  # the last step read
         self.nonfinite, self.give_up, self.signal = 0, False, 0
         self.itemless = 0  # of the non-finite steps in a row, those whose batches counted no items (a 0/0 loss)
-        self.applied_bad = False  # whether any of them updated the weights (ZeRO-0 in fp32 does; 1-3 skip it)
+        # whether the weights are suspect: one of them updated the weights (ZeRO-0 in fp32 does; 1-3 skip it), or its
+        # forward itself gave a non-finite loss (weights damaged before it: a checkpoint's bytes, a bad update)
+        self.bad_weights = False
         self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0, 0), 0, time.perf_counter()
         self.data_hash = 0.0  # the last step's `batch_hash`
 
@@ -234,7 +236,7 @@ class Ledger:
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
         self.itemless = (self.itemless + (not work.items)) if self.nonfinite else 0
-        self.applied_bad = (self.applied_bad or not r.skipped) if self.nonfinite else False  # weights it made bad
+        self.bad_weights = (self.bad_weights or not r.skipped or not math.isfinite(r.loss)) if self.nonfinite else False
         self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
         self.step, self.result = step, r
         self.window_work = self.window_work + work

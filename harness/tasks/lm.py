@@ -212,6 +212,12 @@ class LanguageModelTask:
                          f"{epochs:.3g} times"
                          + (f" -- more than {MAX_REPEATS} repeats: a model may memorise it" if epochs > MAX_REPEATS
                             else ""))
+        held = Corpus(d.val_path).tokens() if d.val_path else sum(c.tokens("validation") for c in corpora)
+        source = "data.val_path" if d.val_path else f"the {'corpora' if d.mix else 'corpus'}'s own (--val-fraction " \
+                                                    f"at prepare; data.val_fraction is for raw text)"
+        reads = f"~{held // seq:,} windows, all of it (train.eval_batches caps it)" if not cfg.train.eval_batches \
+            else f"{cfg.train.eval_batches} micro-batches a rank (train.eval_batches)"
+        lines.append(f"  validation: {source}; an evaluation reads {reads}")
         return "\n".join(lines)
 
     def build_data(self, cfg: RunConfig) -> TaskData:
@@ -266,7 +272,7 @@ class LanguageModelTask:
         tok = hf.tokenizer(cfg)
         if tok.eos_token_id is None:
             raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no EOS token to separate the rows")
-        return lambda texts: [i for ids in tok(list(texts), add_special_tokens=False)["input_ids"]
+        return lambda texts: [i for ids in tok(list(texts), **hf.AS_TEXT)["input_ids"]
                               for i in (*ids, tok.eos_token_id)]
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
