@@ -380,6 +380,18 @@ def test_evaluate_data_scores_new_pairs_with_the_run_s_own_tokenizer(toy_run, tm
     finally:
         for f, raw in originals.items():
             f.write_bytes(raw)
+    tests = {f: f.read_bytes() for f in data.glob("test_2016_toy.*")}
+    try:  # other test pairs (no verb: none is a training pair, so no training pair leaks out), the same tokenizer:
+        for lang, side in (("en", 0), ("fr", 1)):  # scored as they are now, and said so (silent before)
+            with gzip.open(data / f"test_2016_toy.{lang}.gz", "wt") as w:
+                w.write("\n".join(p[side] for p in [("the cat.", "le chat."), ("a dog.", "un chien.")]) + "\n")
+        capsys.readouterr()
+        assert evaluate_run(run.dir, "test")["sentences"] == 2
+        assert "(the same tokenizer and statistics, other rows): the test split is scored as it is now" in \
+            capsys.readouterr().err
+    finally:
+        for f, raw in tests.items():
+            f.write_bytes(raw)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": "y"}\n')
     bare = bare_copy(run.dir, tmp_path / "bare")

@@ -20,7 +20,7 @@ import torch
 
 from ..config.run import ConfigError, RunConfig
 from ..distributed.world import single_world
-from ..prepare import CHECKSUMS, STORED, differences, sha256, stored
+from ..prepare import CHECKSUMS, META, STORED, differences, fingerprint, read_meta, sha256, stored
 from ..run.export import check_finished, load_model, run_config, trained_on_note
 from ..tasks.interface import check_metrics
 from ..tasks import ReadData, get_task
@@ -71,7 +71,13 @@ def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, ta
     cfg, task = _task(run_dir, periods=periods, given=task)
     saved = stored(run_dir)
     if saved is not None and hasattr(task, "prepare"):
-        changed = differences(saved, task.prepare(cfg))
+        now = task.prepare(cfg)
+        changed = differences(saved, now)
+        was = read_meta(saved).get("fingerprint")  # (a prepared directory's; not a protein corpus's shards)
+        if was and not changed and (Path(now) / META).is_file() and was != fingerprint(Path(now)):
+            print(f"note: the data prepared now from data.path ({cfg.data.path or 'the embedded default'}) is not what "
+                  f"the run was trained with (the same tokenizer and statistics, other rows): the {split} split is "
+                  f"scored as it is now", file=sys.stderr, flush=True)
         if changed:
             source = cfg.data.path or "the embedded default"
             raise ConfigError(f"{run_dir}: the data prepared now from data.path ({source}) differs from what the run "

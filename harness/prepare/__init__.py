@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config.run import ConfigError
-from ..data.corpus import sha256
+from ..data.corpus import Corpus, is_corpus, sha256
 from ..data.rows import DataSummary
 
 META = "meta.json"
@@ -93,9 +93,13 @@ def _content_digest(directory: Path) -> str:
 def fingerprint(directory: Path) -> str:
     """What training reads from a prepared directory, as one digest of its splits' rows and its tokenizer, by content:
     the same data moved, re-read after a `touch` or prepared again gives the same one (the directory's name hashes
-    paths and times). Recorded in meta.json when prepared; computed for a directory prepared before it was."""
+    paths and times). Recorded in meta.json when prepared; computed for a directory prepared before it was (a
+    protein corpus: its own fingerprint)."""
     meta = read_meta(directory) if (directory / META).is_file() else {}
-    return meta.get("fingerprint") or _content_digest(directory)
+    if meta.get("fingerprint"):
+        return meta["fingerprint"]
+    return Corpus(directory).fingerprint if is_corpus(directory) else _content_digest(directory)  # (a corpus's:
+    # from its manifest's checksums, not by reading its shards)
 
 
 def save_split(directory: Path, name: str, dataset) -> None:
@@ -140,7 +144,9 @@ def store(directory: Path, out: Path, names: tuple[str, ...], compare: tuple[str
                 shutil.copytree(src, tmp / name)
             elif src.is_file():
                 shutil.copy2(src, tmp / name)
-        (tmp / META).write_text(json.dumps({**read_meta(directory), **(extra or {})}, indent=2, default=str))
+        own = read_meta(directory)
+        (tmp / META).write_text(json.dumps({**own, "fingerprint": fingerprint(directory), **(extra or {})}, indent=2,
+                                           default=str))
         sums = {name: sha256(tmp / name) for name in _files(tmp)}
         (tmp / CHECKSUMS).write_text(json.dumps({"sha256": sums, "compare": [n for n in compare if n in sums],
                                                  "keys": list(keys)}, indent=2) + "\n")
