@@ -369,6 +369,9 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
     assert expand([str(src)]) == [str(src / "a.txt"), str(elsewhere / "b.txt")] == expand([str(src / "**/*.txt")])
     (elsewhere / "back").symlink_to(src)
     assert expand([str(src)]) == [str(src / "a.txt"), str(elsewhere / "b.txt")]
+    (src / ".#a.txt").symlink_to("root@host.1234:1700000000")  # an editor's lock: a link to nothing by design
+    (src / "notes.md").symlink_to(tmp_path / "elsewhere.md")  # no kind of input
+    assert expand([str(src)]) == [str(src / "a.txt"), str(elsewhere / "b.txt")]
     (src / "gone.txt").symlink_to(tmp_path / "unmounted.txt")
     with pytest.raises(ConfigError, match=r"gone.txt is a link to nothing .*unmounted.txt\); its data is missing"):
         expand([str(src)])

@@ -87,6 +87,10 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     with pytest.raises(ConfigError, match="replaces a Hugging Face model's directory .*: it was left as it is"):
         export_hf(run.dir, notes, overwrite=True)
     assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    (tmp_path / "shared").mkdir()  # a link to a directory (a mount, the cwd) is written into, not replaced
+    (tmp_path / "link").symlink_to(tmp_path / "shared")
+    export_hf(run.dir, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "shared" / "config.json").is_file()
     # the source's use_cache (true), not the training's override (false: generate() would run without a KV cache)
     for exported in (run.dir / "hf", out):
         assert json.loads((exported / "config.json").read_text())["use_cache"] is True

@@ -251,14 +251,14 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
     work = [10.0, 1e12, 9, 10, 7]  # items, FLOPs, real and padded positions, the batches' data hash
 
     def made_up(books: Ledger, step: int, loss: float, span: int = 0, signal: int = 0, step_s: float = 0.0,
-                skipped: bool = False) -> StepResult:
+                skipped: bool = False, scale: float | None = None) -> StepResult:
         """What `train_step` returns (with the rows of its span's collective where a span of `span` steps starts:
         a signal, the seconds per step, each step's work, what it carried) and its figures."""
         head = torch.tensor([float(signal), step_s, *work * span], dtype=torch.float64)
         rows = torch.cat([head, books.carry()]).reshape(1, -1)
         mine = torch.tensor([1, 100 * step, 1, 0.5, 10 * loss], dtype=torch.float64)  # loss sum over 10 items
         return StepResult((lambda: rows) if span else None, mine, skipped=skipped, skipped_steps=int(step >= 3),
-                          loss_scale=None)
+                          loss_scale=scale)
 
     def ledger(log_every: int, stop: int, max_nonfinite: int = 2) -> Ledger:
         logged.clear(), written.clear()
@@ -305,13 +305,16 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
     books.settle(last=True)
     assert not books.pending and [r["step"] for r in logged] == list(range(1, 7))
     # what the loop asks at the last step: a skipped update with a finite loss left the weights as they were; a
-    # non-finite loss says they were damaged before (a checkpoint's bytes), however its update went
+    # non-finite loss says they were damaged before (a checkpoint's bytes), however its update went; but not fp16's
+    # overflow while its loss scale can still fall (scale 1024 here, above the minimum 1: skipping is how it scales)
     books, suspect = ledger(log_every=1, stop=100, max_nonfinite=5), []
-    for step, (loss, skipped) in enumerate([(1.0, False), (1.0, True), (math.nan, True), (1.0, False)], 1):
-        books.add(step, made_up(books, step, loss, span=1, skipped=skipped), lr=1e-3, samples_seen=8 * step)
+    for step, (loss, skipped, scale) in enumerate([(1.0, False, None), (1.0, True, None), (math.nan, True, None),
+                                                    (1.0, False, None), (math.inf, True, 1024.0)], 1):
+        books.add(step, made_up(books, step, loss, span=1, skipped=skipped, scale=scale), lr=1e-3,
+                  samples_seen=8 * step)
         books.settle()
         suspect.append(books.bad_weights)
-    assert suspect == [False, False, True, False]
+    assert suspect == [False, False, True, False, False] and books.nonfinite == 1
     # one span of 4 read at once: non-finite at 2 and 3 gives up at 3; step 4, read with them, is not counted
     books = ledger(log_every=1, stop=100)
     for step, loss in zip(range(1, 5), [1.0, math.nan, math.nan, 1.0]):

@@ -8,6 +8,7 @@ Cleaning rules (counted, reported at the start of training, never a crash mid-ru
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
@@ -199,22 +200,27 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
 MALFORMED = None  # a record that does not parse, or lacks the field: counted "malformed" by load_rows
 
 
-def read_text(path: str | Path) -> str:
-    """A text file, gzipped or not, whole: undecodable bytes become U+FFFD (their row is skipped and counted by the
-    caller), a byte-order mark is dropped, and a file that cannot be read is one line."""
+@contextlib.contextmanager
+def _reading(path: str | Path):
+    """A text file, gzipped or not, as text: undecodable bytes become U+FFFD (their row is skipped and counted by the
+    caller), a byte-order mark is dropped, line ends are kept as they are; a file that cannot be read is one line."""
     try:
         with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
-            data = f.read()
+            yield io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
     except (OSError, EOFError, zlib.error) as e:  # gzip's BadGzipFile is an OSError; a cut gzip stream EOFError
         raise ConfigError(f"{path}: cannot read{' as gzip' if str(path).endswith('.gz') else ''}: {e}") from None
-    return data.decode("utf-8-sig", errors="replace")
+
+
+def read_text(path: str | Path) -> str:
+    with _reading(path) as f:
+        return f.read()
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """`read_text`'s lines, split on line breaks alone (\\n, \\r\\n, \\r): a U+2028 or form feed inside a sentence is
-    text, so line-aligned files stay aligned. An empty file has no lines."""
-    lines = read_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    return lines[:-1] if lines[-1] == "" else lines  # a final line break ends the last line, it starts none
+    """The lines of a text file (`_reading`), split on line breaks alone (LF, CRLF, CR), read as they stream: a
+    U+2028 or form feed inside a sentence is text, so line-aligned files stay aligned. An empty file has none."""
+    with _reading(path) as f:
+        return [line.rstrip("\r\n") for line in f]
 
 
 def parse_records(path: str, kind: str, tsv_quotes: bool = True) -> list:

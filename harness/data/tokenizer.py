@@ -56,6 +56,7 @@ def train_tokenizer(texts: Iterable[str], path: Path, vocab_size: int, model_typ
     import sentencepiece as spm
 
     model = io.BytesIO()
+    spm.set_random_generator_seed(0)  # the same text, the same tokenizer: its 2M-sentence sample of a larger one too
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size, model_type=model_type,
         character_coverage=character_coverage, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,

@@ -30,6 +30,7 @@ import lzma
 import os
 import signal
 import time
+import zlib
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -131,7 +132,8 @@ def _walk(root: Path) -> list[Path]:
         seen.add(real)
         for name in names + [d for d in dirs if not os.path.exists(os.path.join(folder, d))]:
             f = Path(folder) / name
-            if not f.exists():
+            if not f.exists() and kind_of(name) and not name.startswith("."):  # (an editor's lock file, .#a.txt,
+                # is a link to nothing by design)
                 raise ConfigError(f"--input {root}: {f} is a link to nothing ({os.readlink(f)}); its data is missing")
             if f.is_file():
                 files.append(f)
@@ -896,8 +898,8 @@ def _json_fields(paths: list[str]) -> list[str]:
                     continue
                 if isinstance(row, dict):
                     return list(row)
-    except (OSError, EOFError, ConfigError):  # one that cannot be read: the line without the fields
-        pass
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, ConfigError, *_zstd_errors()):
+        pass  # unreadable: the line goes without the fields
     return []
 
 

@@ -201,6 +201,11 @@ def saved_layout(path: Path) -> dict[str, Any] | None:
     return _saved(path, LAYOUT)
 
 
+def saved_data(path: Path) -> dict | None:
+    """What its run trained on (`data.json`); None for a checkpoint saved before it was recorded."""
+    return _saved(path, DATA)
+
+
 def saved_shapes(path: Path) -> dict[str, list[int]] | None:
     """Its model's parameter shapes by name."""
     return _saved(path, SHAPES)
@@ -209,7 +214,7 @@ def saved_shapes(path: Path) -> dict[str, list[int]] | None:
 def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
     """Before launch: a checkpoint trained on a prepared corpus resumes on that corpus (its fingerprint), else the
     samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it."""
-    saved = _saved(path, DATA)
+    saved = saved_data(path)
     if saved is None:
         return  # saved without a prepared corpus (or before data.json existed)
     if (data or {}).get("fingerprint") != saved.get("fingerprint") and not changed_ok:  # moved is the same data

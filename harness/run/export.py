@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from torch import nn
@@ -153,10 +152,9 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
 
 
 def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory, written whole beside
-    OUT and then put in its place. A directory that holds files is refused (an earlier export's tokenizer files
-    would stay beside the new ones and change what from_pretrained loads), or with `overwrite` replaced where it is
-    a Hugging Face model's (its config.json)."""
+    """`harness export --run-dir R --hf OUT`: a finished run's model as a Hugging Face directory. A directory that
+    holds files is refused (an earlier export's tokenizer files would stay beside the new ones and change what
+    from_pretrained loads), or with `overwrite` emptied first where it is a Hugging Face model's (its config.json)."""
     from ..models import hf
     from ..tasks import get_task
 
@@ -177,15 +175,9 @@ def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> 
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
     if note := trained_on_note(Path(run_dir)):
         print(note, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    for old in out.iterdir() if held else ():  # emptied, not replaced: OUT may be a link, a mount, the cwd
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), out)
 
 
 def _tokenizer(task, cfg: RunConfig):

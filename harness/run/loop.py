@@ -133,6 +133,7 @@ class Run:
     min_loss_scale: float
     build_peaks: list[dict]
     shapes: dict[str, list[int]]  # the whole model's parameters (checkpoint.SHAPES)
+    identity: dict | None         # what the run trains on (checkpoint.DATA): taken once, as the data was read
 
     @property
     def checkpoints(self) -> Path:
@@ -166,6 +167,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     if crowded:
         say(crowded)
     data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world)
+    identity = data_identity(plan)  # not at each save: its source may since have been edited, moved or prepared anew
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     check_model(task, meta_model)
@@ -209,7 +211,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                max_steps=max_steps), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
                state.get("samples_seen", 0), selection, tracker, flops,
                float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
-               {n: list(p.shape) for n, p in meta_model.named_parameters()})
+               {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity)
 
 
 def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,
@@ -230,10 +232,10 @@ def _records(plan: Plan, world: World, start_step: int, max_steps: int, selectio
                    layout=layout)
 
 
-def _check_validation(cfg, data, world: World) -> None:
+def _check_validation(cfg, task, data, world: World) -> None:
     """An empty validation split: no evaluation runs. Selecting by it is refused now, not at its first evaluation
     after training; otherwise said once."""
-    if len(data.val):
+    if len(data.val) or hasattr(task, "evaluate"):  # a task's own evaluation may read data of its own
         return
     where = (f"data.val_path, or a corpus whose validation split (--val-fraction at prepare) holds data.seq_len + 1 = "
              f"{cfg.data.seq_len + 1} tokens" if cfg.data.mix or is_corpus(cfg.data.path) else
@@ -260,7 +262,7 @@ def _data(plan: Plan, world: World) -> tuple:
     with state.main_process_first(), state.local_main_process_first():
         data = task.build_data(cfg)
     check_data(task, data)
-    _check_validation(cfg, data, world)
+    _check_validation(cfg, task, data, world)
     if world.world_size > 1:  # a split drawn unseeded differs by rank: validation would overlap training
         check_same_data(task, all_gather_objects(data_digest(data)))
     if world.is_main and hasattr(task, "store"):  # RUN/data/: the tokenizer and statistics, to score new data
@@ -393,7 +395,7 @@ def _save(run: Run, step: int, result, progress) -> None:
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
-                        data=data_identity(run.plan), shapes=run.shapes)
+                        data=run.identity, shapes=run.shapes)
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 

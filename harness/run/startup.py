@@ -16,7 +16,7 @@ from ..config.run import ConfigError, flatten, read_toml, to_toml
 from ..distributed import ds_patches
 from ..distributed.world import World, launched_world_size, quiet_deepspeed
 from ..plan.resolve import Plan
-from ..prepare import fingerprint
+from ..prepare import META, fingerprint
 
 CPU_FP16_ENV = "HARNESS_CPU_FP16"
 
@@ -381,9 +381,26 @@ def data_identity(plan: Plan) -> dict | None:
     rows and tokenizer); None for data read as it is."""
     task, cfg = plan.task, plan.run.cfg
     found = task.data_identity(cfg) if hasattr(task, "data_identity") else None
-    if found is None and hasattr(task, "prepare"):
-        found = {"path": cfg.data.path or "the embedded default", "fingerprint": fingerprint(Path(task.prepare(cfg)))}
+    prepared = task.prepare(cfg) if found is None and hasattr(task, "prepare") else None
+    if isinstance(prepared, (str, Path)) and (Path(prepared) / META).is_file():  # (a plug-in's may be anything)
+        found = {"path": cfg.data.path or "the embedded default", "fingerprint": fingerprint(Path(prepared))}
     return found
+
+
+def _check_stored_data(plan: Plan, found: Path, changed_ok: bool) -> None:
+    """A checkpoint saved before checkpoints recorded their data: the tokenizer and statistics its run stored
+    (RUN/data/) against those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused
+    here too (preparation rules and draws change between versions)."""
+    from ..prepare import differences, stored
+    from .checkpoint import saved_data
+
+    kept = stored(found.parent.parent) if saved_data(found) is None and hasattr(plan.task, "prepare") else None
+    now = plan.task.prepare(plan.run.cfg) if kept is not None else None
+    changed = differences(kept, Path(now)) if isinstance(now, (str, Path)) and (Path(now) / META).is_file() else []
+    if changed and not changed_ok:
+        raise ConfigError(f"--resume {found}: the data prepared now differs from what its run trained with (kept in "
+                          f"{kept}) in {', '.join(changed)}: the ids its model learned would mean other pieces; pass "
+                          f"--data-changed-ok to resume on the new data anyway")
 
 
 # What a run writes in its directory: one holding nothing else is a run's, whatever state a crash left it in
@@ -456,6 +473,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             checkpoint.check_same_data(found, data_identity(plan), data_changed_ok)
+            _check_stored_data(plan, found, data_changed_ok)
     elif run_dir.exists() and any(run_dir.iterdir()):
         _check_replaceable(plan, overwrite)
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once

@@ -236,7 +236,8 @@ class Ledger:
         bad_skip = r.skipped and (r.loss_scale is None or r.loss_scale <= self.min_loss_scale)
         self.nonfinite = self.nonfinite + 1 if bad_skip or not math.isfinite(r.loss) else 0
         self.itemless = (self.itemless + (not work.items)) if self.nonfinite else 0
-        self.bad_weights = (self.bad_weights or not r.skipped or not math.isfinite(r.loss)) if self.nonfinite else False
+        damaged = not math.isfinite(r.loss) and (r.loss_scale is None or bad_skip)  # (fp16: not an overflow it scales)
+        self.bad_weights = (self.bad_weights or not r.skipped or damaged) if self.nonfinite else False
         self.give_up = self.nonfinite >= self.t.max_nonfinite_steps
         self.step, self.result = step, r
         self.window_work = self.window_work + work
