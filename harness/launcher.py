@@ -398,11 +398,11 @@ def report(code: int, message: str) -> int:
     from .run.heartbeat import EXIT_HUNG
 
     path = Path(status)
-    earlier = json.loads(path.read_text() or "{}")
-    # local rank 0, or the first to end; but a rank's own failure is the cause of its peers' losing it: it replaces
+    earlier, lost = json.loads(path.read_text() or "{}"), code == EXIT_HUNG  # lost: a peer gone from a collective
+    local_zero = os.environ.get("LOCAL_RANK", "0") == "0"
+    # the first to end, or local rank 0; but a rank's own failure is the cause of its peers' losing it: it replaces
     # their report, and theirs never replaces it, whichever ended first
-    lost, cause = code == EXIT_HUNG, earlier and earlier["code"] != EXIT_HUNG
-    if not earlier or (os.environ.get("LOCAL_RANK", "0") == "0" and not (lost and cause)) or (not lost and not cause):
+    if not earlier or (local_zero or not lost if earlier["code"] == EXIT_HUNG else local_zero and not lost):
         tmp = path.with_name(f"{path.name}.{os.getpid()}")  # whole or not at all: the launcher may read it now
         tmp.write_text(json.dumps({"code": code, "message": message}))
         os.replace(tmp, path)

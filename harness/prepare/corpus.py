@@ -253,12 +253,7 @@ def text_blocks(unit: Unit):
         block = BLOCK if not compressed else 1 << 18
         while end < 0 or pos < end:
             try:
-                chunk = _read(f, block if end < 0 else min(block, end - pos), compressed)
-                if chunk and not chunk.endswith(b"\n"):
-                    try:
-                        chunk += f.readline()
-                    except EOFError as e:
-                        raise _Cut(chunk, e) from None
+                chunk = _block(f, block if end < 0 else min(block, end - pos), compressed)
             except _Cut as cut:  # a compressed stream cut short: its whole lines, then the error (counted)
                 kept = cut.kept[:cut.kept.rfind(b"\n") + 1]
                 if kept:
@@ -276,16 +271,17 @@ class _Cut(Exception):
         self.kept, self.error = kept, error
 
 
-def _read(f, n: int, compressed: bool) -> bytes:
-    """Up to `n` bytes. A compressed stream cut short raises EOFError in the read that reaches the cut, losing what
-    that read had decompressed: read piece by piece, the bytes before the cut come with the error (`_Cut`)."""
-    if not compressed:
-        return f.read(n)
+def _block(f, n: int, compressed: bool) -> bytes:
+    """Up to `n` bytes, and the rest of the line under way. A compressed stream cut short raises EOFError in the read
+    that reaches the cut, losing what that read had decompressed: read piece by piece, the bytes before the cut come
+    with the error (`_Cut`)."""
     parts, got = [], 0
     try:
-        while got < n and (piece := f.read1(n - got)):
+        while got < n and (piece := (f.read1 if compressed else f.read)(n - got)):
             parts.append(piece)
             got += len(piece)
+        if parts and not parts[-1].endswith(b"\n"):
+            parts.append(f.readline())
     except EOFError as e:
         raise _Cut(b"".join(parts), e) from None
     return b"".join(parts)
