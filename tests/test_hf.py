@@ -104,6 +104,27 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
         bad.stderr[-2000:]
 
 
+def test_activation_checkpointing_recomputes_a_hugging_face_model_s_layers(tiny_llama):
+    """train.activation_checkpointing wrapped the harness's own blocks alone: a Hugging Face model trained with every
+    activation kept, and nothing said so. Its layers now recompute (the same gradients); a model with nothing to
+    recompute is refused."""
+    from harness.config.run import ConfigError
+    from harness.distributed.parallel import checkpoint_blocks
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    grads = []
+    for recompute in (False, True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).train()
+        if recompute:
+            checkpoint_blocks(model)
+            assert model.is_gradient_checkpointing
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    with pytest.raises(ConfigError, match="Sequential has no blocks to recompute"):
+        checkpoint_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
 def test_an_export_of_a_16_bit_module_says_the_dtype_of_the_weights_it_wrote(tiny_llama, tmp_path):
     """A bf16 run's module is 16-bit, its export the fp32 masters: config.json said bfloat16 (save_pretrained reads
     the module), so from_pretrained, and the harness's own load_model, loaded the fp32 weights as bf16."""

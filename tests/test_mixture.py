@@ -166,6 +166,10 @@ def test_bad_mixtures_and_document_masks_are_refused_in_one_line(sources, tmp_pa
     done = plan(f"data.path={json.dumps(str(big))}", "data.document_mask=true",
                 ds=["--ds", "pp2_zero1.json", "--world-size", "2"])
     assert done.returncode == 2 and "not supported under a pipeline" in done.stderr, done.stderr[-1500:]
+    done = plan(f"data.path={json.dumps(str(big))}", "data.document_mask=true",
+                ds=["--ds", "sp2_zero0.json", "--world-size", "2"])  # its memory is not in the formula, and said so
+    assert done.returncode == 0 and done.stdout.count("not counted above: data.document_mask's attention") == 2, \
+        done.stdout[-3000:]
     # a causal LM whose modeling code builds no mask with transformers' utilities (Mamba has no attention at all)
     import shutil
 

@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     world = init_world(plan.ds.layout)
     host = HostWork()
     step_module.step_work = host.wrap(step_module.step_work)  # the batches' counts, taken before they go to the device
+    # spans as long as a GPU's steps make them (milliseconds each): the loop's collective once a span, however
+    # slowly this host steps (a loaded CPU's steps made shorter spans, and the counts moved with the load)
+    step_module.span_length = lambda step_s: step_module.MAX_SPAN
     harness = HarnessSteps(plan, world, total, batches=host.batches, workers=0)  # its batches made here, uncounted
     counts = per_step(harness.step, args.warmup, args.steps, host)
     harness.close()

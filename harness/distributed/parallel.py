@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch import nn
 
+from ..config.run import ConfigError
 from ..models.pipeline import SharedUse
 from . import ds_patches
 from .memory import allocation_peak
@@ -151,7 +152,8 @@ def release(engine) -> None:
 
 def checkpoint_blocks(model: nn.Module) -> None:
     """Recompute every Transformer block's activations in backward instead of keeping them (non-reentrant
-    checkpointing: integer inputs and ZeRO-3's parameter hooks are fine with it)."""
+    checkpointing: integer inputs and ZeRO-3's parameter hooks are fine with it); a Hugging Face model's layers by
+    its own gradient checkpointing. A model with neither is refused (the setting did nothing for it)."""
     from torch.utils.checkpoint import checkpoint
 
     from ..models.transformer import Block
@@ -163,9 +165,17 @@ def checkpoint_blocks(model: nn.Module) -> None:
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return run
 
-    for module in model.modules():
-        if isinstance(module, Block):
-            module.forward = wrap(module.forward)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for module in blocks:
+        module.forward = wrap(module.forward)
+    if blocks:
+        return
+    if getattr(model, "supports_gradient_checkpointing", False):  # a Hugging Face model: its own decoder layers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    raise ConfigError(f"train.activation_checkpointing = true: {type(model).__name__} has no blocks to recompute (the "
+                      f"harness's own Transformer blocks, or a Hugging Face model that supports gradient "
+                      f"checkpointing); it would have trained as without it: leave it out")
 
 
 # --- pipeline ----------------------------------------------------------------------------------------------------

@@ -151,7 +151,15 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
             for n in sizes}
         lines.append(f"longest sequence that fits an {name} ({gib} GiB, model states "
                      f"{size_text(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
-    return lines
+    return lines + _mask_note(plan)
+
+
+def _mask_note(plan: Plan) -> list[str]:
+    """data.document_mask's attention is not in the formula: its memory grows with T squared, every rank over
+    every position (docs/strategies.md has a measurement)."""
+    return ["  not counted above: data.document_mask's attention over a (micro-batch, T, T) mask of every position, "
+            "on every rank whatever the sequence split; it grows with T squared (a masked kernel, not flash "
+            "attention's)"] if plan.run.cfg.data.document_mask else []
 
 
 def largest_fitting(fits, start: int, cap: int, resolution: float = 0.0) -> int:
@@ -240,7 +248,7 @@ def _memory_line(plan: Plan, model: torch.nn.Module) -> list[str]:
     return [f"on a GPU, on paper{here}: model states {size_text(states)} + activations {size_text(acts)} of one "
             f"micro-batch of {plan.run.cfg.train.micro_batch_size} x {positions} positions ({recompute}) = "
             f"{size_text(states + acts)} per rank, before the CUDA context (a launch on GPUs refuses more than they "
-            f"hold)"]
+            f"hold)", *_mask_note(plan)]
 
 
 def render(plan: Plan) -> str:
