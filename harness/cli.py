@@ -253,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="the field's metrics of a finished run on a split or on new data; writes "
                         "RUN/eval.json")
     _evaluate_options(ev)
-    b = sub.add_parser("bench", help="benchmarks: sweep, overhead, proxy, suite (GPU), seeds")
+    b = sub.add_parser("bench", help="benchmarks: sweep, overhead, proxy, suite (GPU), seeds, corpus")
     _bench_parsers(b)
     ex = sub.add_parser("export", help="write a finished run's Hugging Face model as a directory that "
                         "from_pretrained loads (config, weights, tokenizer)")
