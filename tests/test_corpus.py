@@ -358,6 +358,8 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
     """A folder linked into the input directory was passed over (Path.rglob does not follow links) while a `**` glob
     read it: 400 KB of a user's corpus dropped with "none skipped". A link back up the tree is read once; a link to
     nothing is refused, naming it."""
+    import datasets
+
     from harness.prepare.corpus import expand
 
     src, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
@@ -372,6 +374,10 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
     (src / ".#a.txt").symlink_to("root@host.1234:1700000000")  # an editor's lock: a link to nothing by design
     (src / "notes.md").symlink_to(tmp_path / "elsewhere.md")  # no kind of input
     assert expand([str(src)]) == [str(src / "a.txt"), str(elsewhere / "b.txt")]
+    saved = tmp_path / "saved"  # datasets' save_to_disk: its JSON files were read as rows ("no row has the field")
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(saved))
+    with pytest.raises(ConfigError, match=r"saved is a Hugging Face `save_to_disk` folder; write its rows as parquet"):
+        expand([str(saved)])
     (src / "gone.txt").symlink_to(tmp_path / "unmounted.txt")
     with pytest.raises(ConfigError, match=r"gone.txt is a link to nothing .*unmounted.txt\); its data is missing"):
         expand([str(src)])

@@ -130,6 +130,10 @@ def _walk(root: Path) -> list[Path]:
             dirs[:] = []
             continue
         seen.add(real)
+        if {"state.json", "dataset_info.json"} <= set(names):  # its JSON is bookkeeping, its rows are in .arrow
+            raise ConfigError(f"--input {root}: {folder} is a Hugging Face `save_to_disk` folder; write its rows as "
+                              f"parquet or JSON lines (datasets.load_from_disk(...).to_parquet('rows.parquet')) and "
+                              f"give that")
         for name in names + [d for d in dirs if not os.path.exists(os.path.join(folder, d))]:
             f = Path(folder) / name
             if not f.exists() and kind_of(name) and not name.startswith("."):  # (an editor's lock file, .#a.txt,
