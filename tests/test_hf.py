@@ -117,11 +117,14 @@ def test_activation_checkpointing_recomputes_a_hugging_face_model_s_layers(tiny_
         model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).train()
         if recompute:
             checkpoint_blocks(model)
-            assert model.is_gradient_checkpointing
+            assert model.is_activation_checkpointing
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
-    with pytest.raises(ConfigError, match="Sequential has no blocks to recompute"):
+    wrapped = torch.nn.ModuleDict({"backbone": transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)})
+    checkpoint_blocks(wrapped)  # a plug-in's model around a Hugging Face backbone: the backbone's layers
+    assert wrapped["backbone"].is_activation_checkpointing
+    with pytest.raises(ConfigError, match="Sequential has nothing to recompute"):
         checkpoint_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 

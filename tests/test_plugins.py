@@ -101,6 +101,14 @@ def test_plugin_task_mistakes_are_one_line_before_launch(sets, message):
     assert message in str(e.value)
 
 
+def test_activation_checkpointing_of_a_model_with_nothing_to_recompute_is_refused_before_launch():
+    """The digits model has no Transformer blocks and no Hugging Face layers: the setting did nothing, silently."""
+    from harness.plan.resolve import make_plan
+
+    with pytest.raises(ConfigError, match="DigitsModel has nothing to recompute .*: leave it out"):
+        make_plan(str(ROOT / "examples" / "digits.toml"), ["train.activation_checkpointing=true"], None, 1)
+
+
 MALFORMED_CONFIG = """
 from dataclasses import dataclass
 

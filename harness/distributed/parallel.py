@@ -150,13 +150,19 @@ def release(engine) -> None:
                       f"the process ends")
 
 
+def nothing_to_recompute(model: nn.Module) -> str:
+    return (f"train.activation_checkpointing = true: {type(model).__name__} has nothing to recompute (the harness's "
+            f"own Transformer blocks, or a Hugging Face model that checkpoints its layers); it would train as without "
+            f"it: leave it out")
+
+
 def checkpoint_blocks(model: nn.Module) -> None:
     """Recompute every Transformer block's activations in backward instead of keeping them (non-reentrant
     checkpointing: integer inputs and ZeRO-3's parameter hooks are fine with it); a Hugging Face model's layers by
     its own gradient checkpointing. A model with neither is refused (the setting did nothing for it)."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..models.transformer import Block
+    from ..models.transformer import recomputable
 
     def wrap(forward):
         def run(*args, **kwargs):
@@ -165,17 +171,17 @@ def checkpoint_blocks(model: nn.Module) -> None:
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return run
 
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    blocks, hf_models = recomputable(model)
     for module in blocks:
         module.forward = wrap(module.forward)
-    if blocks:
-        return
-    if getattr(model, "supports_gradient_checkpointing", False):  # a Hugging Face model: its own decoder layers
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    raise ConfigError(f"train.activation_checkpointing = true: {type(model).__name__} has no blocks to recompute (the "
-                      f"harness's own Transformer blocks, or a Hugging Face model that supports gradient "
-                      f"checkpointing); it would have trained as without it: leave it out")
+    for hf_model in hf_models:  # its own layers (transformers 5 names it activation checkpointing; 4, gradient)
+        enable = getattr(hf_model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not blocks and not hf_models:  # refused before launch too (plan.resolve)
+        raise ConfigError(nothing_to_recompute(model))
 
 
 # --- pipeline ----------------------------------------------------------------------------------------------------

@@ -137,6 +137,18 @@ class TransformerLM(nn.Module):
                 PipeLayer(_head, ln_f=self.ln_f, head=self.head)]
 
 
+def recomputable(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """What train.activation_checkpointing recomputes in `model`: the harness's own Transformer blocks, and the
+    outermost Hugging Face models (a plug-in's backbone too) that checkpoint their own layers."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    hf = []
+    for m in model.modules():
+        if getattr(m, "supports_gradient_checkpointing", False) and not any(
+                m is x or any(m is y for y in x.modules()) for x in hf):
+            hf.append(m)
+    return blocks, hf
+
+
 def chunked_loss(head, x: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """The summed cross-entropy of head(x) (B, T, vocab) against targets (B, T), over `chunk` positions at a time (0:
     all): in training each chunk is checkpointed, so its logits and their fp32 copy live only while it is computed,

@@ -156,7 +156,7 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
 
 def _mask_note(plan: Plan) -> list[str]:
     """data.document_mask's attention is not in the formula: its memory grows with T squared, every rank over
-    every position (docs/strategies.md has a measurement)."""
+    every position (docs/corpora.md has a measurement)."""
     return ["  not counted above: data.document_mask's attention over a (micro-batch, T, T) mask of every position, "
             "on every rank whatever the sequence split; it grows with T squared (a masked kernel, not flash "
             "attention's)"] if plan.run.cfg.data.document_mask else []

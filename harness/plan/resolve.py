@@ -14,7 +14,7 @@ from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
 from ..models.hf import load_config
-from ..models.transformer import Attention
+from ..models.transformer import Attention, recomputable
 from ..tasks import Task, get_task, resolve
 
 
@@ -75,6 +75,8 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     if run.cfg.train.activation_checkpointing and ds.layout.pp_size > 1:
         raise ConfigError(f"{run.describe('train.activation_checkpointing')} with a pipeline: set "
                           f"pipeline.activation_checkpoint_interval in the DeepSpeed config instead")
+    if run.cfg.train.activation_checkpointing:
+        check_recomputable(run, task)
     if run.cfg.train.compile and ds.zero_stage == 3:
         raise ConfigError(f"{run.describe('train.compile')} with ZeRO-3: DeepSpeed gathers each layer's parameters "
                           f"in module hooks that torch.compile does not trace (torch.compiler.disable), so no block "
@@ -97,6 +99,17 @@ def check_selection(run: Resolved, task: Task) -> None:
         if metric_key(name) not in reported:
             raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
                               f"{', '.join(reported)} at each evaluation (val_loss is loss)")
+
+
+def check_recomputable(run: Resolved, task: Task) -> None:
+    """train.activation_checkpointing on a model with nothing it recomputes (a plug-in's own layers): refused here,
+    on the model's meta-device twin, not by every rank once launched."""
+    from ..distributed.parallel import nothing_to_recompute
+
+    with torch.device("meta"):
+        model = task.build_model(run.cfg)
+    if recomputable(model) == ([], []):
+        raise ConfigError(nothing_to_recompute(model))
 
 
 def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
