@@ -201,6 +201,9 @@ def test_hf_tensor_parallel_sizes_are_checked_before_launch_and_an_odd_vocabular
     tied = transformers.AutoConfig.from_pretrained(tiny_llama, tie_word_embeddings=True)
     with pytest.raises(ConfigError, match="ties its output layer to its input embeddings"):
         check_hf_tensor_parallel(run, 2, tied)
+    with torch.device("meta"):  # a classifier has no output layer over the vocabulary: nothing tied (it was refused)
+        classifier = transformers.AutoModelForSequenceClassification.from_config(tied)
+    check_hf_tensor_parallel(run, 2, tied, classifier)
     with pytest.raises(ConfigError, match="DeepSpeed's AutoTP does not support 'gpt2' models"):
         check_hf_tensor_parallel(run, 2, transformers.GPT2Config(n_embd=32, n_head=4, n_inner=64))
 

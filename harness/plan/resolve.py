@@ -14,7 +14,7 @@ from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
 from ..models.hf import load_config
-from ..models.transformer import Attention, recomputable
+from ..models.transformer import Attention, Block, recomputable
 from ..tasks import Task, get_task, resolve
 
 
@@ -115,14 +115,16 @@ def check_recomputable(run: Resolved, task: Task) -> None:
 def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
     """What a pipeline or tensor parallelism needs from the task's model, checked on its meta-device twin: a
     pipeline its `pipeline_layers()`, tensor parallelism parameters that the config's layer specs match."""
-    if ds.layout.tp_size > 1 and run.cfg.model.hf:
-        check_hf_tensor_parallel(run, ds.layout.tp_size, load_config(run.cfg))
     with torch.device("meta"):
         model = task.build_model(run.cfg)
+    if ds.layout.tp_size > 1 and run.cfg.model.hf:
+        check_hf_tensor_parallel(run, ds.layout.tp_size, load_config(run.cfg), model)
     if ds.layout.pp_size > 1 and not hasattr(model, "pipeline_layers"):
         raise ConfigError(f"{run.describe('run.task')}: its model ({type(model).__name__}) has no pipeline_layers(), "
                           f"which a pipeline needs (the list of layers it cuts into stages; see "
                           f"harness/models/pipeline.py); use a DeepSpeed config without a pipeline section")
+    if ds.layout.pp_size > 1:
+        check_stages(model, ds.layout)
     if ds.layout.pp_size > 1 and hasattr(model, "ridge_table"):  # models/encoder.py: mixed at the output
         raise ConfigError(f"{run.describe('protein.blend')}: the linear part reads the token ids, which a pipeline's "
                           f"last stage does not see; use a DeepSpeed config without a pipeline section")
@@ -133,6 +135,26 @@ def check_model_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
                           f"... (see configs/ds/tp2_*.json): write layer specs for this model's names")
 
 
+
+
+def check_stages(model: torch.nn.Module, layout) -> None:
+    """Every pipeline stage of a model built of Transformer blocks holds one. A stage of embeddings alone (the
+    "parameters" partition, where a long position table outweighs the blocks) left its ranks in other collectives
+    than the rest at the first step: a hang until train.collective_timeout_s."""
+    from ..distributed.parallel import pipeline_partition
+
+    layers = model.pipeline_layers()
+    holds = [any(isinstance(m, Block) for m in layer.modules()) for layer in layers]
+    if not any(holds):  # a plug-in's own layers: not judged
+        return
+    parts, names, _, _ = pipeline_partition(model, layout)
+    for s in range(layout.pp_size):
+        a, b = parts[s], parts[s + 1]
+        if not any(holds[a:b]):
+            raise ConfigError(f"pipeline: the {layout.partition!r} partition gives stage {s} layers {a}-{b - 1} "
+                              f"({', '.join(names[a:b]) or 'none'}) and no Transformer block, and its ranks would hang "
+                              f"at the first step; set \"partition\": \"uniform\" in the DeepSpeed file's pipeline "
+                              f"section, or use fewer stages")
 
 
 def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
@@ -165,7 +187,7 @@ def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
                           f"(harness.models.transformer.Attention); train without sequence parallelism")
 
 
-def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:
+def check_hf_tensor_parallel(run: Resolved, tp: int, config, model: torch.nn.Module | None = None) -> None:
     """Each tensor-parallel rank holds 1/tp of a Hugging Face model's heads and MLP width: tp must divide them. The
     vocabulary need not divide: AutoTP splits the output layer's rows unevenly (257 on 2 ranks: 129 and 128) and the
     export gathers them so (`distributed.parallel._tp_full`); each rank needs one row at least."""
@@ -187,7 +209,9 @@ def check_hf_tensor_parallel(run: Resolved, tp: int, config) -> None:
                               f"{config.model_type!r} models ({run.describe('model.hf')}; it has a kernel-injection "
                               f"policy for them instead); train it without tensor parallelism")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "tie_word_embeddings", False):  # AutoTP (DeepSpeed 0.19) then leaves the logits split by rank
+    head = model.get_output_embeddings() if model is not None and hasattr(model, "get_output_embeddings") else True
+    if getattr(text, "tie_word_embeddings", False) and head is not None:  # AutoTP (DeepSpeed 0.19) then leaves the
+        # logits split by rank; a class without an output layer over the vocabulary (a classifier) ties nothing
         raise ConfigError(f"tensor_parallel.autotp_size = {tp}: {run.describe('model.hf')} ties its output layer to "
                           f"its input embeddings (tie_word_embeddings = true), which DeepSpeed's AutoTP does not "
                           f"split as one (each rank's logits cover its share of the vocabulary); train it without "

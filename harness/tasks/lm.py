@@ -141,10 +141,14 @@ class LanguageModelTask:
 
     def check_layout(self, cfg: RunConfig, layout) -> None:
         """Before launch: a document mask's positions are not cut into pipeline stages, nor split by DeepSpeed's
-        Hugging Face sequence parallelism (the built-in model's is the harness's own and takes it)."""
+        Hugging Face sequence parallelism (the built-in model's is the harness's own and takes it); nor is the loss
+        chunked under a pipeline."""
         if cfg.data.document_mask and (layout.pp_size > 1 or (layout.sp_size > 1 and cfg.model.hf)):
             why = "a pipeline" if layout.pp_size > 1 else "DeepSpeed's sequence parallelism for Hugging Face models"
             raise ConfigError(f"data.document_mask = true is not supported under {why}; set it to false")
+        if cfg.train.loss_chunk and layout.pp_size > 1:  # the last stage's loss_fn takes the whole logits
+            raise ConfigError(f"train.loss_chunk = {cfg.train.loss_chunk} under a pipeline: its last stage computes "
+                              f"the loss from the whole logits, so nothing would be chunked; set it to 0")
 
     def build_model(self, cfg: RunConfig):
         m = cfg.model
