@@ -177,7 +177,8 @@ TP = json.loads((DS / "tp2_zero1.json").read_text())["tensor_parallel"]
      ["--world-size", "2", "--set", "data.seq_len=1024", "--set", "model.d_model=32", "--set", "model.n_layers=2"],
      "gives stage 0 layers 0-0 (tok_emb+pos_emb+drop) and no Transformer block, and its ranks would hang"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}},
-     ["--world-size", "2", "--set", "train.loss_chunk=8"], "train.loss_chunk = 8 under a pipeline: its last stage computes the loss from the whole logits"),
+     ["--world-size", "2", "--set", "train.loss_chunk=8"],
+     "train.loss_chunk = 8 under a pipeline: its last stage computes the loss from the whole logits"),
 ])
 def test_plan_refuses_layouts_deepspeed_cannot_run(ds, args, message, tmp_path):
     path = write(tmp_path, "ds.json", json.dumps(ds))
