@@ -144,7 +144,8 @@ def check_stages(model: torch.nn.Module, layout) -> None:
     from ..distributed.parallel import pipeline_partition
 
     layers = model.pipeline_layers()
-    holds = [any(isinstance(m, Block) for m in layer.modules()) for layer in layers]
+    holds = [isinstance(layer, torch.nn.Module) and any(isinstance(m, Block) for m in layer.modules())
+             for layer in layers]  # (a tied layer's second use, SharedUse, holds no module of its own)
     if not any(holds):  # a plug-in's own layers: not judged
         return
     parts, names, _, _ = pipeline_partition(model, layout)
