@@ -141,11 +141,11 @@ def recomputable(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """What train.activation_checkpointing recomputes in `model`: the harness's own Transformer blocks, and the
     outermost Hugging Face models (a plug-in's backbone too) that checkpoint their own layers."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
-    hf = []
-    for m in model.modules():
-        if getattr(m, "supports_gradient_checkpointing", False) and not any(
-                m is x or any(m is y for y in x.modules()) for x in hf):
+    hf, inside = [], set()
+    for m in model.modules():  # outer modules first: one inside a model taken is that model's
+        if id(m) not in inside and getattr(m, "supports_gradient_checkpointing", False):
             hf.append(m)
+            inside.update(id(x) for x in m.modules())
     return blocks, hf
 
 

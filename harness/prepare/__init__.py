@@ -144,9 +144,9 @@ def store(directory: Path, out: Path, names: tuple[str, ...], compare: tuple[str
                 shutil.copytree(src, tmp / name)
             elif src.is_file():
                 shutil.copy2(src, tmp / name)
-        own = read_meta(directory)
-        (tmp / META).write_text(json.dumps({**own, "fingerprint": fingerprint(directory), **(extra or {})}, indent=2,
-                                           default=str))
+        own = read_meta(directory)  # (a directory prepared before meta.json held its fingerprint: computed)
+        (tmp / META).write_text(json.dumps({**own, "fingerprint": own.get("fingerprint") or fingerprint(directory),
+                                            **(extra or {})}, indent=2, default=str))
         sums = {name: sha256(tmp / name) for name in _files(tmp)}
         (tmp / CHECKSUMS).write_text(json.dumps({"sha256": sums, "compare": [n for n in compare if n in sums],
                                                  "keys": list(keys)}, indent=2) + "\n")

@@ -381,22 +381,33 @@ def data_identity(plan: Plan) -> dict | None:
     rows and tokenizer); None for data read as it is."""
     task, cfg = plan.task, plan.run.cfg
     found = task.data_identity(cfg) if hasattr(task, "data_identity") else None
-    prepared = task.prepare(cfg) if found is None and hasattr(task, "prepare") else None
-    if isinstance(prepared, (str, Path)) and (Path(prepared) / META).is_file():  # (a plug-in's may be anything)
-        found = {"path": cfg.data.path or "the embedded default", "fingerprint": fingerprint(Path(prepared))}
+    prepared = _prepared(plan) if found is None else None
+    if prepared is not None:
+        found = {"path": cfg.data.path or "the embedded default", "fingerprint": fingerprint(prepared)}
     return found
 
 
-def _check_stored_data(plan: Plan, found: Path, changed_ok: bool) -> None:
-    """A checkpoint saved before checkpoints recorded their data: the tokenizer and statistics its run stored
-    (RUN/data/) against those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused
-    here too (preparation rules and draws change between versions)."""
-    from ..prepare import differences, stored
-    from .checkpoint import saved_data
+def _prepared(plan: Plan) -> Path | None:
+    """The prepared directory (with meta.json) the task's `prepare` gives; None where it has none (a plug-in's
+    `prepare` may give anything)."""
+    now = plan.task.prepare(plan.run.cfg) if hasattr(plan.task, "prepare") else None
+    return Path(now) if isinstance(now, (str, Path)) and (Path(now) / META).is_file() else None
 
-    kept = stored(found.parent.parent) if saved_data(found) is None and hasattr(plan.task, "prepare") else None
-    now = plan.task.prepare(plan.run.cfg) if kept is not None else None
-    changed = differences(kept, Path(now)) if isinstance(now, (str, Path)) and (Path(now) / META).is_file() else []
+
+def _check_same_data(plan: Plan, found: Path, changed_ok: bool) -> None:
+    """Before a resume: the data prepared now is what checkpoint `found` trained on (its `data.json`). A checkpoint
+    saved before checkpoints recorded their data: the tokenizer and statistics its run stored (RUN/data/) against
+    those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused too (preparation
+    rules and draws change between versions)."""
+    from ..prepare import differences, stored
+    from . import checkpoint
+
+    if checkpoint.saved_data(found) is not None:
+        checkpoint.check_same_data(found, data_identity(plan), changed_ok)
+        return
+    kept = stored(found.parent.parent)  # the checkpoint's own run's
+    now = _prepared(plan) if kept is not None else None
+    changed = differences(kept, now) if now is not None else []
     if changed and not changed_ok:
         raise ConfigError(f"--resume {found}: the data prepared now differs from what its run trained with (kept in "
                           f"{kept}) in {', '.join(changed)}: the ids its model learned would mean other pieces; pass "
@@ -472,8 +483,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         if found is not None:
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
-            checkpoint.check_same_data(found, data_identity(plan), data_changed_ok)
-            _check_stored_data(plan, found, data_changed_ok)
+            _check_same_data(plan, found, data_changed_ok)
     elif run_dir.exists() and any(run_dir.iterdir()):
         _check_replaceable(plan, overwrite)
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
