@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import cli
+from conftest import ROOT, cli
 from test_protein import cache, write_fitness  # noqa: F401 - cache: this module's own data cache (autouse)
 
 from harness.bench.seeds import markdown, seeds_of, summarise
@@ -131,7 +131,7 @@ def test_the_blend_is_the_ridge_fit_at_share_one_and_the_encoder_at_zero(tmp_pat
         task.check(config(path, 'protein.blend="ridge"', 'protein.objective="classify"'))
 
 
-def test_seed_summaries_report_every_seed_against_the_baseline(capsys):
+def test_seed_summaries_report_every_seed_against_the_baseline(capsys, tmp_path):
     runs = [{"seed": 0, "spearman": 0.60, "ridge_spearman": 0.55}, {"seed": 1, "spearman": 0.50,
                                                                      "ridge_spearman": 0.55},
             {"seed": 2, "error": "boom"}]
@@ -154,6 +154,12 @@ def test_seed_summaries_report_every_seed_against_the_baseline(capsys):
         main(["bench", "sweep", "--metric", "spearman"])
     assert stop.value.code == 2 and "harness bench sweep: error: unrecognized arguments: --metric" in \
         capsys.readouterr().err
+    for args, message in ((["--metric", "accuracy"], "--metric accuracy: task 'lm' reports loss, perplexity"),
+                          (["--metric", "perplexity"], "--split test: task 'lm' builds no test split")):
+        code = main(["bench", "seeds", "0,1", "--run", str(ROOT / "configs/runs/lm_demo.toml"), "--out", str(tmp_path),
+                     *args])  # refused before any seed trains, not after each one
+        assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_bench_seeds_trains_and_scores_every_seed(tmp_path):

@@ -169,6 +169,8 @@ TP = json.loads((DS / "tp2_zero1.json").read_text())["tensor_parallel"]
      "did you mean `pipeline.micro_batches`"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "micro_batches": 4}},
      ["--world-size", "2", "--set", "train.grad_accum_steps=2"], "pipeline.micro_batches = 4"),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "micro_batches": 4}},  # names the file's key
+     ["--world-size", "2", "--set", "train.global_batch_size=16"], "!= 16 (pipeline.micro_batches = 4 (ds file"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "partition": "best"}}, ["--world-size", "2"],
      "pipeline.partition = 'best'"),
     ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}},

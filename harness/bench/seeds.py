@@ -12,6 +12,7 @@ import torch
 
 from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
+from ..plan.resolve import Plan, loss_metric_names
 from ..run.selection import direction, metric_key
 from .report import save
 from .sweep import Config, cpu_threads, env_for, grid, last_error, plan_for, program, run_program, torch_threads
@@ -56,6 +57,8 @@ def run_seeds(args) -> dict:
     if not metric:
         raise ConfigError("--seeds needs --metric (the evaluation's figure to report, e.g. spearman) where the run "
                           "file sets no train.select_best")
+    for plan in plans.values():
+        check_scorable(plan, args.split, metric)
     threads = args.threads or cpu_threads(max(c.nproc for c in configs))
     out = Path(args.out)
     result = {"run_file": args.run, "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
@@ -80,6 +83,20 @@ def run_seeds(args) -> dict:
     print(markdown(result))
     print(f"wrote {out / 'seeds.json'}, {out / 'seeds.md'}")
     return result
+
+
+def check_scorable(plan: Plan, split: str, metric: str) -> None:
+    """What `harness evaluate` would refuse after every seed's training, refused before the first: a split the task
+    does not build, a figure its evaluation does not report (known before a run where they all come from the loss)."""
+    task, cfg = plan.task, plan.run.cfg
+    reported = loss_metric_names(task)
+    if reported is None:
+        return
+    if metric not in reported:
+        raise ConfigError(f"--metric {metric}: task {cfg.run.task!r} reports {', '.join(reported)}")
+    if split == "test" and getattr(task.build_data(cfg), "test", None) is None:
+        raise ConfigError(f"--split test: task {cfg.run.task!r} builds no test split (its build_data gives training "
+                          f"and validation data); score --split validation")
 
 
 def summarise(runs: list[dict], metric: str, baseline: str | None) -> dict:

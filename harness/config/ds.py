@@ -292,9 +292,10 @@ def _accumulation(run: Resolved, dp_size: int, micro_batches: int | None, label:
             raise ConfigError(f"{run.describe('train.global_batch_size')} is not a multiple of "
                               f"{run.describe('train.micro_batch_size')} x data-parallel size {dp_size}")
         if (run.is_set("train.grad_accum_steps") or micro_batches is not None) and derived != accum:
+            given = (f"pipeline.micro_batches = {micro_batches} ({label})" if micro_batches is not None
+                     else run.describe("train.grad_accum_steps"))
             raise ConfigError(f"micro batch x accumulation x data-parallel size != global batch: {micro} x {accum} x "
-                              f"{dp_size} != {glob} "
-                              f"({run.describe('train.grad_accum_steps')}, {run.describe('train.global_batch_size')})")
+                              f"{dp_size} != {glob} ({given}, {run.describe('train.global_batch_size')})")
         accum = derived
     return accum
 

@@ -296,7 +296,10 @@ def closest(word: str, names) -> str | None:
 
 
 def _unknown(key: str, sections: dict[str, type], origin: str) -> ConfigError:
-    close = closest(key, [*all_keys(sections), *sections])
+    keys = all_keys(sections)
+    # `train.lr` means optimizer.lr: the same name in another section beats a spelling near the section's name
+    moved = [k for k in keys if k.split(".")[-1] == key.split(".")[-1]] if "." in key else []
+    close = moved[0] if len(moved) == 1 else closest(key, keys if "." in key else [*keys, *sections])
     hint = f"; did you mean `{close}`?" if close else "; `harness keys` lists them all"
     if key.split(".")[0] == PLUGIN_SECTION and PLUGIN_SECTION not in sections:
         hint = "; [task] holds the keys of a plug-in task that declares a Config dataclass"

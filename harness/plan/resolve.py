@@ -93,12 +93,18 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
 def check_selection(run: Resolved, task: Task) -> None:
     """`train.select_best` names a metric the validation evaluation reports: known before launch for a task whose
     metrics all come from the loss; a task with a field evaluation (`evaluate`) is checked at its first one."""
-    name = run.cfg.train.select_best
-    if name and not hasattr(task, "evaluate"):
-        reported = list(dict.fromkeys(["loss", *(k for k, v in task.metrics(1.0).items() if not isinstance(v, str))]))
-        if metric_key(name) not in reported:
-            raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
-                              f"{', '.join(reported)} at each evaluation (val_loss is loss)")
+    name, reported = run.cfg.train.select_best, loss_metric_names(task)
+    if name and reported and metric_key(name) not in reported:
+        raise ConfigError(f"{run.describe('train.select_best')}: task {run.cfg.run.task!r} reports "
+                          f"{', '.join(reported)} at each evaluation (val_loss is loss)")
+
+
+def loss_metric_names(task: Task) -> list[str] | None:
+    """The figures an evaluation of `task` reports where they all come from the mean loss; None for a task with a
+    field evaluation of its own (`evaluate`), whose figures are known once it has run."""
+    if hasattr(task, "evaluate"):
+        return None
+    return list(dict.fromkeys(["loss", *(k for k, v in task.metrics(1.0).items() if not isinstance(v, str))]))
 
 
 def check_recomputable(run: Resolved, task: Task) -> None:
