@@ -128,9 +128,11 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     shutil.copytree(run.dir, priced)
     (priced / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         {"step": 3, "loss": 0.5, "mse": 0.4, "persistence_mse": 0.45, "period_1_persistence_mse": 9.0},
-        {"step": 6, "loss": 0.4, "mse": 0.3, "persistence_mse": 0.44})))
+        {"step": 6, "loss": 0.4, "mse": 0.3, "persistence_mse": 0.44, "drift_mse": 0.5, "price_mse": 17.6,
+         "persistence_price_mse": 19.2, "copy_source_mse": 0.9})))  # price: the model's own on another scale
     (priced / "best.json").write_text(json.dumps({"metric": "mse", "step": 6}, indent=2))
     marked = {p["title"]: p for p in curves([priced])}
     assert marked["validation mse"]["best"] == {"priced": 6} and marked["validation loss"]["best"] == {"priced": 6}
-    assert marked["validation mse"]["baselines"] == {"persistence": 0.44} and marked["training loss"]["best"] == {}
+    assert marked["validation mse"]["baselines"] == {"persistence": 0.44, "drift": 0.5, "copy_source": 0.9}
+    assert marked["training loss"]["best"] == {}
     assert main(["plot", str(priced)]) == 0 and (priced / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"

@@ -180,8 +180,25 @@ def test_a_date_column_is_read_in_one_format(tmp_path):
     assert P._dates(list(days.strftime("%a, %d %b %Y"))) == list(days.to_numpy(dtype="datetime64[s]"))
 
 
-def test_bad_settings_fail_before_training(series_csv):
+def test_bad_settings_fail_before_training(series_csv, tmp_path):
     task = PricesTask()
+    # a split too short for one window: refused by the check `harness plan` and every launch run first
+    with pytest.raises(ConfigError, match="the validation split has 10 rows, too few for one window"):
+        task.check(cfg_for(str(write_series(tmp_path / "short.csv", n=100)), "prices.patch_len=4", "prices.lookback=8",
+                           "prices.horizon=4"))
+    big = write_series(tmp_path / "big.csv", n=400)  # one training value past float64's squares: it erased c1
+    big.write_text(big.read_text().replace(big.read_text().splitlines()[7].split(",")[2], "1e200", 1))
+    with pytest.raises(ConfigError, match=r"channel 'c1' holds 1e\+200 at 2020-01-01T06:00:00, too large to scale"):
+        P.prepare(cfg_for(str(big)))
+    # ETTh's standard split is the file's first 8640 hours, then 2880 and 2880: rows dropped for an empty cell do not
+    # move it (it counted the rows kept)
+    ett = write_series(tmp_path / "ETTh1.csv", n=14400, channels=1)
+    lines = ett.read_text().splitlines()
+    ett.write_text("\n".join(line.split(",")[0] + "," if i in (5, 6, 7) else line for i, line in enumerate(lines))
+                   + "\n")
+    splits = read_meta(P.prepare(cfg_for(str(ett))))["splits"]
+    assert [splits[s]["first"][:13] for s in P.SPLITS] == ["2020-01-01T00", "2020-12-26T00", "2021-04-25T00"]
+    assert [splits[s]["rows"] for s in P.SPLITS] == [8637, 2880, 2880]
     with pytest.raises(ConfigError, match="patch_len"):
         task.check(cfg_for(str(series_csv), "prices.lookback=8", "prices.patch_len=16"))
     with pytest.raises(ConfigError, match="both"):
@@ -350,6 +367,32 @@ def test_evaluate_data_z_scores_with_the_run_s_statistics(trained, tmp_path, cap
         assert main(["evaluate", "--run-dir", str(run_dir), "--data", str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+    seen = evaluate_data(run.dir, data)["series.csv"]["protocol"]  # the run's own file: said, not scored as new
+    assert seen.endswith("; 448 of 561 windows forecast dates the run trained or validated on (to 2020-01-20)")
+    assert "trained or validated on" not in got["protocol"]
+    # a value too large to z-score: refused by name, not metrics of NaN and a "significant" verdict
+    huge = tmp_path / "huge.csv"
+    huge.write_text(held_out.read_text().replace(rows[500].split(",")[1], "1e300", 1))
+    assert main(["evaluate", "--run-dir", str(run.dir), "--data", str(huge)]) == 2
+    assert "channel 'c0' holds 1e+300 at 2020-01-21T20:00:00, too large to scale" in capsys.readouterr().err
+    # 11 windows (lookback 32, horizon 8) are fewer than 4 blocks of 8: a winner, and no claim of significance (the
+    # interval of one block's resamples was a point, "significant")
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join([header, *rows[480:530]]) + "\n")
+    few = evaluate_data(run.dir, short)["short.csv"]
+    assert few["windows"] == 11 and "mse_difference_ci_low" not in few and \
+        few["verdict"].endswith("; too few windows to judge significance (11, fewer than 4 blocks of the horizon, "
+                                "4 x 8)")
+    flat = tmp_path / "flat.csv"  # persistence is exact: no share of its zero MSE (it divided by zero)
+    flat.write_text("\n".join([header, *(f"{r.split(',')[0]},1.0,2.0,3.0" for r in rows[480:])]) + "\n")
+    assert evaluate_data(run.dir, flat)["flat.csv"]["verdict"].startswith("persistence is exact on these windows "
+                                                                          "(MSE 0); the model's MSE is ")
+    data.rename(data.with_suffix(".moved"))  # the run's data moved: one line, not a traceback
+    try:
+        assert main(["evaluate", "--run-dir", str(run.dir), "--split", "test"]) == 2
+        assert "series.csv: data.path not found" in capsys.readouterr().err
+    finally:
+        data.with_suffix(".moved").rename(data)
 
 
 def test_skill_bootstrap_and_verdict_by_hand():
@@ -369,6 +412,8 @@ def test_skill_bootstrap_and_verdict_by_hand():
     errors = torch.tensor([0.5, 1.5] * 20).view(40, 1, 1).expand(40, 2, 1)
     tie = verdict(y + errors, y + errors.flip(0), y)
     assert tie["skill_vs_persistence"] == pytest.approx(0.0) and "not significant" in tie["verdict"]
+    assert verdict(y * float("nan"), y + 1.0, y) == {"verdict": "no verdict: the model's or persistence's errors are "
+                                                             "not finite"}  # (it said NaN% higher, significant)
     # trivial directions: last 0, truth up, up, down over a horizon of 3
     last, truth = torch.zeros(1, 1), torch.tensor([1.0, 2.0, -1.0]).view(1, 3, 1)
     assert trivial_directions(last, truth, up_share=0.8) == {"always_up_directional_accuracy": pytest.approx(2 / 3),

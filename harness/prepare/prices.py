@@ -67,7 +67,7 @@ def resolve_path(path: str) -> Path:
     if p.is_dir():
         found = sorted(p.glob("ETTh1.csv*")) or sorted(p.glob("*.csv*"))
         if len(found) != 1 and not (found and found[0].name.startswith("ETTh1")):
-            raise ConfigError(f"{path}: data.path is a directory; expected ETTh1.csv[.gz] or one csv in it, "
+            raise ConfigError(f"{path}: a directory; expected ETTh1.csv[.gz] or one csv in it, "
                               f"found {[f.name for f in found]}")
         return found[0]
     return p
@@ -103,6 +103,8 @@ def settings(cfg: RunConfig) -> dict:
         ident = {"package": "/".join(STOCKS), "symbols": p.symbols}
     elif kind in ("csv", "ett"):
         f = resolve_path(path)
+        if not f.is_file():  # a run's data moved since it trained, or a relative path read from elsewhere
+            raise ConfigError(f"{path}: data.path not found (relative paths are read from the working directory)")
         ident = {"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
     return {"version": VERSION, "kind": kind, **ident, "columns": p.columns, "date_column": p.date_column,
             "transform": transform_of(cfg), "train_end": p.train_end, "val_end": p.val_end}
@@ -134,7 +136,7 @@ def _load(kind: str, path: str):
         records = data.parse_records(str(resolve_path(path)), "csv")
         if all(r is data.MALFORMED for r in records):
             raise ConfigError(f"{path}: no row with as many fields as its header ({len(records)} lines after it); "
-                              f"fields are separated by commas (a .csv) or tabs (a .tsv), decimals marked by a point")
+                              f"fields are separated by commas, decimals marked by a point")
         return pd.DataFrame.from_records([{} if r is data.MALFORMED else r for r in records])
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         what = "the hub data set" if kind == "hub" else "csv data"
@@ -149,7 +151,7 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
     names = [c.strip() for c in cfg.task.columns.split(",") if c.strip()]
     if kind == "stocks":
         raw, columns, unsorted = _from_long(df, [s.strip() for s in cfg.task.symbols.split(",") if s.strip()],
-                                            names or ["Adj Close"])
+                                            names or ["Adj Close"], path or "embedded stocks")
         return _dates(raw), columns, unsorted
     date_col = cfg.task.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
     names = names or [c for c in df.columns if c != date_col]
@@ -166,12 +168,12 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
     return parsed, {c: list(df[c]) for c in names}, _unsorted(parsed)
 
 
-def _from_long(df, symbols: list[str], fields: list[str]) -> tuple[list, dict[str, list], int]:
+def _from_long(df, symbols: list[str], fields: list[str], source: str) -> tuple[list, dict[str, list], int]:
     """Ticker,Date,<fields> lines -> one wide row per (date, k-th line of a ticker on that date)."""
     bad = [f for f in ["Ticker", "Date", *fields] if f not in df.columns]
     absent = sorted(set(symbols) - set(df["Ticker"])) if not bad else []
     if bad or absent or not symbols:
-        raise ConfigError(f"embedded stocks: no column(s) {bad} or symbol(s) {absent} (prices.columns, "
+        raise ConfigError(f"{source}: no column(s) {bad} or symbol(s) {absent} (prices.columns, "
                           f"prices.symbols); columns {list(df.columns)}, symbols {sorted(set(df.get('Ticker', [])))}")
     df = df[df["Ticker"].isin(symbols)].copy()
     unsorted = sum(_unsorted(_dates(list(g["Date"]))) for _, g in df.groupby("Ticker", sort=False))
@@ -251,7 +253,7 @@ def _number(v, log: bool) -> tuple[float | None, str]:
 
 # ---------------------------------------------------------------- cleaning and splitting
 
-def clean(dates: list, columns: dict[str, list], log: bool) -> tuple[list, np.ndarray, list[tuple]]:
+def clean(dates: list, columns: dict[str, list], log: bool, source: str = "") -> tuple[list, np.ndarray, list[tuple]]:
     """Kept rows sorted by date: (dates, values (N, C) after the transform, [(date or None, status)] for all rows);
     `dates` as `read_table` parsed them."""
     names = list(columns)
@@ -272,7 +274,8 @@ def clean(dates: list, columns: dict[str, list], log: bool) -> tuple[list, np.nd
     # The series starts when every channel has a value (GOOG's first day for the stocks).
     starts = [next((d for d, v in rows if v[c] is not None), None) for c in range(len(names))]
     if any(s is None for s in starts):
-        raise ConfigError(f"channel(s) {[n for n, s in zip(names, starts) if s is None]} have no numeric value")
+        raise ConfigError(f"{source or 'the data'}: channel(s) {[n for n, s in zip(names, starts) if s is None]} have "
+                          f"no numeric value (a text column? name the ones to forecast with prices.columns)")
     start = max(starts)
     status = [(d, "before_start" if d is not None and d < start and st in ("ok", "missing") else st)
               for d, st in status]
@@ -322,8 +325,10 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
 
     kind = s["kind"]
     parsed, columns, unsorted = read_table(cfg, kind)
-    dates, values, status = clean(parsed, columns, log=s["transform"] == "log")
-    ends = boundaries(kind, cfg, dates)
+    source = cfg.data.path or "embedded stocks"
+    dates, values, status = clean(parsed, columns, log=s["transform"] == "log", source=source)
+    # ETTh's standard split counts the file's hours, not the rows kept: a dropped row must not move its dates
+    ends = boundaries(kind, cfg, sorted({d for d in parsed if d is not None}) if kind == "ett" else dates)
     counts: dict[str, Counter] = {name: Counter() for name in SPLITS}
     for d, st in status:
         where = split_of(d, ends)
@@ -334,9 +339,11 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
     train = values[which == "train"]
     if len(train) < 2:
         raise ConfigError(f"{cfg.data.path or 'embedded stocks'}: {len(train)} training rows; check prices.train_end")
-    mean, std = train.mean(0), train.std(0)
-    std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
-    z = (values - mean) / std
+    with np.errstate(over="ignore"):  # an overflow is refused by name below, not warned of by numpy
+        mean, std = train.mean(0), train.std(0)
+        std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
+        z = (values - mean) / std
+    check_scale(z, ~(np.isfinite(mean) & np.isfinite(std)), values, dates, list(columns), source)
     splits = {}
     for name in SPLITS:
         rows = np.flatnonzero(which == name)
@@ -347,6 +354,27 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
     return {"counts": {k: dict(v) for k, v in counts.items()}, "channels": list(columns),
             "norm": {"transform": s["transform"], "mean": mean.tolist(), "std": std.tolist()},
             "splits": splits, "cleaning": {"unsorted": unsorted}}
+
+
+def _seen(meta: dict, dates: list, starts: range) -> str:
+    """'; N of M windows forecast dates the run trained or validated on': new data that is not new."""
+    last = meta["splits"]["validation"]["last"] or meta["splits"]["train"]["last"]
+    seen = sum(dates[t] <= np.datetime64(last) for t in starts) if last else 0
+    return f"; {seen} of {len(starts)} windows forecast dates the run trained or validated on (to {last[:10]})" \
+        if seen else ""
+
+
+def check_scale(z: np.ndarray, bad_stats: np.ndarray, values: np.ndarray, dates: list, names: list[str],
+                source: str) -> None:
+    """A value so large that the training statistics overflow (`bad_stats`, per channel) or its z-score does not fit
+    in float32 would erase its channel or turn every forecast and metric to NaN: refused, naming it."""
+    bad = bad_stats | ~(np.abs(z) <= np.finfo(np.float32).max).all(0)  # (NaN compares false: bad too)
+    if bad.any():
+        c = int(np.flatnonzero(bad)[0])
+        row = int(np.argmax(np.abs(values[:, c])))
+        raise ConfigError(f"{source}: channel {names[c]!r} holds {values[row, c]:.4g} at {str(dates[row])[:19]}, "
+                          f"too large to scale (its z-score or the training rows' statistics overflow); fix or drop "
+                          f"that row")
 
 
 # ---------------------------------------------------------------- windows
@@ -433,14 +461,17 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
     if list(columns) != meta["channels"]:
         raise ConfigError(f"{path}: its channels are {list(columns)}; the run forecasts {meta['channels']}")
     norm = meta["norm"]
-    dates, values, status = clean(parsed, columns, log=norm["transform"] == "log")
-    z = torch.tensor((values - np.array(norm["mean"])) / np.array(norm["std"]), dtype=torch.float32)
+    dates, values, status = clean(parsed, columns, log=norm["transform"] == "log", source=str(path))
+    with np.errstate(over="ignore"):
+        scaled = (values - np.array(norm["mean"])) / np.array(norm["std"])
+    check_scale(scaled, np.zeros(len(meta["channels"]), dtype=bool), values, dates, meta["channels"], str(path))
+    z = torch.tensor(scaled, dtype=torch.float32)
     starts = range(p.lookback, len(z) - p.horizon + 1)
     if len(starts) == 0:
         raise ConfigError(f"{path}: {len(z)} usable rows, too few for one window of lookback {p.lookback} + horizon "
                           f"{p.horizon}")
     protocol = (f"{f.name} {str(dates[0])[:10]}..{str(dates[-1])[:10]}, {len(meta['channels'])} channels, lookback "
                 f"{p.lookback}, horizon {p.horizon}, every window (stride 1) inside the file, z-scored with the run's "
-                f"train statistics{' of log prices' if norm['transform'] == 'log' else ''}")
+                f"train statistics{' of log prices' if norm['transform'] == 'log' else ''}{_seen(meta, dates, starts)}")
     return Windows(z, starts, p.lookback, p.horizon, [str(d) for d in dates]), \
         dict(Counter(st for _, st in status)), f, protocol

@@ -48,12 +48,21 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
             if isinstance(chosen.get("step"), int):
                 best[name] = chosen["step"]
             if source == 2 and key == metric:
-                for k, v in (evals[-1] if evals else {}).items():
-                    if k.endswith(f"_{metric}") and not k.startswith("period_") and isinstance(v, (int, float)):
-                        baselines[f"{k[:-len(metric) - 1]}{'' if len(runs) == 1 else f' ({name})'}"] = v
+                for b, v in baselines_of(evals[-1] if evals else {}, metric).items():
+                    baselines[f"{b}{'' if len(runs) == 1 else f' ({name})'}"] = v
         if lines:
             out.append({"title": title, "key": key, "lines": lines, "best": best, "baselines": baselines})
     return out
+
+
+def baselines_of(row: dict, metric: str) -> dict[str, float]:
+    """The baselines' figures `NAME_METRIC` of one evaluation, on the model's scale: a NAME that others qualify
+    (price, in persistence_price_mse) is a scale of the model's own (price_mse), not a baseline, and is left out
+    with the baselines it qualifies."""
+    found = {k[:-len(metric) - 1]: v for k, v in row.items()
+             if k.endswith(f"_{metric}") and not k.startswith("period_") and isinstance(v, (int, float))}
+    scales = {q for q in found if any(other.endswith(f"_{q}") for other in found)}
+    return {b: v for b, v in found.items() if b not in scales and not any(b.endswith(f"_{q}") for q in scales)}
 
 
 def default_out(run_dirs: list[str | Path]) -> Path:

@@ -95,6 +95,9 @@ class PricesTask:
         if cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: the prices task has no vocabulary; use 0")
         P.check_source(cfg)
+        directory = self.prepare(cfg)  # a csv is read in seconds: a split training needs that is too short for one
+        for split in ("train", "validation"):  # window is refused here, before a run directory or a rank exists
+            P.windows(cfg, directory, split)
 
     def prepare(self, cfg: RunConfig) -> Path:
         return P.prepare(cfg)
@@ -229,17 +232,26 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
     for the mean over windows of (the model's squared error - the reference's), blocks of H windows (windows at
     stride 1 share up to H - 1 targets, so their errors are correlated), in one line."""
     errors = ((model - y) ** 2).flatten(1).mean(1), ((reference - y) ** 2).flatten(1).mean(1)  # (n,) each
-    low, high = M.block_bootstrap_ci(errors[0] - errors[1], block=y.shape[1])
     mse, ref_mse = (e.mean().item() for e in errors)  # windows hold equally many values: the mean of the means
-    gain = M.skill(mse, ref_mse)
-    if gain >= 0:
-        line = f"the model beats {name}: its MSE is {_share(gain)} lower"
+    n, horizon = len(y), y.shape[1]
+    if not (math.isfinite(mse) and math.isfinite(ref_mse)):  # (no skill or interval: a figure is no NaN)
+        return {"verdict": f"no verdict: the model's or {name}'s errors are not finite"}
+    if ref_mse == 0:  # a flat stretch: persistence is exact, and no share of its MSE can be given
+        gain = {f"skill_vs_{name}": 0.0} if mse == 0 else {}
+        line = f"{name} is exact on these windows (MSE 0)" + (", and so is the model" if mse == 0 else
+                                                             f"; the model's MSE is {mse:.4g}")
     else:
-        line = f"{name} beats the model: the model's MSE is {_share(mse / ref_mse - 1)} higher"
+        gain = {f"skill_vs_{name}": M.skill(mse, ref_mse)}
+        line = f"the model beats {name}: its MSE is {_share(M.skill(mse, ref_mse))} lower" if mse <= ref_mse else \
+            f"{name} beats the model: the model's MSE is {_share(mse / ref_mse - 1)} higher"
+    if n < MIN_BLOCKS * horizon:  # so few distinct blocks to resample that the interval comes out too narrow
+        return gain | {"verdict": f"{line}; too few windows to judge significance ({n}, fewer than {MIN_BLOCKS} "
+                                  f"blocks of the horizon, {MIN_BLOCKS} x {horizon})"}
+    low, high = M.block_bootstrap_ci(errors[0] - errors[1], block=horizon)
     holds_zero = low <= 0 <= high
     line += (f"; {'not ' if holds_zero else ''}significant (the 95% block-bootstrap interval of the MSE difference, "
              f"[{low:.4g}, {high:.4g}], {'holds' if holds_zero else 'excludes'} 0)")
-    return {f"skill_vs_{name}": gain, "mse_difference_ci_low": low, "mse_difference_ci_high": high, "verdict": line}
+    return gain | {"mse_difference_ci_low": low, "mse_difference_ci_high": high, "verdict": line}
 
 
 def _share(x: float) -> str:
@@ -273,13 +285,14 @@ def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, win
     out, ahead, ahead_sig, behind_sig = {"periods": k}, 0, 0, 0
     for i, idx in enumerate(torch.tensor_split(torch.arange(n), k), 1):
         v = verdict(model[idx], reference[idx], y[idx])
-        ahead += v["skill_vs_persistence"] >= 0  # as `verdict` words it: a tie is not persistence's
-        ahead_sig += v["mse_difference_ci_high"] < 0  # the model's errors significantly smaller
-        behind_sig += v["mse_difference_ci_low"] > 0
+        ahead += v.get("skill_vs_persistence", -1) >= 0  # as `verdict` words it: a tie is not persistence's
+        ahead_sig += v.get("mse_difference_ci_high", 1) < 0  # the model's errors significantly smaller
+        behind_sig += v.get("mse_difference_ci_low", -1) > 0
         out |= {f"period_{i}_windows": len(idx), f"period_{i}_mse": ((model[idx] - y[idx]) ** 2).mean().item(),
                 f"period_{i}_persistence_mse": ((reference[idx] - y[idx]) ** 2).mean().item(),
-                f"period_{i}_skill_vs_persistence": v["skill_vs_persistence"],
                 f"period_{i}_verdict": f"targets {windows.targets(int(idx[0]), int(idx[-1]))}: {v['verdict']}"}
+        if "skill_vs_persistence" in v:
+            out[f"period_{i}_skill_vs_persistence"] = v["skill_vs_persistence"]
     out |= {"periods_model_ahead": ahead, "periods_model_ahead_significant": ahead_sig,
             "periods_persistence_ahead_significant": behind_sig,
             "periods_verdict": f"rolling origin over {k} periods (the model fixed): the model beats persistence in "
