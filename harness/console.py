@@ -17,8 +17,28 @@ def progress(iterable=None, *, every: float = 30.0, **kwargs):
     from tqdm.auto import tqdm
 
     if on_terminal():
-        return tqdm(iterable, mininterval=1.0, dynamic_ncols=True, file=sys.stderr, **kwargs)
+        kind = _relayed(tqdm) if os.environ.get(STDERR_TTY_ENV) else tqdm
+        return kind(iterable, mininterval=1.0, dynamic_ncols=True, file=sys.stderr, **kwargs)
     return _lines()(iterable, mininterval=every, ncols=100, file=sys.stderr, **kwargs)
+
+
+def write(line: str) -> None:
+    """A line between a bar's redraws (an evaluation's figures)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr if os.environ.get(STDERR_TTY_ENV) else None)
+
+
+def _relayed(base):
+    class Relayed(base):
+        """Under `harness launch` the bar reaches the terminal through the launcher's relay of stderr, while stdout
+        goes straight there: a line tqdm writes to stdout lands in the middle of the bar, so lines go where it goes."""
+
+        @classmethod
+        def write(cls, s, file=None, end="\n", nolock=False):
+            super().write(s, file=file or sys.stderr, end=end, nolock=nolock)
+
+    return Relayed
 
 
 def _lines():

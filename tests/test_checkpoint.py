@@ -242,11 +242,15 @@ def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, mo
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     # a huge learning rate, warmed up slowly, drives the weights to inf after a few finite steps
-    run = harness(tmp_path / "run", corpus, ds="zero0.json", check=False,
+    run = harness(tmp_path / "run", corpus, ds="zero0.json", check=False, env={"WANDB_MODE": "offline"},
                   sets=["train.max_steps=40", "train.save_every=1", "optimizer.lr=1e6", "train.grad_clip=0.0",
                         "schedule.warmup_steps=1000", "schedule.kind=\"constant\"", "train.max_nonfinite_steps=3",
-                        "train.keep_checkpoints=40"])
+                        "train.keep_checkpoints=40", "logging.backend=\"wandb\""])
     assert run.proc.returncode == 3, run.proc.stderr[-2000:]
+    from test_logging import wandb_records
+
+    (record,) = list((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B lists it failed, not finished
+    assert [r.exit.exit_code for r in wandb_records(record) if r.HasField("exit")] == [3]
     assert "non-finite for 3 consecutive steps" in run.proc.stderr
     assert run.proc.stderr.rstrip().endswith("Lower optimizer.lr or check the data")  # an fp32 run: no fp16 advice
     losses = run.losses

@@ -38,6 +38,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
                                                            "run.name=\"tiny\"", "logging.project=\"proj\""])
     files = list((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, list(run.dir.rglob("*"))
+    assert [r.exit.exit_code for r in wandb_records(files[0]) if r.HasField("exit")] == [0]  # finished
+    assert f"logging: W&B offline into {run.dir / 'wandb'}" in run.proc.stdout
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in wandb_records(files[0]) if r.WhichOneof("record_type") == "history"]
     train = [h for h in history if "train/loss" in h]
@@ -65,10 +67,34 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     runs = sorted((run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     newer = {next(r.run for r in wandb_records(f) if r.WhichOneof("record_type") == "run").run_id for f in runs}
     assert len(runs) == 3 and len(newer - ids) == 1, (runs, newer)
-    # a tracker that cannot start (a project name W&B refuses): one line, and the run goes on with its jsonl record
-    refused = harness(tmp_path / "refused", corpus, env=env, sets=["logging.backend=\"wandb\"", "train.max_steps=2",
-                                                                   "logging.project=\"a/b\""])
+    # a tracker that cannot start (a mode W&B refuses): one line, and the run goes on with its jsonl record
+    refused = harness(tmp_path / "refused", corpus, env={**env, "WANDB_MODE": "bogus"},
+                      sets=["logging.backend=\"wandb\"", "train.max_steps=2"])
     assert "harness: logging.backend wandb: start failed (" in refused.proc.stderr and len(refused.metrics) == 2
+    # a key, but no server answers: W&B's record kept offline, said in one line (it waited 90 s, then dropped W&B)
+    unreachable = {**env, "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "5"}
+    cut_off = harness(tmp_path / "cut_off", corpus, env=unreachable, sets=["logging.backend=\"wandb\"",
+                                                                         "train.max_steps=2"])
+    assert "harness: logging.backend wandb: could not start online (" in cut_off.proc.stderr
+    assert "logging offline instead" in cut_off.proc.stderr and "start failed" not in cut_off.proc.stderr
+    offline = list((cut_off.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and [r.history for r in wandb_records(offline[0]) if r.HasField("history")]
+
+
+def test_lines_go_where_the_bar_goes(monkeypatch, capsys):
+    """Under `harness launch` the bar reaches the terminal through the relay of stderr: an evaluation's line on stdout
+    landed in the middle of it. Elsewhere lines stay on stdout."""
+    from harness import console
+
+    for relayed, stream in (("1", "err"), ("", "out")):
+        monkeypatch.setenv(console.STDERR_TTY_ENV, relayed)
+        bar = console.progress(total=3, desc="train")
+        bar.write("step 2: update skipped")
+        console.write("eval step 3: loss 1")
+        bar.close()
+        said = capsys.readouterr()
+        assert "step 2: update skipped\n" in getattr(said, stream) and "eval step 3: loss 1\n" in getattr(said, stream)
+        assert "eval step" not in getattr(said, "out" if stream == "err" else "err")
 
 
 def test_a_log_gets_plain_progress_lines_and_deepspeed_s_chatter_stays_in_the_run(tmp_path, corpus):
@@ -93,7 +119,7 @@ def test_tensorboard_backend_writes_event_files(tmp_path, corpus):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
 
-def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus):
+def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus, capsys):
     import shutil
 
     from harness.cli import main
@@ -136,3 +162,14 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert marked["validation mse"]["baselines"] == {"persistence": 0.44, "drift": 0.5, "copy_source": 0.9}
     assert marked["training loss"]["best"] == {}
     assert main(["plot", str(priced)]) == 0 and (priced / PLOT_FILE).read_bytes()[:4] == b"\x89PNG"
+    # refused before drawing, in one line: runs of other tasks on one axis, an --out that names no PNG file
+    (priced / "config.toml").write_text((priced / "config.toml").read_text().replace('task = "lm"', 'task = "prices"'))
+    assert main(["plot", str(run.dir), str(priced), "--out", str(out)]) == 2
+    assert "runs of different tasks (lm: " in capsys.readouterr().err
+    for bad in ("curves.txt", "no_suffix", "."):
+        assert main(["plot", str(run.dir), "--out", str(tmp_path / bad)]) == 2
+        assert "name a .png file to draw into" in capsys.readouterr().err
+    (priced / "best.json").write_text("[6]")  # files that do not read as a run's: left out, not a traceback
+    with (priced / "eval.jsonl").open("a") as f:
+        f.write(json.dumps({"loss": 0.1}) + "\n")
+    assert main(["plot", str(priced)]) == 0

@@ -57,6 +57,14 @@ def _directory(key: str, value: Any) -> Any:
     return value
 
 
+def _project(key: str, value: Any) -> Any:
+    """W&B's rules for a project name (wandb_settings.validate_project, wandb 0.19-0.31): refused before launch, not
+    by the tracker once the run has started (which then goes on without it)."""
+    if isinstance(value, str) and (not value.strip() or len(value) > 128 or set(value) & set("/\\#?%:")):
+        raise ValueError(f"{value!r} is not a W&B project name (1-128 characters, none of / \\ # ? % :)")
+    return value
+
+
 @dataclass(frozen=True)
 class RunSection:
     task: str = setting("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
@@ -197,7 +205,7 @@ class ScheduleSection:
 class LoggingSection:
     backend: str = setting("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
                            "is configured", ("wandb", "tensorboard", "none"))
-    project: str = setting("harness", "tracker project name")
+    project: str = setting("harness", "tracker project name", parse=_project)
     plots: bool = setting(True, "draw RUN/curves.png at the end of the run: training loss, learning rate, validation "
                           "loss and the task's metric against the step (`harness plot` overlays runs)")
 

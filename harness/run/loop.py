@@ -21,6 +21,7 @@ from ..config.run import (  # raised here, caught by the CLI
     run_steps,
     warmup_note,
 )
+from .. import console
 from ..console import progress
 from ..data.corpus import is_corpus
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
@@ -319,7 +320,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
         if ledger.give_up or (step == run.max_steps and ledger.bad_weights):  # no export of suspect weights, nor
-            _give_up(run, ledger)                                              # exit 0 after a non-finite loss
+            _give_up(run, ledger, progress)                                    # exit 0 after a non-finite loss
         improved = False
         if evaluating and not ledger.signal:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,
@@ -333,7 +334,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             _save(run, step, result, progress)
         if ledger.signal:
             progress.close()
-            run.tracker.close()  # no curves: a scheduler's kill follows its signal, and the exit code must come first
+            run.tracker.close(EXIT_PREEMPTED)  # no curves: a scheduler's kill follows its signal, and the exit code
+            # must come first
             raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
                             f"{checkpoint.resume_hint(run.checkpoints)}")
     progress.close()
@@ -367,15 +369,18 @@ def _stepper(run: Run, teardown: contextlib.ExitStack) -> tuple:
     return steps, ledger, progress, compiled
 
 
-def _give_up(run: Run, ledger: Ledger) -> None:
+def _give_up(run: Run, ledger: Ledger, progress) -> None:
     """Too many non-finite steps in a row: stop, naming the last good checkpoint (the weights that produced the first
     non-finite loss were saved, if at all, one step before it)."""
     first_bad = ledger.step - ledger.nonfinite + 1
+    saved = run.world.is_main and any(checkpoint.complete(run.checkpoints))
     good = checkpoint.rewind_latest(run.checkpoints, first_bad - 2) if run.world.is_main else None
-    run.tracker.close()
+    run.tracker.close(exit_code=3)
+    progress.close()  # the bar's last line before the curves' and the error's
     _draw_curves(run)  # where the loss went, when it matters most
     kept = f"{good} (--resume auto takes it)" if good else \
-        "none (later ones are set aside as step_*.bad; --overwrite starts again)"
+        f"none ({'later ones are set aside as step_*.bad; ' if saved else 'the run saved none; '}--overwrite starts " \
+        f"again)"
     fp16 = run.plan.ds.precision == "fp16"
     advice = "Lower optimizer.lr, check the data, or use bf16 instead of fp16" if fp16 else \
         "Lower optimizer.lr or check the data"
@@ -431,7 +436,7 @@ def _select(selection: Selection, metrics: dict, step: int, plan: Plan, world: W
     try:
         improved = selection.update(metrics, step, savable, final)
     except ConfigError:  # the metric named is not among those evaluated
-        tracker.close()
+        tracker.close(exit_code=2)
         raise
     if world.is_main:
         selection.record(plan.run_dir)
@@ -469,10 +474,8 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
     if metrics:
         tracker.log({"step": step, **metrics}, file="eval.jsonl")
         if world.is_main:
-            from tqdm.auto import tqdm
-
-            tqdm.write(f"eval step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()
-                                                         if not isinstance(v, str)))
+            console.write(f"eval step {step}: " + ", ".join(f"{k} {v:.6g}" for k, v in metrics.items()
+                                                            if not isinstance(v, str)))
     return metrics
 
 

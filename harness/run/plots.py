@@ -10,10 +10,11 @@ figure `NAME_METRIC`, e.g. persistence_mse, copy_source_bleu) as dashed lines at
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-from ..config.run import ConfigError
+from ..config.run import ConfigError, tomllib
 from .tracking import read_jsonl
 
 PLOT_FILE = "curves.png"
@@ -40,11 +41,11 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
         for run_dir, metrics, evals in runs:
             name = run_dir.name if len(runs) == 1 else str(run_dir)
             rows = metrics if source == 1 else evals
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            points = [(r["step"], r[key]) for r in rows
+                      if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), (int, float))]
             if points:
                 lines[name] = points
-            chosen = json.loads((run_dir / "best.json").read_text()) if source == 2 and \
-                (run_dir / "best.json").is_file() else {}
+            chosen = _best(run_dir) if source == 2 else {}
             if isinstance(chosen.get("step"), int):
                 best[name] = chosen["step"]
             if source == 2 and key == metric:
@@ -53,6 +54,33 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
         if lines:
             out.append({"title": title, "key": key, "lines": lines, "best": best, "baselines": baselines})
     return out
+
+
+def _best(run_dir: Path) -> dict:
+    """RUN/best.json (the step train.select_best chose); {} where there is none, or none that reads as one."""
+    try:
+        chosen = json.loads((run_dir / "best.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return chosen if isinstance(chosen, dict) else {}
+
+
+def _check(run_dirs: list[str | Path], out: Path) -> None:
+    """What `plot` refuses before it draws: a run directory that is not there, runs of different tasks (their losses
+    and metrics on different scales, on one axis), an --out that names no PNG file."""
+    missing = [str(d) for d in run_dirs if not Path(d).is_dir()]
+    if missing:  # one run drawn without the other, silently, had looked like a comparison
+        raise ConfigError(f"no such run directory: {', '.join(missing)}")
+    tasks: dict[str, list[str]] = {}
+    for d in run_dirs:
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):  # no readable config: not judged
+            tasks.setdefault(tomllib.loads((Path(d) / "config.toml").read_text())["run"]["task"], []).append(str(d))
+    if len(tasks) > 1:
+        which = "; ".join(f"{task}: {', '.join(dirs)}" for task, dirs in tasks.items())
+        raise ConfigError(f"runs of different tasks ({which}): their losses and metrics are on different scales; plot "
+                          f"each task's runs apart")
+    if out.is_dir() or out.suffix.lower() != ".png":
+        raise ConfigError(f"--out {out}: name a .png file to draw into")
 
 
 def baselines_of(row: dict, metric: str) -> dict[str, float]:
@@ -79,9 +107,8 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    missing = [str(d) for d in run_dirs if not Path(d).is_dir()]
-    if missing:  # one run drawn without the other, silently, had looked like a comparison
-        raise ConfigError(f"no such run directory: {', '.join(missing)}")
+    out = Path(out)
+    _check(run_dirs, out)
     panels = curves(run_dirs)
     if not panels:
         raise ConfigError(f"nothing to draw: no metrics.jsonl or eval.jsonl with figures in "
@@ -105,8 +132,11 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=90)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write it ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return out

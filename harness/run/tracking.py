@@ -2,10 +2,11 @@
 (Weights & Biases or TensorBoard). Rank 0 only; the other ranks get a tracker that does nothing.
 
 W&B runs online when an API key is configured (WANDB_API_KEY or a netrc entry), otherwise offline with its
-files under RUN/wandb/ (`wandb sync` uploads them later); WANDB_MODE, when set, always wins. Nothing here
-waits on the network. A tracker that fails is dropped with one line and the run goes on: SLURM sends SIGTERM to
-every process of a job it cancels, wandb's background process among them, and the run must still stop with its
-checkpoint; the jsonl files keep the whole record.
+files under RUN/wandb/ (`wandb sync` uploads them later); WANDB_MODE, when set, always wins. Online, it waits
+WANDB_INIT_TIMEOUT (default here 30 s) for the server, then logs offline instead, saying so. A tracker that fails
+is dropped with one line and the run goes on: SLURM sends SIGTERM to every process of a job it cancels, wandb's
+background process among them, and the run must still stop with its checkpoint; the jsonl files keep the whole
+record. A run that stops with an exit code ends its W&B run with it (failed or preempted, not finished).
 """
 from __future__ import annotations
 
@@ -91,20 +92,45 @@ class Tracker:
 
         name = cfg.run.name or run_dir.name
         if cfg.logging.backend == "wandb":
-            if "WANDB_MODE" not in os.environ and not wandb_has_key():
-                os.environ["WANDB_MODE"] = "offline"
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.backend = tracking.WandBTracker(  # the user's WANDB_RUN_ID and WANDB_RESUME win, as wandb says
-                cfg.logging.project, name=name, dir=str(run_dir),
-                id=os.environ.get("WANDB_RUN_ID") or wandb_id(run_dir, resumed),
-                resume=os.environ.get("WANDB_RESUME", "allow"))
+            self._start_wandb(cfg.logging.project, name, resumed)
         else:
             self.backend = tracking.TensorBoardTracker(name, str(run_dir / "tensorboard"))
-        self._call("start")  # e.g. a W&B project name it refuses, an unwritable folder: one line, and on without it
+            self._call("start")  # an unwritable folder: one line, and on without it
         config = {k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v)  # TensorBoard's hparams: scalars
                   for k, v in {**flatten(cfg.to_dict()), **(layout or {})}.items()}
         if self.backend is not None:
             self._call("store_init_configuration", config)
+
+    def _start_wandb(self, project: str, name: str, resumed: bool) -> None:
+        """W&B's run, online where a key is configured and the server answers in WANDB_INIT_TIMEOUT, else offline
+        into RUN/wandb; its mode and folder said in one line."""
+        import wandb
+        from accelerate import tracking
+
+        if "WANDB_MODE" not in os.environ and not wandb_has_key():
+            os.environ["WANDB_MODE"] = "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_INIT_TIMEOUT", "30")  # wandb's own 90 s of silence before a run's first step
+        run_id = os.environ.get("WANDB_RUN_ID") or wandb_id(self.run_dir, resumed)  # the user's id and resume win
+
+        def start(say: bool) -> Exception | None:
+            self.backend = tracking.WandBTracker(project, name=name, dir=str(self.run_dir), id=run_id,
+                                                 resume=os.environ.get("WANDB_RESUME", "allow"))
+            return self._call("start", say=say)  # e.g. a project name W&B refuses: one line, and on without it
+
+        online = os.environ.get("WANDB_MODE", "online") in ("online", "run", "shared")
+        failed = start(say=not online)
+        if failed is not None and online:  # no network, or a server that does not answer: keep the record offline
+            with contextlib.suppress(Exception):
+                wandb.teardown()  # the failed run holds its id in wandb's service until then
+            os.environ["WANDB_MODE"] = "offline"
+            print(f"harness: logging.backend wandb: could not start online ({type(failed).__name__}: "
+                  f"{(str(failed).splitlines() or [''])[0]}); logging offline instead", file=sys.stderr, flush=True)
+            start(say=True)
+        if self.backend is not None and os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+            print(f"logging: W&B offline into {self.run_dir / 'wandb'} (`wandb sync` uploads it)", flush=True)
+        elif self.backend is not None:
+            print(f"logging: W&B online, project {project}, run {run_id}", flush=True)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
@@ -132,20 +158,30 @@ class Tracker:
             values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
             self._call("log", values, step=record["step"])
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """`exit_code`: the run's, where it stops with one (W&B then lists it as failed, not finished)."""
         for f in self.files.values():
             with contextlib.suppress(OSError):  # a write that failed is said where it failed (`log`)
                 f.close()
         self.files.clear()
         if self.backend is not None:
-            self._call("finish")
+            if exit_code and self.backend.name == "wandb":
+                self._call(self.backend.run.finish, exit_code=exit_code)
+            else:
+                self._call("finish")
             self.backend = None
 
-    def _call(self, method: str, *args, **kwargs) -> None:
+    def _call(self, method, *args, say: bool = True, **kwargs) -> Exception | None:
+        """The backend's `method` (a name, or a function), or the exception it raised, the backend then dropped
+        (`say`: with one line)."""
         try:
-            getattr(self.backend, method)(*args, **kwargs)
+            (method if callable(method) else getattr(self.backend, method))(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - whatever the tracker raises, the run's own record is the jsonl files
-            print(f"harness: logging.backend {self.backend.name}: {method} failed ({type(e).__name__}: {e}); going on "
-                  f"without it (metrics.jsonl and eval.jsonl in {self.run_dir} keep the record)", file=sys.stderr,
-                  flush=True)
+            if say:
+                what = getattr(method, "__name__", method)
+                print(f"harness: logging.backend {self.backend.name}: {what} failed ({type(e).__name__}: {e}); going "
+                      f"on without it (metrics.jsonl and eval.jsonl in {self.run_dir} keep the record)",
+                      file=sys.stderr, flush=True)
             self.backend = None
+            return e
+        return None
