@@ -45,22 +45,25 @@ def _lines():
     from tqdm import tqdm
 
     class Lines(tqdm):
-        """Each refresh one plain line; a bar that leaves nothing behind (leave=False) leaves no empty line."""
+        """Each refresh one plain line. At the end the last line, unless one at the same count was just written; a
+        bar that leaves nothing behind (leave=False) says where it ended too if it said where it began."""
+        shown: int | None = None  # the count of the last line written
 
         def display(self, msg=None, pos=None):
             if msg == "":  # tqdm's "clear the line": nothing to clear in a log (False: no "\r" either)
                 return False
             self.fp.write((msg or self.__str__()) + "\n")
             self.fp.flush()
+            self.shown = self.n
             return True
 
         def clear(self, nolock=False):  # around tqdm.write's lines (the evaluations): nothing drawn to clear
             pass
 
         def close(self):  # tqdm ends a bar it leaves with a newline of its own: the last line alone instead
-            if not self.disable and self.leave:
-                self.leave = False
+            if not self.disable and (self.leave or self.shown is not None) and self.shown != self.n:
                 self.display()
+            self.leave = False
             super().close()
 
     return Lines

@@ -81,6 +81,23 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     assert len(offline) == 1 and [r.history for r in wandb_records(offline[0]) if r.HasField("history")]
 
 
+def test_a_log_s_progress_lines_say_where_a_bar_ended_once(monkeypatch, capsys):
+    """In a log: a bar's last line once (a stop printed it twice), and a bar that leaves nothing (an evaluation's)
+    still says where it ended once it said where it began (it showed 0/29 only)."""
+    from harness import console
+
+    monkeypatch.delenv(console.STDERR_TTY_ENV, raising=False)
+    train = console.progress(total=4, desc="train", every=1000)
+    train.update(4)
+    train.refresh()
+    train.close()
+    scoring = console.progress(total=29, desc="scoring", leave=False, every=1000)
+    scoring.update(29)
+    scoring.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("|")[0] for line in lines] == ["train:   0%", "train: 100%", "scoring:   0%", "scoring: 100%"]
+
+
 def test_lines_go_where_the_bar_goes(monkeypatch, capsys):
     """Under `harness launch` the bar reaches the terminal through the relay of stderr: an evaluation's line on stdout
     landed in the middle of it. Elsewhere lines stay on stdout."""
