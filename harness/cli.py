@@ -595,7 +595,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed's launch.py puts --local_rank=N first unless its runner was given --no_local_rank (accelerate gives it
+    # for pdsh and the MPI launchers, not for nossh); it sets LOCAL_RANK too, which the rank reads, as under torchrun
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank=")]
     quiet_deepspeed()
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
         from .launcher import main as launch

@@ -82,8 +82,8 @@ def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> 
     raw, saved = read_config(file, who) if file else ({}, {})
 
     def where(name: str) -> str:  # where a setting came from, for a refusal
-        return f"--{name}" if given.get(name) is not None else f"{name} in {file}" if name in raw else \
-            f"{name} (accelerate's default)"
+        return f"--{name}" if given.get(name) is not None else f"{name} in {file}" if name in raw or name in (
+            raw.get("deepspeed_config") or {}) else f"{name} (accelerate's default)"
 
     ds = saved.get("deepspeed_config") or {}
     processes = args.num_processes if args.num_processes is not None else saved.get("num_processes", 1)
@@ -149,12 +149,57 @@ def _check_machines(args, processes: int, where, who: str) -> None:
         raise ConfigError(f"{who}: {where('num_processes')} = {processes} is not a multiple of {where('num_machines')} "
                           f"= {machines}: it is the total over all machines, and accelerate would start "
                           f"{processes // machines} on each")
-    # DeepSpeed's own multi-node launchers (pdsh, accelerate's default, and the MPI ones) find the first host in the
-    # hostfile; torchrun's rendezvous, static or c10d, waits for ever for a host named None
-    runner = _multinode_launcher(args) not in (None, "standard")
-    if machines > 1 and not args.main_process_ip and not runner:
+    port = args.main_process_port
+    if port is not None and not 0 <= port <= 65535:  # torchrun's ValueError, from inside the launch
+        raise ConfigError(f"{who}: {where('main_process_port')} = {port}: a port is 0 to 65535")
+    # DeepSpeed's own multi-node launchers (pdsh, accelerate's default, nossh and the MPI ones) read the hosts from
+    # the hostfile, and find the first one's address over ssh where none is given (nossh too); torchrun's
+    # rendezvous, static or c10d, waits (900 s) for a host named None
+    launcher = _multinode_launcher(args)
+    runner = launcher not in (None, "standard")
+    if machines > 1 and runner:
+        _check_hostfile(args.deepspeed_hostfile, machines, processes // machines, args, where, who)
+    if machines > 1 and not args.main_process_ip and launcher in (None, "standard", "nossh"):
         raise ConfigError(f"{who}: {where('num_machines')} = {machines} needs --main_process_ip (or main_process_ip in "
-                          f"the config file): the address of machine rank 0, where torchrun's rendezvous meets")
+                          f"the config file): the address of machine rank 0, where the ranks meet")
+    if machines > 1 and port == 0:  # each machine would pick a free port of its own, and never meet
+        raise ConfigError(f"{who}: {where('main_process_port')} = 0 (a free port picked on each machine) with "
+                          f"{machines} machines: they would each wait at a port of their own; name one port")
+    if machines > 1 and rank > 0 and not runner:  # an address no machine answers to: c10d's warnings, then a timeout
+        try:
+            socket.getaddrinfo(args.main_process_ip, None)
+        except OSError as e:
+            raise ConfigError(f"{who}: {where('main_process_ip')} = {args.main_process_ip!r}: no such host from this "
+                              f"machine ({e.strerror or e})") from None
+
+
+HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's (launcher/runner.py, _parse_hostfile, 0.14-0.19)
+
+
+def _check_hostfile(path, machines: int, per_machine: int, args, where, who: str) -> None:
+    """DeepSpeed's launchers take the world from the hostfile, whatever num_machines says: without one it trains
+    on this machine alone, with more hosts on all of them; a host's slots are not checked against --num_gpus."""
+    named = f"{where('deepspeed_hostfile')} = {path}"
+    try:
+        lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    except (OSError, TypeError) as e:
+        raise ConfigError(f"{who}: {named}: cannot read it ({getattr(e, 'strerror', None) or e}); DeepSpeed would "
+                          f"train on this machine alone") from None
+    hosts: dict[str, int] = {}
+    for line in (x for x in lines if x and not x.startswith("#")):
+        match = HOST_LINE.match(line)
+        if not match or match.group(1) in hosts:
+            why = "a second line for its host" if match else "not HOST slots=N"
+            raise ConfigError(f"{who}: {named}: line {line!r} is {why}")
+        hosts[match.group(1)] = int(match.group(2))
+    filtered = args.deepspeed_inclusion_filter or args.deepspeed_exclusion_filter
+    if not filtered and len(hosts) != machines:
+        raise ConfigError(f"{who}: {named} lists {len(hosts)} host(s), {where('num_machines')} = {machines}: DeepSpeed "
+                          f"starts ranks on every host it lists")
+    short = {h: n for h, n in hosts.items() if n < per_machine}
+    if short and not filtered:
+        raise ConfigError(f"{who}: {named} gives {', '.join(f'{h} slots={n}' for h, n in short.items())}, fewer than "
+                          f"the {per_machine} processes each machine starts (num_processes / num_machines)")
 
 
 def _deepspeed_env(args, defaults, who: str) -> dict[str, str]:
@@ -242,8 +287,12 @@ def check_gpus_per_process(settings: dict) -> None:
     if not gpus:
         return
     ids, visible = settings["gpu_ids"], os.environ.get("CUDA_VISIBLE_DEVICES")
-    listed = [v for v in (ids or visible or "").split(",") if v.strip()]  # MIG-... entries counted as they are
-    usable, seen = (len(listed), f"gpu_ids = {ids}" if ids else f"CUDA_VISIBLE_DEVICES = {visible}") if listed else \
+    listed = [v.strip() for v in (ids or visible or "").split(",") if v.strip()]  # MIG-... entries counted as they are
+    seen = f"gpu_ids = {ids}" if ids else f"CUDA_VISIBLE_DEVICES = {visible}"
+    if len(set(listed)) < len(listed):  # NCCL's "Duplicate GPU detected", once every rank has started
+        raise ConfigError(f"harness launch: {seen} names a GPU twice: each process needs a GPU of its own")
+    # nvidia-smi's count has CUDA_VISIBLE_DEVICES applied: numbers it lists past this machine's GPUs are not counted
+    usable, seen = (gpus if not ids and all(v.isdigit() for v in listed) else len(listed), seen) if listed else \
         (gpus, "nvidia-smi")
     if settings["per_machine"] > usable:
         raise ConfigError(f"harness launch: {settings['per_machine']} processes on this machine and {usable} GPUs for "

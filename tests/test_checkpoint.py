@@ -325,6 +325,9 @@ def test_threads_follow_the_cpus_this_process_may_use(monkeypatch):
         assert cpu_threads() == "1 (6 CPUs this process may use, 4 ranks on the node)" and torch.get_num_threads() == 1
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         assert cpu_threads() == "6 (6 CPUs this process may use, 1 rank on the node)"
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        monkeypatch.setenv("LOCAL_SIZE", "3")  # DeepSpeed's launcher (pdsh, nossh) sets this one only
+        assert cpu_threads() == "2 (6 CPUs this process may use, 3 ranks on the node)"
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
         assert cpu_threads() == "3 (OMP_NUM_THREADS)"
@@ -446,7 +449,8 @@ def test_a_run_resumed_shorter_on_fewer_processes_follows_its_own_schedule_and_s
     assert [lr[k] for k in (5, 6)] == pytest.approx([m["lr"] for m in six.metrics][4:6], rel=1e-12)
     assert "the lr follows this run's schedule (its length and [schedule]) from step 5; lr there " \
            f"{lr[5]:.3g} (the checkpoint's run: " in resumed.proc.stdout, resumed.proc.stdout[-2000:]
-    batch = re.search(r"note: global batch (\d+), where the checkpoint's run had (\d+): ", resumed.proc.stdout)
+    batch = re.search(r"note: global batch (\d+), where the checkpoint's run had (\d+): the data goes on from the "
+                      r"samples read ", resumed.proc.stdout)
     assert batch and 2 * int(batch[1]) == int(batch[2]), resumed.proc.stdout[-2000:]
 
 

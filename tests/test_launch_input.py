@@ -97,6 +97,13 @@ MACHINES = [
      "--machine_rank = 5 with --num_machines = 2: must be 0 to 1"),
     ("rank-of-one-machine", {"machine_rank: 0": "machine_rank: 3"}, [],
      "machine_rank in {file} = 3 with num_machines in {file} = 1: must be 0"),
+    ("port-picked-on-each-machine", {}, ["--num_machines", "2", "--main_process_ip", "127.0.0.1"],
+     "main_process_port in {file} = 0 (a free port picked on each machine) with 2 machines"),
+    ("port-out-of-range", {"main_process_port: 0 ": "main_process_port: 70000 "}, [],
+     "main_process_port in {file} = 70000: a port is 0 to 65535"),
+    ("address-no-machine-answers", {}, ["--num_machines", "2", "--main_process_ip", "no-such-host.invalid",
+                                        "--main_process_port", "29500", "--machine_rank", "1"],
+     "--main_process_ip = 'no-such-host.invalid': no such host from this machine"),
 ]
 
 
@@ -114,22 +121,46 @@ def test_machines_that_cannot_start_as_planned_are_refused(edits, options, said,
     assert said.format(file=file) in str(refused.value)
 
 
-def test_the_shipped_multi_node_launches_are_still_accepted():
+def test_the_shipped_multi_node_launches_are_still_accepted(tmp_path):
     """launch/slurm.sbatch's options on node 1, and DeepSpeed's pdsh launcher, which finds its hosts in the
     hostfile (no main_process_ip)."""
     slurm = launch_settings(["--config_file", str(LAUNCH / "multi_node.yaml"), "--rdzv_backend", "c10d",
                              "--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port", "29511",
                              "--num_machines", "2", "--num_processes", "4"])
     assert (slurm["num_processes"], slurm["machine_rank"]) == (4, 1)
-    hostfile = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml")]
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("# the shipped example's hosts\nnode-001 slots=8\n\nnode-002 slots=8\n")
+    hostfile = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml"), "--deepspeed_hostfile", str(hosts)]
     assert launch_settings(hostfile, "harness plan")["num_processes"] == 16
     # harness launch cannot watch ranks that pdsh starts on other hosts: the command that can is named
-    nossh = [*hostfile, "--deepspeed_multinode_launcher", "nossh"]  # each node starts its own: harness launch's
-    assert launch_settings(nossh)["runner"] is False
+    nossh = [*hostfile, "--deepspeed_multinode_launcher", "nossh", "--main_process_ip", "127.0.0.1"]
+    assert launch_settings(nossh)["runner"] is False  # each node starts its own: harness launch's
     with pytest.raises(ConfigError, match=r"deepspeed_multinode_launcher = pdsh starts .* rm -f \.deepspeed_env; "
-                                          r"accelerate launch --config_file \S+deepspeed_hostfile\.yaml -m harness "
-                                          r"train --run R\.toml$"):
+                                          r"accelerate launch --config_file \S+deepspeed_hostfile\.yaml "
+                                          r"--deepspeed_hostfile \S+ -m harness train --run R\.toml$"):
         launcher_main([*hostfile, "train", "--run", "R.toml"], None)
+
+
+@pytest.mark.parametrize("text,options,said", [
+    (None, [], "deepspeed_hostfile in {yaml} = {file}: cannot read it (No such file or directory); DeepSpeed would "
+               "train on this machine alone"),
+    ("node-001 slots=8\nnode-002 slot=8\n", [], "line 'node-002 slot=8' is not HOST slots=N"),
+    ("node-001 slots=8\nnode-001 slots=8\n", [], "line 'node-001 slots=8' is a second line for its host"),
+    ("a slots=8\nb slots=8\nc slots=8\n", [], "lists 3 host(s), num_machines in {yaml} = 2: DeepSpeed starts ranks "
+                                              "on every host it lists"),
+    ("a slots=8\nb slots=4\n", [], "gives b slots=4, fewer than the 8 processes each machine starts"),
+    ("a slots=8\nb slots=8\n", ["--deepspeed_multinode_launcher", "nossh"], "needs --main_process_ip"),
+])
+def test_a_hostfile_deepspeed_would_read_otherwise_is_refused(text, options, said, tmp_path):
+    """DeepSpeed's launchers take the world from the hostfile: without one they trained on this machine alone (exit
+    0, a world of 1), with another host count on every host it lists; a bad line failed inside DeepSpeed."""
+    yaml = tmp_path / "accelerate.yaml"
+    yaml.write_text((LAUNCH / "deepspeed_hostfile.yaml").read_text().replace("launch/hostfile", str(tmp_path / "h")))
+    if text is not None:
+        (tmp_path / "h").write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        launch_settings(["--config_file", str(yaml), *options], "harness plan")
+    assert said.format(yaml=yaml, file=tmp_path / "h") in str(refused.value)
 
 
 def test_a_runs_lock_is_judged_on_the_first_node_alone(tmp_path, monkeypatch):
@@ -173,6 +204,11 @@ def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(m
     check_gpus_per_process(launch_settings([*node, "--num_processes", "8"]))
     with pytest.raises(ConfigError, match=r"4 processes on this machine and 2 GPUs for them \(gpu_ids = 0,1\)"):
         check_gpus_per_process(launch_settings([*node, "--num_processes", "8", "--gpu_ids", "0,1"]))
+    with pytest.raises(ConfigError, match=r"gpu_ids = 0,0 names a GPU twice"):
+        check_gpus_per_process(launch_settings([*node, "--num_processes", "4", "--gpu_ids", "0,0"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # 8 listed, 4 of them there (nvidia-smi's count)
+    with pytest.raises(ConfigError, match=r"8 processes on this machine and 4 GPUs for them \(CUDA_VISIBLE_DEVICES"):
+        check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
     monkeypatch.setattr(startup, "device_memory_bytes", lambda: [])  # no GPU: CPU processes, as many as asked
     check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
 

@@ -33,3 +33,31 @@ def test_two_nodes_match_two_processes_on_one_node(tmp_path, corpus, cached_run)
     two_nodes = Run(out, subprocess.CompletedProcess([], 0))
     one_node = cached_run("zero2-2p", nproc=2, ds="zero2.json", sets=["train.micro_batch_size=2"])
     assert_losses_close(two_nodes.losses, one_node.losses, 1e-6)
+
+
+def test_deepspeed_s_nossh_launcher_runs_two_nodes_from_the_hostfile(tmp_path, corpus, cached_run):
+    """DeepSpeed's nossh launcher, each node started by `harness launch` on its own with its node rank: the world
+    comes from the hostfile (two names of this machine), and each rank is given --local_rank=N (which `harness`
+    refused, so this launcher never ran)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+    out = tmp_path / "run"
+    train = ["train", "--ds", str(DS / "zero2.json")]
+    for item in [*TINY, "train.micro_batch_size=2", f"data.path={json.dumps(str(corpus))}",
+                 f"run.output_dir={json.dumps(str(out))}"]:
+        train += ["--set", item]
+    procs = [subprocess.Popen([python(), "-m", "harness", "launch", "--config_file",
+                               str(LAUNCH / "deepspeed_hostfile.yaml"), "--deepspeed_multinode_launcher", "nossh",
+                               "--deepspeed_hostfile", str(hostfile), "--machine_rank", str(machine_rank),
+                               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes",
+                               "2", *train], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for machine_rank in (1, 0)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr[-4000:]
+    assert "world 2 (data parallel 2)" in results[1][0]
+    one_node = cached_run("zero2-2p", nproc=2, ds="zero2.json", sets=["train.micro_batch_size=2"])
+    assert_losses_close(Run(out, subprocess.CompletedProcess([], 0)).losses, one_node.losses, 1e-6)

@@ -55,6 +55,31 @@ def test_sampler_covers_each_epoch_once_and_resumes_mid_run():
     assert other_seed != full[1][:2]
 
 
+@pytest.mark.parametrize("order", ["held", "lazy", "given"])
+def test_a_resume_with_another_global_batch_goes_on_from_the_samples_read(order):
+    """16 ranks' global batch of 16 for 4 steps, then 8 ranks' 8 (a requeue onto fewer nodes): the resumed steps read
+    the rest of the epoch once, then the next epoch (it placed step s at s x 8: the samples of steps 2-3 again). The
+    position a checkpoint keeps gives the uninterrupted steps where the batch stays."""
+    n, seed = 100, 4
+    first = StepSampler(n, 1, 1, 0, 16, seed, 0, 4, order=order)
+    read = torch.cat([first.step_indices(s).flatten() for s in range(4)])
+    position = first.place(4)
+    assert position == (0, 64)
+    after = StepSampler(n, 1, 1, 0, 8, seed, 4, 20, order=order, position=position)
+    rest = torch.cat([after.step_indices(s).flatten() for s in range(4, 8)])  # 96 - 64 samples: 4 steps of 8
+    if order == "given":
+        assert torch.equal(torch.cat([read, rest]), torch.arange(96))
+    else:
+        assert len(set(torch.cat([read, rest]).tolist())) == 96  # epoch 0 (96 of 100 at either batch) read once
+        assert after.place(8) == (1, 0) and torch.equal(after.step_indices(8).flatten(),
+                                                        StepSampler(n, 1, 1, 0, 8, seed, 0, 20, order=order)
+                                                        .step_indices(12).flatten())  # epoch 1's first step
+    same = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order, position=StepSampler(n, 2, 2, 1, 3, seed, 0, 5,
+                                                                                       order=order).place(5))
+    plain = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order)
+    assert all(torch.equal(same.step_indices(s), plain.step_indices(s)) for s in range(5, 30))
+
+
 def test_sampler_rejects_data_smaller_than_a_global_batch():
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         StepSampler(n=7, micro=2, accum=2, dp_rank=0, dp_size=2, seed=0, start_step=0, max_steps=1)

@@ -66,9 +66,11 @@ class StepSampler(Sampler[list[int]]):
 
     def __init__(self, n: int, micro: int, accum: int, dp_rank: int, dp_size: int, seed: int,
                  start_step: int, max_steps: int, lengths: list[int] | None = None, bucket: int = 0,
-                 order: str = "held"):
+                 order: str = "held", position: tuple[int, int] | None = None):
+        """`position`: where `start_step` takes up the data, as `place` gave it to a checkpoint (epoch, offset in
+        samples): a resume with another global batch goes on from the samples read, not from step x batch."""
         self.n, self.micro, self.accum, self.dp_rank, self.dp_size = n, micro, accum, dp_rank, dp_size
-        self.order = order
+        self.order, self.position = order, position
         self.seed, self.start_step, self.max_steps = seed, start_step, max_steps
         self.global_batch = micro * accum * dp_size
         self.steps_per_epoch = n // self.global_batch
@@ -94,12 +96,28 @@ class StepSampler(Sampler[list[int]]):
         self._epoch = (epoch, order)
         return order
 
+    def place(self, step: int) -> tuple[int, int]:
+        """(epoch, offset of its first sample in the epoch's order) of step `step`; for order "given" (0, the
+        samples before it). An epoch ends where another global batch would not fit: its last samples go unread."""
+        g = self.global_batch
+        if self.position is None or step < self.start_step:
+            epoch, k = divmod(step, self.steps_per_epoch)
+            return (0, step * g) if self.order == "given" else (epoch, k * g)
+        epoch, offset = self.position
+        i = step - self.start_step
+        if self.order == "given":
+            return 0, offset + i * g
+        left = max(0, (self.steps_per_epoch * g - offset) // g)  # the resumed epoch's steps left at this batch
+        if i < left:
+            return epoch, offset + i * g
+        more, k = divmod(i - left, self.steps_per_epoch)
+        return epoch + 1 + more, k * g
+
     def step_indices(self, step: int) -> torch.Tensor:
         """All indices of global step `step`, shape (accum, dp_size, micro)."""
-        epoch, offset = divmod(step, self.steps_per_epoch)
-        start = offset * self.global_batch
+        epoch, start = self.place(step)
         if self.order == "given":
-            order = torch.arange(step * self.global_batch, (step + 1) * self.global_batch)
+            order = torch.arange(start, start + self.global_batch)
         elif self.order == "lazy":
             order = torch.from_numpy(permute(np.arange(start, start + self.global_batch), self.n,
                                              self.seed * 100_003 + epoch))

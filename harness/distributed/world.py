@@ -35,14 +35,20 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_size() -> int:
+    """The ranks on this node: torchrun's LOCAL_WORLD_SIZE, or LOCAL_SIZE from DeepSpeed's own launcher (pdsh, nossh,
+    launcher/launch.py), which sets no LOCAL_WORLD_SIZE."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1))
+
+
 def cpu_threads() -> str:
     """Set this process's torch threads and say how they were chosen: OMP_NUM_THREADS where set (by the user or a
     launcher: accelerate gives each CPU rank 1), else the CPUs this process may use (sched_getaffinity: a SLURM job's
-    or taskset's share, not the whole machine) divided among the ranks on this node (LOCAL_WORLD_SIZE)."""
+    or taskset's share, not the whole machine) divided among the ranks on this node (`local_size`)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return f"{torch.get_num_threads()} (OMP_NUM_THREADS)"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = local_size()
     torch.set_num_threads(max(1, usable // local))
     cpus, ranks = f"{usable} CPU{'s' * (usable != 1)}", f"{local} rank{'s' * (local > 1)}"
     return f"{torch.get_num_threads()} ({cpus} this process may use, {ranks} on the node)"
@@ -51,7 +57,7 @@ def cpu_threads() -> str:
 def oversubscribed() -> str | None:
     """One line where this node runs more CPU ranks than it has CPUs for them (they take turns: every step waits for
     the slowest); None on a GPU or where they fit."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = local_size()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available() or local <= usable:
         return None

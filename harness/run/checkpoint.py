@@ -144,16 +144,20 @@ def layout_of(ds) -> dict[str, Any]:
             "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.global_batch_size}
 
 
-def batch_note(path: Path, ds) -> str | None:
+def batch_note(path: Path, ds, placed: bool) -> str | None:
     """A line where resuming checkpoint `path` under `ds` changes the global batch (e.g. fewer processes at the same
-    micro-batch): the steps after it are then not the uninterrupted run's. None where it is kept or not recorded."""
+    micro-batch): the steps after it are then not the uninterrupted run's. `placed`: the checkpoint kept its place in
+    the data (StepSampler.place), so the data goes on from the samples read. None where it is kept or not recorded."""
     saved, now = (saved_layout(path) or {}).get("global_batch"), ds.global_batch_size  # (tensor parallel: not in
     # DeepSpeed's config, which then derives it)
     if not saved or not now or saved == now:
         return None
-    return (f"note: global batch {now}, where the checkpoint's run had {saved}: the steps from here are not the "
-            f"uninterrupted run's; --set train.global_batch_size={saved} --unset train.grad_accum_steps keeps it (with "
-            f"a train.micro_batch_size that divides it over the data-parallel ranks)")
+    data = "the data goes on from the samples read (data.bucket, where set, arranges the rest of the epoch anew)" \
+        if placed else "this checkpoint, saved before checkpoints kept their place in the data, takes it up at step " \
+        "x batch: samples of this epoch are read twice or skipped"
+    return (f"note: global batch {now}, where the checkpoint's run had {saved}: {data}, and the steps from here are "
+            f"not the uninterrupted run's; --set train.global_batch_size={saved} --unset train.grad_accum_steps keeps "
+            f"it (with a train.micro_batch_size that divides it over the data-parallel ranks)")
 
 
 def _weights(precision: str, autocast: bool) -> str:

@@ -208,8 +208,9 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     described = task.describe_data(cfg, ds.global_batch_size) if hasattr(task, "describe_data") else None
     say(described or (data.summary.line() if data.summary else
                       f"data train: {len(data.train)} samples; validation: {len(data.val)}"))
+    position = tuple(state["data_position"]) if "data_position" in state else None  # (not in older checkpoints)
     return Run(plan, world, data, engine, schedule, every, StepSampler(**sampler_args, start_step=start_step,
-               max_steps=max_steps), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
+               max_steps=max_steps, position=position), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
                state.get("samples_seen", 0), selection, tracker, flops,
                float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
                {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity)
@@ -289,7 +290,7 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     state = checkpoint.load_onto(engine, resume_from, plan.run_dir, plan.ds, world)
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
-    notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds)) else []
+    notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds, "data_position" in state)) else []
     lr = plan.run.cfg.optimizer.lr
     saved = follow_config_lr(schedule, lr)
     if saved is not None:  # e.g. lowered after a non-finite stop, or the run made longer or shorter
@@ -398,7 +399,8 @@ def _save(run: Run, step: int, result, progress) -> None:
         extra = {"selection": selection.state()} if selection else {}
         best = selection.step if selection and selection.value is not None else None
         checkpoint.save(run.engine, run.checkpoints, step,
-                        {"step": step, "samples_seen": run.samples_seen, **extra}, run.world,
+                        {"step": step, "samples_seen": run.samples_seen, "data_position": list(run.sampler.place(step)),
+                         **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
                         data=run.identity, shapes=run.shapes)
     elif run.world.is_main:
