@@ -334,6 +334,8 @@ def main(argv: list[str], parse) -> int:
     env = {**os.environ, STATUS_ENV: status,
            # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
            "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
+    if settings["per_machine"] > 1 and "OMP_NUM_THREADS" not in os.environ:  # what torchrun sets (torch 2.x
+        env["OMP_NUM_THREADS"] = "1"  # distributed/run.py), without its four-line banner on every launch
     if sys.stderr.isatty():  # the ranks' stderr is a file this process relays to a terminal: draw as on one
         from .console import STDERR_TTY_ENV
 

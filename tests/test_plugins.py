@@ -349,9 +349,10 @@ def test_ranks_that_built_different_data_are_refused_in_one_line(tmp_path):
                     "        import os, random\n        d = super().build_data(cfg)\n        rows = list(d.train)\n"
                     "        random.Random(os.getpid()).shuffle(rows)\n        return TaskData(rows, d.val)\n")
     run = harness(tmp_path / "run", tmp_path, nproc=2, ds="zero2.json", check=False, front=True,
-                  sets=["train.max_steps=2", "train.micro_batch_size=8"],
+                  sets=["train.max_steps=2", "train.micro_batch_size=8"], env={"OMP_NUM_THREADS": None},
                   args=["--set", f"run.task={json.dumps(f'{task}:Unseeded')}"])
     assert run.proc.returncode == 2, run.proc.stderr[-2000:]
+    assert "Setting OMP_NUM_THREADS" not in run.proc.stderr  # torchrun's banner: harness launch sets what it would
     assert run.proc.stderr.strip().splitlines()[-1].startswith(
         "harness: error: task Unseeded: build_data(cfg) gave rank 1 other data than rank 0 (train "), run.proc.stderr[-2000:]
 
