@@ -440,9 +440,17 @@ def _bench(args) -> int:
     for name in ("out", "work", "run", "data"):  # the runs start in the repository: paths are the caller's
         if getattr(args, name, None):
             setattr(args, name, str(Path(getattr(args, name)).resolve()))
-    for name in ("rounds", "repeats", "steps", "timeout"):
+    for name in ("rounds", "repeats", "steps", "timeout", "threads"):
         if isinstance(getattr(args, name, None), int) and getattr(args, name) < 1:
             raise ConfigError(f"--{name} {getattr(args, name)}: must be 1 or more")
+    if getattr(args, "warmup", None) is not None and args.warmup < 0:  # it timed the cold first step
+        raise ConfigError(f"--warmup {args.warmup}: must be 0 or more")
+    for name in ("largest_max", "memory_budget_gb"):  # a search within nothing had reported 0 parameters
+        if getattr(args, name, None) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be above 0")
+    for name in ("out", "work"):  # a file where the report's directory goes: refused before any measurement
+        if getattr(args, name, None) and Path(getattr(args, name)).exists() and not Path(getattr(args, name)).is_dir():
+            raise ConfigError(f"--{name} {getattr(args, name)}: a file; name a directory for the report")
     if args.study == "proxy":
         from .bench.proxy import run_proxy
 
@@ -611,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     is_main = launched_rank() == 0
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # (training takes Ctrl-C itself: a checkpoint, then exit 75)
+        print("harness: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED

@@ -3,8 +3,8 @@ compared within its tolerance (`docs/checks.toml` lists them). `--quick` runs th
 they run after; `--static` only checks that each figure is still written in its page, as stated."""
 from __future__ import annotations
 
+import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -60,6 +60,8 @@ def load(path: Path | None = None) -> list[Check]:
 def chosen(checks: list[Check], only: str | None, quick: bool) -> list[Check]:
     """The checks to run, each preceded by the ones it runs after."""
     by_name = {c.name: c for c in checks}
+    if only is not None and not only.strip(","):  # "" had run every check, the 9-minute suite among them
+        raise ConfigError(f"--only {only!r}: name a check; the checks are {', '.join(by_name)}")
     if only:
         unknown = [n for n in only.split(",") if n not in by_name]
         if unknown:
@@ -85,15 +87,16 @@ def minutes(c: Check, by_name: dict[str, Check]) -> float:
     return c.minutes + (minutes(by_name[c.after], by_name) if c.after else 0.0)
 
 
+MIN_WAIT_S = 120.0  # the least a check is given before it counts as hung
+
+
 def measure(c: Check) -> tuple[str | None, float, str]:
     """The figure the command prints (None: not found), its seconds, and the output's tail."""
-    started = time.monotonic()
-    try:  # four times the stated minutes: a hang is a failure, not a wait
-        done = subprocess.run(["bash", "-c", c.command], cwd=ROOT, capture_output=True, text=True,
-                              timeout=max(120.0, 240 * c.minutes))
-        out = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        out = f"{(e.stdout or b'').decode(errors='replace')}{(e.stderr or b'').decode(errors='replace')}\ntimed out"
+    from .bench.sweep import run_program  # a session of its own: a timeout ends the launch and its ranks too
+
+    started = time.monotonic()  # four times the stated minutes: a hang is a failure, not a wait
+    done = run_program(["bash", "-c", c.command], dict(os.environ), max(MIN_WAIT_S, 240 * c.minutes), cwd=ROOT)
+    out = done.stdout + done.stderr
     found = re.search(c.pattern, out, re.M)
     return (found.group(1) if found else None), time.monotonic() - started, out[-1500:]
 
@@ -106,9 +109,9 @@ def main(only: str | None = None, quick: bool = False, static: bool = False) -> 
     if static:
         print(f"{len(checks) - len(unstated)} of {len(checks)} figures written as {CHECKS.name} states them")
         return 1 if unstated else 0
-    failed = list(unstated)
+    failed, picked = list(unstated), chosen(checks, only, quick)  # a bad --only refused before the table starts
     print("| check | page | stated | measured | within | seconds (stated: minutes) |\n|---|---|---|---|---|---|")
-    for c in chosen(checks, only, quick):
+    for c in picked:
         got, seconds, tail = measure(c)
         ok = got is not None and c.agrees(got)
         print(f"| {c.name} | {c.doc} | {c.value} | {got} | {'yes' if ok else 'NO'} ({c.tolerance:g}) | "

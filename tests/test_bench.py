@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, TINY, cli
+from conftest import DS, ROOT, TINY, cli
 from harness.bench import overhead, report
 from harness.models.flops import TRAIN_FACTOR
 from harness.models.seq2seq import Seq2Seq, Seq2SeqConfig
@@ -86,13 +86,29 @@ def test_bench_checks_every_configuration_before_launching(tmp_path, capsys):
                        (["overhead", "--rounds", "0"], "--rounds 0: must be 1 or more"),
                        (["corpus", "--repeats", "0"], "--repeats 0: must be 1 or more"),
                        (["proxy", "--stages", "a"], "and precisions fp32, bf16, fp16; not a"),
-                       (["proxy", "--stages", ""], 'and precisions fp32, bf16, fp16; not ""')):
+                       (["proxy", "--stages", ""], 'and precisions fp32, bf16, fp16; not ""'),
+                       (["overhead", "--warmup", "-1"], "--warmup -1: must be 0 or more"),
+                       (["seeds", "0", "--threads", "-1"], "--threads -1: must be 1 or more"),
+                       (["sweep", "--largest", "n_layers", "--memory-budget-gb", "-1"],
+                        "--memory-budget-gb -1.0: must be above 0"),
+                       (["sweep", "--largest", "n_layers", "--memory-budget-gb", "1", "--largest-max", "0"],
+                        "--largest-max 0: must be above 0"),
+                       (["sweep", "--ds", f"zero0,{tmp_path / 'zero0.json'}"],
+                        "two configurations are named 'zero0 x1'"),
+                       (["overhead", "--nproc", "1,1"], "two configurations are named 'zero0 x1'"),
+                       (["proxy", "--stages", "0,0"], "--stages 0,0 --precisions fp32,bf16,fp16: give each value once"),
+                       (["overhead", "--ds", "tp2_zero1", "--nproc", "2"],
+                        "the overhead study with sequence or tensor parallelism (tp2_zero1 x2)")):
+        (tmp_path / "zero0.json").write_text((DS / "zero1.json").read_text())
         assert main(["bench", *argv, "--out", str(tmp_path / "b")]) == 2
         assert said in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+    (tmp_path / "a_file").write_text("")  # a report's directory that is a file: refused before any measurement
+    assert main(["bench", "sweep", "--out", str(tmp_path / "a_file")]) == 2
+    assert "--out " in capsys.readouterr().err
     # a configuration that timed out is no measurement: written, said, exit 1 (it was 0)
-    proc = bench("sweep", "--ds", "zero0", "--timeout", "1", "--steps", "2", "--warmup", "1", "--out",
-                 str(tmp_path / "t"))
+    proc = bench("sweep", "--ds", "zero0", "--timeout", "1", "--steps", "2000", "--warmup", "1", "--out",
+                 str(tmp_path / "t"))  # (2 steps could finish within the second, forked warm)
     assert proc.returncode == 1 and "1 of 1 configurations failed or timed out (zero0 x1)" in proc.stderr, proc.stderr
     assert (tmp_path / "t" / "bench.json").is_file()
 
@@ -303,3 +319,25 @@ def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_t
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra},
                              cwd=ROOT, timeout=60)
         assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr[-2000:]
+
+
+def test_a_study_cut_short_by_ctrl_c_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a sweep: the configurations measured are written, marked as cut short (all was lost, with a
+    traceback), and the command ends in one line, exit 130."""
+    from harness import cli
+    from harness.bench import report
+
+    result = {"configs": [{"name": "zero0 x1"}]}
+    with pytest.raises(KeyboardInterrupt):
+        with report.kept_if_interrupted(result, 3, lambda: report.save(tmp_path, "bench", result, "table")):
+            raise KeyboardInterrupt
+    kept = json.loads((tmp_path / "bench.json").read_text())
+    assert kept["interrupted"] == "stopped by Ctrl-C after 1 of 3 configurations"
+    assert kept["configs"] == result["configs"]
+    assert f"wrote {tmp_path / 'bench.json'} (stopped by Ctrl-C" in capsys.readouterr().err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "keys", interrupted)
+    assert cli.main(["keys"]) == 130 and capsys.readouterr().err == "harness: interrupted\n"

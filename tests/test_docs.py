@@ -39,3 +39,21 @@ def test_a_figure_that_moved_or_left_its_page_fails_the_check(tmp_path, monkeypa
     assert "held: page.md no longer says 'is 42.0 units'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no check warp"):
         docs.main(only="warp")
+    with pytest.raises(ConfigError, match="--only '': name a check"):  # it ran every check
+        docs.main(only="")
+
+
+def test_a_check_that_hangs_ends_with_everything_it_started(tmp_path, monkeypatch):
+    """A timed-out check: its command's children end too (only bash was killed: a launch's ranks trained on)."""
+    import time
+    from pathlib import Path
+
+    pid = tmp_path / "pid"
+    hung = docs.Check(name="hung", doc="page.md", command=f"sleep 300 & echo $! > {pid}; wait", pattern="(x)",
+                      value="1", tolerance=0.0, minutes=0.001)
+    monkeypatch.setattr(docs, "MIN_WAIT_S", 2.0)
+    got, seconds, tail = docs.measure(hung)
+    assert got is None and tail.rstrip().endswith("timed out after 2 s") and seconds < 60
+    time.sleep(0.5)
+    stat = Path(f"/proc/{pid.read_text().strip()}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone (or not yet reaped)

@@ -155,7 +155,8 @@ def test_seed_summaries_report_every_seed_against_the_baseline(capsys, tmp_path)
     assert stop.value.code == 2 and "harness bench sweep: error: unrecognized arguments: --metric" in \
         capsys.readouterr().err
     for args, message in ((["--metric", "accuracy"], "--metric accuracy: task 'lm' reports loss, perplexity"),
-                          (["--metric", "perplexity"], "--split test: task 'lm' builds no test split")):
+                          (["--metric", "perplexity"], "--split test: task 'lm' builds no test split"),
+                          (["--metric", "loss", "--baseline", "nosuch"], "--baseline nosuch: task 'lm' reports")):
         code = main(["bench", "seeds", "0,1", "--run", str(ROOT / "configs/runs/lm_demo.toml"), "--out", str(tmp_path),
                      *args])  # refused before any seed trains, not after each one
         assert code == 2 and message in capsys.readouterr().err

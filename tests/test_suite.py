@@ -128,7 +128,7 @@ def test_a_quality_command_for_some_recipes_replaces_only_theirs(smoke, tmp_path
     assert merge(None, {"status": "failed", "error": "x"})["recipes"] == []
 
 
-def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
+def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path, capsys):
     assert results.main(check=True) == 0  # docs/benchmarks.md is what results/gpu/ gives
     root = tmp_path / "repo"
     (root / "results" / "gpu" / "smoke").mkdir(parents=True)
@@ -158,7 +158,9 @@ def test_readme_gpu_table_comes_from_result_files(smoke, tmp_path):
     # a block naming a table under results/ shows that file: a changed file makes the check fail until regenerated
     table = root / "results" / "cpu" / "proxy" / "proxy.md"
     table.write_text(table.read_text() + "| a row the page does not show yet |\n")
+    capsys.readouterr()
     assert results.main(check=True, root=root) == 1
+    assert "\n+| a row the page does not show yet |\n" in capsys.readouterr().out  # where, not only that it differs
     assert results.main(check=False, root=root) == 0 and results.main(check=True, root=root) == 0
     page = (root / "docs" / "benchmarks.md").read_text()
     assert "| a row the page does not show yet |\n\n(generated from [results/cpu/proxy/proxy.md]" in page

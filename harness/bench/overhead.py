@@ -2,7 +2,6 @@
 launch by launch and block by block in the same processes. What each figure means: docs/benchmarks.md."""
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -19,18 +18,21 @@ BLOCK = 17  # steps per paired block, the first one not timed: 16 timed, a span'
 
 def run_overhead(args) -> dict:
     planned = plans(args)
-    split = [c.name for c in planned if json.loads(Path(c.ds).read_text()).get("sequence_parallel_size", 1) > 1]
+    split = [c.name for c, plan in planned.items() if plan.ds.layout.sp_size > 1 or plan.ds.layout.tp_size > 1]
     if split:
-        raise ConfigError(f"the overhead study with sequence parallelism ({', '.join(split)}): the plain loop it "
-                          f"compares with does not split sequences; time those configurations with the sweep instead")
+        raise ConfigError(f"the overhead study with sequence or tensor parallelism ({', '.join(split)}): the plain "
+                          f"loop it compares with splits neither sequences nor layers (it would run another batch on "
+                          f"each rank); time those configurations with the sweep instead")
     precisions = sorted({p.ds.precision for p in planned.values()})
-    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": args.set,
-              "device": describe(precisions, cpu_threads(max(c.nproc for c in planned))),
+    threads = cpu_threads(max(c.nproc for c in planned))  # every process the same share of the cores, as stated
+    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": args.set, "device": describe(precisions, threads),
               "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "configs": []}
-    for i, (c, plan) in enumerate(planned.items()):
-        print(f"[{i + 1}/{len(planned)}] overhead {c.name}", flush=True)
-        result["configs"].append(one(c, args.run, args.set, Path(args.out), args.rounds, args.warmup, args.steps,
-                                     args.timeout, plan))
+    with report.kept_if_interrupted(result, len(planned), lambda: report.save(Path(args.out), "overhead", result,
+                                                                            markdown(result))):
+        for i, (c, plan) in enumerate(planned.items()):
+            print(f"[{i + 1}/{len(planned)}] overhead {c.name}", flush=True)
+            result["configs"].append(one(c, args.run, args.set, Path(args.out), args.rounds, args.warmup, args.steps,
+                                         args.timeout, plan, threads))
     for path in report.save(Path(args.out), "overhead", result, markdown(result)):
         print(f"wrote {path}")
     print(markdown(result))
@@ -38,7 +40,7 @@ def run_overhead(args) -> dict:
 
 
 def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds: int, warmup: int, steps: int,
-        timeout: float, plan: Plan | None = None) -> dict:
+        timeout: float, plan: Plan | None = None, threads: int | None = None) -> dict:
     plan = plan or plan_for(config, run_file, sets)
     entry = {"name": config.name, "nproc": config.nproc, "zero_stage": plan.ds.zero_stage,
              "precision": plan.ds.precision, "layout": plan.ds.layout.describe()}
@@ -53,12 +55,12 @@ def one(config: Config, run_file: str | None, sets: list[str], out: Path, rounds
     for r in range(rounds):  # a drift in the machine's speed over the study weighs on both alike
         for name in PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]:
             if name == "harness":
-                h = measure(config, plan, run_file, sets, out / "overhead", warmup, steps, timeout)
+                h = measure(config, plan, run_file, sets, out / "overhead", warmup, steps, timeout, threads)
                 if h["status"] != "ok":
                     return {**entry, "status": h["status"], "error": f"harness: {h['error']}"}
                 result = {"step_s": h["step_s_values"], "loss": h["loss_values"]}
             else:  # with its paired blocks, about 7x the steps: twice the time allowed
-                result = json_line(plain, env_for(config), 2 * timeout, prefix='{"step_s"')
+                result = json_line(plain, env_for(config, threads), 2 * timeout, prefix='{"step_s"')
                 if "error" in result:
                     return {**entry, "status": "failed", "error": f"plain: {result['error']}"}
                 for p, blocks in result.get("paired", {}).items():
@@ -102,8 +104,13 @@ def figures(times: dict[str, list[list[float]]]) -> dict:
 
 
 def markdown(result: dict) -> str:
+    d = result.get("device")  # (the GPU suite's part gives none: its page says the device)
+    where = "" if d is None else f"{d['name']}" + (
+        f", {d['threads_per_process']} CPU thread(s) per process" if d.get("threads_per_process") else "") + \
+        f"; precision {', '.join(d['peak_flops'])}. "
     lines = ["## Overhead: the harness against a plain PyTorch loop", "",
-             f"{result['rounds']} round(s) alternating the two programs; {result['steps']} timed steps after "
+             *([f"**{result['interrupted']}**", ""] if result.get("interrupted") else []),
+             f"{where}{result['rounds']} round(s) alternating the two programs; {result['steps']} timed steps after "
              f"{result['warmup']} warm-up steps each. Step time: median (p10-p90) over all rounds; by launches: each "
              f"round's ratio of mean steps - 1, median over the rounds [smallest, largest]; in the same processes: "
              f"the median ratio of block pairs [95% CI].", "",

@@ -172,6 +172,8 @@ def run_proxy(args) -> dict:
     if bad:  # before anything is written (--stages a had been a ValueError, "" every stage)
         raise ConfigError(f"the proxy counts ZeRO stages {STAGES} and precisions {', '.join(PRECISIONS)}; "
                           f"not {', '.join(bad)}")
+    if len(set(stages)) < len(stages) or len(set(precisions)) < len(precisions):  # each row counted twice
+        raise ConfigError(f"--stages {','.join(given)} --precisions {','.join(precisions)}: give each value once")
     out.mkdir(parents=True, exist_ok=True)
     rows, env = [], {**os.environ, CPU_FP16_ENV: "1"}  # fp16 runs on a CPU only when asked
     for model, stage, precision in itertools.product([m for m in SPEED if m.smoke], stages, precisions):
@@ -184,7 +186,7 @@ def run_proxy(args) -> dict:
         rows.append({"model": model.name, "zero_stage": stage, "precision": precision,
                      **json_line(cmd, env, args.timeout, cwd=None)})
         print(row(rows[-1]), flush=True)
-    save(out, "proxy", rows, markdown(rows))
+        save(out, "proxy", rows, markdown(rows))  # after every row: a study cut short keeps what it counted
     print(f"wrote {out / 'proxy.json'}, {out / 'proxy.md'}")
     return {"rows": rows, "failed": sum("error" in r for r in rows)}
 

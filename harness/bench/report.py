@@ -2,7 +2,10 @@
 figure is derived, and why one above 100% is set aside as invalid: docs/benchmarks.md."""
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 SCHEMA = 2
@@ -40,6 +43,19 @@ def baseline(entry: dict, entries: list[dict]) -> dict | None:
     return (same or ones or [None])[0]
 
 
+@contextlib.contextmanager
+def kept_if_interrupted(result: dict, total: int, write: Callable[[], list[Path]]):
+    """Ctrl-C during a study: what it measured so far written, marked as cut short (it had all been lost), then the
+    interrupt goes on (its processes are ended by `sweep.run_program`)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        result["interrupted"] = f"stopped by Ctrl-C after {len(result['configs'])} of {total} configurations"
+        for path in write():
+            print(f"wrote {path} ({result['interrupted']})", file=sys.stderr, flush=True)
+        raise
+
+
 def save(out: Path, name: str, result, table: str) -> list[Path]:
     """OUT/NAME.json and OUT/NAME.md, the files every bench study writes."""
     out.mkdir(parents=True, exist_ok=True)
@@ -68,6 +84,7 @@ def _mib(values) -> str:
 def markdown(result: dict) -> str:
     d = result["device"]
     lines = [f"# harness bench: {result['task']} on {d['name']} ({d['count']} device(s))", "",
+             *([f"**{result['interrupted']}**", ""] if result.get("interrupted") else []),
              f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
              f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "

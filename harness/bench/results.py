@@ -1,8 +1,10 @@
 """`suite.md` beside each GPU `suite.json`, and `harness results`: docs/benchmarks.md's GPU table, each figure from
 the newest full suite run that measured it, and each `<!-- results:file PATH -->` block filled with that file under
-`results/`. `--check` fails where the pages differ from the files: a figure can be neither typed in nor stale."""
+`results/`. `--check` fails where the pages differ from the files, showing where: a generated figure can be
+neither typed in nor stale (a table file under results/ is taken as the bench command that wrote it left it)."""
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import re
@@ -158,6 +160,10 @@ def main(check: bool, root: Path = ROOT) -> int:
             stale += current != new
             verdict = "differ from results/; run `python -m harness results`" if current != new else "match results/"
             print(f"{page}: its tables {verdict}")
+            diff = list(difflib.unified_diff(current.splitlines(), new.splitlines(), str(page), "from results/",
+                                             n=0, lineterm=""))
+            if diff:
+                print("\n".join(diff[:40] + ([f"... {len(diff) - 40} more lines"] if len(diff) > 40 else [])))
         elif current != new:
             page.write_text(new)
             print(f"updated {page}")

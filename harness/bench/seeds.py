@@ -58,7 +58,7 @@ def run_seeds(args) -> dict:
         raise ConfigError("--seeds needs --metric (the evaluation's figure to report, e.g. spearman) where the run "
                           "file sets no train.select_best")
     for plan in plans.values():
-        check_scorable(plan, args.split, metric)
+        check_scorable(plan, args.split, metric, args.baseline)
     threads = args.threads or cpu_threads(max(c.nproc for c in configs))
     out = Path(args.out)
     result = {"run_file": args.run, "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
@@ -85,15 +85,16 @@ def run_seeds(args) -> dict:
     return result
 
 
-def check_scorable(plan: Plan, split: str, metric: str) -> None:
+def check_scorable(plan: Plan, split: str, metric: str, baseline: str | None = None) -> None:
     """What `harness evaluate` would refuse after every seed's training, refused before the first: a split the task
     does not build, a figure its evaluation does not report (known before a run where they all come from the loss)."""
     task, cfg = plan.task, plan.run.cfg
     reported = loss_metric_names(task)
     if reported is None:
         return
-    if metric not in reported:
-        raise ConfigError(f"--metric {metric}: task {cfg.run.task!r} reports {', '.join(reported)}")
+    for flag, name in (("--metric", metric), ("--baseline", baseline)):
+        if name is not None and name not in reported:
+            raise ConfigError(f"{flag} {name}: task {cfg.run.task!r} reports {', '.join(reported)}")
     if split == "test" and getattr(task.build_data(cfg), "test", None) is None:
         raise ConfigError(f"--split test: task {cfg.run.task!r} builds no test split (its build_data gives training "
                           f"and validation data); score --split validation")

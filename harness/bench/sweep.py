@@ -64,7 +64,13 @@ def grid(args) -> list[Config]:
         raise ConfigError(f"--nproc {args.nproc}: comma-separated process counts, each 1 or more")
     runs = itertools.product([ds_path(d.strip()) for d in args.ds.split(",")], [int(n) for n in counts],
                              [m.strip() for m in args.mixed_precision.split(",")])
-    return [Config(ds, n, p, tuple(sets)) for ds, n, p in runs for sets in itertools.product(*axes)]
+    configs = [Config(ds, n, p, tuple(sets)) for ds, n, p in runs for sets in itertools.product(*axes)]
+    names = [c.name for c in configs]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice:  # one row and one log for two configurations (two DeepSpeed files of one name), or one run twice
+        raise ConfigError(f"two configurations are named {twice!r}: give each value once, and DeepSpeed files of "
+                          f"different names")
+    return configs
 
 
 def model_parallel_size(ds: str) -> int:
@@ -292,12 +298,14 @@ def run_bench(args) -> dict:
     result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task, "run_file": args.run,
               "sets": sets, "steps": args.steps, "warmup": args.warmup,
               "device": describe(sorted({p.ds.precision for p in planned.values()}), threads), "configs": []}
-    for i, (c, plan) in enumerate(planned.items()):
-        print(f"[{i + 1}/{len(planned)}] {c.name}", flush=True)
-        peak = measured_peak(plan.ds.precision, threads=threads)  # beside the run: the machine now
-        entry = measure(c, plan, args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
-        result["configs"].append({**entry, "params": count_params(plan), "peak_flops_measured": peak})
-    report.derive(result["configs"], result["device"])
+    with report.kept_if_interrupted(result, len(planned), lambda: report.save(out, "bench", result,
+                                                                            report.markdown(result))):
+        for i, (c, plan) in enumerate(planned.items()):
+            print(f"[{i + 1}/{len(planned)}] {c.name}", flush=True)
+            peak = measured_peak(plan.ds.precision, threads=threads)  # beside the run: the machine now
+            entry = measure(c, plan, args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
+            result["configs"].append({**entry, "params": count_params(plan), "peak_flops_measured": peak})
+            report.derive(result["configs"], result["device"])
     if args.largest:
         result["largest"] = [largest(c, args, sets, out, measured) for c, measured in zip(planned, result["configs"])]
     written = report.save(out, "bench", result, report.markdown(result)) + [report.plot(result, out / "bench.png")]
