@@ -50,12 +50,16 @@ COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: saf
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(accelerate launch's options, harness train's arguments from `train` on)."""
-    if "train" not in argv:
-        raise ConfigError("harness launch: name what to run after accelerate's options: harness launch "
-                          "[ACCELERATE OPTIONS] train --run RUN.toml [--ds DS.json] ...")
-    i = argv.index("train")
-    return argv[:i], argv[i:]
+    """(accelerate launch's options, harness train's arguments from the word `train` on): the first `train` that is
+    no option's value (`--role train` is accelerate's)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    valued = {o for a in launch_command_parser()._actions if a.nargs != 0 for o in a.option_strings}
+    for i, word in enumerate(argv):
+        if word == "train" and not (i and argv[i - 1] in valued):
+            return argv[:i], argv[i:]
+    raise ConfigError("harness launch: name what to run after accelerate's options: harness launch "
+                      "[ACCELERATE OPTIONS] train --run RUN.toml [--ds DS.json] ...")
 
 
 def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> dict:

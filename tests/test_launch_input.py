@@ -256,3 +256,14 @@ def test_sequence_parallel_forms_accelerate_refuses_or_ignores_are_one_line(sect
         launch_settings(["--config_file", str(file), *options])
     assert said.format(file=file) in str(refused.value)
     assert (SP_FORM in str(refused.value)) == ("{sp_size:" not in section)
+
+
+def test_train_is_split_off_where_it_is_no_option_s_value():
+    """`--role train` is torchrun's role name, not the start of harness train's arguments (split there, accelerate
+    refused `--role` without its value)."""
+    from harness.launcher import split_argv
+
+    assert split_argv(["--config_file", "x.yaml", "--role", "train", "--use_deepspeed", "train", "--run", "R"]) == (
+        ["--config_file", "x.yaml", "--role", "train", "--use_deepspeed"], ["train", "--run", "R"])
+    with pytest.raises(ConfigError, match="name what to run after accelerate's options"):
+        split_argv(["--role", "train"])
