@@ -129,7 +129,7 @@ class Tracker:
             start(say=True)
         if self.backend is not None and os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
             print(f"logging: W&B offline into {self.run_dir / 'wandb'} (`wandb sync` uploads it)", flush=True)
-        elif self.backend is not None:
+        elif self.backend is not None and online:
             print(f"logging: W&B online, project {project}, run {run_id}", flush=True)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
