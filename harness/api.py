@@ -160,7 +160,7 @@ def _note_main_task(p) -> None:
     cls, module = type(p.task).__qualname__, type(p.task).__module__
     short = cls.rsplit(".", 1)[-1]
     if (module == "__main__" or "<locals>" in cls) and launched_rank() == 0:
-        where = "in the calling script" if module == "__main__" else "in a function"
+        where = "in a function" if "<locals>" in cls else "in the calling script"
         print(f"note: run.task = '{module}:{cls}': {p.run_dir} names a task class defined {where}, which other "
               f"processes cannot import: a later harness.evaluate, harness.load_model or resume needs "
               f"task={short}() given again; or move the class to a file and name it \"path/to/file.py:{short}\"",
@@ -194,12 +194,13 @@ def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None =
     config.toml names."""
     from .eval.evaluate import evaluate_data, evaluate_run
     from .run.trust import trusting
+    from .tasks.registry import given as given_task
 
     _check_args("evaluate", run_dir=run_dir, data=data, name=name, trust_run_dir=trust_run_dir)
     _check_task("evaluate", task)
     given = None if task is None or isinstance(task, str) else task
-    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
-        if data is None:
+    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir), given_task(given):
+        if data is None:  # (given_task: a class defined in a function is found by the name config.toml keeps)
             return evaluate_run(run_dir, split, task=given)
         return evaluate_data(run_dir, data, name, task=given)
 
@@ -209,8 +210,10 @@ def load_model(run_dir: str | Path, task=None, trust_run_dir: bool = False):
     `trust_run_dir` as for `evaluate`."""
     from .run.export import load_model as load
     from .run.trust import trusting
+    from .tasks.registry import given as given_task
 
     _check_args("load_model", run_dir=run_dir, trust_run_dir=trust_run_dir)
     _check_task("load_model", task)
-    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir):
-        return load(run_dir, None if task is None or isinstance(task, str) else task)
+    given = None if task is None or isinstance(task, str) else task
+    with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir), given_task(given):
+        return load(run_dir, given)

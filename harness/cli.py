@@ -497,11 +497,23 @@ def _plan(args) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be 1 or more (the processes in all)")
+    estimate_flags = [f for f, given in (("--nodes", args.nodes != 1), ("--interconnect", args.interconnect !=
+                      "ib-ndr400"), ("--profile", args.profile), ("--mfu", args.mfu != 0.40)) if given]
+    if args.gpus_per_node is None and estimate_flags:  # they had been dropped, a missing profile file too
+        raise ConfigError(f"{', '.join(estimate_flags)}: settings of the estimate on paper, which --gpus-per-node G "
+                          f"asks for")
     if args.gpus_per_node is not None:
         if args.ds_json:
             raise ConfigError("--gpus-per-node estimates a launch on paper; --ds-json prints the DeepSpeed config alone")
         if args.gpus_per_node < 1 or args.nodes < 1:
             raise ConfigError(f"--gpus-per-node {args.gpus_per_node} and --nodes {args.nodes}: must be 1 or more")
+        from .plan.scaling import parse_interconnect
+
+        parse_interconnect(args.interconnect)  # bad estimate settings: one line before the plan, not after it
+        if not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu {args.mfu}: a fraction in (0, 1]")
+        if args.profile and not Path(args.profile).is_file():
+            raise ConfigError(f"--profile {args.profile}: no such file (a `harness bench` bench.json)")
         world = args.gpus_per_node * args.nodes
         if args.world_size not in (None, world):
             raise ConfigError(f"--world-size {args.world_size} and --gpus-per-node {args.gpus_per_node} x --nodes "

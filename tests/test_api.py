@@ -115,3 +115,58 @@ def test_the_api_trains_again_in_a_script_accelerate_launched(tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted((tmp_path / "trained").read_text().splitlines()) == \
         [f"rank {r} run {i} step 2" for r in (0, 1) for i in (1, 2, 3)], proc.stdout[-2000:]
+
+
+LOCAL_TASK = """
+import sys
+import torch
+from torch import nn
+import harness
+from harness.tasks import TaskData
+
+
+def make(validation=True):
+    class Local:  # defined in a function: `harness.evaluate` and `load_model` looked its name up, and failed
+        def build_model(self, cfg):  # one layer used twice: exported once, and loaded back (it was refused)
+            shared = nn.Linear(4, 4)
+            return nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 1))
+
+        def build_data(self, cfg):
+            g = torch.Generator().manual_seed(0)
+            rows = [{"x": x, "y": x.sum(0, keepdim=True)} for x in torch.randn(64, 4, generator=g)]
+            return TaskData(rows[16:], rows[:16] if validation else [])
+
+        def collate(self, samples):
+            return {k: torch.stack([s[k] for s in samples]) for k in ("x", "y")}
+
+        def count(self, batch):
+            return len(batch["y"])
+
+        def inputs(self, batch):
+            return (batch["x"],)
+
+        def loss_from(self, out, batch):
+            return ((out.float() - batch["y"]) ** 2).sum()
+
+        def metrics(self, mean_loss):  # a "loss" of its own: the record's is the mean loss all the same
+            return {"loss": 123.0, "mse": mean_loss}
+    return Local()
+
+
+out, sets = sys.argv[1], ["train.max_steps=2", "train.micro_batch_size=8"]
+trained = harness.train(sets=[*sets, f'run.output_dir="{out}/a"'], task=make())
+scored = harness.evaluate(f"{out}/a", split="validation", task=make())
+print("EVAL", scored["loss"] == trained["loss"] == trained["mse"])
+print("LOAD", type(harness.load_model(f"{out}/a", task=make())[0]).__name__)
+harness.train(sets=[*sets, f'run.output_dir="{out}/b"'], task=make(validation=False))  # (data.mix: AttributeError)
+"""
+
+
+def test_a_task_class_defined_in_a_function_evaluates_and_loads_and_may_hold_no_validation(tmp_path):
+    """A class defined in a function, a model that uses one layer twice, a task without validation samples."""
+    proc = subprocess.run([python(), "-c", LOCAL_TASK, str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EVAL True" in proc.stdout and "LOAD Sequential" in proc.stdout and "defined in a function" in proc.stdout
+    assert "note: the validation split holds nothing to evaluate: no evaluation runs; Local.build_data's validation " \
+           "samples (TaskData.val) gives one" in proc.stdout, proc.stdout[-2000:]

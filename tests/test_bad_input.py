@@ -68,6 +68,8 @@ CASES = [
     ("log-every-zero", [S, "train.log_every=0"], None, None, "train.log_every"),
     ("keep-zero", [S, "train.keep_checkpoints=0"], None, None, "train.keep_checkpoints"),
     ("seed-negative", [S, "train.seed=-1"], None, None, "train.seed"),
+    ("seed-past-the-generators", [S, "train.seed=18446744073709551616"], None, None,
+     "train.seed: 18446744073709551616 must be in [0, 2**32)"),
     ("nonfinite-steps-zero", [S, "train.max_nonfinite_steps=0"], None, None, "train.max_nonfinite_steps"),
     ("global-batch-indivisible", [S, "train.global_batch_size=7"], None, None, "train.global_batch_size"),
     ("select-mode-alone", [S, "train.select_mode=\"max\""], None, None, "train.select_mode"),

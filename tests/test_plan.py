@@ -3,6 +3,7 @@ launch with exit code 2 and the key named."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,9 @@ def test_precedence_defaults_then_run_file_then_command_line(tmp_path):
     assert r.source["train.max_steps"] == f"run file {run}"
     assert r.source["optimizer.lr"] == "command line"
     assert r.source["train.seed"] == "default"
+    bom = tmp_path / "bom.toml"  # saved by an editor that starts UTF-8 with a byte-order mark: it was malformed TOML
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nmax_steps = 3\n")
+    assert resolve(str(bom), []).cfg.train.max_steps == 3
 
 
 def test_plan_prints_values_with_their_sources_and_memory(tmp_path):
@@ -98,6 +102,10 @@ def test_plan_prints_values_with_their_sources_and_memory(tmp_path):
     assert "train.max_steps" in text and f"run file {run}" in text
     assert "train.micro_batch_size" in text and "command line" in text
     assert "train_batch_size                                 = 24" in text  # 2 x 3 x 4, derived
+    both = plan("--run", run, "--set", "train.grad_accum_steps=2", "--set", "train.global_batch_size=32",
+                "--world-size", "2")  # set, and agreeing with the global batch: the line names where it was set
+    assert re.search(r"gradient_accumulation_steps +=\s+2\s+# train.grad_accum_steps \(command line\)\n",
+                     both.stdout), both.stdout[-3000:]
     assert "world size 4" in text and "ZeRO stage 3" in text and "model states per rank" in text
 
 
@@ -121,6 +129,8 @@ def test_zero_memory_estimate_shrinks_with_stage():
     (["--set", "train.micro_batch_size=\"four\""], None, "train.micro_batch_size must be int"),
     ([], {"zero_optimisation": {"stage": 2}}, "did you mean `zero_optimization`"),
     ([], {"zero_optimization": {"stage": 2, "overlap_com": True}}, "did you mean `overlap_comm`"),
+    (["--set", "optimizer.beta2=0.98"], {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}},
+     "(optimizer.beta1: default; optimizer.beta2: command line)"),  # it said (default) for both
     (["--set", "optimizer.lr=0.001"], {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}},
      "optimizer.params.lr = 0.5 vs optimizer.lr = 0.001 (command line)"),
     ([], {"scheduler": {"type": "Cosine"}}, "scheduler.type = 'Cosine'"),

@@ -82,12 +82,28 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
         evaluate_data(lm, data)
 
 
+def test_a_task_file_edited_between_two_runs_of_one_process_is_read_again(tmp_path):
+    """A notebook session: the task file fixed after a failed harness.train ran the old code again."""
+    import os
+
+    from harness.tasks.registry import task_class
+
+    path = tmp_path / "edited.py"
+    head = "from harness.tasks.lm import LanguageModelTask\n\n\nclass T(LanguageModelTask):\n"
+    path.write_text(head + "    version = 1\n")
+    assert task_class(f"{path}:T").version == 1 and task_class(f"{path}:T") is task_class(f"{path}:T")
+    path.write_text(head + "    version = 2\n")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # (a coarse clock's same tick)
+    assert task_class(f"{path}:T").version == 2
+
+
 @pytest.mark.parametrize("sets,message", [
     (["task.lenght=8"], "unknown config key `task.lenght` (command line); did you mean `task.length`?"),
     (["task.length=\"8\""], "task.length must be int, got str '8'"),
     (['run.task="examples/digits_task.py:DigitTask"'], "has no class 'DigitTask'; did you mean 'DigitsTask'?"),
     (['run.task="examples/digits_task.py:DigitsConfig"'], "DigitsConfig lacks build_model, build_data"),
-    (['run.task="examples/nothing_here.py:Task"'], "no file examples/nothing_here.py"),
+    (['run.task="examples/nothing_here.py:Task"'], "no file examples/nothing_here.py (a relative path is read from "
+                                                   "the working directory, "),
     (['run.task="no_such_package.tasks:Task"'], "importing no_such_package.tasks failed: ModuleNotFoundError"),
     (['run.task="lm"', "task.length=8"], "[task] holds the keys of a plug-in task"),
     (['run.task="nope"'], "the built-in tasks are lm, translation, protein, prices; a plug-in task is named"),
@@ -163,7 +179,7 @@ class T(LanguageModelTask):
 
 @pytest.mark.parametrize("config,data,message", [
     ("NoDefault", "None", "T.Config.depth has no default (every [task] key needs one)"),
-    ("Settings", "None", "T.Config must be a dataclass (the [task] section's keys)"),
+    ("Settings", "None", "T.Config must be a dataclass (the [task] section's keys; the class, not an instance)"),
     ("None", "NoDefault", "T.Data must be a dataclass subclassing harness.config.run.DataSection (the task's own "
                           "[data] keys)"),
 ])
@@ -414,6 +430,10 @@ BROKEN = [
     ("    def build_data(self, cfg):\n        return TaskData(super().build_data(cfg).train, None)",
      "build_data(cfg) gave TaskData.val = NoneType None; each split must be a map-style data set"),
     ("    def build_model(self, cfg):\n        return lambda x: x", "build_model(cfg) returned function"),
+    ("    def build_model(self, cfg):\n        return super().build_model(cfg).requires_grad_(False)",
+     "build_model(cfg) gave a Sequential with no trainable parameters (none, or every one frozen)"),
+    ("    def metrics(self, mean_loss):\n        return None",
+     "metrics(mean_loss) returned NoneType None; it must return a dict of names to numbers"),
     ("    def collate(self, samples):\n        return {**super().collate(samples), 'ids': [1, 2]}",
      "collate(samples)['ids'] returned a list of 2 items; every value of the batch must be a tensor"),
     ("    def metrics(self, mean_loss):\n        return {'mse': torch.tensor(mean_loss)}",
@@ -427,6 +447,51 @@ BROKEN = [
      "        return {'r': numpy.float32(0.5)}",
      "evaluate(model, cfg, split, world)['r'] returned float32 np.float32(0.5); each metric must be a Python number"),
 ]
+
+
+@pytest.mark.parametrize("body,said", [
+    ("    def collate(self, samples, extra):\n        return None",
+     "Bad.collate(self, samples, extra) cannot take (samples), what the harness passes it"),
+    ("    def loss_from(self, out):\n        return None",
+     "Bad.loss_from(self, out) cannot take (outputs, batch)"),
+    ("    def __init__(self, size):\n        self.size = size", "Bad() must build without arguments"),
+    ("    @staticmethod\n    def count(batch):\n        return len(batch['y'])", None),  # takes what it is given
+])
+def test_a_task_method_that_cannot_take_what_the_harness_passes_is_refused_by_name(body, said, tmp_path):
+    """It was a TypeError from the loop, a collate inside torch's DataLoader, or the registry building the task."""
+    from harness.config.run import ConfigError
+    from harness.tasks.registry import task_class
+
+    task = tmp_path / "sig_task.py"
+    task.write_text(FLOAT_TASK + f"\n\nclass Bad(FloatTask):\n{body}\n")
+    if said is None:
+        assert task_class(f"{task}:Bad").__name__ == "Bad"
+        return
+    with pytest.raises(ConfigError) as refused:
+        task_class(f"{task}:Bad")
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("config,said", [
+    ("class C:\n    n_train: int = '256'", "Bad.Config.n_train = '256': its default is no int"),
+    ("class C:\n    opts: set = frozenset()", "Bad.Config.opts: set is no type a TOML file holds"),  # config.toml
+    ("class C:\n    n: int | None = None\n    pair: tuple[int, int] = (1, 2)", None),
+])
+def test_a_config_a_run_file_could_not_hold_is_refused_by_name(config, said, tmp_path):
+    """A default of another type failed in the task's own code later; a set-typed field after launch, writing
+    config.toml."""
+    from harness.config.run import ConfigError
+    from harness.tasks.registry import task_class
+
+    task = tmp_path / "cfg_task.py"
+    task.write_text(f"import dataclasses\n{FLOAT_TASK}\n\n@dataclasses.dataclass(frozen=True)\n{config}\n\n\n"
+                    f"class Bad(FloatTask):\n    Config = C\n")
+    if said is None:
+        assert task_class(f"{task}:Bad").Config.__name__ == "C"
+        return
+    with pytest.raises(ConfigError) as refused:
+        task_class(f"{task}:Bad")
+    assert said in str(refused.value)
 
 
 @pytest.mark.parametrize("body,said", BROKEN, ids=[b.split("(")[0].split()[-1] + str(i) for i, (b, _) in

@@ -252,3 +252,23 @@ def test_auto_precision_is_estimated_as_the_target_gpu_trains_it():
     assert s.compute_s == pytest.approx(6 * n * fp32.run.cfg.train.micro_batch_size * 128
                                         / (0.40 * GPUS["H100"].flops_fp32))
     assert any("training precision fp32: as the DeepSpeed file" in a for a in s.assumptions)
+
+
+def test_activation_checkpointing_and_a_profile_measured_with_it_are_what_the_estimate_takes(tmp_path):
+    """train.activation_checkpointing: each layer's input kept and one layer's whole (it took the full 34 a layer);
+    a profile of several entries: the one measured with the run's own compared values (it took the first)."""
+    sets = STEPS + ["train.activation_checkpointing=true"]
+    plan = make_plan(None, sets, "configs/ds/fp32.json", world_size=1)
+    n, c = n_params(plan), plan.run.cfg
+    full = 34 * c.data.seq_len * c.train.micro_batch_size * c.model.d_model * c.model.n_layers * 2  # fp32: x2
+    s = estimate(plan, n, 8, 2, "ib-ndr400")
+    assert s.activations == pytest.approx(full * 2 / 34 + full / c.model.n_layers)  # inputs, and one layer's 34
+    assert any("with train.activation_checkpointing" in a for a in s.assumptions)
+    entry = {"nproc": 1, "status": "ok", "precision": "fp32", "global_batch": c.train.micro_batch_size, "params": n,
+             "activation_bytes": 10**6}
+    bench = {"device": {"name": "Some CPU"}, "configs": [
+        {**entry, "step_s": {"median": 0.5}, "sets": ["train.activation_checkpointing=false"]},
+        {**entry, "step_s": {"median": 0.7}, "sets": ["train.activation_checkpointing=true"]}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    assert estimate(plan, n, 8, 2, "ib-ndr400", profile_path=path).compute_s == pytest.approx(0.7)

@@ -119,6 +119,24 @@ def test_a_hugging_face_lm_split_by_deepspeeds_hf_path_trains_as_one_process(cac
     assert abs(two.evals[-1]["loss"] - ref.evals[-1]["loss"]) < 1e-5
 
 
+def test_the_longest_sequence_on_paper_does_not_depend_on_the_length_planned_from():
+    """The built-in model's position table grows with data.seq_len: planned from 128 positions, the longest that fits
+    an H100 came out at 2.4 M positions, where the plan of that length needs twice the card."""
+    import re
+
+    sets = ["--ds", str(DS / "sp2_zero0.json"), "--world-size", "2", "--mixed-precision", "bf16", "--set",
+            "model.d_model=2048", "--set", "model.n_layers=2", "--set", "model.n_heads=16", "--set",
+            "train.micro_batch_size=1", "--set", "train.loss_chunk=1024", "--set", "train.max_steps=2"]
+    found = []
+    for length in ("128", "1246720"):
+        out = plan(*sets, "--set", f"data.seq_len={length}")
+        assert out.returncode == 0, out.stderr[-2000:]
+        line = next(x for x in out.stdout.splitlines() if x.startswith("longest sequence that fits an H100"))
+        assert "growing with it; bf16 as resolved here" in line
+        found.append(re.sub(r"model states [^;]+;", "", line))
+    assert found[0] == found[1] and "SP=8 1,246,720" in found[0], found
+
+
 def test_a_hugging_face_model_of_another_task_is_refused(tiny_t5, tmp_path):
     toy, t5 = tiny_t5
     out = plan("--ds", str(DS / "sp2_zero0.json"), "--world-size", "2", "--set", "train.max_steps=2", "--set",

@@ -165,9 +165,10 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     micro, accum = c.train.micro_batch_size, _accumulation(run, layout.dp_size, micro_batches, label)
     run_values = {
         "train_micro_batch_size_per_gpu": (micro, run.source["train.micro_batch_size"]),
-        "gradient_accumulation_steps": (accum, "derived from train.global_batch_size" if c.train.global_batch_size
-                                        else f"pipeline.micro_batches ({label})" if micro_batches is not None
-                                        else run.source["train.grad_accum_steps"]),
+        "gradient_accumulation_steps": (accum, f"pipeline.micro_batches ({label})" if micro_batches is not None
+                                        else run.source["train.grad_accum_steps"]
+                                        if run.is_set("train.grad_accum_steps") or not c.train.global_batch_size
+                                        else "derived from train.global_batch_size"),
         "train_batch_size": (micro * accum * layout.dp_size, "derived: micro x accumulation x data-parallel size"),
         "gradient_clipping": (c.train.grad_clip, run.source["train.grad_clip"]),
     }

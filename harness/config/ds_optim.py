@@ -103,7 +103,8 @@ def _run_value(run: Resolved, run_key: str) -> Any:
 
 
 def _run_source(run: Resolved, run_key: str) -> str:
-    return run.source[_run_keys(run_key)[0]]
+    sources = list(dict.fromkeys(run.source[k] for k in _run_keys(run_key)))  # beta1's and beta2's, where they differ
+    return sources[0] if len(sources) == 1 else "; ".join(f"{k}: {run.source[k]}" for k in _run_keys(run_key))
 
 
 def resolve_sections(ds: dict, run: Resolved, label: str, offload: bool, stage: int,

@@ -65,6 +65,14 @@ def _project(key: str, value: Any) -> Any:
     return value
 
 
+def _seed(key: str, value: Any) -> Any:
+    """A seed the generators take, with the epoch and sample seeds made from it (seed x 100,003 + epoch) still in
+    torch.manual_seed's 64 bits: checked before launch, not as an overflow traceback on every rank."""
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**32:
+        raise ValueError(f"{value} must be in [0, 2**32)")
+    return value
+
+
 @dataclass(frozen=True)
 class RunSection:
     task: str = setting("lm", "which task to train (see `harness keys`): its model, data, loss and metrics")
@@ -155,7 +163,7 @@ class TrainSection:
     early_stopping_patience: int | str = setting(0, "stop after this many evaluations in a row without improvement of "
                                                  "select_best (needs select_best and eval_every), or \"3 epochs\" (the "
                                                  "evaluations that cover them); 0 = off")
-    seed: int = setting(0, "seed for model init, data order and dropout", bound=">= 0")
+    seed: int = setting(0, "seed for model init, data order and dropout", parse=_seed)
     max_nonfinite_steps: int = setting(10, "stop after this many consecutive steps with a non-finite loss or an update "
                                        "skipped for a non-finite gradient (in fp16: once the loss scale is at its "
                                        "minimum)", bound="> 0")
@@ -349,14 +357,19 @@ def _conform(value: Any, expected: Any) -> Any:
     return value if type(value) is expected else _NO
 
 
-def _type_name(t: Any) -> str:
+def conforms(value: Any, expected: Any) -> bool:
+    """Whether a field declared `expected` holds `value` as a run file or --set gives it (`_conform`)."""
+    return _conform(value, expected) is not _NO
+
+
+def type_name(t: Any) -> str:
     origin, args = get_origin(t), get_args(t)
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args)
+        return " or ".join(type_name(a) for a in args)
     if origin is Literal:
         return "one of " + ", ".join(map(repr, args))
     if origin is not None:
-        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+        return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else type_name(a) for a in args)}]"
     return "None" if t is type(None) else getattr(t, "__name__", str(t))
 
 
@@ -374,7 +387,7 @@ def _coerce(key: str, value: Any, origin: str, sections: dict[str, type]) -> Any
         raise ConfigError(f"{key} = None ({origin}): only a key whose default is None may be None (a run file has "
                           f"no None, so it would read back as the default)")
     if value is _NO:
-        raise ConfigError(f"{key} must be {_type_name(expected)}, got {type(given).__name__} {given!r} ({origin})")
+        raise ConfigError(f"{key} must be {type_name(expected)}, got {type(given).__name__} {given!r} ({origin})")
     if expected is float and not math.isfinite(value):  # TOML has nan and inf literals
         raise ConfigError(f"{key} must be a finite number, got {value!r} ({origin})")
     choices = all_keys(sections)[key].metadata.get("choices")
@@ -387,7 +400,7 @@ def read_file(path: str | Path, what: str, parse, syntax_error: type[Exception],
     """Read and parse a config file; every failure is one line naming the file."""
     p = Path(path)
     try:
-        data = parse(p.read_text())
+        data = parse(p.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) is no syntax error
     except FileNotFoundError:
         raise ConfigError(f"{p}: {what} not found") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -296,6 +296,15 @@ def pipeline_loss_sum(engine, task, batch: dict[str, torch.Tensor], real: bool) 
 
 # --- consolidation -----------------------------------------------------------------------------------------------
 
+def state_names(model: torch.nn.Module) -> set[str]:
+    """The names `full_state_dict` gives a model's weights and persistent buffers: a module used twice (weights
+    shared by reusing a layer) once, under its first name, where `state_dict()` names it twice."""
+    return {f"{name_m}.{n}" if name_m else n for name_m, module in model.named_modules()
+            for n in [*(p for p, _ in module.named_parameters(recurse=False)),
+                      *(b for b, _ in module.named_buffers(recurse=False)
+                        if b not in module._non_persistent_buffers_set)]}
+
+
 def full_state_dict(engine, world: World, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
     """The full fp32 (master) weights and the buffers, under the plain model's names, on rank 0 (on every rank
     with `everywhere`). Collective: every rank calls it."""

@@ -109,7 +109,7 @@ def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float
     total, count = loss_sum(model, task, samples, world, cfg.train.micro_batch_size, desc="scoring")
     if not count:
         raise ConfigError(f"nothing to score: the data holds no {getattr(task, 'items', 'items')}")
-    return {"loss": total / count, **task.metrics(total / count), getattr(task, "items", "items"): float(count)}
+    return {**task.metrics(total / count), "loss": total / count, getattr(task, "items", "items"): float(count)}
 
 
 def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None,

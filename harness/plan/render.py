@@ -135,7 +135,9 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
                 f"Hugging Face models: its heads split {sp} ways); activations on paper are the built-in model's "
                 f"alone"]
     fixed = sample_positions(plan)
-    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
+    n_params = sum(p.numel() for p in model.parameters())
+    states = model_state_bytes(n_params, ds)["device"]
+    grows = _params_per_position(plan, n_params)  # a position table: the model grows with the sequence too
     sizes = [n for n in (1, 2, 4, 8) if c.model.n_heads % n == 0]
     lines = [f"sequence parallel: each sequence split over {sp} ranks by positions (DeepSpeed Ulysses: an all-to-all "
              f"of q, k, v before each attention and one after it, each rank attending over every position with "
@@ -146,12 +148,27 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
              + ", ".join(f"SP={n} {size_text(activation_bytes(plan, model, fixed, n))}" for n in sizes)]
     for name, gib in GPU_MEMORY_GIB.items():
         # in steps of 64 x SP positions: the search `harness bench sweep --largest` runs with real tries
-        longest = {n: 64 * n * largest_fitting(
-            lambda k, n=n: states + activation_bytes(plan, model, 64 * n * k, n) <= gib * 2**30, 1, 2**30)
-            for n in sizes}
-        lines.append(f"longest sequence that fits an {name} ({gib} GiB, model states "
-                     f"{size_text(states)} per rank), on paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
+        def fits(t: int, n: int) -> bool:
+            at = model_state_bytes(n_params + grows * (t - c.data.seq_len), ds)["device"] if grows else states
+            return at + activation_bytes(plan, model, t, n) <= gib * 2**30
+
+        longest = {n: 64 * n * largest_fitting(lambda k, n=n: fits(64 * n * k, n), 1, 2**30) for n in sizes}
+        lines.append(f"longest sequence that fits an {name} ({gib} GiB; model states {size_text(states)} per rank at "
+                     f"this length{', growing with it' if grows else ''}; {ds.precision} as resolved here), on "
+                     f"paper: " + ", ".join(f"SP={n} {longest[n]:,}" for n in sizes))
     return lines + _mask_note(plan)
+
+
+def _params_per_position(plan: Plan, n_params: int) -> int:
+    """Parameters a position of data.seq_len adds (the built-in model's learned position table: d_model), from the
+    model built 64 positions longer on the meta device."""
+    import dataclasses
+
+    cfg = plan.run.cfg
+    longer = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.data.seq_len + 64))
+    with torch.device("meta"):
+        grown = sum(p.numel() for p in plan.task.build_model(longer).parameters())
+    return max(0, grown - n_params) // 64
 
 
 def _mask_note(plan: Plan) -> list[str]:

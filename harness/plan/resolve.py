@@ -16,6 +16,7 @@ from ..distributed.world import accelerate_mixed_precision, launched_world_size
 from ..models.hf import load_config
 from ..models.transformer import Attention, Block, recomputable
 from ..tasks import Task, get_task, resolve
+from ..tasks.interface import check_metrics
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ def loss_metric_names(task: Task) -> list[str] | None:
     field evaluation of its own (`evaluate`), whose figures are known once it has run."""
     if hasattr(task, "evaluate"):
         return None
-    return list(dict.fromkeys(["loss", *(k for k, v in task.metrics(1.0).items() if not isinstance(v, str))]))
+    metrics = task.metrics(1.0)
+    check_metrics(task, metrics)  # e.g. None: one line before launch, not an AttributeError
+    return list(dict.fromkeys(["loss", *(k for k, v in metrics.items() if not isinstance(v, str))]))
 
 
 def check_recomputable(run: Resolved, task: Task) -> None:

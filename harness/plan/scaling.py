@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from ..config.ds import DSResolved, model_state_bytes
 from ..config.layout import Layout
-from ..config.run import ConfigError, read_file
+from ..config.run import ConfigError, read_file, tomllib
 from .render import GPU_MEMORY_GIB
 
 if TYPE_CHECKING:
@@ -151,8 +151,9 @@ class Profile:
     activations: int = 0    # measured: the first micro-batch's saved activations (a CPU's peak holds the process)
 
 
-def read_profile(path: str | Path, precision: str) -> Profile:
-    """The single-process "ok" entry of a `harness bench` file, preferring the plan's precision."""
+def read_profile(path: str | Path, precision: str, run=None) -> Profile:
+    """The single-process "ok" entry of a `harness bench` file, preferring one whose compared values (its `sets`,
+    e.g. train.activation_checkpointing=true) are the run's (`run`, a Resolved), then the plan's precision."""
     data = read_file(path, "bench profile", json.loads, json.JSONDecodeError, "JSON")
     configs = data.get("configs")
     if not isinstance(configs, list):
@@ -160,7 +161,7 @@ def read_profile(path: str | Path, precision: str) -> Profile:
     ok = [c for c in configs if isinstance(c, dict) and c.get("nproc") == 1 and c.get("status") == "ok"]
     if not ok:
         raise ConfigError(f"{path}: no entry with \"nproc\": 1 and \"status\": \"ok\"; bench one process first")
-    e = next((c for c in ok if c.get("precision") == precision), ok[0])
+    e = min(ok, key=lambda c: (not _agrees(c, run), c.get("precision") != precision))  # (the first, of equals)
     try:  # the entry's micro batch and length, else the bench's own run-config overrides "section.key=value"
         sets = dict(str(x).split("=", 1) for x in e.get("sets", []) if "=" in str(x))
         samples = int(e["global_batch"])
@@ -176,6 +177,22 @@ def read_profile(path: str | Path, precision: str) -> Profile:
     if min(p.step_s, p.samples, p.micro, p.params, p.seq or 1) <= 0:
         raise ConfigError(f"{path}: the nproc=1 entry has a non-positive step time, batch or parameter count")
     return p
+
+
+def _agrees(entry: dict, run) -> bool:
+    """Whether each value a bench entry was measured with (its "section.key=value" sets) is the run's own."""
+    if run is None:
+        return True
+    for item in entry.get("sets") or []:
+        key, _, raw = str(item).partition("=")
+        if key in ("data.seq_len", "train.micro_batch_size"):  # the estimate scales the profile by these
+            continue
+        try:
+            if run.value(key) != tomllib.loads(f"v = {raw}")["v"]:
+                return False
+        except (ValueError, AttributeError, tomllib.TOMLDecodeError):  # a key of another task, a value TOML refuses
+            return False
+    return True
 
 
 def offload_bytes(shard: float, bytes_per_elem: int, micro_batches: int, optimizer: bool, params: bool) -> float:
@@ -266,9 +283,10 @@ def _link_assumptions(ds, intra: str, inter: str, nodes: int, b: int, b_act: int
 
 
 def _activations(profile, n_params: int, ds, micro: int, seq_ratio: float, positions_bytes: float,
-                 checkpointing: int, assumptions: list[str]) -> float:
+                 checkpointing: int, assumptions: list[str], recomputed_layers: int = 0) -> float:
     """One GPU's activation bytes of a micro-batch on one model-parallel rank before the split: from the profile's
-    peak memory where it is usable, else Korthikanti et al.'s count; says which in `assumptions`."""
+    peak memory where it is usable, else Korthikanti et al.'s count (`recomputed_layers`: train.activation_
+    checkpointing's, which keeps each layer's input and one layer's whole at a time); says which in `assumptions`."""
     if profile and profile.params == n_params and profile.activations > 0:
         assumptions.append(f"activations from the profile: {profile.activations / 2**30:.3g} GiB measured for micro "
                            f"batch {profile.micro} scaled to {micro} and by seq, split by (10 + 24/tp)/34 and "
@@ -281,6 +299,12 @@ def _activations(profile, n_params: int, ds, micro: int, seq_ratio: float, posit
                            f"model states, for micro batch {profile.micro} (its train.micro_batch_size, else its "
                            f"global batch) scaled to {micro} and by seq, split by (10 + 24/tp)/34 and min(p, m)/p")
         return own * micro / profile.micro * seq_ratio
+    if recomputed_layers:  # as `render.activation_bytes` counts it for one GPU
+        assumptions.append("activations with train.activation_checkpointing: each layer's input (2 x seq x B x "
+                           "d_model bytes in 16-bit) and one layer's 34 recomputed at a time (Korthikanti et al. "
+                           "2022, d_ff = 4 d_model, logits ignored)" + (" because the profile's model differs or its "
+                                                                       "peak memory is unusable" if profile else ""))
+        return positions_bytes + 34 * positions_bytes / 2 / recomputed_layers
     assumptions.append("activations 34 x seq x B x d_model x layers bytes in 16-bit, doubled in fp32 (Korthikanti et "
                        "al. 2022, no recomputation, d_ff = 4 d_model, attention scores not stored, logits ignored)"
                        + (" because the profile's model differs or its peak memory is unusable" if profile else "")
@@ -370,12 +394,12 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     h, layers = widths(c)
     dp, m, B, seq = layout.dp_size, ds.grad_accum_steps, c.train.micro_batch_size, c.data.seq_len
     spans = _placement(layout, G)
-    profile = read_profile(profile_path, ds.precision) if profile_path else None
+    profile = read_profile(profile_path, ds.precision, plan.run) if profile_path else None
     gpu = DEFAULT_GPU if not profile else next((k for k in GPUS if k in profile.device), None)
     precision, why = target_precision(ds, gpu)
     if precision != ds.precision:  # the estimate is of the target GPU's run, not of this host's
         ds = dataclasses.replace(ds, precision=precision)
-        profile = read_profile(profile_path, precision) if profile_path else None
+        profile = read_profile(profile_path, precision, plan.run) if profile_path else None
     b_act = 4 if ds.precision == "fp32" else 2     # activations travel in the training dtype
     b = 4 if b_act == 4 or ds.config.get("communication_data_type") == "fp32" else 2   # gradients, parameters
     peak = (GPUS[gpu].flops_fp32 if b_act == 4 else GPUS[gpu].flops_16bit) if gpu else 0.0
@@ -400,7 +424,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     # of L/p layers on the first stage.
     split = (10 + 24 / tp) / 34 * min(pp, m) / pp
     one_act = _activations(profile, n_params, ds, B, seq_ratio, seq * B * h * layers * b_act,
-                           layout.checkpoint_interval, A)
+                           layout.checkpoint_interval, A, layers if c.train.activation_checkpointing else 0)
     A.append(f"GPU memory {GPUS[gpu].memory / 2**30:g} GiB ({gpu})" if gpu else
              f"GPU memory unknown for {profile.device} (known: {', '.join(GPUS)})")
     host_bw = LINKS[HOST_LINK].bytes_per_s * EFFICIENCY

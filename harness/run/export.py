@@ -137,8 +137,11 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     except SafetensorError as e:
         raise ConfigError(f"{Path(run_dir) / MODEL_FILE}: not a whole safetensors file ({e}); remove it, and "
                           f"`harness train ... --resume auto` exports the run's last checkpoint again") from None
-    if state.keys() != mine.keys():
-        only_run, only_model = sorted(state.keys() - mine.keys()), sorted(mine.keys() - state.keys())
+    from ..distributed.parallel import state_names
+
+    expected = state_names(model)  # a module used twice is saved once
+    if state.keys() != expected:
+        only_run, only_model = sorted(state.keys() - expected), sorted(expected - state.keys())
         raise ConfigError(f"{run_dir}: its weights do not fit the model this version of the harness builds from its "
                           f"config (only in the run: {', '.join(only_run[:4]) or 'none'}; only in the model: "
                           f"{', '.join(only_model[:4]) or 'none'}): it was trained by another version; train it again")
@@ -147,7 +150,7 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     if differ:  # e.g. its config.toml edited after training
         raise ConfigError(f"{run_dir}: its weights' shapes differ from the model its config.toml builds ("
                           f"{'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): was config.toml changed?")
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=False)  # (the keys checked above; the rest name the same modules again)
     return model.eval(), cfg
 
 

@@ -88,7 +88,8 @@ def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
     total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
-    return {"loss": total / count, **metrics} if count else {}  # the loss whatever the task reports: train.select_best
+    return {**metrics, "loss": total / count} if count else {}  # the loss whatever the task reports as its own "loss":
+    # train.select_best's val_loss, and the record's (a task's metrics(1.0) = {"loss": 123.0} had replaced it)
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
@@ -239,9 +240,13 @@ def _check_validation(cfg, task, data, world: World) -> None:
     after training; otherwise said once."""
     if len(data.val) or hasattr(task, "evaluate"):  # a task's own evaluation may read data of its own
         return
-    where = (f"data.val_path, or a corpus whose validation split (--val-fraction at prepare) holds data.seq_len + 1 = "
-             f"{cfg.data.seq_len + 1} tokens" if cfg.data.mix or is_corpus(cfg.data.path) else
-             "data.val_path or data.val_fraction")
+    if not hasattr(cfg.data, "mix"):  # not the lm's data section: a plug-in's build_data splits its own data
+        where = f"{type(task).__name__}.build_data's validation samples (TaskData.val)"
+    elif cfg.data.mix or is_corpus(cfg.data.path):
+        where = (f"data.val_path, or a corpus whose validation split (--val-fraction at prepare) holds data.seq_len + "
+                 f"1 = {cfg.data.seq_len + 1} tokens")
+    else:
+        where = "data.val_path or data.val_fraction"
     if cfg.train.select_best:
         raise ConfigError(f"train.select_best = {cfg.train.select_best!r} selects by the validation split, which "
                           f"holds nothing to evaluate: give one ({where}), or leave train.select_best out")
@@ -419,7 +424,10 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
         if run.stopped_early:
             run.say(f"stopped early at step {step} of {run.max_steps}: {selection.why_stopped()}")
         weights = step
-        if selection and selection.value is not None and selection.step != step:
+        if selection and selection.value is None:  # every evaluation's figure NaN or inf: nothing was chosen
+            run.say(f"train.select_best = {selection.metric!r}: no evaluation gave a finite value; exporting the last "
+                    f"step's weights")
+        elif selection and selection.step != step:
             checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")

@@ -152,6 +152,9 @@ def _refused(task, method: str, value, want: str) -> ConfigError:
 def check_model(task, model) -> None:
     if not isinstance(model, nn.Module):
         raise _refused(task, "build_model(cfg)", model, "it must return a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):  # torch's "optimizer got an empty parameter list"
+        raise ConfigError(f"task {type(task).__name__}: build_model(cfg) gave a {type(model).__name__} with no "
+                          f"trainable parameters (none, or every one frozen): nothing to train")
 
 
 def check_data(task, data) -> None:

@@ -9,12 +9,15 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
+import types
+import typing
 from pathlib import Path
 
-from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved, closest
+from ..config.run import PLUGIN_SECTION, ConfigError, DataSection, Resolved, closest, conforms, type_name
 from ..config.run import resolve as resolve_layers
 from .interface import REQUIRED, Task, TaskDefaults
 
@@ -86,6 +89,7 @@ def task_class(name: str) -> type:
     if missing:
         raise ConfigError(f"run.task = {name!r}: {cls_name} lacks {', '.join(missing)} (the Task interface in "
                           f"harness/tasks/interface.py lists what a task provides)")
+    _check_signatures(name, cls)
     _check_section(name, cls_name, getattr(cls, "Config", None))
     data = getattr(cls, "Data", None)
     if data is not None and not (isinstance(data, type) and issubclass(data, DataSection)):
@@ -95,6 +99,35 @@ def task_class(name: str) -> type:
         if not hasattr(cls, attr):                          # (so its objects pickle as what they are)
             setattr(cls, attr, TaskDefaults.__dict__[attr])
     return cls
+
+
+# What the harness passes each method it calls (positionally, after self), e.g. loss_from(outputs, batch)
+ARGUMENTS = {"build_model": ("cfg",), "build_data": ("cfg",), "collate": ("samples",), "count": ("batch",),
+             "inputs": ("batch",), "loss_from": ("outputs", "batch"), "loss": ("model", "batch"),
+             "metrics": ("mean_loss",), "check": ("cfg",), "evaluate": ("model", "cfg", "split", "world")}
+
+
+def _check_signatures(name: str, cls: type) -> None:
+    """Each method takes what the harness passes it, and the class is built without arguments: refused by name here,
+    not as a TypeError from deep in the loop or torch's DataLoader."""
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as e:
+        raise ConfigError(f"run.task = {name!r}: {cls.__name__}() must build without arguments ({e})") from None
+    except ValueError:  # no signature to read (a builtin): taken as it is
+        pass
+    for method, args in ARGUMENTS.items():
+        fn = getattr(cls, method, None)
+        if not callable(fn):
+            continue
+        bound = isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod))  # no self to pass
+        try:
+            inspect.signature(fn).bind(*(() if bound else (None,)), *args)
+        except TypeError:
+            raise ConfigError(f"run.task = {name!r}: {cls.__name__}.{method}{inspect.signature(fn)} cannot take "
+                              f"({', '.join(args)}), what the harness passes it") from None
+        except ValueError:
+            pass
 
 
 # Classes of task objects given to the Python API (`task=`), by the name run.task records, while that call runs
@@ -142,12 +175,32 @@ def _check_section(name: str, cls_name: str, section: type | None) -> None:
     """A plug-in's `Config`, checked before anything is built: a dataclass whose every field has a default."""
     if section is None:
         return
-    if not dataclasses.is_dataclass(section):
-        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys)")
+    if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config must be a dataclass (the [task] section's keys; "
+                          f"the class, not an instance)")
+    try:
+        hints = typing.get_type_hints(section)
+    except Exception as e:  # noqa: BLE001 - an annotation naming what its module lacks
+        raise ConfigError(f"run.task = {name!r}: {cls_name}.Config's annotations do not resolve ({e})") from None
     for f in dataclasses.fields(section):
+        key = f"run.task = {name!r}: {cls_name}.Config.{f.name}"
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"run.task = {name!r}: {cls_name}.Config.{f.name} has no default (every [task] key "
-                              f"needs one)")
+            raise ConfigError(f"{key} has no default (every [task] key needs one)")
+        if not _tomlable(hints[f.name]):  # config.toml could not be written once the run started
+            raise ConfigError(f"{key}: {type_name(hints[f.name])} is no type a TOML file holds (bool, int, float, "
+                              f"str, their lists, tuples and dicts, unions, Literal)")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if not conforms(default, hints[f.name]):
+            raise ConfigError(f"{key} = {default!r}: its default is no {type_name(hints[f.name])}")
+
+
+def _tomlable(t) -> bool:
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Literal:
+        return True
+    if origin in (list, tuple, dict, typing.Union, types.UnionType):
+        return all(a is Ellipsis or _tomlable(a) for a in args)
+    return t in (bool, int, float, str, list, tuple, dict, type(None), typing.Any)
 
 
 def _import_module(target: str):
@@ -182,12 +235,16 @@ def _where(e: Exception, target: str) -> str:
 def _import_file(path: str):
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"run.task: no file {file}")
-    # One module per file, under a name of its own: re-importing the same file (a second run) reuses it.
+        where = "" if file.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+        raise ConfigError(f"run.task: no file {file}{where}")
+    # One module per file, under a name of its own: importing the same file again (a second run) reuses it, unless
+    # the file changed since (edited between two harness.train calls of one session: the new code runs)
     name = "harness_task_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    if name not in sys.modules:
+    stamp = file.stat().st_mtime_ns, file.stat().st_size
+    if getattr(sys.modules.get(name), "__harness_stamp__", None) != stamp:
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
+        module.__harness_stamp__ = stamp
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
