@@ -115,6 +115,12 @@ def test_zero_memory_estimate_shrinks_with_stage():
            for stage in range(4)}
     # ZeRO paper, mixed precision, N=4: 16, 4 + 12/4, 2 + 14/4, 16/4 bytes per parameter
     assert est == {0: 16000, 1: 7000, 2: 5500, 3: 4000}
+    fp32 = {stage: model_state_bytes(1000, resolve_ds(r, str(DS / f"zero{stage}.json"), 4, "no"))["device"]
+            for stage in range(4)}
+    # fp32: 4 + 4 + 8 at ZeRO-0; ZeRO 1-3 also step an fp32 copy of the partition (4 + 8 = 12 sharded), as measured
+    assert fp32 == {0: 16000, 1: 11000, 2: 8000, 3: 5000}
+    offload = model_state_bytes(1000, resolve_ds(r, str(DS / "zero2_offload.json"), 4, "bf16"))
+    assert offload == {"device": 2500, "cpu": 4000}  # the CPU's optimizer partition with its fp32 gradient
 
 
 @pytest.mark.parametrize("args,ds,message", [

@@ -597,18 +597,21 @@ def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout
 def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:
     """Bytes of model states (weights, gradients, AdamW states) per rank, after the ZeRO paper (Rajbhandari et al.
     2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, m, v) bytes per
-    parameter; in fp32 4 + 4 + 8. Stage 1 shards the optimizer part, 2 also the gradients, 3 also the weights.
-    Offloaded parts move from "device" to "cpu". Activations and buffers are not included."""
+    parameter; in fp32 4 + 4 + 8, and 4 + 4 + 12 under ZeRO 1-3, whose optimizer steps an fp32 copy of its partition
+    beside the weights (DeepSpeed 0.19, stage_1_and_2.py and stage3.py; as `run.startup.checkpoint_bytes_per_param`
+    counts it). Stage 1 shards the optimizer part, 2 also the gradients, 3 also the weights. Offloaded parts move
+    from "device" to "cpu", where the offloaded optimizer also keeps an fp32 gradient of its partition.
+    Activations and buffers are not included."""
     # ZeRO partitions over the data x sequence ranks; autocast keeps fp32 weights and gradients
     n, mixed = ds.layout.dp_size * ds.layout.sp_size, ds.precision != "fp32" and not ds.autocast
-    w, g, opt = (2, 2, 12) if mixed else (4, 4, 8)
     s = ds.zero_stage
+    w, g, opt = (2, 2, 12) if mixed else (4, 4, 12 if s >= 1 else 8)
     weights = w / n if s >= 3 else w
     grads = g / n if s >= 2 else g
     optim = opt / n if s >= 1 else opt
     device, cpu = weights + grads + optim, 0.0
     if ds.offload_optimizer:
-        device, cpu = device - optim, cpu + optim
+        device, cpu = device - optim, cpu + optim + 4 / n
     if ds.offload_params:
         device, cpu = device - weights, cpu + weights
     return {"device": int(device * n_params), "cpu": int(cpu * n_params)}
