@@ -160,16 +160,16 @@ def _check_machines(args, processes: int, where, who: str) -> None:
     # the hostfile, and find the first one's address over ssh where none is given (nossh too); torchrun's
     # rendezvous, static or c10d, waits (900 s) for a host named None
     launcher = _multinode_launcher(args)
-    runner = launcher not in (None, "standard")
-    if machines > 1 and runner:
+    each_node = launcher in (None, "standard", "nossh")  # a launch on every machine (pdsh and MPI: one, from here)
+    if machines > 1 and launcher not in (None, "standard"):
         _check_hostfile(args.deepspeed_hostfile, machines, processes // machines, args, where, who)
-    if machines > 1 and not args.main_process_ip and launcher in (None, "standard", "nossh"):
+    if machines > 1 and not args.main_process_ip and each_node:
         raise ConfigError(f"{who}: {where('num_machines')} = {machines} needs --main_process_ip (or main_process_ip in "
                           f"the config file): the address of machine rank 0, where the ranks meet")
-    if machines > 1 and port == 0:  # each machine would pick a free port of its own, and never meet
+    if machines > 1 and port == 0 and each_node:  # each machine would pick a free port of its own, and never meet
         raise ConfigError(f"{who}: {where('main_process_port')} = 0 (a free port picked on each machine) with "
                           f"{machines} machines: they would each wait at a port of their own; name one port")
-    if machines > 1 and rank > 0 and not runner:  # an address no machine answers to: c10d's warnings, then a timeout
+    if machines > 1 and rank > 0 and each_node:  # an address no machine answers to: c10d's warnings, then a timeout
         try:
             socket.getaddrinfo(args.main_process_ip, None)
         except OSError as e:
@@ -335,15 +335,7 @@ def main(argv: list[str], parse) -> int:
     plan = check(train_args, settings, parse)
     fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
     os.close(fd)
-    env = {**os.environ, STATUS_ENV: status,
-           # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
-           "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
-    if settings["per_machine"] > 1 and "OMP_NUM_THREADS" not in os.environ:  # what torchrun sets (torch 2.x
-        env["OMP_NUM_THREADS"] = "1"  # distributed/run.py), without its four-line banner on every launch
-    if sys.stderr.isatty():  # the ranks' stderr is a file this process relays to a terminal: draw as on one
-        from .console import STDERR_TTY_ENV
-
-        env[STDERR_TTY_ENV] = "1"
+    env = _launch_env(settings, status)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "harness", *train_args]
     print(f"harness launch: checks passed; accelerate launch {' '.join(accelerate_args)} -m harness "
           f"{' '.join(train_args)}", flush=True)
@@ -388,6 +380,20 @@ def main(argv: list[str], parse) -> int:
     if line:
         print(line, file=sys.stderr, flush=True)
     return code
+
+
+def _launch_env(settings: dict, status: str) -> dict[str, str]:
+    """accelerate launch's environment: where the ranks report how they ended (`status`), and what torchrun does."""
+    env = {**os.environ, STATUS_ENV: status,
+           # torchrun forwards SIGUSR1 too, should the scheduler signal it rather than this process
+           "PET_SIGNALS_TO_HANDLE": os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")}
+    if settings["per_machine"] > 1 and "OMP_NUM_THREADS" not in os.environ:  # what torchrun sets (torch 2.x
+        env["OMP_NUM_THREADS"] = "1"  # distributed/run.py), without its four-line banner on every launch
+    if sys.stderr.isatty():  # the ranks' stderr is a file this process relays to a terminal: draw as on one
+        from .console import STDERR_TTY_ENV
+
+        env[STDERR_TTY_ENV] = "1"
+    return env
 
 
 def _ending_with(parent: int):

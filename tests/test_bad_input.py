@@ -90,7 +90,7 @@ CASES = [
      "`train.max_step` (command line); did you mean `train.max_steps`"),
     ("unknown-section", [S, "optimzer.lr=1e-3"], None, None, "optimzer.lr"),
     ("wandb-project-name", [S, 'logging.project="team/proj"'], None, None,
-     "logging.project: 'team/proj' is not a W&B project name"),
+     "logging.project = 'team/proj' (command line) is not a W&B project name"),
     ("key-in-other-section", [S, "train.lr=1e-3"], None, None, "`train.lr` (command line); did you mean `optimizer.lr`"),
     ("other-task-section", [S, "translation.beam_size=2"], None, None, "[translation] keys belong to run.task"),
     ("task-key-out-of-range", [S, 'run.task="protein"', S, "protein.train_subsample=-1"], None, None,

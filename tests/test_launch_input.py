@@ -132,6 +132,8 @@ def test_the_shipped_multi_node_launches_are_still_accepted(tmp_path):
     hosts.write_text("# the shipped example's hosts\nnode-001 slots=8\n\nnode-002 slots=8\n")
     hostfile = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml"), "--deepspeed_hostfile", str(hosts)]
     assert launch_settings(hostfile, "harness plan")["num_processes"] == 16
+    # pdsh starts every host from here with the one port accelerate picks: 0 is fine (each node's own launch, not)
+    assert launch_settings([*hostfile, "--main_process_port", "0"], "harness plan")["num_processes"] == 16
     # harness launch cannot watch ranks that pdsh starts on other hosts: the command that can is named
     nossh = [*hostfile, "--deepspeed_multinode_launcher", "nossh", "--main_process_ip", "127.0.0.1"]
     assert launch_settings(nossh)["runner"] is False  # each node starts its own: harness launch's

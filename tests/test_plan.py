@@ -88,6 +88,8 @@ def test_precedence_defaults_then_run_file_then_command_line(tmp_path):
     assert r.source["train.max_steps"] == f"run file {run}"
     assert r.source["optimizer.lr"] == "command line"
     assert r.source["train.seed"] == "default"
+    tensorboard = plan("--run", run, "--set", 'logging.backend="tensorboard"', "--set", 'logging.project="team/x"')
+    assert tensorboard.returncode == 0, tensorboard.stderr  # W&B's rules for its project name bind W&B alone
     bom = tmp_path / "bom.toml"  # saved by an editor that starts UTF-8 with a byte-order mark: it was malformed TOML
     bom.write_bytes(b"\xef\xbb\xbf[train]\nmax_steps = 3\n")
     assert resolve(str(bom), []).cfg.train.max_steps == 3

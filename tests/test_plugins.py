@@ -456,6 +456,9 @@ BROKEN = [
      "Bad.loss_from(self, out) cannot take (outputs, batch)"),
     ("    def __init__(self, size):\n        self.size = size", "Bad() must build without arguments"),
     ("    @staticmethod\n    def count(batch):\n        return len(batch['y'])", None),  # takes what it is given
+    ("    collate = functools.partial(lambda samples, pad: samples, pad=0)", None),  # no self passed to it
+    ("    def evaluate(self, model, cfg, split, world):\n        return {}",
+     "Bad.evaluate(self, model, cfg, split, world) cannot take (model, cfg, split, world, in_training=True)"),
 ])
 def test_a_task_method_that_cannot_take_what_the_harness_passes_is_refused_by_name(body, said, tmp_path):
     """It was a TypeError from the loop, a collate inside torch's DataLoader, or the registry building the task."""
@@ -463,7 +466,7 @@ def test_a_task_method_that_cannot_take_what_the_harness_passes_is_refused_by_na
     from harness.tasks.registry import task_class
 
     task = tmp_path / "sig_task.py"
-    task.write_text(FLOAT_TASK + f"\n\nclass Bad(FloatTask):\n{body}\n")
+    task.write_text("import functools\n" + FLOAT_TASK + f"\n\nclass Bad(FloatTask):\n{body}\n")
     if said is None:
         assert task_class(f"{task}:Bad").__name__ == "Bad"
         return
@@ -476,6 +479,7 @@ def test_a_task_method_that_cannot_take_what_the_harness_passes_is_refused_by_na
     ("class C:\n    n_train: int = '256'", "Bad.Config.n_train = '256': its default is no int"),
     ("class C:\n    opts: set = frozenset()", "Bad.Config.opts: set is no type a TOML file holds"),  # config.toml
     ("class C:\n    n: int | None = None\n    pair: tuple[int, int] = (1, 2)", None),
+    ("class C:\n    max_items: int = None", None),  # None: not set, as plug-ins have written it
 ])
 def test_a_config_a_run_file_could_not_hold_is_refused_by_name(config, said, tmp_path):
     """A default of another type failed in the task's own code later; a set-typed field after launch, writing

@@ -412,8 +412,9 @@ def test_skill_bootstrap_and_verdict_by_hand():
     errors = torch.tensor([0.5, 1.5] * 20).view(40, 1, 1).expand(40, 2, 1)
     tie = verdict(y + errors, y + errors.flip(0), y)
     assert tie["skill_vs_persistence"] == pytest.approx(0.0) and "not significant" in tie["verdict"]
-    assert verdict(y * float("nan"), y + 1.0, y) == {"verdict": "no verdict: the model's or persistence's errors are "
-                                                             "not finite"}  # (it said NaN% higher, significant)
+    nan = verdict(y * float("nan"), y + 1.0, y)  # (it said NaN% higher, significant)
+    assert nan["verdict"] == "no verdict: the model's or persistence's errors are not finite"
+    assert math.isnan(nan["skill_vs_persistence"]) and "mse_difference_ci_low" not in nan  # a key select_best reads
     # trivial directions: last 0, truth up, up, down over a horizon of 3
     last, truth = torch.zeros(1, 1), torch.tensor([1.0, 2.0, -1.0]).view(1, 3, 1)
     assert trivial_directions(last, truth, up_share=0.8) == {"always_up_directional_accuracy": pytest.approx(2 / 3),

@@ -74,6 +74,12 @@ def test_a_resume_with_another_global_batch_goes_on_from_the_samples_read(order)
         assert after.place(8) == (1, 0) and torch.equal(after.step_indices(8).flatten(),
                                                         StepSampler(n, 1, 1, 0, 8, seed, 0, 20, order=order)
                                                         .step_indices(12).flatten())  # epoch 1's first step
+    if order != "given":  # 8 -> 16 at 56 of 203: 9 more steps fit (to 200), where 16's own epoch holds 192
+        small = StepSampler(203, 8, 1, 0, 1, seed, 0, 7, order=order)
+        big = StepSampler(203, 8, 1, 0, 2, seed, 7, 40, order=order, position=small.place(7))
+        epoch = torch.cat([small.step_indices(s).flatten() for s in range(7)] +
+                          [big.step_indices(s).flatten() for s in range(7, 16)])
+        assert len(set(epoch.tolist())) == 200 and big.place(16) == (1, 0)
     same = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order, position=StepSampler(n, 2, 2, 1, 3, seed, 0, 5,
                                                                                        order=order).place(5))
     plain = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order)

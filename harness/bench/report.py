@@ -21,6 +21,7 @@ def derive(entries: list[dict], device: dict) -> None:
     for e in entries:
         if e["status"] != "ok":
             continue
+        e.pop("invalid", None)  # derived again as entries join: judged against the baseline there is now
         peaks = device["peak_flops"][e["precision"]]
         measured = e.get("peak_flops_measured") or peaks["measured"]
         e["model_flops_per_s"] = e["flops_per_step"] / e["step_s"]["median"]  # at the median step time

@@ -57,14 +57,6 @@ def _directory(key: str, value: Any) -> Any:
     return value
 
 
-def _project(key: str, value: Any) -> Any:
-    """W&B's rules for a project name (wandb_settings.validate_project, wandb 0.19-0.31): refused before launch, not
-    by the tracker once the run has started (which then goes on without it)."""
-    if isinstance(value, str) and (not value.strip() or len(value) > 128 or set(value) & set("/\\#?%:")):
-        raise ValueError(f"{value!r} is not a W&B project name (1-128 characters, none of / \\ # ? % :)")
-    return value
-
-
 def _seed(key: str, value: Any) -> Any:
     """A seed the generators take, with the epoch and sample seeds made from it (seed x 100,003 + epoch) still in
     torch.manual_seed's 64 bits: checked before launch, not as an overflow traceback on every rank."""
@@ -213,7 +205,7 @@ class ScheduleSection:
 class LoggingSection:
     backend: str = setting("wandb", "experiment tracker; wandb runs offline in the run directory when no API key "
                            "is configured", ("wandb", "tensorboard", "none"))
-    project: str = setting("harness", "tracker project name", parse=_project)
+    project: str = setting("harness", "tracker project name")
     plots: bool = setting(True, "draw RUN/curves.png at the end of the run: training loss, learning rate, validation "
                           "loss and the task's metric against the step (`harness plot` overlays runs)")
 

@@ -79,16 +79,19 @@ class StepSampler(Sampler[list[int]]):
                               f"{self.global_batch}; use more data or a smaller batch")
         self.lengths = None if lengths is None else torch.as_tensor(lengths)
         self.bucket, self._epoch = bucket, (None, None)
+        self._bucketed = bool(bucket) and self.lengths is not None
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The samples of one epoch's steps in order, (steps_per_epoch * global_batch,): a permutation seeded by
-        (seed, epoch); with bucketing, sorted by length within windows of `bucket` global batches, then the
-        epoch's global batches shuffled, so each micro-batch holds similar lengths but steps still vary."""
+        """The samples of one epoch in order: a permutation of all n seeded by (seed, epoch), of which the epoch's
+        steps read the first steps_per_epoch x global_batch (a resume at another batch may read on, `place`); with
+        bucketing, those alone, sorted by length within windows of `bucket` global batches, then the epoch's global
+        batches shuffled, so each micro-batch holds similar lengths but steps still vary."""
         if self._epoch[0] == epoch:
             return self._epoch[1]
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        order = torch.randperm(self.n, generator=g)[:self.steps_per_epoch * self.global_batch]
-        if self.bucket and self.lengths is not None:
+        order = torch.randperm(self.n, generator=g)  # whole: a resume at another batch may read past spe x batch
+        if self._bucketed:
+            order = order[:self.steps_per_epoch * self.global_batch]
             window = self.bucket * self.global_batch
             order = torch.cat([w[torch.argsort(self.lengths[w], stable=True)] for w in order.split(window)])
             batches = order.view(self.steps_per_epoch, self.global_batch)
@@ -98,7 +101,8 @@ class StepSampler(Sampler[list[int]]):
 
     def place(self, step: int) -> tuple[int, int]:
         """(epoch, offset of its first sample in the epoch's order) of step `step`; for order "given" (0, the
-        samples before it). An epoch ends where another global batch would not fit: its last samples go unread."""
+        samples before it). An epoch ends where another global batch would not fit: its last samples go unread (with
+        data.bucket, past the steps its arrangement holds)."""
         g = self.global_batch
         if self.position is None or step < self.start_step:
             epoch, k = divmod(step, self.steps_per_epoch)
@@ -107,7 +111,8 @@ class StepSampler(Sampler[list[int]]):
         i = step - self.start_step
         if self.order == "given":
             return 0, offset + i * g
-        left = max(0, (self.steps_per_epoch * g - offset) // g)  # the resumed epoch's steps left at this batch
+        held = self.steps_per_epoch * g if self._bucketed else self.n  # the samples of an epoch's order
+        left = max(0, (held - offset) // g)  # the resumed epoch's steps left at this batch
         if i < left:
             return epoch, offset + i * g
         more, k = divmod(i - left, self.steps_per_epoch)

@@ -48,6 +48,7 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
     task = get_task(run.cfg.run.task)
     task.check(run.cfg)
     check_selection(run, task)
+    check_tracker(run)
     if run.cfg.train.loss_chunk and not hasattr(task, "loss_chunk"):
         raise ConfigError(f"{run.describe('train.loss_chunk')}: task {run.cfg.run.task!r} computes its loss whole "
                           f"(the chunked loss is the lm task's); set it to 0")
@@ -108,6 +109,17 @@ def loss_metric_names(task: Task) -> list[str] | None:
     metrics = task.metrics(1.0)
     check_metrics(task, metrics)  # e.g. None: one line before launch, not an AttributeError
     return list(dict.fromkeys(["loss", *(k for k, v in metrics.items() if not isinstance(v, str))]))
+
+
+def check_tracker(run: Resolved) -> None:
+    """A W&B project name W&B refuses (its rules, wandb_settings.validate_project, wandb 0.19-0.31): refused before
+    launch, not by the tracker once the run started (which then went on without it). Checked where a run starts,
+    not where a finished run's config is read."""
+    project = run.cfg.logging.project
+    if run.cfg.logging.backend == "wandb" and (not project.strip() or len(project) > 128 or
+                                               set(project) & set("/\\#?%:")):
+        raise ConfigError(f"{run.describe('logging.project')} is not a W&B project name (1-128 characters, none of "
+                          f"/ \\ # ? % :)")
 
 
 def check_recomputable(run: Resolved, task: Task) -> None:

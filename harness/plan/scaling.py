@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from ..config.ds import DSResolved, model_state_bytes
 from ..config.layout import Layout
-from ..config.run import ConfigError, read_file, tomllib
+from ..config.run import ConfigError, parse_override, read_file
 from .render import GPU_MEMORY_GIB
 
 if TYPE_CHECKING:
@@ -184,13 +184,14 @@ def _agrees(entry: dict, run) -> bool:
     if run is None:
         return True
     for item in entry.get("sets") or []:
-        key, _, raw = str(item).partition("=")
+        try:  # read as --set reads it (a bare word is a string)
+            key, want = parse_override(str(item))
+            have = run.value(key)
+        except (ConfigError, ValueError, AttributeError):  # not section.key=value, a key of another task
+            return False
         if key in ("data.seq_len", "train.micro_batch_size"):  # the estimate scales the profile by these
             continue
-        try:
-            if run.value(key) != tomllib.loads(f"v = {raw}")["v"]:
-                return False
-        except (ValueError, AttributeError, tomllib.TOMLDecodeError):  # a key of another task, a value TOML refuses
+        if have != (tuple(want) if isinstance(have, tuple) and isinstance(want, list) else want):
             return False
     return True
 

@@ -424,9 +424,9 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
         if run.stopped_early:
             run.say(f"stopped early at step {step} of {run.max_steps}: {selection.why_stopped()}")
         weights = step
-        if selection and selection.value is None:  # every evaluation's figure NaN or inf: nothing was chosen
-            run.say(f"train.select_best = {selection.metric!r}: no evaluation gave a finite value; exporting the last "
-                    f"step's weights")
+        if selection and selection.value is None:  # no figure finite, or none of weights a checkpoint could keep
+            run.say(f"train.select_best = {selection.metric!r}: no evaluation could be selected (none gave a finite "
+                    f"value on weights a checkpoint kept); exporting the last step's weights")
         elif selection and selection.step != step:
             checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "

@@ -61,6 +61,7 @@ def truncate_jsonl(path: Path, after_step: int) -> int:
     return max((row.get("step", 0) for row in rows), default=0)
 
 
+ONLINE = ("online", "run", "shared")  # WANDB_MODE values of a run that talks to the server
 WANDB_ID = "wandb/harness_run_id"  # the W&B run a resume continues (one id per run directory)
 
 
@@ -118,18 +119,24 @@ class Tracker:
                                                  resume=os.environ.get("WANDB_RESUME", "allow"))
             return self._call("start", say=say)  # e.g. a project name W&B refuses: one line, and on without it
 
-        online = os.environ.get("WANDB_MODE", "online") in ("online", "run", "shared")
-        failed = start(say=not online)
-        if failed is not None and online:  # no network, or a server that does not answer: keep the record offline
+        mode = os.environ.get("WANDB_MODE", "online")
+        failed = start(say=mode not in ONLINE)
+        if failed is not None and mode in ONLINE:  # no network, or a server that does not answer: keep it offline
             with contextlib.suppress(Exception):
                 wandb.teardown()  # the failed run holds its id in wandb's service until then
-            os.environ["WANDB_MODE"] = "offline"
             print(f"harness: logging.backend wandb: could not start online ({type(failed).__name__}: "
                   f"{(str(failed).splitlines() or [''])[0]}); logging offline instead", file=sys.stderr, flush=True)
-            start(say=True)
-        if self.backend is not None and os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+            was, os.environ["WANDB_MODE"], mode = os.environ.get("WANDB_MODE"), "offline", "offline"
+            try:
+                start(say=True)
+            finally:  # for this run alone: a later run of the same session tries the server again
+                if was is None:
+                    del os.environ["WANDB_MODE"]
+                else:
+                    os.environ["WANDB_MODE"] = was
+        if self.backend is not None and mode in ("offline", "dryrun"):
             print(f"logging: W&B offline into {self.run_dir / 'wandb'} (`wandb sync` uploads it)", flush=True)
-        elif self.backend is not None and online:
+        elif self.backend is not None and mode in ONLINE:
             print(f"logging: W&B online, project {project}, run {run_id}", flush=True)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:

@@ -234,10 +234,11 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
     errors = ((model - y) ** 2).flatten(1).mean(1), ((reference - y) ** 2).flatten(1).mean(1)  # (n,) each
     mse, ref_mse = (e.mean().item() for e in errors)  # windows hold equally many values: the mean of the means
     n, horizon = len(y), y.shape[1]
-    if not (math.isfinite(mse) and math.isfinite(ref_mse)):  # (no skill or interval: a figure is no NaN)
-        return {"verdict": f"no verdict: the model's or {name}'s errors are not finite"}
+    # the skill is always there (NaN where it is none: train.select_best may name it, and takes NaN as no better)
+    if not (math.isfinite(mse) and math.isfinite(ref_mse)):
+        return {f"skill_vs_{name}": math.nan, "verdict": f"no verdict: the model's or {name}'s errors are not finite"}
     if ref_mse == 0:  # a flat stretch: persistence is exact, and no share of its MSE can be given
-        gain = {f"skill_vs_{name}": 0.0} if mse == 0 else {}
+        gain = {f"skill_vs_{name}": 0.0 if mse == 0 else math.nan}
         line = f"{name} is exact on these windows (MSE 0)" + (", and so is the model" if mse == 0 else
                                                              f"; the model's MSE is {mse:.4g}")
     else:
@@ -285,14 +286,13 @@ def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, win
     out, ahead, ahead_sig, behind_sig = {"periods": k}, 0, 0, 0
     for i, idx in enumerate(torch.tensor_split(torch.arange(n), k), 1):
         v = verdict(model[idx], reference[idx], y[idx])
-        ahead += v.get("skill_vs_persistence", -1) >= 0  # as `verdict` words it: a tie is not persistence's
+        ahead += v["skill_vs_persistence"] >= 0  # as `verdict` words it: a tie is not persistence's (NaN: not ahead)
         ahead_sig += v.get("mse_difference_ci_high", 1) < 0  # the model's errors significantly smaller
         behind_sig += v.get("mse_difference_ci_low", -1) > 0
         out |= {f"period_{i}_windows": len(idx), f"period_{i}_mse": ((model[idx] - y[idx]) ** 2).mean().item(),
                 f"period_{i}_persistence_mse": ((reference[idx] - y[idx]) ** 2).mean().item(),
+                f"period_{i}_skill_vs_persistence": v["skill_vs_persistence"],
                 f"period_{i}_verdict": f"targets {windows.targets(int(idx[0]), int(idx[-1]))}: {v['verdict']}"}
-        if "skill_vs_persistence" in v:
-            out[f"period_{i}_skill_vs_persistence"] = v["skill_vs_persistence"]
     out |= {"periods_model_ahead": ahead, "periods_model_ahead_significant": ahead_sig,
             "periods_persistence_ahead_significant": behind_sig,
             "periods_verdict": f"rolling origin over {k} periods (the model fixed): the model beats persistence in "

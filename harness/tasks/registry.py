@@ -120,12 +120,16 @@ def _check_signatures(name: str, cls: type) -> None:
         fn = getattr(cls, method, None)
         if not callable(fn):
             continue
-        bound = isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod))  # no self to pass
+        # self is passed to a function alone (not to a staticmethod, classmethod, partial or callable object)
+        bound = not isinstance(inspect.getattr_static(cls, method), types.FunctionType)
+        extra = {"in_training": True, **({"data": None} if hasattr(cls, "read") else {})} if method == "evaluate" \
+            else {}  # what the end of training and `harness evaluate --data` pass it too
         try:
-            inspect.signature(fn).bind(*(() if bound else (None,)), *args)
+            inspect.signature(fn).bind(*(() if bound else (None,)), *args, **extra)
         except TypeError:
+            given = ", ".join([*args, *(f"{k}={v}" for k, v in extra.items())])
             raise ConfigError(f"run.task = {name!r}: {cls.__name__}.{method}{inspect.signature(fn)} cannot take "
-                              f"({', '.join(args)}), what the harness passes it") from None
+                              f"({given}), what the harness passes it") from None
         except ValueError:
             pass
 
@@ -190,7 +194,7 @@ def _check_section(name: str, cls_name: str, section: type | None) -> None:
             raise ConfigError(f"{key}: {type_name(hints[f.name])} is no type a TOML file holds (bool, int, float, "
                               f"str, their lists, tuples and dicts, unions, Literal)")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if not conforms(default, hints[f.name]):
+        if default is not None and not conforms(default, hints[f.name]):  # (None: "not set", as files may leave it)
             raise ConfigError(f"{key} = {default!r}: its default is no {type_name(hints[f.name])}")
 
 
