@@ -152,7 +152,8 @@ def batch_note(path: Path, ds, placed: bool) -> str | None:
     # DeepSpeed's config, which then derives it)
     if not saved or not now or saved == now:
         return None
-    data = "the data goes on from the samples read (data.bucket, where set, arranges the rest of the epoch anew)" \
+    data = "the data goes on from the samples read (with data.bucket the epoch is arranged anew for the new batch, " \
+        "and samples of this epoch may be read twice or skipped)" \
         if placed else "this checkpoint, saved before checkpoints kept their place in the data, takes it up at step " \
         "x batch: samples of this epoch are read twice or skipped"
     return (f"note: global batch {now}, where the checkpoint's run had {saved}: {data}, and the steps from here are "
