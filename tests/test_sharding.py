@@ -66,6 +66,8 @@ def test_a_resume_with_another_global_batch_goes_on_from_the_samples_read(order)
     position = first.place(4)
     assert position == (0, 64)
     after = StepSampler(n, 1, 1, 0, 8, seed, 4, 20, order=order, position=position)
+    # the epoch logged goes on from what was read: 72 of the 96 an epoch reads (it said 5 / 12 steps, backwards)
+    assert first.epoch_at(4) == 4 / 6 and after.epoch_at(5) == 72 / 96
     rest = torch.cat([after.step_indices(s).flatten() for s in range(4, 8)])  # 96 - 64 samples: 4 steps of 8
     if order == "given":
         assert torch.equal(torch.cat([read, rest]), torch.arange(96))
@@ -84,6 +86,7 @@ def test_a_resume_with_another_global_batch_goes_on_from_the_samples_read(order)
                                                                                        order=order).place(5))
     plain = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order)
     assert all(torch.equal(same.step_indices(s), plain.step_indices(s)) for s in range(5, 30))
+    assert all(same.epoch_at(s) == pytest.approx(s / plain.steps_per_epoch) for s in range(5, 30))
 
 
 def test_sampler_rejects_data_smaller_than_a_global_batch():

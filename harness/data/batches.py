@@ -118,6 +118,15 @@ class StepSampler(Sampler[list[int]]):
         more, k = divmod(i - left, self.steps_per_epoch)
         return epoch + 1 + more, k * g
 
+    def epoch_at(self, steps_done: int) -> float:
+        """The epochs read after `steps_done` steps, from the place in the data (`place`): steps / steps_per_epoch
+        where the batch never changed; after a resume at another batch, what the steps before it read counts too."""
+        epoch, offset = self.place(steps_done)
+        if self.order == "given":  # (0, the samples read)
+            return offset / (self.steps_per_epoch * self.global_batch)
+        return epoch + min(1.0, offset / (self.steps_per_epoch * self.global_batch))  # (a resumed epoch may read a
+        # batch past its own length)
+
     def step_indices(self, step: int) -> torch.Tensor:
         """All indices of global step `step`, shape (accum, dp_size, micro)."""
         epoch, start = self.place(step)

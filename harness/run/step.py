@@ -161,11 +161,13 @@ class Ledger:
     every second of the loop, the logging's own included, is in one."""
 
     def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
-                 fixed: dict, items: str, min_loss_scale: float, world: World, compiled=None):
+                 fixed: dict, items: str, min_loss_scale: float, world: World, compiled=None, epoch_at=None):
+        """`epoch_at(step)`: the epoch the data is in after `step` (StepSampler.epoch_at: from its place in the data,
+        which a resume at another batch keeps); step / steps_per_epoch without it."""
         self.tracker, self.progress, self.t, self.stop, self.world = tracker, progress, t, stop, world
         self.compiled = compiled  # train.compile's CompileWatch: the seconds compiling, kept out of step_s
         self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
-        self.min_loss_scale = min_loss_scale
+        self.min_loss_scale, self.epoch_at = min_loss_scale, epoch_at or (lambda step: step / steps_per_epoch)
         self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
         self.pending: list[tuple] = []  # steps run, not read: (step, StepResult, its global work, lr, samples, end)
         self.works: list[Work] = []  # the global work of the span's steps not yet added
@@ -262,7 +264,7 @@ class Ledger:
         record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
                   "tokens_per_s": w.items / seconds, "step_s": seconds / self.window_steps,
                   "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
-                  "peak_mem_bytes": r.peak_mem, "epoch": step / self.steps_per_epoch,
+                  "peak_mem_bytes": r.peak_mem, "epoch": self.epoch_at(step),
                   "flops_method": self.flops.method, **self.fixed,  # the method: once the first batch was counted
                   "skipped_steps": r.skipped_steps, "data_hash": int(self.data_hash)}  # skipped: non-finite, so far
         if r.loss_scale is not None:
