@@ -303,6 +303,21 @@ class FloatTask:
 '''
 
 
+def test_a_flops_count_that_falls_back_to_the_estimate_says_so(tmp_path):
+    """A forward that reads values cannot be counted on the meta device: the start line said "counted" while every
+    record said "estimated"; the switch is now said once."""
+    task = tmp_path / "reads_task.py"
+    task.write_text(FLOAT_TASK + "\n\nclass Reads(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        self.lin = nn.Linear(4, 1)\n\n    def forward(self, x):\n"
+                    "        return self.lin(x) * (1.0 if x.sum().item() < 1e9 else 0.0)\n\n\n"
+                    "class ReadsTask(FloatTask):\n    def build_model(self, cfg):\n        return Reads()\n")
+    run = harness(tmp_path / "run", tmp_path, sets=["train.max_steps=2", "train.micro_batch_size=8"],
+                  args=["--set", f"run.task={json.dumps(f'{task}:ReadsTask')}"])
+    assert run.proc.stdout.count("note: FLOPs estimated: 6N per item (the meta-device count failed)") == 1, \
+        run.proc.stdout[-2000:]
+    assert all(m["flops_method"].startswith("estimated") for m in run.metrics)
+
+
 @pytest.mark.parametrize("ds", ["bf16.json", "zero3.json"])
 def test_a_task_with_float_inputs_trains_in_bf16_as_it_does_in_fp32(ds, tmp_path):
     """DeepSpeed's bf16 (ZeRO-2 here) keeps the weights in bf16 and passes fp32 features on as they are: the

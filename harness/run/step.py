@@ -168,6 +168,7 @@ class Ledger:
         self.compiled = compiled  # train.compile's CompileWatch: the seconds compiling, kept out of step_s
         self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
         self.min_loss_scale, self.epoch_at = min_loss_scale, epoch_at or (lambda step: step / steps_per_epoch)
+        self.said_estimate = False  # the FLOPs count fell back to 6N, said once
         self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
         self.pending: list[tuple] = []  # steps run, not read: (step, StepResult, its global work, lr, samples, end)
         self.works: list[Work] = []  # the global work of the span's steps not yet added
@@ -271,6 +272,9 @@ class Ledger:
             record["loss_scale"] = r.loss_scale
         if self.compiled:
             record["compile_s"] = compiling
+        if self.flops.method.startswith("estimated") and not self.said_estimate and self.world.is_main:  # the start line said "counted": what the MFU figures rest on changed
+            self.progress.write(f"note: FLOPs {self.flops.method}: model_flops_per_s and MFU from here rest on it")
+            self.said_estimate = True
         self.tracker.log(record)
         self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)

@@ -269,9 +269,9 @@ def check_periods(n: int, horizon: int, k: int) -> None:
     if k > fits:
         advice = f"use at most {fits}" if fits > 1 else "at most 1 fits (the whole split, no periods): lengthen " \
             "the split or shorten the horizon"
-        raise ConfigError(f"prices.periods = {k}: {n} windows make periods of fewer than {MIN_BLOCKS} blocks of the "
-                          f"horizon ({MIN_BLOCKS} x {horizon} windows), too few for the block bootstrap's verdict; "
-                          f"{advice}")
+        raise ConfigError(f"{k} periods (prices.periods, or evaluate's --periods): {n} windows make periods of fewer "
+                          f"than {MIN_BLOCKS} blocks of the horizon ({MIN_BLOCKS} x {horizon} windows), too few for "
+                          f"the block bootstrap's verdict; {advice}")
 
 
 def by_period(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, windows: P.Windows, k: int) -> dict:
