@@ -272,7 +272,8 @@ class Ledger:
             record["loss_scale"] = r.loss_scale
         if self.compiled:
             record["compile_s"] = compiling
-        if self.flops.method.startswith("estimated") and not self.said_estimate and self.world.is_main:  # the start line said "counted": what the MFU figures rest on changed
+        # the start line said "counted": what model_flops_per_s and MFU rest on changed, said once
+        if self.flops.method.startswith("estimated") and not self.said_estimate and self.world.is_main:
             self.progress.write(f"note: FLOPs {self.flops.method}: model_flops_per_s and MFU from here rest on it")
             self.said_estimate = True
         self.tracker.log(record)
