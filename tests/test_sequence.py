@@ -216,7 +216,8 @@ def test_the_accelerate_way_names_the_same_split(tmp_path):
 def test_the_overhead_study_refuses_sequence_parallel_configurations(tmp_path):
     proc = cli("bench", "overhead", "--ds", "sp2_zero0", "--nproc", "2", "--set", "train.max_steps=2", "--out",
                str(tmp_path / "b"))
-    assert proc.returncode == 2 and "the overhead study with sequence or tensor parallelism (sp2_zero0 x2)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "the overhead study with sequence or tensor parallelism (sp2_zero0 x2)" in proc.stderr, proc.stderr
 
 
 def _sp(tmp_path, sp=2, **keys) -> str:
