@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, TINY, _env, python
+from test_plugins import FLOAT_TASK
 
 SCRIPT = """
 import sys
@@ -117,36 +118,20 @@ def test_the_api_trains_again_in_a_script_accelerate_launched(tmp_path, corpus):
         [f"rank {r} run {i} step 2" for r in (0, 1) for i in (1, 2, 3)], proc.stdout[-2000:]
 
 
-LOCAL_TASK = """
+LOCAL_TASK = FLOAT_TASK + """
 import sys
-import torch
-from torch import nn
 import harness
-from harness.tasks import TaskData
 
 
 def make(validation=True):
-    class Local:  # defined in a function: `harness.evaluate` and `load_model` looked its name up, and failed
+    class Local(FloatTask):  # defined in a function: `harness.evaluate` and `load_model` looked its name up, and failed
         def build_model(self, cfg):  # one layer used twice: exported once, and loaded back (it was refused)
             shared = nn.Linear(4, 4)
             return nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 1))
 
         def build_data(self, cfg):
-            g = torch.Generator().manual_seed(0)
-            rows = [{"x": x, "y": x.sum(0, keepdim=True)} for x in torch.randn(64, 4, generator=g)]
-            return TaskData(rows[16:], rows[:16] if validation else [])
-
-        def collate(self, samples):
-            return {k: torch.stack([s[k] for s in samples]) for k in ("x", "y")}
-
-        def count(self, batch):
-            return len(batch["y"])
-
-        def inputs(self, batch):
-            return (batch["x"],)
-
-        def loss_from(self, out, batch):
-            return ((out.float() - batch["y"]) ** 2).sum()
+            data = super().build_data(cfg)
+            return data if validation else TaskData(data.train, [])
 
         def metrics(self, mean_loss):  # a "loss" of its own: the record's is the mean loss all the same
             return {"loss": 123.0, "mse": mean_loss}
