@@ -107,7 +107,7 @@ def _plan(fn: str, run, sets, ds, task, world_size=None):
 
         overrides.append((f"task= given to harness.{fn}", {"run.task": name_of(task)}))
     p = make_plan(run_file, [*overrides, *sets], None if ds is None else str(ds), world_size)
-    return p if task is None or isinstance(task, str) else replace(p, task=task)
+    return p if _object(task) is None else replace(p, task=task)
 
 
 def plan_text(p) -> str:
@@ -167,10 +167,15 @@ def _note_main_task(p) -> None:
               flush=True)
 
 
+def _object(task):
+    """A task given as an object (used as it is); None for a task given by name, or none."""
+    return None if task is None or isinstance(task, str) else task
+
+
 def _task_reference(task, run_dir: str | Path) -> str | None:
     """A task passed as an object, named as the run directory's config.toml names its task (a file by its path, a
     module by its import name), so that it is trusted as that task if it is the same class; a name stays as given."""
-    if task is None or isinstance(task, str):
+    if _object(task) is None:
         return task
     import inspect
 
@@ -198,7 +203,7 @@ def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None =
 
     _check_args("evaluate", run_dir=run_dir, data=data, name=name, trust_run_dir=trust_run_dir)
     _check_task("evaluate", task)
-    given = None if task is None or isinstance(task, str) else task
+    given = _object(task)
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir), given_task(given):
         if data is None:  # (given_task: a class defined in a function is found by the name config.toml keeps)
             return evaluate_run(run_dir, split, task=given)
@@ -214,6 +219,6 @@ def load_model(run_dir: str | Path, task=None, trust_run_dir: bool = False):
 
     _check_args("load_model", run_dir=run_dir, trust_run_dir=trust_run_dir)
     _check_task("load_model", task)
-    given = None if task is None or isinstance(task, str) else task
+    given = _object(task)
     with trusting(task=_task_reference(task, run_dir), run_dir=trust_run_dir), given_task(given):
         return load(run_dir, given)

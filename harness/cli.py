@@ -13,6 +13,9 @@ from .run.heartbeat import EXIT_HUNG, RankHung
 from .run.trust import trusting
 
 
+INTERCONNECT, MFU = "ib-ndr400", 0.40  # `harness plan`'s estimate on paper, unless told otherwise
+
+
 COMMAND_EXAMPLES = {
     "train": "python -m harness train --run configs/runs/lm_demo.toml --set train.max_steps=50   # one process; "
              "several: harness launch",
@@ -331,12 +334,12 @@ def _plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, metavar="G", help="also estimate on paper the memory per GPU, step "
                    "time and speedup of this strategy on G GPUs per node x --nodes (nothing is run)")
     p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes for the scaling estimate (default 1)")
-    p.add_argument("--interconnect", default="ib-ndr400", metavar="[INTRA:]INTER", help="inter-node link preset: "
+    p.add_argument("--interconnect", default=INTERCONNECT, metavar="[INTRA:]INTER", help="inter-node link preset: "
                    "nvlink4, nvlink3, pcie5, pcie4, ib-ndr400, ib-hdr200, ethernet-100g; INTRA:INTER also sets the "
                    "intra-node link (default nvlink4), e.g. pcie4:ethernet-100g")
     p.add_argument("--profile", metavar="bench.json", help="a `harness bench` result: its one-process step time and "
                    "peak memory replace the 6N-FLOPs and activation formulas")
-    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation assumed without --profile")
+    p.add_argument("--mfu", type=float, default=MFU, help="model FLOPs utilisation assumed without --profile")
 
 
 def _evaluate(args) -> int:
@@ -449,8 +452,9 @@ def _bench(args) -> int:
         if getattr(args, name, None) is not None and getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be above 0")
     for name in ("out", "work"):  # a file where the report's directory goes: refused before any measurement
-        if getattr(args, name, None) and Path(getattr(args, name)).exists() and not Path(getattr(args, name)).is_dir():
-            raise ConfigError(f"--{name} {getattr(args, name)}: a file; name a directory for the report")
+        path = getattr(args, name, None)
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"--{name} {path}: a file; name a directory for the report")
     if args.study == "proxy":
         from .bench.proxy import run_proxy
 
@@ -498,7 +502,7 @@ def _plan(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be 1 or more (the processes in all)")
     estimate_flags = [f for f, given in (("--nodes", args.nodes != 1), ("--interconnect", args.interconnect !=
-                      "ib-ndr400"), ("--profile", args.profile), ("--mfu", args.mfu != 0.40)) if given]
+                      INTERCONNECT), ("--profile", args.profile), ("--mfu", args.mfu != MFU)) if given]
     if args.gpus_per_node is None and estimate_flags:  # they had been dropped, a missing profile file too
         raise ConfigError(f"{', '.join(estimate_flags)}: settings of the estimate on paper, which --gpus-per-node G "
                           f"asks for")

@@ -266,9 +266,8 @@ def test_the_loop_reads_each_span_of_steps_from_the_next_spans_collective_and_co
         world = type("World", (), {"replicas": 1, "loss_replicas": 1, "device": torch.device("cpu"), "is_main": True})
         return Ledger(type("Tracker", (), {"log": lambda self, r: logged.append(r)})(), progress(),
                       type("Train", (), {"log_every": log_every, "max_nonfinite_steps": max_nonfinite}), stop,
-                      steps_per_epoch=4, flops=type("Flops", (), {"method": "analytic"}), fixed={}, items="tokens",
-                      min_loss_scale=1.0,
-                      world=world)
+                      epoch_at=lambda step: step / 4, flops=type("Flops", (), {"method": "analytic"}), fixed={},
+                      items="tokens", min_loss_scale=1.0, world=world)
 
     assert [span_length(s) for s in (0.0, 2.0, 0.3, 0.001)] == [1, 1, 3, MAX_SPAN]
     # spans of 1, 3 and 3 steps; a record every 3 steps and at the last (7): each over its window of steps, each

@@ -136,7 +136,7 @@ class HarnessSteps:
         self.tracker = Tracker(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, backend="none")),
                                Path(self.scratch.name), enabled=world.is_main)
         self.progress = _progress(world, 0, stop)
-        self.ledger = Ledger(self.tracker, self.progress, t, 10**9, 10**9, flops, {},
+        self.ledger = Ledger(self.tracker, self.progress, t, 10**9, lambda step: step / 10**9, flops, {},
                              getattr(task, "items", "items"), 1.0, world)
         self.steps, self.n = Steps(self.engine, plan, world, loader, flops, self.ledger, self.progress, stop), 0
         self.lr = self.engine.lr_scheduler.get_last_lr()[0] if self.engine.lr_scheduler else 0.0

@@ -338,12 +338,11 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
     which = np.array([split_of(d, ends) for d in dates])
     train = values[which == "train"]
     if len(train) < 2:
-        raise ConfigError(f"{cfg.data.path or 'embedded stocks'}: {len(train)} training rows; check prices.train_end")
-    with np.errstate(over="ignore"):  # an overflow is refused by name below, not warned of by numpy
+        raise ConfigError(f"{source}: {len(train)} training rows; check prices.train_end")
+    with np.errstate(over="ignore"):  # an overflow is refused by name (`z_scores`), not warned of by numpy
         mean, std = train.mean(0), train.std(0)
-        std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
-        z = (values - mean) / std
-    check_scale(z, ~(np.isfinite(mean) & np.isfinite(std)), values, dates, list(columns), source)
+    std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
+    z = z_scores(values, mean, std, dates, list(columns), source)
     splits = {}
     for name in SPLITS:
         rows = np.flatnonzero(which == name)
@@ -364,17 +363,20 @@ def _seen(meta: dict, dates: list, starts: range) -> str:
         if seen else ""
 
 
-def check_scale(z: np.ndarray, bad_stats: np.ndarray, values: np.ndarray, dates: list, names: list[str],
-                source: str) -> None:
-    """A value so large that the training statistics overflow (`bad_stats`, per channel) or its z-score does not fit
-    in float32 would erase its channel or turn every forecast and metric to NaN: refused, naming it."""
-    bad = bad_stats | ~(np.abs(z) <= np.finfo(np.float32).max).all(0)  # (NaN compares false: bad too)
+def z_scores(values: np.ndarray, mean: np.ndarray, std: np.ndarray, dates: list, names: list[str],
+             source: str) -> np.ndarray:
+    """(values - mean) / std. A value so large that the training statistics overflow or its z-score does not fit in
+    float32 would erase its channel or turn every forecast and metric to NaN: refused, naming it."""
+    with np.errstate(over="ignore"):
+        z = (values - mean) / std
+    bad = ~(np.isfinite(mean) & np.isfinite(std)) | ~(np.abs(z) <= np.finfo(np.float32).max).all(0)  # (NaN: bad)
     if bad.any():
         c = int(np.flatnonzero(bad)[0])
         row = int(np.argmax(np.abs(values[:, c])))
         raise ConfigError(f"{source}: channel {names[c]!r} holds {values[row, c]:.4g} at {str(dates[row])[:19]}, "
                           f"too large to scale (its z-score or the training rows' statistics overflow); fix or drop "
                           f"that row")
+    return z
 
 
 # ---------------------------------------------------------------- windows
@@ -462,10 +464,8 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Windows, dic
         raise ConfigError(f"{path}: its channels are {list(columns)}; the run forecasts {meta['channels']}")
     norm = meta["norm"]
     dates, values, status = clean(parsed, columns, log=norm["transform"] == "log", source=str(path))
-    with np.errstate(over="ignore"):
-        scaled = (values - np.array(norm["mean"])) / np.array(norm["std"])
-    check_scale(scaled, np.zeros(len(meta["channels"]), dtype=bool), values, dates, meta["channels"], str(path))
-    z = torch.tensor(scaled, dtype=torch.float32)
+    z = torch.tensor(z_scores(values, np.array(norm["mean"]), np.array(norm["std"]), dates, meta["channels"],
+                              str(path)), dtype=torch.float32)
     starts = range(p.lookback, len(z) - p.horizon + 1)
     if len(starts) == 0:
         raise ConfigError(f"{path}: {len(z)} usable rows, too few for one window of lookback {p.lookback} + horizon "

@@ -368,8 +368,8 @@ def _stepper(run: Run, teardown: contextlib.ExitStack) -> tuple:
 
         compiled = CompileWatch(len(plan.run.buckets) + 1 if plan.run.buckets else 2, progress.write if world.is_main
                                 else (lambda line: None))
-    ledger = Ledger(run.tracker, progress, t, run.stop, run.sampler.steps_per_epoch, run.flops, fixed, items,
-                    run.min_loss_scale, world, compiled, run.sampler.epoch_at)
+    ledger = Ledger(run.tracker, progress, t, run.stop, run.sampler.epoch_at, run.flops, fixed, items,
+                    run.min_loss_scale, world, compiled)
     steps = Steps(run.engine, plan, world, loader, run.flops, ledger, progress, last=run.stop,
                   starts=(t.profile_step,) if t.profile_step else ())  # a profiled step shows a span's start
     return steps, ledger, progress, compiled

@@ -160,14 +160,14 @@ class Ledger:
     record at `train.log_every` and at the end. A record's window runs from one logged step's end to the next's, so
     every second of the loop, the logging's own included, is in one."""
 
-    def __init__(self, tracker: Tracker, progress, t, stop: int, steps_per_epoch: int, flops: ForwardFlops,
-                 fixed: dict, items: str, min_loss_scale: float, world: World, compiled=None, epoch_at=None):
-        """`epoch_at(step)`: the epoch the data is in after `step` (StepSampler.epoch_at: from its place in the data,
-        which a resume at another batch keeps); step / steps_per_epoch without it."""
+    def __init__(self, tracker: Tracker, progress, t, stop: int, epoch_at: Callable[[int], float], flops: ForwardFlops,
+                 fixed: dict, items: str, min_loss_scale: float, world: World, compiled=None):
+        """`epoch_at(step)`: the epochs read after `step` steps (StepSampler.epoch_at: from its place in the data, which
+        a resume at another batch keeps)."""
         self.tracker, self.progress, self.t, self.stop, self.world = tracker, progress, t, stop, world
         self.compiled = compiled  # train.compile's CompileWatch: the seconds compiling, kept out of step_s
-        self.steps_per_epoch, self.flops, self.fixed, self.items = steps_per_epoch, flops, fixed, items
-        self.min_loss_scale, self.epoch_at = min_loss_scale, epoch_at or (lambda step: step / steps_per_epoch)
+        self.epoch_at, self.flops, self.fixed, self.items = epoch_at, flops, fixed, items
+        self.min_loss_scale = min_loss_scale
         self.said_estimate = False  # the FLOPs count fell back to 6N, said once
         self.nothing = torch.zeros(0, dtype=torch.float64, device=world.device)  # nothing carried
         self.pending: list[tuple] = []  # steps run, not read: (step, StepResult, its global work, lr, samples, end)

@@ -242,8 +242,9 @@ def verdict(model: torch.Tensor, reference: torch.Tensor, y: torch.Tensor, name:
         line = f"{name} is exact on these windows (MSE 0)" + (", and so is the model" if mse == 0 else
                                                              f"; the model's MSE is {mse:.4g}")
     else:
-        gain = {f"skill_vs_{name}": M.skill(mse, ref_mse)}
-        line = f"the model beats {name}: its MSE is {_share(M.skill(mse, ref_mse))} lower" if mse <= ref_mse else \
+        skill = M.skill(mse, ref_mse)
+        gain = {f"skill_vs_{name}": skill}
+        line = f"the model beats {name}: its MSE is {_share(skill)} lower" if mse <= ref_mse else \
             f"{name} beats the model: the model's MSE is {_share(mse / ref_mse - 1)} higher"
     if n < MIN_BLOCKS * horizon:  # so few distinct blocks to resample that the interval comes out too narrow
         return gain | {"verdict": f"{line}; too few windows to judge significance ({n}, fewer than {MIN_BLOCKS} "
