@@ -333,12 +333,28 @@ def main(argv: list[str], parse) -> int:
                           f"{' '.join(accelerate_args)} -m harness {' '.join(train_args)}")
     check_gpus_per_process(settings)
     plan = check(train_args, settings, parse)
-    fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
-    os.close(fd)
-    env = _launch_env(settings, status)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *accelerate_args, "-m", "harness", *train_args]
     print(f"harness launch: checks passed; accelerate launch {' '.join(accelerate_args)} -m harness "
           f"{' '.join(train_args)}", flush=True)
+    code, reported, relay, stopped_by = _supervise(cmd, settings)
+    try:
+        log = relay.save(plan.run_dir, settings["machine_rank"])
+    except OSError:  # a full disk, an unwritable run directory: the job's output stays where it was written
+        log = relay.path
+    code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log, stopped_by)
+    if show:
+        sys.stderr.write(show)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _supervise(cmd: list[str], settings: dict) -> tuple[int, dict, Relay, int | None]:
+    """Run accelerate launch, passing signals on to the ranks and relaying their stderr; its exit code, what the
+    ranks reported, the relay, and the first signal passed on (None when the job was not being stopped)."""
+    fd, status = tempfile.mkstemp(prefix="harness-status-", suffix=".json")
+    os.close(fd)
+    env = _launch_env(settings, status)
     fd, captured = tempfile.mkstemp(prefix="harness-launch-", suffix=".log")
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=fd, preexec_fn=_ending_with(os.getpid()))
@@ -370,16 +386,7 @@ def main(argv: list[str], parse) -> int:
         reported = {}
     finally:
         os.unlink(status)
-    try:
-        log = relay.save(plan.run_dir, settings["machine_rank"])
-    except OSError:  # a full disk, an unwritable run directory: the job's output stays where it was written
-        log = relay.path
-    code, line, show = ending(code, reported, relay.held_text(), plan.run_dir, log, got[0] if got else None)
-    if show:
-        sys.stderr.write(show)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return code
+    return code, reported, relay, got[0] if got else None
 
 
 def _launch_env(settings: dict, status: str) -> dict[str, str]:
