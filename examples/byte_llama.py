@@ -2,7 +2,7 @@
 compared on the same task, data and DeepSpeed file (no weights: `model.hf` on its config.json initialises it).
 
     python examples/byte_llama.py runs/byte-llama --d-model 128 --n-layers 2 --n-heads 4
-    python -m harness bench --run configs/runs/lm_compare.toml --vary 'model.hf="",runs/byte-llama/config.json'
+    python -m harness bench sweep --run configs/runs/lm_compare.toml --vary 'model.hf="",runs/byte-llama/config.json'
 
 `--weights 100MB` also writes random weights in checkpoint shards of at most that size (`save_pretrained`), so
 `model.hf` on the directory loads them with `from_pretrained`, as a pretrained model would be.

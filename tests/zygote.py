@@ -1,7 +1,7 @@
 """A fork server for the tests: warm Python processes for `python -m harness ...`, `accelerate launch` and the ranks
 torchrun starts.
 
-Every cold interpreter the suite starts spends ~4-7 s of CPU importing torch, DeepSpeed, accelerate and datasets.
+Every cold interpreter the suite starts spends 3-5 s of CPU importing torch, DeepSpeed, accelerate and datasets.
 This process imports them once and forks a child for each request from `tests/zygote_client.py`, a stdlib-only
 stand-in for `python` (torchrun's PYTHON_EXEC, or the first word of a test's command). The client passes its argv,
 cwd, environment and stdin/stdout/stderr; the child takes them over and runs the program as `python ARGV` would
