@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -586,7 +587,9 @@ def _trusted_evaluate(args) -> int:
 
 def _train(args) -> int:
     from .api import train
+    from .run.preemption import stop_if_signalled
 
+    stop_if_signalled()
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
     train(args.run, args.set, args.ds, resume=args.resume, overwrite=args.overwrite, stop_at=args.stop_at,
@@ -634,10 +637,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     is_main = launched_rank() == 0
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, where a reader gone is caught below, not as Python's error at exit
+        return code
     except KeyboardInterrupt:  # (training takes Ctrl-C itself: a checkpoint, then exit 75)
         print("harness: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `harness translate ... | head`: the reader left; what is left to write goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own advice: no second error as
+        return 1                                                          # it flushes stdout at exit)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED

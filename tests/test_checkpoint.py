@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, val_loss_of_export
+from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, rewind, val_loss_of_export
 from harness.run import checkpoint
 from harness.config.run import ConfigError
 from harness.tasks import get_task as resolve_task
@@ -194,6 +194,28 @@ def test_a_checkpoint_write_that_fails_on_one_rank_stops_every_rank_in_one_line(
     assert "no checkpoint is kept" in line and not list((out / "checkpoints").glob("*.partial")), line
 
 
+def test_an_export_the_disk_cannot_hold_stops_every_rank_in_one_line_and_the_resume_exports(tmp_path, corpus):
+    """ZeRO-3 on 4 processes: each rank's checkpoint file holds a quarter of the optimizer (~1.4 MB here), the export
+    the whole model's weights (~1.8 MB), so a nearly full disk fails the export alone. Rank 0 raised and rank 1 lost
+    it in the closing barrier: exit 1, two tracebacks, the line blaming rank 1. Now exit 3, the write named."""
+    sets = ["model.d_model=128", "train.max_steps=2", "train.eval_every=0", "train.micro_batch_size=2"]
+    out = tmp_path / "run"
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(1.6 * 2**20), int(1.6 * 2**20)))
+
+    full = subprocess.run(command(out, corpus, nproc=4, ds="zero3.json", sets=sets, front=True), cwd=ROOT,
+                          env=_env(cold=True), capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    assert full.returncode == 3, full.stderr[-3000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"harness: error: the model could not be exported to {out} (") and \
+        line.endswith("The last checkpoint is kept: make room and run the same command with --resume auto, which "
+                      "exports it"), line
+    assert "Traceback" not in full.stderr and not list(out.glob(".*.tmp")) and not (out / "model.safetensors").exists()
+    resumed = harness(out, corpus, nproc=4, ds="zero3.json", sets=sets, args=["--resume", "auto"])
+    assert (out / "model.safetensors").exists() and "exported" in resumed.proc.stdout
+
+
 def test_a_zero_checkpoint_under_another_offload_or_precision_is_converted(tmp_path):
     """A ZeRO checkpoint's optimizer files hold the optimizer and precision they were saved under: resumed at the same
     size with the optimizer offloaded (DeepSpeed's CPU Adam then failed on AdamW's state: KeyError 'bias_correction'),
@@ -215,6 +237,35 @@ def test_a_zero_checkpoint_under_another_offload_or_precision_is_converted(tmp_p
 
     tp = make_plan(str(ROOT / "configs/runs/lm_demo.toml"), [], str(ROOT / "configs/ds/tp2_zero1.json"), 2).ds
     assert "train_batch_size" not in tp.config and checkpoint.layout_of(tp)["global_batch"] == 8
+    # an emptied layout.json is a damaged checkpoint, not one saved before layout.json (DeepSpeed's traceback followed)
+    (step / checkpoint.LAYOUT).write_text("")
+    with pytest.raises(ConfigError, match=r"step_00000003 cannot be read \(layout.json: JSONDecodeError: .*there is none "
+                                          r"before it to resume from"):
+        checkpoint.reshape(step, ds("zero2.json"))
+
+
+def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_conversion(tmp_path, corpus):
+    """Resumed from step 2 with the lr at 0, a run saves step 4 again; the conversion a ZeRO-2 resume had made of the
+    step 4 saved before is removed with it, and one put back (a copy, an older harness) is not read: the ZeRO-2
+    resume goes on from the new step 4, as a ZeRO-1 one does (before, it loaded the old weights without a word)."""
+    flat = ["schedule.kind=\"constant\"", "schedule.warmup_steps=0", "train.eval_every=0", "train.max_steps=6",
+            "train.save_every=2", "train.keep_checkpoints=5"]
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    harness(run, corpus, ds="zero1.json", sets=flat, args=["--stop-at", "4"])
+    harness(run, corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "5"])
+    old = ckpts / "step_00000004.universal"
+    shutil.copytree(old, tmp_path / "old")
+    frozen = [*flat, "optimizer.lr=0.0"]
+    harness(run, corpus, ds="zero1.json", sets=frozen, args=["--resume", str(ckpts / "step_00000002"), "--stop-at", "4"])
+    assert not old.exists()
+    reference = harness(rewind(run, tmp_path / "reference", 4), corpus, ds="zero1.json", sets=frozen,
+                        args=["--resume", "auto", "--stop-at", "5"])
+    shutil.copytree(tmp_path / "old", old)
+    resumed = harness(run, corpus, ds="zero2.json", sets=frozen, args=["--resume", str(ckpts / "step_00000004"),
+                                                                       "--stop-at", "5"])
+    assert "step_00000004.universal was converted from an earlier save of step_00000004; converting it again" in \
+        resumed.proc.stdout, resumed.proc.stdout[-2000:]
+    assert_losses_close({5: resumed.losses[5]}, {5: reference.losses[5]}, 1e-5)
 
 
 def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, monkeypatch):
@@ -269,6 +320,13 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
                   "schedule.warmup_steps=1000", "schedule.kind=\"constant\"", "train.keep_checkpoints=40"])
     assert not list((run.dir / "checkpoints").glob("*.bad"))
     shutil.rmtree(run.dir)
+    # --stop-at a step whose loss is not finite: the same stop (exit 0 there promised a checkpoint of that step)
+    stopped = harness(tmp_path / "stopped", corpus, ds="zero0.json", check=False, args=["--stop-at", str(first_bad)],
+                      sets=["train.max_steps=40", "train.save_every=1", "optimizer.lr=1e6", "train.grad_clip=0.0",
+                            "schedule.warmup_steps=1000", "schedule.kind=\"constant\"", "train.keep_checkpoints=40"])
+    assert stopped.proc.returncode == 3 and "non-finite for 1 consecutive steps" in stopped.proc.stderr, \
+        stopped.proc.stderr[-2000:]
+    assert (stopped.dir / "checkpoints" / "latest").read_text().strip() == f"step_{first_bad - 2:08d}"
 
 
 def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
@@ -452,6 +510,18 @@ def test_a_run_resumed_shorter_on_fewer_processes_follows_its_own_schedule_and_s
     batch = re.search(r"note: global batch (\d+), where the checkpoint's run had (\d+): the data goes on from the "
                       r"samples read ", resumed.proc.stdout)
     assert batch and 2 * int(batch[1]) == int(batch[2]), resumed.proc.stdout[-2000:]
+
+
+def test_train_epochs_resumed_at_another_batch_end_once_the_epochs_are_read(tmp_path, corpus):
+    """train.epochs, stopped at step 3 and resumed at twice the batch: the run ends at the first step whose logged
+    epoch reaches train.epochs (it counted every step at the new batch, and stopped short of it)."""
+    sets = ["train.max_steps=0", "train.epochs=0.04", "train.eval_every=0", "train.save_every=0"]
+    first = harness(tmp_path / "run", corpus, ds="zero1.json", sets=sets, args=["--stop-at", "3"])
+    assert first.metrics[-1]["epoch"] < 0.02
+    resumed = harness(tmp_path / "run", corpus, ds="zero1.json", sets=[*sets, "train.micro_batch_size=8"],
+                      args=["--resume", "auto"])
+    epochs = [m["epoch"] for m in resumed.metrics]
+    assert epochs[-2] < 0.04 <= epochs[-1], epochs
 
 
 def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tmp_path, corpus):

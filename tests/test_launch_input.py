@@ -2,6 +2,7 @@
 process before anything starts, in one line (exit 2) that names the option or the key and the file."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -269,3 +270,45 @@ def test_train_is_split_off_where_it_is_no_option_s_value():
         ["--config_file", "x.yaml", "--role", "train", "--use_deepspeed"], ["train", "--run", "R"])
     with pytest.raises(ConfigError, match="name what to run after accelerate's options"):
         split_argv(["--role", "train"])
+
+
+def test_a_lock_names_its_process_and_overwrite_clears_only_a_directory_it_holds(tmp_path):
+    """A pid is its holder only while the process that took the lock has it (a restarted container gives pids out
+    again); `--overwrite` deletes a run directory only once it holds its lock (it deleted first, and a run started
+    meanwhile trained on beside it, its lock and records gone)."""
+    import json
+    import subprocess
+
+    import torch
+
+    from harness.distributed.world import World
+    from harness.plan.resolve import make_plan
+    from harness.run.heartbeat import started
+    from harness.run.lock import LOCK, alive, holder
+    from harness.run.startup import prepare_run_dir
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text("{}\n")
+        me = {"host": socket.gethostname(), "pid": other.pid, "since": "earlier"}
+        for since, live in ((started(other.pid), True), (started(other.pid) + 1, False), (None, True)):
+            (run_dir / LOCK).write_text(json.dumps({**me, "started": since}))
+            assert alive(holder(run_dir)) is live, since
+        (run_dir / LOCK).write_text(json.dumps({**me, "started": started(other.pid)}))
+        plan = make_plan(None, [f"run.output_dir={json.dumps(str(run_dir))}", "train.max_steps=1"], None, 1)
+        world = World(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+        with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {other.pid} on "):
+            prepare_run_dir(plan, world, None, overwrite=True)
+        assert (run_dir / "metrics.jsonl").exists()
+        other.kill()
+        other.wait()
+        held = prepare_run_dir(plan, world, None, overwrite=True)  # the holder is gone: taken over, then cleared
+        try:
+            assert not (run_dir / "metrics.jsonl").exists() and holder(run_dir)["pid"] == os.getpid()
+            assert (run_dir / "config.toml").exists()
+        finally:
+            held.release()
+    finally:
+        other.kill()

@@ -87,6 +87,37 @@ def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_th
     assert_losses_close(resumed.losses, whole.losses, 1e-6)
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (Linux /proc: SigCgt)."""
+    try:
+        caught = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:")]
+    except OSError:
+        return False
+    return bool(caught) and bool(int(caught[0].split()[1], 16) >> (sig - 1) & 1)
+
+
+def test_a_schedulers_signal_while_the_ranks_start_stops_the_job_with_exit_75_not_a_crash(tmp_path, corpus):
+    """SIGTERM to `harness launch` while its ranks import torch: they had no handler yet, died by the signal, and the
+    job read as a crash (exit 4; SIGUSR1: 1) that slurm.sbatch does not requeue."""
+    live = start(tmp_path / "run", corpus, front=True)
+    deadline, seen = time.time() + 120, {}
+    while True:  # both ranks take it (a harness rank does from its first line), or 2 s into their imports of torch
+        for p in [p for p in descendants(live.pid) if _is_rank(p) and p not in seen][:2 - len(seen)]:  # (not the
+            # ranks' data workers, listed after them)
+            seen.setdefault(p, time.time())
+        if len(seen) == 2 and all(catches(p, signal.SIGTERM) or time.time() - t > 2 for p, t in seen.items()):
+            break
+        assert live.poll() is None and time.time() < deadline, live.communicate()
+        time.sleep(0.01)
+    live.send_signal(signal.SIGTERM)
+    out, err = live.communicate(timeout=120)
+    assert live.returncode == EXIT_PREEMPTED, err[-3000:]
+    assert "stopped by SIGTERM while the run was starting, before its first step: nothing was saved" in \
+        err.strip().splitlines()[-1], err[-3000:]
+    assert "Traceback" not in err and not Run(tmp_path / "run", None).metrics
+    assert not any(Path(f"/proc/{p}").exists() for p in seen)
+
+
 def test_harness_launch_exits_2_before_any_rank_starts_and_3_when_updates_keep_being_skipped(tmp_path, corpus):
     started = time.time()
     bad = harness(tmp_path / "bad", corpus, nproc=2, front=True, sets=["optimizer.lr=-1"], check=False)

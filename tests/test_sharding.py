@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -87,6 +88,21 @@ def test_a_resume_with_another_global_batch_goes_on_from_the_samples_read(order)
     plain = StepSampler(n, 2, 2, 1, 3, seed, 5, 30, order=order)
     assert all(torch.equal(same.step_indices(s), plain.step_indices(s)) for s in range(5, 30))
     assert all(same.epoch_at(s) == pytest.approx(s / plain.steps_per_epoch) for s in range(5, 30))
+
+
+@pytest.mark.parametrize("order", ["held", "lazy", "given"])
+def test_train_epochs_resumed_at_another_batch_end_when_the_epochs_are_read(order):
+    """train.epochs = 1 over 656 samples, 10 steps at a batch of 16, then resumed at 32 or at 8: the run ends once
+    one epoch is read (25 or 72 steps in all), where it had counted every step at the new batch (20 steps: 3/4 of
+    the epoch; 82: past it). Where the batch stays, the steps are ceil(epochs x steps per epoch), resumed or not."""
+    first = StepSampler(656, 16, 1, 0, 1, 0, 0, 10, order=order)
+    assert first.steps_to(1.0) == 41 and first.steps_to(0.5) == 21
+    for micro, steps in ((32, 25), (8, 72)):
+        resumed = StepSampler(656, micro, 1, 0, 1, 0, 10, 0, order=order, position=first.place(10))
+        assert resumed.steps_to(1.0) == steps
+        assert resumed.epoch_at(steps - 1) < 1.0 <= resumed.epoch_at(steps)
+    same = StepSampler(656, 16, 1, 0, 1, 0, 10, 0, order=order, position=first.place(10))
+    assert [same.steps_to(e) for e in (0.5, 1.0, 2.5)] == [math.ceil(e * 41) for e in (0.5, 1.0, 2.5)]
 
 
 def test_sampler_rejects_data_smaller_than_a_global_batch():

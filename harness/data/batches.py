@@ -127,6 +127,17 @@ class StepSampler(Sampler[list[int]]):
         return epoch + min(1.0, offset / (self.steps_per_epoch * self.global_batch))  # (a resumed epoch may read a
         # batch past its own length)
 
+    def steps_to(self, epochs: float) -> int:
+        """The run's steps for train.epochs: the first step count whose `epoch_at` reaches `epochs`; ceil(epochs x
+        steps_per_epoch) where the batch never changed, and after a resume at another batch, counted from the place
+        in the data the checkpoint kept, so the steps before it count at their own batch."""
+        lo = self.start_step
+        hi = lo + max(0, math.ceil((epochs - self.epoch_at(lo)) * self.steps_per_epoch))  # (each step reads at least
+        while lo < hi:  # 1 / steps_per_epoch of an epoch)
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if self.epoch_at(mid) < epochs else (lo, mid)
+        return lo
+
     def step_indices(self, step: int) -> torch.Tensor:
         """All indices of global step `step`, shape (accum, dp_size, micro)."""
         epoch, start = self.place(step)

@@ -37,6 +37,8 @@ BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
 LAYOUT = "layout.json"
 DATA = "data.json"  # what the run trained on (a prepared corpus's fingerprint): a resume on other data is refused
+SOURCE = "source.json"  # in a universal conversion: what the checkpoint it was made from held (`_stamp`)
+PLACE = "place.json"  # the step and its place in the data (StepSampler.place): a resume's train.epochs counts from it
 SHAPES = "parameters.json"  # the model's parameters by name and shape: a resume into a model of other code is refused
 LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "sp_size", "zero_stage", "offload_optimizer", "offload_params")
 
@@ -101,6 +103,7 @@ def rewind_latest(root: Path, max_step: int) -> Path | None:
         if aside.exists():  # set aside by an earlier non-finite stop at the same step: the newer one replaces it
             shutil.rmtree(aside)
         os.replace(bad, aside)
+        shutil.rmtree(bad.with_name(bad.name + UNIVERSAL), ignore_errors=True)  # made from the weights gone bad
     if good:
         _write_atomic(root / LATEST, good[-1].name + "\n")
     elif (root / LATEST).exists():
@@ -195,11 +198,17 @@ def _how(layout: dict[str, Any]) -> str:
 
 def _saved(path: Path, name: str) -> Any:
     """A record `save` wrote in checkpoint `path` (a universal conversion's: in the one it was made from); None where
-    there is none (saved before it was recorded)."""
+    there is none (saved before it was recorded). One that is there but cannot be read is a damaged checkpoint: read
+    as none, a layout would have let DeepSpeed fail on the files it describes."""
+    source = path.with_name(path.name.removesuffix(UNIVERSAL))
     try:
-        return json.loads((path.with_name(path.name.removesuffix(UNIVERSAL)) / name).read_text())
-    except (OSError, ValueError):
+        return json.loads((source / name).read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {source} cannot be read ({name}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200] or 'empty'}): a file in it is cut short, damaged or missing; "
+                          f"{_before(source)}") from None
 
 
 def saved_layout(path: Path) -> dict[str, Any] | None:
@@ -209,6 +218,11 @@ def saved_layout(path: Path) -> dict[str, Any] | None:
 def saved_data(path: Path) -> dict | None:
     """What its run trained on (`data.json`); None for a checkpoint saved before it was recorded."""
     return _saved(path, DATA)
+
+
+def saved_place(path: Path) -> dict | None:
+    """Its step and place in the data ({"step", "data_position"}); None for a checkpoint saved before it was kept."""
+    return _saved(path, PLACE)
 
 
 def saved_shapes(path: Path) -> dict[str, list[int]] | None:
@@ -284,6 +298,9 @@ def conversion_of(path: Path, run_dir: Path) -> Path:
 def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> Path:
     """Collective: `path` converted to DeepSpeed's universal checkpoint as `out` (rank 0, once; `afresh`: again
     whatever `out` holds), for an engine built with checkpoint.load_universal."""
+    if world.is_main and out.is_dir() and not afresh and _source_of(out) != _stamp(path):
+        print(f"note: {out.name} was converted from an earlier save of {path.name}; converting it again", flush=True)
+        afresh = True
     if world.is_main and afresh:
         shutil.rmtree(out, ignore_errors=True)
     if world.is_main and not out.is_dir():
@@ -308,6 +325,7 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
                 for name in (LAYOUT, *(p.name for p in path.glob("rng_rank*.pt"))):
                     shutil.copy(path / name, work / name)
                 ds_patches.fix_universal_conversion(work, path)
+                (work / SOURCE).write_text(json.dumps(_stamp(path)) + "\n")
             # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
             # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
             for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -320,6 +338,19 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
             shutil.rmtree(work, ignore_errors=True)
     barrier()
     return out
+
+
+def _stamp(path: Path) -> list:
+    """What a checkpoint's files are (name, size, modification time): a conversion made from other files of the same
+    name (the step saved again, after a resume from an earlier one) is not reused."""
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in path.iterdir() if p.is_file())
+
+
+def _source_of(out: Path) -> list | None:
+    try:
+        return json.loads((out / SOURCE).read_text())
+    except (OSError, ValueError):  # converted before it was recorded, or damaged: made again
+        return None
 
 
 def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int,
@@ -362,7 +393,8 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
         torch.save(rng_state(), partial / f"rng_rank{world.rank:05d}.pt")
         if world.is_main and layout is not None:
             (partial / LAYOUT).write_text(json.dumps(layout) + "\n")
-        for file, record in ((DATA, data), (SHAPES, shapes)):
+        place = {k: client_state[k] for k in ("step", "data_position")} if "data_position" in client_state else None
+        for file, record in ((DATA, data), (SHAPES, shapes), (PLACE, place)):
             if world.is_main and record is not None:
                 (partial / file).write_text(json.dumps(record) + "\n")
     except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
@@ -380,6 +412,7 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
     if world.is_main:
         if final.exists():
             shutil.rmtree(final)
+        shutil.rmtree(final.with_name(name + UNIVERSAL), ignore_errors=True)  # a conversion of the step saved before
         os.replace(partial, final)
         _write_atomic(root / LATEST, name + "\n")
         if best is not None:
@@ -477,8 +510,12 @@ def _said_unreadable(path: Path, world: World, e: BaseException) -> None:
             type(e).__module__.startswith("torch.distributed"):
         raise e
     said = " ".join(str(e).split())[:200] or "no message"
-    earlier = [p for p in complete(path.parent) if step_of(p) < step_of(path)]
-    then = f"the one before it is {earlier[-1]}: continue from it with --resume {earlier[-1]}" if earlier else \
-        "there is none before it to resume from"
     raise ConfigError(f"checkpoint {path} cannot be read on rank {world.rank} ({type(e).__name__}: {said}): a file "
-                      f"in it is cut short, damaged or missing; {then}") from None
+                      f"in it is cut short, damaged or missing; {_before(path)}") from None
+
+
+def _before(path: Path) -> str:
+    """Where to go on from, past checkpoint `path` that cannot be read (`latest` names it: --resume auto takes it)."""
+    earlier = [p for p in complete(path.parent) if step_of(p) < step_of(path)]
+    return f"the one before it is {earlier[-1]}: continue from it with --resume {earlier[-1]}" if earlier else \
+        "there is none before it to resume from"

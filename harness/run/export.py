@@ -14,8 +14,8 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config.run import ConfigError, RunConfig, read_toml
-from ..distributed.world import World
+from ..config.run import ConfigError, RunConfig, TrainingStopped, read_toml
+from ..distributed.world import World, all_gather_objects
 from ..tasks import resolve
 from .trust import check_run_dir
 
@@ -30,26 +30,35 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
     """Collective: every rank calls it; rank 0 writes `RUN/model.safetensors` atomically (in its metadata `step`, the
     step the run had reached, and `weights_step`, the step whose weights these are: the best's with
     train.select_best), and for a Hugging Face model `RUN/hf/` (config, weights, tokenizer: `from_pretrained` loads it
-    with no code of ours)."""
+    with no code of ours). A write that fails (a full disk) raises TrainingStopped on every rank."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from ..distributed.parallel import full_state_dict
     from ..models import hf
 
     state = full_state_dict(engine, world)
-    if not world.is_main:
-        return None
-    path = run_dir / MODEL_FILE
+    path, failed = run_dir / MODEL_FILE, None
     tmp = path.with_name(f".{path.name}.tmp")
-    steps = {"step": str(step), "weights_step": str(weights_step or step)} if step else {}
-    save_file(_unshared(state), str(tmp), metadata={"format": "pt", **steps})
-    readable(tmp)
-    os.replace(tmp, path)
-    if hf.is_hf(engine.module):
-        hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
-        for f in (run_dir / HF_DIR).rglob("*"):
-            readable(f)
-    return path
+    try:
+        if world.is_main:
+            steps = {"step": str(step), "weights_step": str(weights_step or step)} if step else {}
+            save_file(_unshared(state), str(tmp), metadata={"format": "pt", **steps})
+            readable(tmp)
+            os.replace(tmp, path)
+            if hf.is_hf(engine.module):
+                hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
+                for f in (run_dir / HF_DIR).rglob("*"):
+                    readable(f)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        tmp.unlink(missing_ok=True)
+        failed = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    failed = all_gather_objects(failed)[0]  # every rank stops, not only the one that wrote
+    if failed:
+        raise TrainingStopped(f"the model could not be exported to {run_dir} ({failed}); "
+                              f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free there. The last checkpoint is "
+                              f"kept: make room and run the same command with --resume auto, which exports it")
+    return path if world.is_main else None
 
 
 def readable(path: Path) -> None:
@@ -165,6 +174,9 @@ def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> 
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise ConfigError(f"--hf {out}: {blocked} is a file; name a directory to write")
+    if out.resolve() == (Path(run_dir) / HF_DIR).resolve():
+        raise ConfigError(f"--hf {out}: the run's own export, which the run reads its model's config and tokenizer "
+                          f"from; it is already this model: name another directory")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not (overwrite and (out / "config.json").is_file()):
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
@@ -178,9 +190,10 @@ def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> 
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
     if note := trained_on_note(Path(run_dir)):
         print(note, flush=True)
+    tokenizer = _tokenizer(get_task(cfg.run.task), cfg)  # read before OUT is emptied: it may be where it is read from
     for old in out.iterdir() if held else ():  # emptied, not replaced: OUT may be a link, a mount, the cwd
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    return hf.save(model, model.state_dict(), _tokenizer(get_task(cfg.run.task), cfg), out)
+    return hf.save(model, model.state_dict(), tokenizer, out)
 
 
 def _tokenizer(task, cfg: RunConfig):

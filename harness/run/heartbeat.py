@@ -46,14 +46,14 @@ class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, every_s: float):
         self.path = Path(run_dir) / DIR / f"rank_{rank:05d}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.step, self.every_s = rank, 0, every_s
+        self.rank, self.step, self.every_s, self.started = rank, 0, every_s, started(os.getpid())
         self._write()
         self._stop = every(every_s, self._write, "harness-heartbeat")
 
     def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                                   "step": self.step, "time": time.time()}))
+                                   "started": self.started, "step": self.step, "time": time.time()}))
         os.replace(tmp, self.path)
 
     def stop(self) -> None:
@@ -64,10 +64,22 @@ class Heartbeat:
             pass
 
 
-def running_here(host: str, pid: int) -> bool | None:
-    """Whether process `pid` of `host` still runs: known on this host only (None elsewhere). A heartbeat's rank, the
-    run directory's lock holder (`lock.py`)."""
-    return Path(f"/proc/{pid}").exists() if host == socket.gethostname() else None
+def started(pid: int) -> int | None:
+    """When process `pid` started (Linux /proc: clock ticks since boot), None if there is none: with its pid, it
+    names one process, where a pid alone may since have been given to another (a restarted container's)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def running_here(host: str, pid: int, since: int | None = None) -> bool | None:
+    """Whether process `pid` of `host`, started at `since` (`started`; any process of that pid when not recorded),
+    still runs: known on this host only (None elsewhere). A heartbeat's rank, the run directory's lock holder."""
+    if host != socket.gethostname():
+        return None
+    now = started(pid)
+    return now is not None and since in (None, now)
 
 
 def beats(run_dir: Path) -> dict[int, dict]:
@@ -89,7 +101,7 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
     the others, from their files."""
     now, found = time.time(), beats(run_dir)
     heard = {rank: found.get(rank) for rank in range(world_size)}
-    gone = [r for r, b in heard.items() if b is not None and running_here(b["host"], b["pid"]) is False]
+    gone = [r for r, b in heard.items() if b is not None and running_here(b["host"], b["pid"], b.get("started")) is False]
     silent = [r for r, b in heard.items() if b is None or now - b["time"] > 3 * every_s]
     steps = {r: b["step"] for r, b in heard.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]

@@ -1,7 +1,8 @@
 """Who owns a run directory: `RUN/.lock`, held by rank 0 of the run training in it.
 
 The file names its holder (host, pid, since when). A background thread touches it every HEARTBEAT_S seconds,
-so a holder on another host counts as gone once the file is older than STALE_S; on this host, once its pid is.
+so a holder on another host counts as gone once the file is older than STALE_S; on this host, once its process
+is (its pid and start time: a pid given since to another process is not the holder).
 A second run (or a `--resume`) into a live directory is refused before launch, naming the holder; a lock whose
 holder is gone (a SIGKILL, a lost node) is taken over with a note. A run that ends in any way it can catch
 (done, bad input, non-finite stop, a signal) removes its lock.
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..config.run import ConfigError
-from .heartbeat import every, running_here
+from .heartbeat import every, running_here, started
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
@@ -36,7 +37,7 @@ def holder(run_dir: Path) -> dict | None:
 
 
 def alive(info: dict) -> bool:
-    here = running_here(info["host"], info["pid"])
+    here = running_here(info["host"], info["pid"], info.get("started"))
     return info["age_s"] < STALE_S if here is None else here
 
 
@@ -60,7 +61,7 @@ class Lock:
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(),
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started(os.getpid()),
                    "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         tmp = self.path.with_name(f"{LOCK}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.me) + "\n")

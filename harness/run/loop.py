@@ -168,7 +168,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     crowded = oversubscribed()
     if crowded:
         say(crowded)
-    data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world)
+    data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world, resume_from)
     identity = data_identity(plan)  # not at each save: its source may since have been edited, moved or prepared anew
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
@@ -255,9 +255,9 @@ def _check_validation(cfg, task, data, world: World) -> None:
               flush=True)
 
 
-def _data(plan: Plan, world: World) -> tuple:
+def _data(plan: Plan, world: World, resume_from: Path | None) -> tuple:
     """The task's data (rank 0 first, caching it for the others), the sampler's arguments, steps per epoch, the
-    run's steps and its cadence in steps."""
+    run's steps (train.epochs resumed: from the checkpoint's place in the data) and its cadence in steps."""
     cfg, t, task = plan.run.cfg, plan.run.cfg.train, plan.task
     import datasets
     from accelerate import PartialState
@@ -282,6 +282,10 @@ def _data(plan: Plan, world: World) -> tuple:
                         order=task.sample_order(cfg) if hasattr(task, "sample_order") else "held")
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = run_steps(t, steps_per_epoch)
+    place = checkpoint.saved_place(resume_from) if resume_from is not None and not t.max_steps else None
+    if place:  # the steps before it count at their own batch, where the resume changes it
+        max_steps = StepSampler(**sampler_args, start_step=place["step"], max_steps=0,
+                                position=tuple(place["data_position"])).steps_to(t.epochs)
     try:  # epochs and counts per run become steps now that the data's size is known
         every = cadence.resolve(t, steps_per_epoch, max_steps, plan.run.describe)
     except ValueError as e:
@@ -325,8 +329,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         saving = run.every.save_steps and step % run.every.save_steps == 0
         if evaluating or saving or step == run.stop or ledger.signal or ledger.give_up:
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
-        if ledger.give_up or (step == run.max_steps and ledger.bad_weights):  # no export of suspect weights, nor
-            _give_up(run, ledger, progress)                                    # exit 0 after a non-finite loss
+        if ledger.give_up or (step == run.stop and ledger.bad_weights):  # no export of suspect weights, nor exit
+            _give_up(run, ledger, progress)  # 0 (--stop-at: with a checkpoint of this step) after a non-finite loss
         improved = False
         if evaluating and not ledger.signal:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,
@@ -432,7 +436,12 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")
             weights = selection.step
-        run.say(f"exported {export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg, step, weights)}")
+        try:
+            exported = export_model(run.engine, plan.run_dir, world, plan.task, plan.run.cfg, step, weights)
+        except TrainingStopped:
+            run.tracker.close(exit_code=3)
+            raise
+        run.say(f"exported {exported}")
     else:
         run.say(f"stopped at step {step} of {run.max_steps} (--stop-at); continue with --resume auto")
     run.tracker.close()

@@ -7,6 +7,10 @@ sync: they finish that step, save a checkpoint, and the command exits with `EXIT
 at that step: which ranks the signal reached first differs from one stop to the next (SLURM signals every process
 of a step, launchers pass it on again), so no rank speaks on receiving it. A second signal changes nothing; SIGKILL
 still ends a run at once.
+
+Before the loop watches, while a rank starts (imports, the process group, the model), SIGTERM and SIGUSR1 would
+kill it by their default action, which the launcher reads as a crash (exit 4 or 1) that no scheduler requeues:
+`starting` takes them from the process's first line, and the run stops with EXIT_PREEMPTED, nothing saved.
 """
 from __future__ import annotations
 
@@ -15,6 +19,32 @@ import threading
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL, "try again later": resume with --resume auto
+_early: list[int] = []  # a scheduler's signal that came while the run was starting (`starting`)
+_armed: list[bool] = []  # where Preempted is caught: raised at once (`stop_if_signalled`)
+
+
+def starting() -> None:
+    """At a training process's first line: a scheduler's signal (SIGTERM, SIGUSR1; Ctrl-C keeps its
+    KeyboardInterrupt) stops the run until the loop's Watch takes it; recorded until `stop_if_signalled`."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, _starting)
+
+
+def _starting(signum, frame) -> None:
+    _early.append(signum)
+    if _armed:
+        stop_if_signalled()
+
+
+def stop_if_signalled() -> None:
+    """Raise Preempted for a signal that came while the run was starting, and from now on at once when one comes."""
+    from ..config.run import Preempted
+
+    _armed.append(True)
+    if _early:
+        raise Preempted(f"stopped by {signal.Signals(_early[0]).name} while the run was starting, before its first "
+                        f"step: nothing was saved; --resume auto goes on from the run's last checkpoint, if it has one")
 
 
 class Watch:
@@ -35,7 +65,9 @@ class Watch:
 
     def __enter__(self) -> Watch:
         if threading.current_thread() is threading.main_thread():
-            self._before = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            before = {s: signal.signal(s, self._handle) for s in SIGNALS}
+            # the start is over: after the loop (a lost peer's diagnosis, torchrun's stop) a signal acts as it did
+            self._before = {s: signal.SIG_DFL if h is _starting else h for s, h in before.items()}
         return self
 
     def __exit__(self, *exc) -> None:

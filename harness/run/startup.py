@@ -557,13 +557,15 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
 
     held, error = None, None
     if world.is_main:
-        if overwrite and resume_from is None and plan.run_dir.exists():
-            shutil.rmtree(plan.run_dir)
         plan.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             held = Lock(plan.run_dir)
         except ConfigError as e:
             error = str(e)
+        if held and overwrite and resume_from is None:  # cleared once it is ours: a run that started meanwhile
+            for old in plan.run_dir.iterdir():  # holds the lock, and this one is refused above
+                if old != held.path:
+                    shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
     error = all_gather_objects(error)[0]
     if error:
         raise ConfigError(error)
