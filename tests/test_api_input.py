@@ -230,7 +230,7 @@ def test_hf_seq_len_past_a_table_of_absolute_positions_is_refused_and_rotary_one
     _check(hf_models / "gpt2")
     with pytest.raises(ConfigError) as e:
         _check(hf_models / "gpt2", "data.seq_len=32")
-    assert "data.seq_len = 32 is longer than model.hf" in _one_line(e) and "n_positions = 16" in str(e.value)
+    assert "data.seq_len = 32 takes 32 positions; model.hf" in _one_line(e) and "n_positions = 16" in str(e.value)
     _check(hf_models / "llama", "data.seq_len=32")  # rotary: max_position_embeddings is no hard limit
 
 

@@ -87,6 +87,10 @@ def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_ll
     with pytest.raises(ConfigError, match="replaces a Hugging Face model's directory .*: it was left as it is"):
         export_hf(run.dir, notes, overwrite=True)
     assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    own = sorted(p.name for p in (run.dir / "hf").iterdir())  # what the run reads its config and tokenizer from: it
+    with pytest.raises(ConfigError, match="the run's own export, which the run reads"):  # was emptied, then the
+        export_hf(run.dir, run.dir / "hf", overwrite=True)                             # tokenizer was read from it
+    assert sorted(p.name for p in (run.dir / "hf").iterdir()) == own
     (tmp_path / "shared").mkdir()  # a link to a directory (a mount, the cwd) is written into, not replaced
     (tmp_path / "link").symlink_to(tmp_path / "shared")
     export_hf(run.dir, tmp_path / "link")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -134,12 +135,50 @@ def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_i
     task.check(cfg)
     model = task.build_model(cfg)
     assert type(model).__name__ == "EsmForSequenceClassification" and model.config.num_labels == 1
+    from harness.prepare import read_meta
+    from harness.tasks.protein import scale
+
+    model.config.save_pretrained(tmp_path / "regress")  # what the export's config.json says of its outputs
+    saved = json.loads((tmp_path / "regress" / "config.json").read_text())
+    assert saved["problem_type"] == "regression" and saved["harness_target_scale"] == dict(
+        zip(("mean", "std"), scale(read_meta(task.prepare(cfg)))))
     data = task.build_data(cfg)
     batch = task.collate([data.train[0], data.train[1]])
     assert batch["values"].dtype == torch.float32 and task.count(batch) == 2
     assert torch.isfinite(task.loss(model, batch))
     with pytest.raises(ConfigError, match="protein.pooling = 'attention' is for the built-in encoder"):
         task.check(resolve(None, [*sets, 'protein.pooling="attention"']).cfg)
+
+
+def test_hf_protein_positions_count_its_cls_and_eos_and_a_table_counted_from_padding_idx(tiny_esm, tmp_path):
+    """An ESM with a table of 66 absolute positions counts them from padding_idx + 1 = 2, and a protein sample is
+    <cls> residues <eos>: 62 residues fit and 63 do not, which the check says before launch (it compared data.seq_len
+    with 66, and the first step failed in the embedding: "index out of range", BERT's "The expanded size ...")."""
+    from harness.config.run import ConfigError
+    from harness.tasks import resolve
+    from harness.tasks.protein import ProteinTask
+
+    absolute = tmp_path / "esm-absolute"
+    shutil.copytree(tiny_esm, absolute)
+    config = json.loads((absolute / "config.json").read_text())
+    (absolute / "config.json").write_text(json.dumps({**config, "position_embedding_type": "absolute",
+                                                      "max_position_embeddings": 66}))
+    (absolute / "model.safetensors").unlink()
+
+    def cfg(seq_len: int):
+        return resolve(None, ['run.task="protein"', "data.seq_len=%d" % seq_len, "train.max_steps=1",
+                              f"model.hf={json.dumps(str(absolute / 'config.json'))}"]).cfg
+
+    ProteinTask().check(cfg(62))
+    with pytest.raises(ConfigError, match=r"data.seq_len = 63 and the task's 2 token\(s\) around it take 65 "
+                                          r"positions; .* has 64: max_position_embeddings = 66 .*counted from "
+                                          r"padding_idx \+ 1 = 2\); set data.seq_len <= 62"):
+        ProteinTask().check(cfg(63))
+    model = transformers.EsmForSequenceClassification(transformers.EsmConfig.from_pretrained(absolute)).eval()
+    with torch.no_grad():
+        model(torch.full((1, 64), 5))  # <cls>, 62 residues, <eos>
+        with pytest.raises(IndexError, match="index out of range"):
+            model(torch.full((1, 65), 5))
 
 
 def test_hf_model_from_its_config_on_the_tasks_own_tokenizer(tiny_llama, tiny_t5, tiny_esm, corpus, tmp_path,

@@ -139,3 +139,17 @@ def test_the_evaluate_table_keeps_its_columns_whatever_the_metric_names():
     for scores in ({"r": 0.5, "mse": 1.25}, {"a_long_metric_name": 2.0}):
         table = render_table("test", {**scores, "signature": "x"}).splitlines()
         assert len({len(line) for line in table[:-1]}) == 1 and table[-1] == "signature: x", table
+
+
+def test_eval_json_is_strict_json_with_a_metric_that_is_not_a_number_as_null(tmp_path):
+    """Spearman's rho of constant predictions is NaN: eval.json held a bare NaN, which only Python's reader takes."""
+    from harness.eval.evaluate import RESULTS, _record
+
+    _record(tmp_path, {"test": {"spearman": math.nan, "mse": 1.5, "signature": "x"}})
+    _record(tmp_path, {"more.csv": {"pearson": -math.inf}})
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads((tmp_path / RESULTS).read_text(), parse_constant=refuse) == {
+        "test": {"spearman": None, "mse": 1.5, "signature": "x"}, "more.csv": {"pearson": None}}

@@ -307,6 +307,11 @@ def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir
     stored = store(prep.prepare(residue), tmp_path / "flip_data", prep.STORED, prep.COMPARED, prep.SCORING_KEYS)
     rows, counts, _ = prep.read_scoring(residue, stored, flip)  # its test rows; no leak rule (x2 is a copy of t1)
     assert counts == {"ok": 2, "malformed": 1, "not_test": 3} and rows["sequence"] == ["PQRSTY", "ACDEFGHIK"]
+    # no residue resolved: one line (Q3's ValueError was a traceback after the model had run)
+    unresolved = tmp_path / "unresolved.csv"
+    unresolved.write_text("sequence,label,resolved\nACDEFG,CCHHEE,000000\nKLMN,CHHC,0000\n")
+    with pytest.raises(ConfigError, match=r"no residue of its 2 sample\(s\) is resolved .*Q3 has nothing to score"):
+        ProteinTask().read(residue, unresolved, stored)
 
 
 def test_residue_vocabulary_round_trip(default_dir):
@@ -411,3 +416,12 @@ def test_two_process_zero2_classification_learns(tmp_path):
 
     exported = load_file(str(out / "model.safetensors"))
     assert torch.equal(model.blocks[1].mlp.fc_in.weight, exported["blocks.1.mlp.fc_in.weight"])
+    # a finished run rebuilt from its stored data (harness evaluate, load_model) reads nothing of its init_from
+    # source, whose own data may be gone (that failed with a traceback): its export replaces those weights
+    from harness.prepare import stored
+
+    task = ProteinTask()
+    task.prepared = stored(out)
+    rebuilt = task.build_model(config("data.val_fraction=0.1", "data.seq_len=200", "model.d_model=32",
+                                      f"protein.init_from={json.dumps(str(out))}"))
+    assert not torch.equal(rebuilt.blocks[1].mlp.fc_in.weight, exported["blocks.1.mlp.fc_in.weight"])

@@ -1,6 +1,7 @@
 """Translation case study: data preparation, tokenizer, model, loss, decoding, and a 2-process ZeRO-2 run."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -482,3 +483,24 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     assert piped.returncode == 0, piped.stderr[-2000:]
     first, second = proc.stdout.strip().splitlines()
     assert piped.stdout.splitlines() == [first, "", second]
+    # a reader that leaves (`| head -1`): no traceback (a BrokenPipeError's, then Python's at exit)
+    gone = subprocess.Popen([python(), "-m", "harness", "translate", "--run-dir", str(run.dir)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env({"HARNESS_CACHE": str(cache)}))
+    gone.stdout.close()
+    _, err = gone.communicate("the big cat sees a dog.\n" * 3, timeout=120)
+    assert gone.returncode == 1 and "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    # train.micro_batch_size sentences at a time, each as it is translated alone; a source past data.seq_len - 1
+    # pieces is cut as training cut it, and said (it was silent)
+    many = ["the big cat sees a dog.", "a child likes the red bread.", "the dog.", "a red cat sees the child."] * 3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_CACHE", str(cache))
+        from harness.eval.evaluate import translate
+
+        batched = translate(run.dir, many)
+        alone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
+        assert batched[:4] == [TranslationTask().translate(model, alone, [s])[0] for s in many[:4]]
+    long = cli("translate", "--run-dir", str(run.dir), "the big cat sees a dog. " * 40, "the dog.",
+               env={"HARNESS_CACHE": str(cache)}, timeout=120)
+    assert long.returncode == 0 and "note: 1 of 2 sentence(s) (e.g. number 1) are longer than data.seq_len - 1" in \
+        long.stderr, long.stderr[-2000:]

@@ -1,6 +1,7 @@
 """`harness evaluate` and `harness translate`: a finished run's exported model, one process, a split or new data.
 
-`eval.json` in the run directory keeps the latest result per split and per scored data set: {name: {metric: value}}.
+`eval.json` in the run directory keeps the latest result per split and per scored data set: {name: {metric: value}}
+(a value that is not a number, e.g. Spearman's rho of constant predictions, as null).
 
 `--split` scores a split of the data prepared from the run's `data.path`; where the run keeps its tokenizer and
 statistics (`RUN/data/`, see `harness.prepare`), it refuses when the data prepared now has others (the training
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -60,8 +62,16 @@ def _record(run_dir: Path, entries: dict[str, dict]) -> None:
     results = json.loads(path.read_text()) if path.is_file() else {}
     results.update(entries)
     tmp = path.with_name(f".{RESULTS}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.write_text(json.dumps(_strict(results), indent=2) + "\n")
     tmp.replace(path)
+
+
+def _strict(value):
+    """A metric that is not a number (Spearman's rho of constant predictions: NaN) as JSON's null: the file is JSON
+    every reader takes (Python alone reads a bare NaN)."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None) -> dict[str, float | str]:

@@ -56,9 +56,10 @@ def _config_source(ref: str) -> tuple[str, bool]:
     return ref, True
 
 
-def check(cfg: RunConfig, auto_class: str) -> None:
+def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None:
     """Before launch: the package, the source, the auto class and the config, read once (no weights), the model
-    class it maps to, and the tokenizer's size."""
+    class it maps to, and the tokenizer's size. `positions`: the longest sample's (data.seq_len where the task adds
+    no token of its own)."""
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     cls_name = cfg.model.hf_class or auto_class
     if not hasattr(transformers, cls_name):
@@ -79,7 +80,7 @@ def check(cfg: RunConfig, auto_class: str) -> None:
                           f"(e.g. {missing[0]}); copy or download the checkpoint whole")
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
-        _check_model(cfg, cls, config)
+        _check_model(cfg, cls, config, positions or cfg.data.seq_len)
         if local:
             _check_weights(cfg, cls, config, weight_files(source))
     vocab = getattr(config, "vocab_size", None) or 0
@@ -113,9 +114,9 @@ def model_class(cfg: RunConfig, auto_class: str, config):
                           f"for which model.hf_class = {name!r} has no class") from None
 
 
-def _check_model(cfg: RunConfig, cls, config) -> None:
+def _check_model(cfg: RunConfig, cls, config, positions: int) -> None:
     """What the model class makes of the run: causal attention where the task predicts the next token, and a position
-    for each of the data.seq_len tokens."""
+    for each of a sample's `positions` tokens."""
     try:  # transformers 5.24: 17 causal-LM classes (BertLMHeadModel, RobertaForCausalLM, ...) test is_decoder and,
         source = inspect.getsource(cls.__init__)  # false, only warn; those that set it (BartForCausalLM) do not
     except (OSError, TypeError):
@@ -123,17 +124,25 @@ def _check_model(cfg: RunConfig, cls, config) -> None:
     if re.search(r"(if not|assert) config\.is_decoder\b", source) and not getattr(config, "is_decoder", False):
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {cls.__name__} attends to every position unless its config "
                           f"says is_decoder = true; set it in config.json to train it as a causal language model")
-    limit = getattr(config, "max_position_embeddings", None)
-    if isinstance(limit, int) and cfg.data.seq_len > limit:
+    limit, pad = getattr(config, "max_position_embeddings", None), getattr(config, "pad_token_id", None)
+    if isinstance(limit, int) and positions > limit - (pad + 1 if isinstance(pad, int) else 0):
         with torch.device("meta"):  # its modules, with no memory: a table of positions is an nn.Embedding of them
             model = cls(config)
-        tables = [n for n, m in model.named_modules()
+        tables = [(n, m) for n, m in model.named_modules()
                   if isinstance(m, nn.Embedding) and re.search(r"pos|wpe", n.rsplit(".", 1)[-1])]
-        if tables:  # rotary positions (Llama) are computed for any length: the figure is not a hard limit there
+        if not tables:  # rotary positions (Llama) are computed for any length: the figure is not a hard limit there
+            return
+        name, table = tables[0]
+        offset = 0 if table.padding_idx is None else table.padding_idx + 1  # RoBERTa, ESM: from padding_idx + 1
+        room, besides = limit - offset, positions - cfg.data.seq_len
+        if positions > room:
             key = type(config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
-            raise ConfigError(f"data.seq_len = {cfg.data.seq_len} is longer than model.hf = {cfg.model.hf!r} has "
-                              f"positions: {key} = {limit} in its config.json (a table of absolute positions, "
-                              f"{tables[0]}); set data.seq_len <= {limit}")
+            counted = f", counted from padding_idx + 1 = {offset}" if offset else ""
+            took = f" and the task's {besides} token(s) around it take {positions}" if besides else \
+                f" takes {positions}"
+            raise ConfigError(f"data.seq_len = {cfg.data.seq_len}{took} positions; model.hf = {cfg.model.hf!r} has {room}: "
+                              f"{key} = {limit} in its config.json (a table of absolute positions, {name}{counted}); "
+                              f"set data.seq_len <= {room - besides}")
 
 
 def _check_weights(cfg: RunConfig, cls, config, files: list[Path]) -> None:

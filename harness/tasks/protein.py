@@ -286,7 +286,8 @@ class ProteinTask:
             prep.check(cfg)
         p = cfg.task
         if cfg.model.hf:
-            hf.check(cfg, HF_CLASSES[p.objective])
+            ends = hf.own_tokenizer(cfg) and hf.tokenizer(cfg).eos_token_id is not None  # (Vocab.of: <eos> appended)
+            hf.check(cfg, HF_CLASSES[p.objective], positions=cfg.data.seq_len + 1 + ends)
             if hf.own_tokenizer(cfg):
                 hf_tokenizer(cfg)
             if p.pooling != "mean":
@@ -327,7 +328,11 @@ class ProteinTask:
         """New sequences (`prepare.protein.read_scoring`) as evaluation samples, with the stored vocabulary and
         statistics (`prepare(cfg)` is the stored directory while a run is scored)."""
         rows, counts, files = prep.read_scoring(cfg, stored, path)
-        return [ReadData(self.samples(cfg, "data", rows=rows), counts, files)]
+        samples = self.samples(cfg, "data", rows=rows)
+        if cfg.task.objective == "residue" and len(samples) and not any((s["targets"] != IGNORE).any() for s in samples):
+            raise ConfigError(f"--data {path}: no residue of its {len(samples)} sample(s) is resolved (`resolved` is 0 "
+                              f"for every one): Q3 has nothing to score")
+        return [ReadData(samples, counts, files)]
 
     def build_model(self, cfg: RunConfig) -> Encoder:
         directory = self.prepare(cfg)
@@ -346,6 +351,8 @@ class ProteinTask:
             names = {"classify": [str(c) for c in meta["classes"]], "residue": list(prep.STATES)}.get(objective)
             labels = {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}} \
                 if names else {}  # the export's pipeline() prints the data's class names, not LABEL_0
+            if objective == "regress":  # it predicts z-scores: the export says how to undo them (y = out x std + mean)
+                labels = {"problem_type": "regression", "harness_target_scale": dict(zip(("mean", "std"), scale(meta)))}
             return hf.build(cfg, HF_CLASSES[objective], **ids, **labels,
                             **({} if objective == "mlm" else {"num_labels": n_out}))
         positions = len(meta["sites"]["columns"]) if meta.get("sites") else cfg.data.seq_len
@@ -356,9 +363,11 @@ class ProteinTask:
         if cfg.task.blend == "ridge" and not next(model.parameters()).is_meta:
             load_ridge(model, directory, scale(meta), self._bind(cfg).cls_id)
         source = Path(cfg.task.init_from)
-        # `check` requires the source before training; a finished run rebuilt by `harness evaluate` after the
-        # source was deleted skips it (its own exported weights replace these anyway).
-        if cfg.task.init_from and (source / "model.safetensors").is_file() and not next(model.parameters()).is_meta:
+        # `check` requires the source before training; a finished run rebuilt from its stored data (`harness
+        # evaluate`, load_model: `prepared`) skips it, as one whose source is gone does: its own exported weights
+        # replace these, and the source's data need not exist any more
+        if cfg.task.init_from and self.prepared is None and (source / "model.safetensors").is_file() and \
+                not next(model.parameters()).is_meta:
             loaded, fresh = init_from(model, cfg, source)
             if launched_rank() == 0:
                 print(f"protein.init_from {cfg.task.init_from}: loaded {', '.join(loaded) or 'nothing'}; "

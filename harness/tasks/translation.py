@@ -18,6 +18,7 @@ is called as `model(input_ids, attention_mask, decoder_input_ids)`, its own toke
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,13 +227,22 @@ class TranslationTask:
 
     @torch.no_grad()
     def translate(self, model, cfg: RunConfig, sentences: list[str]) -> list[str]:
-        """Translate raw sentences on one process with the run's tokenizer and beam settings."""
+        """Translate raw sentences on one process with the run's tokenizer and beam settings, train.micro_batch_size
+        at a time (the memory of a batch, not of the whole input); a source past data.seq_len - 1 pieces is cut
+        there, as training cut it, and said."""
         self._bind(cfg)
         tok = prep.tokenizer(self.prepare(cfg))
         dev = next(model.parameters()).device
-        ids = [tok.encode(s.strip())[:cfg.data.seq_len - 1] + [tok.eos_id] for s in sentences]
+        pieces = [tok.encode(s.strip()) for s in sentences]
+        keep = cfg.data.seq_len - 1
+        if cut := [i for i, p in enumerate(pieces, 1) if len(p) > keep]:
+            print(f"note: {len(cut)} of {len(pieces)} sentence(s) (e.g. number {cut[0]}) are longer than data.seq_len - 1 "
+                  f"= {keep} pieces: each is translated from its first {keep}", file=sys.stderr, flush=True)
+        ids = [p[:keep] + [tok.eos_id] for p in pieces]
         model.eval()
-        return [tok.decode(h) for h in self._decode(model, _pad(ids, self.pad).to(dev), tok, cfg)]
+        b = cfg.train.micro_batch_size
+        return [tok.decode(h) for i in range(0, len(ids), b)
+                for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok, cfg)]
 
     def _decode(self, model, src: torch.Tensor, tok, cfg: RunConfig, any_rank=None) -> list[list[int]]:
         """Token ids of each source row's translation; `any_rank` (several ranks): decode in step with them."""
