@@ -358,12 +358,22 @@ def _evaluate(args) -> int:
         split = args.split or "test"
         print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
     elif args.sentences:
-        print("\n".join(evaluate.translate(args.run_dir, args.sentences)))
+        _out("\n".join(evaluate.translate(args.run_dir, args.sentences)))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
         lines = [line.strip() for line in sys.stdin]
         said = iter(evaluate.translate(args.run_dir, [line for line in lines if line]))
-        print("\n".join(next(said) if line else "" for line in lines))
+        _out("\n".join(next(said) if line else "" for line in lines))
     return 0
+
+
+def _out(text: str) -> None:
+    """Print translations; a reader that left (`harness translate ... | head -1`) ends the command with exit 1 and
+    no traceback, nor Python's second error as it flushes stdout at exit (its own advice: stdout to devnull)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def _prepare_corpus(args) -> int:
@@ -637,15 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     is_main = launched_rank() == 0
     try:
-        code = COMMANDS[args.command](args)
-        sys.stdout.flush()  # here, where a reader gone is caught below, not as Python's error at exit
-        return code
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:  # (training takes Ctrl-C itself: a checkpoint, then exit 75)
         print("harness: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `harness translate ... | head`: the reader left; what is left to write goes nowhere
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own advice: no second error as
-        return 1                                                          # it flushes stdout at exit)
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .launcher import report, under_launcher
         from .run.preemption import EXIT_PREEMPTED

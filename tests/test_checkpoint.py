@@ -239,8 +239,8 @@ def test_a_zero_checkpoint_under_another_offload_or_precision_is_converted(tmp_p
     assert "train_batch_size" not in tp.config and checkpoint.layout_of(tp)["global_batch"] == 8
     # an emptied layout.json is a damaged checkpoint, not one saved before layout.json (DeepSpeed's traceback followed)
     (step / checkpoint.LAYOUT).write_text("")
-    with pytest.raises(ConfigError, match=r"step_00000003 cannot be read \(layout.json: JSONDecodeError: .*there is none "
-                                          r"before it to resume from"):
+    with pytest.raises(ConfigError, match=r"step_00000003 cannot be read \(layout.json: JSONDecodeError: .*there is "
+                                          r"none before it to resume from"):
         checkpoint.reshape(step, ds("zero2.json"))
 
 
@@ -256,7 +256,8 @@ def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_convers
     old = ckpts / "step_00000004.universal"
     shutil.copytree(old, tmp_path / "old")
     frozen = [*flat, "optimizer.lr=0.0"]
-    harness(run, corpus, ds="zero1.json", sets=frozen, args=["--resume", str(ckpts / "step_00000002"), "--stop-at", "4"])
+    harness(run, corpus, ds="zero1.json", sets=frozen,
+            args=["--resume", str(ckpts / "step_00000002"), "--stop-at", "4"])
     assert not old.exists()
     reference = harness(rewind(run, tmp_path / "reference", 4), corpus, ds="zero1.json", sets=frozen,
                         args=["--resume", "auto", "--stop-at", "5"])

@@ -140,7 +140,8 @@ def _check_model(cfg: RunConfig, cls, config, positions: int) -> None:
             counted = f", counted from padding_idx + 1 = {offset}" if offset else ""
             took = f" and the task's {besides} token(s) around it take {positions}" if besides else \
                 f" takes {positions}"
-            raise ConfigError(f"data.seq_len = {cfg.data.seq_len}{took} positions; model.hf = {cfg.model.hf!r} has {room}: "
+            raise ConfigError(f"data.seq_len = {cfg.data.seq_len}{took} positions; model.hf = {cfg.model.hf!r} has "
+                              f"{room}: "
                               f"{key} = {limit} in its config.json (a table of absolute positions, {name}{counted}); "
                               f"set data.seq_len <= {room - besides}")
 

@@ -206,9 +206,9 @@ def _saved(path: Path, name: str) -> Any:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {source} cannot be read ({name}: {type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:200] or 'empty'}): a file in it is cut short, damaged or missing; "
-                          f"{_before(source)}") from None
+        said = " ".join(str(e).split())[:200] or "empty"
+        raise ConfigError(f"checkpoint {source} cannot be read ({name}: {type(e).__name__}: {said}): a file in it is "
+                          f"cut short, damaged or missing; {_before(source)}") from None
 
 
 def saved_layout(path: Path) -> dict[str, Any] | None:

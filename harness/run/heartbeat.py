@@ -101,7 +101,8 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
     the others, from their files."""
     now, found = time.time(), beats(run_dir)
     heard = {rank: found.get(rank) for rank in range(world_size)}
-    gone = [r for r, b in heard.items() if b is not None and running_here(b["host"], b["pid"], b.get("started")) is False]
+    gone = [r for r, b in heard.items()
+            if b is not None and running_here(b["host"], b["pid"], b.get("started")) is False]
     silent = [r for r, b in heard.items() if b is None or now - b["time"] > 3 * every_s]
     steps = {r: b["step"] for r, b in heard.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]

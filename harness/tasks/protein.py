@@ -329,7 +329,8 @@ class ProteinTask:
         statistics (`prepare(cfg)` is the stored directory while a run is scored)."""
         rows, counts, files = prep.read_scoring(cfg, stored, path)
         samples = self.samples(cfg, "data", rows=rows)
-        if cfg.task.objective == "residue" and len(samples) and not any((s["targets"] != IGNORE).any() for s in samples):
+        residue = cfg.task.objective == "residue"
+        if residue and len(samples) and not any((s["targets"] != IGNORE).any() for s in samples):
             raise ConfigError(f"--data {path}: no residue of its {len(samples)} sample(s) is resolved (`resolved` is 0 "
                               f"for every one): Q3 has nothing to score")
         return [ReadData(samples, counts, files)]

@@ -236,8 +236,8 @@ class TranslationTask:
         pieces = [tok.encode(s.strip()) for s in sentences]
         keep = cfg.data.seq_len - 1
         if cut := [i for i, p in enumerate(pieces, 1) if len(p) > keep]:
-            print(f"note: {len(cut)} of {len(pieces)} sentence(s) (e.g. number {cut[0]}) are longer than data.seq_len - 1 "
-                  f"= {keep} pieces: each is translated from its first {keep}", file=sys.stderr, flush=True)
+            print(f"note: {len(cut)} of {len(pieces)} sentence(s) (e.g. number {cut[0]}) are longer than data.seq_len "
+                  f"- 1 = {keep} pieces: each is translated from its first {keep}", file=sys.stderr, flush=True)
         ids = [p[:keep] + [tok.eos_id] for p in pieces]
         model.eval()
         b = cfg.train.micro_batch_size
