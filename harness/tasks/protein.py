@@ -328,12 +328,11 @@ class ProteinTask:
         """New sequences (`prepare.protein.read_scoring`) as evaluation samples, with the stored vocabulary and
         statistics (`prepare(cfg)` is the stored directory while a run is scored)."""
         rows, counts, files = prep.read_scoring(cfg, stored, path)
-        samples = self.samples(cfg, "data", rows=rows)
-        residue = cfg.task.objective == "residue"
-        if residue and len(samples) and not any((s["targets"] != IGNORE).any() for s in samples):
-            raise ConfigError(f"--data {path}: no residue of its {len(samples)} sample(s) is resolved (`resolved` is 0 "
+        states = rows["states"] if cfg.task.objective == "residue" else []  # (the columns: not sample by sample)
+        if states and not any(s != IGNORE for chain in states for s in chain):
+            raise ConfigError(f"--data {path}: no residue of its {len(states)} sample(s) is resolved (`resolved` is 0 "
                               f"for every one): Q3 has nothing to score")
-        return [ReadData(samples, counts, files)]
+        return [ReadData(self.samples(cfg, "data", rows=rows), counts, files)]
 
     def build_model(self, cfg: RunConfig) -> Encoder:
         directory = self.prepare(cfg)
