@@ -5,7 +5,9 @@ compared on the same task, data and DeepSpeed file (no weights: `model.hf` on it
     python -m harness bench sweep --run configs/runs/lm_compare.toml --vary 'model.hf="",runs/byte-llama/config.json'
 
 `--weights 100MB` also writes random weights in checkpoint shards of at most that size (`save_pretrained`), so
-`model.hf` on the directory loads them with `from_pretrained`, as a pretrained model would be.
+`model.hf` on the directory loads them with `from_pretrained`, as a pretrained model would be. With `--base-only`
+they are the base model's alone (`LlamaModel`: no output layer, names without the `model.` prefix), as a checkpoint
+pretrained under another head: the harness's partitioned reader declines it and transformers' loader builds it.
 
 Same width, depth, heads and sequence length as the built-in model; its SwiGLU feed-forward has 3 matrices where
 the built-in GELU one has 2, so its width is 2/3 of 4 x d_model (the usual Llama choice): the parameter count
@@ -25,9 +27,10 @@ def main() -> None:
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--weights", metavar="SHARD_SIZE", help="also write random weights in shards of this size")
+    ap.add_argument("--base-only", action="store_true", help="those weights without the output layer (LlamaModel's)")
     args = ap.parse_args()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols of GPT-2's byte-level encoding
     vocab = {s: i for i, s in enumerate(sorted(alphabet))}
@@ -45,7 +48,7 @@ def main() -> None:
     config.save_pretrained(out)
     fast.save_pretrained(out)
     if args.weights:
-        LlamaForCausalLM(config).save_pretrained(out, max_shard_size=args.weights)
+        (LlamaModel if args.base_only else LlamaForCausalLM)(config).save_pretrained(out, max_shard_size=args.weights)
     print(f"wrote {out / 'config.json'}{' and weights' if args.weights else ''} and its tokenizer ({len(vocab)} tokens)")
 
 

@@ -25,8 +25,9 @@ def run_overhead(args) -> dict:
                           f"each rank); time those configurations with the sweep instead")
     precisions = sorted({p.ds.precision for p in planned.values()})
     threads = cpu_threads(max(c.nproc for c in planned))  # every process the same share of the cores, as stated
-    result = {"schema": report.SCHEMA, "run_file": args.run, "sets": args.set, "device": describe(precisions, threads),
-              "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "configs": []}
+    result = {"schema": report.SCHEMA, "run_file": report.shown(args.run), "sets": args.set,
+              "device": describe(precisions, threads), "rounds": args.rounds, "warmup": args.warmup,
+              "steps": args.steps, "configs": []}
     with report.kept_if_interrupted(result, len(planned), lambda: report.save(Path(args.out), "overhead", result,
                                                                             markdown(result))):
         for i, (c, plan) in enumerate(planned.items()):

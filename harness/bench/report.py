@@ -9,6 +9,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 SCHEMA = 2
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+
+def shown(path: str | None) -> str | None:
+    """A path as a report records it: relative to the repository where it lies in it (the studies resolve every path
+    before they start their runs there), so a result file names no machine's directories."""
+    if path is None or not Path(path).is_absolute():
+        return path
+    try:
+        return str(Path(path).relative_to(ROOT))
+    except ValueError:
+        return path
+
+
 INVALID = {  # the fractions that cannot exceed 1: why one that does is not true
     "mfu_table": "above the datasheet peak",
     "mfu_measured": "above the matmul peak measured before the run (the machine was busier then, or the processes "

@@ -14,7 +14,7 @@ from ..config.run import ConfigError
 from ..eval.evaluate import evaluate_run
 from ..plan.resolve import Plan, loss_metric_names
 from ..run.selection import direction, metric_key
-from .report import save
+from .report import save, shown
 from .sweep import Config, cpu_threads, env_for, grid, last_error, plan_for, program, run_program, torch_threads
 
 
@@ -61,7 +61,7 @@ def run_seeds(args) -> dict:
         check_scorable(plan, args.split, metric, args.baseline)
     threads = args.threads or cpu_threads(max(c.nproc for c in configs))
     out = Path(args.out)
-    result = {"run_file": args.run, "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
+    result = {"run_file": shown(args.run), "sets": sets, "seeds": seeds, "split": args.split, "metric": metric,
               "baseline": args.baseline, "threads_per_process": threads, "configs": []}
     for i, (c, seed) in enumerate(itertools.product(configs, seeds)):
         if seed == seeds[0]:  # a configuration's entry joins the report as it starts

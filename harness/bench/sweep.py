@@ -295,8 +295,8 @@ def run_bench(args) -> dict:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
     planned, sets, out = plans(args), list(args.set), Path(args.out)
     threads = cpu_threads(max(c.nproc for c in planned))  # every process the same share of the cores
-    result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task, "run_file": args.run,
-              "sets": sets, "steps": args.steps, "warmup": args.warmup,
+    result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task,
+              "run_file": report.shown(args.run), "sets": sets, "steps": args.steps, "warmup": args.warmup,
               "device": describe(sorted({p.ds.precision for p in planned.values()}), threads), "configs": []}
     with report.kept_if_interrupted(result, len(planned), lambda: report.save(out, "bench", result,
                                                                             report.markdown(result))):

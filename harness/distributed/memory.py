@@ -1,5 +1,6 @@
 """This process's memory: the resident set, the peak on the host or the device, what a block took at its peak
-(`allocation_peak`: building the model), and glibc's thresholds that keep the memory a step frees for the next.
+(`allocation_peak`: building the model), and glibc's thresholds that keep the memory a step frees for the next
+(`keep_freed_host_memory`) or, while a model is built partitioned, hand it back (`freed_blocks_returned`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def keep_freed_host_memory(mmap_above: int = 16 << 20, trim_above: int = 64 << 2
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     return bool(mallopt(m_mmap_threshold, mmap_above)) and bool(mallopt(m_trim_threshold, trim_above))
 
+
+
+@contextlib.contextmanager
+def freed_blocks_returned(mmap_above: int = 1 << 20):
+    """Blocks over `mmap_above` bytes mapped on their own, so freeing one hands it back, while a model is built
+    partitioned on the host: `deepspeed.zero.Init` allocates each parameter whole and then keeps only this rank's
+    share, and with the training thresholds the freed whole tensors (under 16 MiB each in a mid-sized model) stay in
+    glibc's heap, pinned by the shares allocated above them: a rank could end its build holding more than the whole
+    model (docs/plugins-and-api.md). The training thresholds come back after."""
+    changed = keep_freed_host_memory(mmap_above=mmap_above)
+    try:
+        yield
+    finally:
+        if changed:
+            keep_freed_host_memory()
 
 def resident_bytes() -> int:
     """This process's resident set now (Linux), else 0."""

@@ -25,7 +25,7 @@ from torch import nn
 from ..config.run import ConfigError
 from ..models.pipeline import SharedUse
 from . import ds_patches
-from .memory import allocation_peak
+from .memory import allocation_peak, freed_blocks_returned
 from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
 
@@ -40,7 +40,7 @@ def _build_model(plan, world: World):
         if partitioned:
             from .zero3 import zero_init
 
-            with zero_init(plan.ds.config):
+            with zero_init(plan.ds.config), freed_blocks_returned():
                 model = plan.task.build_model(cfg)
         else:
             model = plan.task.build_model(cfg)
