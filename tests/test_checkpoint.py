@@ -544,26 +544,39 @@ def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tm
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_checkpoint_cut_short_is_one_line_naming_the_one_before_it(tmp_path, corpus):
-    """A file of the latest checkpoint truncated (or emptied, or gone): before, a traceback from torch's zip reader or
-    DeepSpeed's bare assert, exit 1, and a last line to resume from that same checkpoint."""
+def test_a_checkpoint_changed_or_cut_short_is_one_line_naming_the_one_before_it(tmp_path, corpus):
+    """A file of the latest checkpoint with a byte changed, truncated or gone: checked against the checksums.json
+    saved with it before anything is read (a changed byte in a tensor had loaded silently). One saved before
+    checksums were recorded: what reading it raises (before, a traceback from torch's zip reader or DeepSpeed's bare
+    assert, exit 1, and a last line to resume from that same checkpoint)."""
     sets = ["train.save_every=2", "train.max_steps=6"]
     out = tmp_path / "run"
     harness(out, corpus, sets=sets, args=["--stop-at", "4"])
     ckpts = out / "checkpoints"
-    states = next((ckpts / "step_00000004").glob("*model_states.pt"))
-    for damage in ("cut short", "gone"):
-        if damage == "cut short":
-            states.write_bytes(states.read_bytes()[:1000])
-        else:
-            for f in (ckpts / "step_00000004").glob("*.pt"):
+    step4 = ckpts / "step_00000004"
+    states = next(step4.glob("*model_states.pt"))
+    sums = json.loads((step4 / "checksums.json").read_text())
+    assert set(sums) == {p.name for p in step4.iterdir()} - {"checksums.json"}
+    saved = states.read_bytes()
+    before = f"the one before it is {ckpts / 'step_00000002'}: continue from it with --resume {ckpts / 'step_00000002'}"
+    for damage, said in (("a byte changed", f"{states.name} has changed since it was saved (another SHA-256)"),
+                         ("cut short", f"{states.name} is 1,000 bytes, saved as {len(saved):,}"),
+                         ("gone", f"{states.name} is gone"),
+                         ("no checksums, cut short", "cannot be read on rank 0 ("),
+                         ("no checksums, gone", "cannot be read on rank 0 (")):
+        middle = len(saved) - 4096  # inside the last tensor's bytes: torch reads the file as it did
+        states.write_bytes({"a byte changed": saved[:middle] + bytes([saved[middle] ^ 1]) + saved[middle + 1:],
+                            "gone": saved}.get(damage, saved[:1000]))
+        if damage.endswith("gone"):
+            for f in step4.glob("*.pt"):
                 f.unlink()
+        if damage.startswith("no checksums"):
+            (step4 / "checksums.json").unlink(missing_ok=True)
         bad = harness(out, corpus, sets=sets, args=["--resume", "auto"], check=False)
         assert bad.proc.returncode == 2, bad.proc.stderr[-3000:]
         line = bad.proc.stderr.strip().splitlines()[-1]
-        assert line.startswith(f"harness: error: checkpoint {ckpts / 'step_00000004'} cannot be read on rank 0 ("), line
-        assert line.endswith(f"the one before it is {ckpts / 'step_00000002'}: continue from it with --resume "
-                             f"{ckpts / 'step_00000002'}"), line
+        assert line.startswith(f"harness: error: checkpoint {step4} "), line
+        assert said in line and line.endswith(before), (damage, line)
         assert "Traceback" not in bad.proc.stderr
     resumed = harness(out, corpus, sets=sets, args=["--resume", str(ckpts / "step_00000002")])
     assert "at step 2" in resumed.proc.stdout and max(resumed.losses) == 6

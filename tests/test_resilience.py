@@ -254,16 +254,21 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-2" in line, line
     assert line.endswith("Resume it as it was saved: 1 process with a DeepSpeed file of zero_optimization.stage 0"), \
         line
-    # rank 1's optimizer file cut short: rank 1's line, naming the checkpoint before, on 2 processes (rank 0 lost it
-    # in a collective and its exit 4 "--resume auto" won), and on 1 (converted: no half conversion left behind)
+    # rank 1's optimizer file cut short: found by its checksum before anything is read, on 2 processes (each checks
+    # its share of the files: the same line on both) and on 1 (before the conversion); saved before checksums were
+    # recorded, rank 1's line (before, rank 0 lost it in a collective and its exit 4 "--resume auto" won), and on 1
+    # process no half conversion left behind
     cut = rewind(whole.dir, tmp_path / "cut", 9)
     rank1 = cut / "checkpoints" / "step_00000009" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     rank1.write_bytes(rank1.read_bytes()[:len(rank1.read_bytes()) // 2])
-    for nproc in (2, 1):
+    for nproc, said in ((2, f"is damaged: {rank1.name} is "), (1, f"is damaged: {rank1.name} is "),
+                        (2, "step_00000009 cannot be read on rank"), (1, "step_00000009 cannot be read on rank")):
+        if "cannot be read" in said:
+            (rank1.parent / "checksums.json").unlink(missing_ok=True)
         refused = harness(cut, corpus, nproc=nproc, front=True, ds="zero2.json", sets=sets, args=["--resume", "auto"],
                           check=False)
         line = refused.proc.stderr.strip().splitlines()[-1]
-        assert refused.proc.returncode == 2 and "step_00000009 cannot be read on rank" in line, refused.proc.stderr
+        assert refused.proc.returncode == 2 and said in line, refused.proc.stderr
         assert line.endswith(f"continue from it with --resume {cut / 'checkpoints' / 'step_00000006'}"), line
     assert sorted(p.name for p in (cut / "checkpoints").glob("step_*")) == [f"step_0000000{i}" for i in (3, 6, 9)]
 

@@ -6,7 +6,8 @@ Layout of `RUN/checkpoints/`:
     best                with `train.select_best`: the name of the best one (kept whatever the rotation says)
 A checkpoint is written as `step_N.partial`, renamed when every rank has finished, and only then named in
 `latest`: a crash mid-write leaves a `.partial` directory that is never resumed from and is removed later.
-Each holds `layout.json` (data, tensor and pipeline sizes, ZeRO stage, offload, how the weights are held).
+Each holds `layout.json` (data, tensor and pipeline sizes, ZeRO stage, offload, how the weights are held) and
+`checksums.json` (every file's size and SHA-256, checked before the checkpoint is read: `verify`).
 Resuming onto another data-parallel size or ZeRO stage (1-3) converts it once, beside it, to DeepSpeed's universal format (`step_N.universal`, made by
 `ds_to_universal`), which DeepSpeed then loads into any partitioning; see `reshape`.
 The run directory must be on a file system that every node sees (as DeepSpeed's own checkpoints assume).
@@ -39,6 +40,7 @@ LAYOUT = "layout.json"
 DATA = "data.json"  # what the run trained on (a prepared corpus's fingerprint): a resume on other data is refused
 SOURCE = "source.json"  # in a universal conversion: what the checkpoint it was made from held (`_stamp`)
 PLACE = "place.json"  # the step and its place in the data (StepSampler.place): a resume's train.epochs counts from it
+SUMS = "checksums.json"  # every other file of the checkpoint: size and SHA-256 (`record_sums`, `verify`)
 SHAPES = "parameters.json"  # the model's parameters by name and shape: a resume into a model of other code is refused
 LAYOUT_KEYS = ("dp_size", "tp_size", "pp_size", "sp_size", "zero_stage", "offload_optimizer", "offload_params")
 
@@ -400,6 +402,8 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
     except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
         failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
     failures = [f for f in all_gather_objects(failed) if f]  # every rank's shards are on disk, or none goes on
+    if not failures:
+        failures = [f for f in all_gather_objects(record_sums(partial, world)) if f]
     if failures:
         if world.is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -426,6 +430,75 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
                 shutil.rmtree(bad, ignore_errors=True)
     barrier()
     return final
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(path: Path, world: World) -> list[Path]:
+    """This rank's share of the checkpoint's files (the ranks hash them side by side)."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != SUMS)[world.rank::world.world_size]
+
+
+def record_sums(path: Path, world: World) -> str | None:
+    """Collective, once every rank's files are written: each file's size and SHA-256 in `checksums.json` (rank 0
+    writes it), each rank hashing its share. A write that failed: what it was, else None."""
+    try:
+        mine = {str(f.relative_to(path)): [f.stat().st_size, _sha256(f)] for f in _files(path, world)}
+    except OSError as e:
+        mine = f"reading {path} back on rank {world.rank} failed: {type(e).__name__}: {e}"
+    gathered = all_gather_objects(mine)
+    failed = next((m for m in gathered if isinstance(m, str)), None)
+    if failed or not world.is_main:
+        return failed
+    try:
+        sums = dict(sorted(kv for m in gathered for kv in m.items()))
+        (path / SUMS).write_text(json.dumps(sums, indent=0) + "\n")
+    except OSError as e:
+        return f"a write failed on rank 0: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return None
+
+
+def verify(path: Path, world: World) -> None:
+    """Collective, before a checkpoint is read: every file `checksums.json` lists is there, of its size and SHA-256
+    (the ranks check their shares side by side), else every rank stops with the line naming the checkpoint before.
+    Bytes changed since the save (a copy between clusters, a failing disk) had loaded silently. One saved before
+    checksums were recorded is read as it is."""
+    try:
+        sums = json.loads((path / SUMS).read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        sums = {SUMS: f"its {SUMS} cannot be read ({type(e).__name__})"}
+    if not isinstance(sums, dict):
+        sums = {SUMS: f"its {SUMS} cannot be read (not a mapping)"}
+    found = next((why for item in sorted(sums.items())[world.rank::world.world_size] if (why := _changed(path, item))),
+                 None)
+    found = next((f for f in all_gather_objects(found) if f), None)
+    if found:
+        how = "" if found.startswith("its ") else f" (checked against the {SUMS} saved with it)"
+        raise ConfigError(f"checkpoint {path} is damaged: {found}{how}; {_before(path)}")
+
+
+def _changed(path: Path, item: tuple[str, Any]) -> str | None:
+    """What is wrong with one file of checkpoint `path` against its recorded [size, SHA-256], or None."""
+    name, recorded = item
+    if not isinstance(recorded, list) or len(recorded) != 2:
+        return recorded if isinstance(recorded, str) else f"its {SUMS} cannot be read (entry {name})"
+    file = path / name
+    try:
+        if not file.is_file():
+            return f"{name} is gone"
+        if file.stat().st_size != recorded[0]:
+            return f"{name} is {file.stat().st_size:,} bytes, saved as {recorded[0]:,}"
+        return None if _sha256(file) == recorded[1] else f"{name} has changed since it was saved (another SHA-256)"
+    except OSError as e:
+        return f"{name} cannot be read ({type(e).__name__}: {e.strerror or e})"
 
 
 def mark_best(root: Path, step: int) -> None:
@@ -455,6 +528,8 @@ def load(engine, path: Path, world: World, named: Path | None = None) -> dict[st
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
     engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
+    if named is None:  # (a conversion holds no checksums: its source was checked before it was made)
+        verify(path, world)
     try:
         with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
             _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
@@ -483,6 +558,7 @@ def load_onto(engine, path: Path, run_dir: Path, ds, world: World) -> dict[str, 
     checkpoint is converted afresh into this run's checkpoints, read, and the conversion removed."""
     if not reshape(path, ds):
         return load(engine, path, world)
+    verify(path, world)
     out = conversion_of(path, run_dir)
     foreign = out.parent != path.parent
     try:
