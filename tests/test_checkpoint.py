@@ -364,6 +364,11 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert wider.proc.returncode == 2, wider.proc.stderr[-2000:]
     line = wider.proc.stderr.strip().splitlines()[-1]
     assert "its model is not this run's (model.d_model 32 there, 64 here (command line); parameters " in line, line
+    # other heads over the same parameters: refused too (the checkpoint had loaded and trained on, read as 1 head)
+    heads = harness(tmp_path / "a", corpus, sets=[*sets, "model.n_heads=1"], args=["--resume", "auto"], check=False)
+    line = (heads.proc.stderr.strip().splitlines() or [heads.proc.stdout[-500:]])[-1]
+    assert heads.proc.returncode == 2 and "(model.n_heads 2 there, 1 here (command line); the same parameters, read " \
+        "as other heads)" in line, line
     assert (run.dir / "config.toml").read_text() == saved and (run.dir / "eval.jsonl").read_text() == evals
     # its export gone, resumed with fewer steps than it trained: evaluated and exported again (it had said "stopped
     # at step N of M (--stop-at)" and exported nothing, at every resume)

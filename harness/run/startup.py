@@ -333,6 +333,11 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
             f" Free space, lower train.keep_checkpoints or choose another run.output_dir")
 
 
+# Settings of the built-in models that give another function of the same parameters: a checkpoint resumed across
+# a change of one loaded, and its weights trained on as other heads
+REGROUPING = ("model.n_heads",)
+
+
 def check_same_model(plan: Plan, found: Path) -> None:
     """A checkpoint resumes only into the model it was saved from: the saving run's config (RUN/config.toml beside
     RUN/checkpoints/) and this one build models compared by parameter name and shape on the meta device, before
@@ -358,21 +363,23 @@ def check_same_model(plan: Plan, found: Path) -> None:
     with torch.device("meta"):
         shapes = [{n: list(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]
     saved = checkpoint.saved_shapes(found)
-    if shapes[0] == shapes[1] and saved in (None, shapes[1]):
-        return
     old, new = flatten(theirs.to_dict()), flatten(ours.to_dict())
+    regrouped = [k for k in REGROUPING if not ours.model.hf and old.get(k) != new.get(k)]
+    if shapes[0] == shapes[1] and saved in (None, shapes[1]) and not regrouped:
+        return
     shaping = ("model.", f"{ours.task_section}.", "data.seq_len", "data.path", "data.vocab")
     keys = [f"{k} {old.get(k)!r} there, {new[k]!r} here ({plan.run.source.get(k, 'default')})" for k in new
             if k.startswith(shaping) and old.get(k) != new[k]]
-    if shapes[0] == shapes[1]:  # the same settings build another model: its code changed since the checkpoint
+    if shapes[0] == shapes[1] and not regrouped:  # the same settings build another model: its code changed since
         shapes[0], keys = saved, [f"the model's code ({type(plan.task).__name__}), or the data or config.json it is "
                                   f"built from, changed since it was saved"]
     differ = [f"{n} {shapes[0].get(n)} -> {shapes[1].get(n)}" for n in sorted(shapes[0].keys() | shapes[1].keys())
               if shapes[0].get(n) != shapes[1].get(n)]
+    params = f"parameters {', '.join(differ[:3])}{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}" \
+        if differ else "the same parameters, read as other heads"
     raise ConfigError(f"--resume {found}: its model is not this run's ({'; '.join(keys) or 'the data it was built for'}"
-                      f"; parameters {', '.join(differ[:3])}{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}"
-                      f"): resume with the settings and code it was saved with, or start a new run (--overwrite, or "
-                      f"another run.output_dir)")
+                      f"; {params}): resume with the settings and code it was saved with, or start a new run "
+                      f"(--overwrite, or another run.output_dir)")
 
 
 def data_identity(plan: Plan) -> dict | None:
