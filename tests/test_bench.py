@@ -324,7 +324,6 @@ def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_t
         assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr[-2000:]
 
 
-
 PARTITIONED_BUILD = """
 import sys, torch
 from harness.distributed.memory import freed_blocks_returned, keep_freed_host_memory, resident_bytes
@@ -353,6 +352,7 @@ def test_a_partitioned_build_hands_back_the_whole_tensors_it_freed():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout) < 1.08, out.stdout  # what the shares hold, and little more
+
 
 def test_a_study_cut_short_by_ctrl_c_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
     """Ctrl-C in a sweep: the configurations measured are written, marked as cut short (all was lost, with a

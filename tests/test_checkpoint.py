@@ -7,6 +7,7 @@ import re
 import resource
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -549,11 +550,57 @@ def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tm
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_checksums_split_the_bytes_evenly_and_name_the_piece_that_changed(tmp_path, monkeypatch):
+    """The ranks hash shares of equal bytes, a file far larger than the rest in pieces (one ZeRO-0 file holds every
+    weight and optimizer state: one rank had hashed it alone while the others waited); a changed byte is found in
+    its piece, a record that is not sizes and digests is said as such, and a name outside the checkpoint too."""
+    from harness.distributed.world import single_world
+
+    monkeypatch.setattr(checkpoint, "CHUNK", 1000)
+    ckpt = tmp_path / "step_00000004"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "model_states.pt").write_bytes(bytes(range(256)) * 30)  # 7,680 bytes: 8 pieces
+    for i in range(3):
+        (ckpt / "sub" / f"rng_rank{i}.pt").write_bytes(b"x" * (100 + i))
+    sizes = checkpoint._listing(ckpt)
+    shares = checkpoint._shares(sizes, 3)
+    loads = [sum(min(1000, sizes[n] - i * 1000) for n, i in share) for share in shares]
+    assert sorted(p for share in shares for p in share) == sorted(
+        [("model_states.pt", i) for i in range(8)] + [(f"sub/rng_rank{i}.pt", 0) for i in range(3)])
+    assert max(loads) - min(loads) <= 1000, loads
+    checkpoint.write_sums(ckpt)
+    world = single_world()
+    checkpoint.verify(ckpt, world)  # whole: nothing said
+    raw = bytearray((ckpt / "model_states.pt").read_bytes())
+    raw[5432] ^= 1
+    (ckpt / "model_states.pt").write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"model_states.pt has changed since it was saved \(another SHA-256 in GiB 5"):
+        checkpoint.verify(ckpt, world)
+    for record in ({"model_states.pt": {"size": "many", "sha256": []}}, {"../x": {"size": 0, "sha256": ["0"]}}, []):
+        (ckpt / "checksums.json").write_text(json.dumps(record))
+        with pytest.raises(ConfigError, match="its checksums.json cannot be read .*remove it to read the checkpoint"):
+            checkpoint.verify(ckpt, world)
+    (ckpt / "checksums.json").unlink()
+    checkpoint.verify(ckpt, world)  # saved before checksums were recorded: read as it is
+
+def _inside_largest_tensor(states: Path) -> int:
+    """The offset of a byte in the middle of the largest tensor's data in a torch.save file (a zip)."""
+    import zipfile
+
+    with zipfile.ZipFile(states) as z:
+        entry = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(states, "rb") as f:
+        f.seek(entry.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return entry.header_offset + 30 + name_len + extra_len + entry.file_size // 2
+
+
 def test_a_checkpoint_changed_or_cut_short_is_one_line_naming_the_one_before_it(tmp_path, corpus):
-    """A file of the latest checkpoint with a byte changed, truncated or gone: checked against the checksums.json
-    saved with it before anything is read (a changed byte in a tensor had loaded silently). One saved before
-    checksums were recorded: what reading it raises (before, a traceback from torch's zip reader or DeepSpeed's bare
-    assert, exit 1, and a last line to resume from that same checkpoint)."""
+    """A file of the latest checkpoint with a byte of a tensor changed (which had loaded silently: shown on a copy
+    without checksums), truncated or gone: checked against the checksums.json saved with it before DeepSpeed reads
+    it; that record damaged: said so. One saved before checksums were recorded: what reading it raises (before, a
+    traceback from torch's zip reader or DeepSpeed's bare assert, exit 1, and a last line to resume from that same
+    checkpoint)."""
     sets = ["train.save_every=2", "train.max_steps=6"]
     out = tmp_path / "run"
     harness(out, corpus, sets=sets, args=["--stop-at", "4"])
@@ -563,18 +610,27 @@ def test_a_checkpoint_changed_or_cut_short_is_one_line_naming_the_one_before_it(
     sums = json.loads((step4 / "checksums.json").read_text())
     assert set(sums) == {p.name for p in step4.iterdir()} - {"checksums.json"}
     saved = states.read_bytes()
+    at = _inside_largest_tensor(states)
+    flipped = saved[:at] + bytes([saved[at] ^ 1]) + saved[at + 1:]
+    unchecked = tmp_path / "unchecked"  # the same change where no checksums were recorded: read, trained on
+    shutil.copytree(out, unchecked)
+    (unchecked / "checkpoints" / step4.name / states.name).write_bytes(flipped)
+    (unchecked / "checkpoints" / step4.name / "checksums.json").unlink()
+    assert harness(unchecked, corpus, sets=sets, args=["--resume", "auto"]).proc.returncode == 0
     before = f"the one before it is {ckpts / 'step_00000002'}: continue from it with --resume {ckpts / 'step_00000002'}"
     for damage, said in (("a byte changed", f"{states.name} has changed since it was saved (another SHA-256)"),
                          ("cut short", f"{states.name} is 1,000 bytes, saved as {len(saved):,}"),
                          ("gone", f"{states.name} is gone"),
+                         ("checksums edited", "its checksums.json cannot be read (not the sizes and SHA-256"),
                          ("no checksums, cut short", "cannot be read on rank 0 ("),
                          ("no checksums, gone", "cannot be read on rank 0 (")):
-        middle = len(saved) - 4096  # inside the last tensor's bytes: torch reads the file as it did
-        states.write_bytes({"a byte changed": saved[:middle] + bytes([saved[middle] ^ 1]) + saved[middle + 1:],
-                            "gone": saved}.get(damage, saved[:1000]))
+        states.write_bytes({"a byte changed": flipped, "gone": saved, "checksums edited": saved}.get(damage,
+                                                                                                    saved[:1000]))
         if damage.endswith("gone"):
             for f in step4.glob("*.pt"):
                 f.unlink()
+        if damage == "checksums edited":
+            (step4 / "checksums.json").write_text(json.dumps({states.name: {"size": "many"}}))
         if damage.startswith("no checksums"):
             (step4 / "checksums.json").unlink(missing_ok=True)
         bad = harness(out, corpus, sets=sets, args=["--resume", "auto"], check=False)

@@ -165,6 +165,9 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
     assert make_plan(None, BASE, write(tmp_path, "off", off), 1).ds.config["compile"] == {"deepcompile": False}
     with pytest.raises(ConfigError, match=r"^compile \(ds file .*\) would be ignored: .* set train.compile = true"):
         make_plan(None, BASE, write(tmp_path, "on", {**off, "compile": {"deepcompile": True}}), 1)
+    # a writer that writes in the background: still writing when the checkpoint is named complete and hashed
+    with pytest.raises(ConfigError, match=r"^checkpoint.writer.decoupled \(ds file .*\): DeepSpeed would write"):
+        make_plan(None, BASE, write(tmp_path, "late", {**off, "checkpoint": {"writer": {"decoupled": True}}}), 1)
 
 
 def test_adam_w_mode_and_torch_adam_build_what_deepspeed_would():

@@ -70,6 +70,7 @@ def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_th
     assert "ChildFailedError" not in first.proc.stderr and "Traceback" not in first.proc.stderr
     assert [m["step"] for m in first.metrics] == list(range(1, k1 + 1))
     assert not (out / ".lock").exists()
+    assert not (out / "checkpoints" / f"step_{k1:08d}" / "checksums.json").exists()  # no hashing in a grace period
     # 2. Ctrl-C (SIGINT) to `harness launch` reaches the ranks through it
     second, seconds = signal_mid_run(start(out, corpus, front=True, args=["--resume", "auto"]), first, signal.SIGINT,
                                      "top")

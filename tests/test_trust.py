@@ -26,10 +26,15 @@ class WritesMarker:
 
 
 def poison(run_dir: Path, marker: Path) -> list[Path]:
-    """Every checkpoint file of the run replaced by one that writes `marker` when unpickled."""
+    """Every checkpoint file of the run replaced by one that writes `marker` when unpickled, with checksums to match
+    (a hostile checkpoint comes with its own)."""
+    from harness.run.checkpoint import SUMS, write_sums
+
     files = sorted((run_dir / "checkpoints").rglob("*.pt"))
     for f in files:
         torch.save({"module": WritesMarker(marker)}, f)
+    for step in {f.parent for f in files if (f.parent / SUMS).is_file()}:
+        write_sums(step)
     assert files
     return files
 

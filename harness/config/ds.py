@@ -244,6 +244,11 @@ def _check_sections(ds: dict, label: str) -> None:
             raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
                               f"{f'; did you mean `{close}`?' if close else ''} (it takes "
                               f"{', '.join(sorted(PLAIN_SECTIONS[key]))})")
+    writer = (ds.get("checkpoint") or {}).get("writer") if isinstance(ds.get("checkpoint"), dict) else None
+    if isinstance(writer, dict) and writer.get("decoupled"):  # DeepSpeed 0.19: DecoupledCheckpointEngine
+        raise ConfigError(f"checkpoint.writer.decoupled ({label}): DeepSpeed would write the checkpoint in the "
+                          f"background, still writing when the harness names it complete and records its checksums; "
+                          f"remove it (the writer's other settings stand)")
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")

@@ -42,13 +42,20 @@ BOUNDS = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
           "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 
 
-def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None, parse=None):
+def one_line(e: BaseException, limit: int | None = 300) -> str:
+    """An exception's message on one line (libraries' run over several), cut to `limit` characters (None: whole)."""
+    return " ".join(str(e).split())[:limit]
+
+def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None, parse=None,
+            scoring: bool = False):
     """A documented config field: its help is what `harness keys` prints; `choices` and `bound` (a key of BOUNDS)
     are checked when the config is resolved; `parse(key, value)` turns what a file or `--set` gives into the field's
-    type first (raising ValueError with the reason). A task's `Config` declares its fields with it too."""
+    type first (raising ValueError with the reason). `scoring`: how a trained model is scored or decoded, not what it
+    is (`harness evaluate` and `translate` take it with --set). A task's `Config` declares its fields with it too."""
     if bound is not None and bound not in BOUNDS:
         raise ValueError(f"bound {bound!r} is none of {', '.join(BOUNDS)}")
-    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound, "parse": parse})
+    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound, "parse": parse,
+                                            "scoring": scoring})
 
 
 def _directory(key: str, value: Any) -> Any:

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..config.run import one_line
+
 Say = Callable[[str], None]
 
 
@@ -76,7 +78,7 @@ class BlockCompiler:
         block.forward = forward
 
     def _fail(self, cls: type, e: Exception) -> None:
-        reason = " ".join(str(e).split()).split(" Explanation:")[0]  # torch's first sentence; the rest explains it
+        reason = one_line(e, None).split(" Explanation:")[0]  # torch's first sentence; the rest explains it
         self.failed[cls] = reason
         names = self.names[cls]
         where = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
@@ -169,5 +171,5 @@ def check_compile(device_type: str) -> str | None:
 
         get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 - whatever the probe raises, the compile would too
-        return f"its CPU backend needs a C++ compiler ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        return f"its CPU backend needs a C++ compiler ({type(e).__name__}: {one_line(e, 200)})"
     return None

@@ -34,7 +34,6 @@ def keep_freed_host_memory(mmap_above: int = 16 << 20, trim_above: int = 64 << 2
     return bool(mallopt(m_mmap_threshold, mmap_above)) and bool(mallopt(m_trim_threshold, trim_above))
 
 
-
 @contextlib.contextmanager
 def freed_blocks_returned(mmap_above: int = 1 << 20):
     """Blocks over `mmap_above` bytes mapped on their own, so freeing one hands it back, while a model is built

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config.run import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig, one_line
 
 EXTRA = 'pip install -e ".[hf]"'
 WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)")  # save_pretrained's, whole or sharded
@@ -288,7 +288,7 @@ def tokenizer(cfg: RunConfig):
     try:
         return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({' '.join(str(e).split())[:300]}); "
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: no tokenizer in {where} ({one_line(e)}); "
                           f"save one there (tokenizer.save_pretrained) or use a directory that has one") from None
 
 

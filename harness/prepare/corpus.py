@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config.run import ConfigError
+from ..config.run import ConfigError, one_line
 from ..data.corpus import (FORMAT, INDEX, MANIFEST, TMP, VERIFIED, VERSION, Shard, dtype_for, partial, read_stamps,
                            write_whole)
 
@@ -179,7 +179,7 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
             try:
                 groups = pq.ParquetFile(path).num_row_groups
             except Exception as e:  # noqa: BLE001 - pyarrow's own errors: one line naming the file
-                raise ConfigError(f"--input {path}: not a readable parquet file ({' '.join(str(e).split())})") \
+                raise ConfigError(f"--input {path}: not a readable parquet file ({one_line(e, None)})") \
                     from None
             ranges = [(g, g) for g in range(groups)]
         units += [Unit(len(units) + i, path, kind, s, e, size, mtime) for i, (s, e) in enumerate(ranges)]
@@ -659,7 +659,7 @@ def _guarded(blocks, unit: Unit, on_error: str, counts: Counter):
             raise
         row = sum(counts.values()) + 1
         if on_error == "stop":
-            said = " ".join(str(e).split())  # (pyarrow's messages run over several lines)
+            said = one_line(e, None)  # (pyarrow's messages run over several lines)
             raise ConfigError(f"--input {unit.source}: unreadable at about row {row} ({type(e).__name__}: {said}); "
                               f"--on-error skip keeps the rows before it and goes on") from None
         counts["unreadable_tail"] += 1

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config.run import ConfigError, TrainingStopped
+from ..config.run import ConfigError, TrainingStopped, one_line
 from ..distributed import ds_patches
 from ..distributed.world import World, all_gather_objects, barrier, is_lost, is_timeout
 from .trust import checkpoint_reads
@@ -208,7 +208,7 @@ def _saved(path: Path, name: str) -> Any:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        said = " ".join(str(e).split())[:200] or "empty"
+        said = one_line(e, 200) or "empty"
         raise ConfigError(f"checkpoint {source} cannot be read ({name}: {type(e).__name__}: {said}): a file in it is "
                           f"cut short, damaged or missing; {_before(source)}") from None
 
@@ -328,6 +328,7 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
                     shutil.copy(path / name, work / name)
                 ds_patches.fix_universal_conversion(work, path)
                 (work / SOURCE).write_text(json.dumps(_stamp(path)) + "\n")
+                write_sums(work)  # reused by later resumes: checked as a checkpoint is
             # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
             # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
             for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -375,10 +376,10 @@ def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int
 
 def save(engine, root: Path, step: int, client_state: dict[str, Any], world: World, keep: int,
          best: int | None = None, layout: dict[str, Any] | None = None, data: dict | None = None,
-         shapes: dict[str, list[int]] | None = None) -> Path:
+         shapes: dict[str, list[int]] | None = None, checksums: bool = True) -> Path:
     """Collective: every rank calls it. `best`: the step of the best checkpoint (`train.select_best`), named in
     `best` and kept beside the last `keep`. `layout` (`layout_of`) is written as layout.json, `data` as data.json,
-    `shapes` as parameters.json."""
+    `shapes` as parameters.json; `checksums`: then its files' checksums (`record_sums`)."""
     name = step_name(step)
     partial = root / f"{name}.partial"
     if world.is_main:
@@ -400,10 +401,8 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
             if world.is_main and record is not None:
                 (partial / file).write_text(json.dumps(record) + "\n")
     except (OSError, RuntimeError) as e:  # a full disk: OSError, or torch.save's RuntimeError "file write failed"
-        failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        failed = f"a write failed on rank {world.rank}: {type(e).__name__}: {one_line(e)}"
     failures = [f for f in all_gather_objects(failed) if f]  # every rank's shards are on disk, or none goes on
-    if not failures:
-        failures = [f for f in all_gather_objects(record_sums(partial, world)) if f]
     if failures:
         if world.is_main:
             shutil.rmtree(partial, ignore_errors=True)
@@ -429,76 +428,133 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
             if step_of(bad) <= step:
                 shutil.rmtree(bad, ignore_errors=True)
     barrier()
+    if checksums:  # once the checkpoint is whole and named: a kill while hashing leaves it, read unchecked
+        failed = record_sums(final, world)
+        if failed and world.is_main:
+            print(f"note: {name} has no checksums ({failed}): a resume reads it unchecked", flush=True)
     return final
 
 
-def _sha256(file: Path) -> str:
+CHUNK = 1 << 30  # bytes a rank hashes as one piece: a file far larger than the rest is hashed by several ranks
+
+
+def _listing(path: Path) -> dict[str, int]:
+    """Every file of checkpoint `path` (subfolders too) but its checksums, by relative name, with its size."""
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file() and
+            p.name != SUMS}
+
+
+def _shares(sizes: dict[str, int], ranks: int) -> list[list[tuple[str, int]]]:
+    """Each rank's pieces (name, chunk index) of the files, the largest first to the least loaded rank: the same on
+    every rank, given the same sizes."""
+    pieces = sorted(((min(CHUNK, size - i * CHUNK), name, i) for name, size in sizes.items()
+                     for i in range(max(1, -(-size // CHUNK)))), key=lambda p: (-p[0], p[1], p[2]))
+    load, shares = [0] * ranks, [[] for _ in range(ranks)]
+    for nbytes, name, i in pieces:
+        r = load.index(min(load))
+        load[r] += nbytes
+        shares[r].append((name, i))
+    return shares
+
+
+def _digest(file: Path, chunk: int) -> str:
     digest = hashlib.sha256()
     with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+        f.seek(chunk * CHUNK)
+        left = CHUNK
+        while left and (block := f.read(min(left, 1 << 24))):
+            digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
-def _files(path: Path, world: World) -> list[Path]:
-    """This rank's share of the checkpoint's files (the ranks hash them side by side)."""
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != SUMS)[world.rank::world.world_size]
+def _write_sums(path: Path, sizes: dict[str, int], digests: dict[tuple[str, int], str]) -> None:
+    sums = {name: {"size": size, "sha256": [digests[name, i] for i in range(max(1, -(-size // CHUNK)))]}
+            for name, size in sizes.items()}
+    _write_atomic(path / SUMS, json.dumps(sums, indent=1) + "\n")
 
 
 def record_sums(path: Path, world: World) -> str | None:
-    """Collective, once every rank's files are written: each file's size and SHA-256 in `checksums.json` (rank 0
-    writes it), each rank hashing its share. A write that failed: what it was, else None."""
+    """Collective, on a checkpoint every rank has written: each file's size and the SHA-256 of each GiB of it in
+    `checksums.json` (rank 0 writes it), the ranks hashing shares of equal bytes side by side. What failed, or None
+    (the checkpoint is then read unchecked, as one saved before checksums were recorded)."""
+    sizes = all_gather_objects(_listing(path) if world.is_main else None)[0]  # rank 0's view, on every rank
     try:
-        mine = {str(f.relative_to(path)): [f.stat().st_size, _sha256(f)] for f in _files(path, world)}
+        mine = {(name, i): _digest(path / name, i) for name, i in _shares(sizes, world.world_size)[world.rank]}
     except OSError as e:
-        mine = f"reading {path} back on rank {world.rank} failed: {type(e).__name__}: {e}"
+        mine = f"reading {path.name} back on rank {world.rank}: {type(e).__name__}: {one_line(e)}"
     gathered = all_gather_objects(mine)
     failed = next((m for m in gathered if isinstance(m, str)), None)
-    if failed or not world.is_main:
-        return failed
-    try:
-        sums = dict(sorted(kv for m in gathered for kv in m.items()))
-        (path / SUMS).write_text(json.dumps(sums, indent=0) + "\n")
-    except OSError as e:
-        return f"a write failed on rank 0: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-    return None
+    if failed is None and world.is_main:
+        try:
+            _write_sums(path, sizes, {k: v for m in gathered for k, v in m.items()})
+        except OSError as e:
+            failed = f"writing {path.name}/{SUMS}: {type(e).__name__}: {one_line(e)}"
+    return failed
+
+
+def write_sums(path: Path) -> None:
+    """`record_sums` on one process (a universal conversion, which rank 0 makes alone)."""
+    sizes = _listing(path)
+    _write_sums(path, sizes, {(name, i): _digest(path / name, i) for name, i in _shares(sizes, 1)[0]})
 
 
 def verify(path: Path, world: World) -> None:
-    """Collective, before a checkpoint is read: every file `checksums.json` lists is there, of its size and SHA-256
-    (the ranks check their shares side by side), else every rank stops with the line naming the checkpoint before.
-    Bytes changed since the save (a copy between clusters, a failing disk) had loaded silently. One saved before
-    checksums were recorded is read as it is."""
+    """Collective, before DeepSpeed reads a checkpoint: every file `checksums.json` lists is there, of its size, and
+    each GiB of it of its SHA-256 (the ranks check shares of equal bytes side by side), else every rank stops with
+    the line naming the checkpoint before. Bytes changed since the save (a copy between clusters, a failing disk) had
+    loaded silently. One without checksums (saved before they were recorded, or on a stop signal) is read as it is."""
+    sums = all_gather_objects(_read_sums(path) if world.is_main else None)[0]  # rank 0's reading, on every rank
+    found = None
+    if isinstance(sums, str):
+        found = sums
+    elif sums:
+        sizes = {name: entry["size"] for name, entry in sums.items()}
+        mine = _shares(sizes, world.world_size)[world.rank]
+        found = next((why for name, i in mine if (why := _changed(path, name, i, sums[name]))), None)
+    found = next((f for f in all_gather_objects(found) if f), None)
+    if found and path.name.endswith(UNIVERSAL):  # made from a checkpoint by a resume: it can be made again
+        raise ConfigError(f"{path}, a conversion of a checkpoint for another layout, is damaged: {found}; remove it "
+                          f"and resume again, which converts the checkpoint afresh")
+    if found and found.startswith("its "):  # the record itself: the files may be whole
+        raise ConfigError(f"checkpoint {path} is damaged: {found}; remove it to read the checkpoint unchecked, or "
+                          f"go back: {_before(path)}")
+    if found:
+        raise ConfigError(f"checkpoint {path} is damaged: {found} (checked against the {SUMS} saved with it); "
+                          f"{_before(path)}")
+
+
+def _read_sums(path: Path) -> dict | str | None:
+    """A checkpoint's checksums; None where it has none; what is wrong with them where they cannot be used."""
     try:
         sums = json.loads((path / SUMS).read_text())
     except FileNotFoundError:
-        return
+        return None
     except (OSError, ValueError) as e:
-        sums = {SUMS: f"its {SUMS} cannot be read ({type(e).__name__})"}
-    if not isinstance(sums, dict):
-        sums = {SUMS: f"its {SUMS} cannot be read (not a mapping)"}
-    found = next((why for item in sorted(sums.items())[world.rank::world.world_size] if (why := _changed(path, item))),
-                 None)
-    found = next((f for f in all_gather_objects(found) if f), None)
-    if found:
-        how = "" if found.startswith("its ") else f" (checked against the {SUMS} saved with it)"
-        raise ConfigError(f"checkpoint {path} is damaged: {found}{how}; {_before(path)}")
+        return f"its {SUMS} cannot be read ({type(e).__name__})"
+    if not isinstance(sums, dict) or not all(_entry_ok(n, e) for n, e in sums.items()):
+        return f"its {SUMS} cannot be read (not the sizes and SHA-256 digests of files within it)"
+    return sums
 
 
-def _changed(path: Path, item: tuple[str, Any]) -> str | None:
-    """What is wrong with one file of checkpoint `path` against its recorded [size, SHA-256], or None."""
-    name, recorded = item
-    if not isinstance(recorded, list) or len(recorded) != 2:
-        return recorded if isinstance(recorded, str) else f"its {SUMS} cannot be read (entry {name})"
+def _entry_ok(name: str, e: Any) -> bool:
+    return isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 0 and \
+        isinstance(e.get("sha256"), list) and len(e["sha256"]) == max(1, -(-e["size"] // CHUNK)) and \
+        all(isinstance(h, str) for h in e["sha256"]) and not Path(name).is_absolute() and ".." not in Path(name).parts
+
+
+def _changed(path: Path, name: str, chunk: int, recorded: dict) -> str | None:
+    """What is wrong with piece `chunk` of one file of checkpoint `path` against its record, or None."""
     file = path / name
     try:
         if not file.is_file():
             return f"{name} is gone"
-        if file.stat().st_size != recorded[0]:
-            return f"{name} is {file.stat().st_size:,} bytes, saved as {recorded[0]:,}"
-        return None if _sha256(file) == recorded[1] else f"{name} has changed since it was saved (another SHA-256)"
-    except OSError as e:
-        return f"{name} cannot be read ({type(e).__name__}: {e.strerror or e})"
+        if file.stat().st_size != recorded["size"]:
+            return f"{name} is {file.stat().st_size:,} bytes, saved as {recorded['size']:,}"
+        return None if _digest(file, chunk) == recorded["sha256"][chunk] else \
+            f"{name} has changed since it was saved (another SHA-256{f' in GiB {chunk}' if chunk else ''})"
+    except Exception as e:  # noqa: BLE001 - any failure is this file's line, said by every rank, not one rank gone
+        return f"{name} cannot be read ({type(e).__name__}: {one_line(e, 200)})"
 
 
 def mark_best(root: Path, step: int) -> None:
@@ -514,6 +570,8 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     if not own.is_dir() and not other.is_dir():  # every rank sees the same file system: all raise alike
         raise ConfigError(f"the resumed state names step {step} as the best checkpoint (train.select_best), but "
                           f"{own} is gone; set train.select_best = \"\" to go on without it")
+    if not own.is_dir():
+        verify(other, world)  # (collective) a damaged one had been copied, and found only when the run ended
     if world.is_main:
         if not own.is_dir():
             shutil.copytree(other, own)
@@ -528,8 +586,7 @@ def load(engine, path: Path, world: World, named: Path | None = None) -> dict[st
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
     engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
-    if named is None:  # (a conversion holds no checksums: its source was checked before it was made)
-        verify(path, world)
+    verify(path, world)
     try:
         with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
             _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
@@ -585,7 +642,7 @@ def _said_unreadable(path: Path, world: World, e: BaseException) -> None:
     if isinstance(e, torch.OutOfMemoryError) or is_lost(e) or is_timeout(e) or \
             type(e).__module__.startswith("torch.distributed"):
         raise e
-    said = " ".join(str(e).split())[:200] or "no message"
+    said = one_line(e, 200) or "no message"
     raise ConfigError(f"checkpoint {path} cannot be read on rank {world.rank} ({type(e).__name__}: {said}): a file "
                       f"in it is cut short, damaged or missing; {_before(path)}") from None
 

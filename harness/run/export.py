@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config.run import ConfigError, RunConfig, TrainingStopped, read_toml
+from ..config.run import ConfigError, RunConfig, TrainingStopped, one_line, read_toml
 from ..distributed.world import World, all_gather_objects
 from ..tasks import resolve
 from .trust import check_run_dir
@@ -52,7 +52,7 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
                     readable(f)
     except (OSError, RuntimeError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
-        failed = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        failed = f"{type(e).__name__}: {one_line(e)}"
     failed = all_gather_objects(failed)[0]  # every rank stops, not only the one that wrote
     if failed:
         raise TrainingStopped(f"the model could not be exported to {run_dir} ({failed}); "
@@ -110,14 +110,14 @@ def trained_on_note(run_dir: Path) -> str | None:
             f"finishes it and exports again)")
 
 
-def run_config(run_dir: str | Path) -> RunConfig:
-    """A run directory's resolved config; a Hugging Face model named by the run's own `hf/` export, so its original
-    source need not exist any more."""
+def run_config(run_dir: str | Path, sets: list[str] | tuple = ()) -> RunConfig:
+    """A run directory's resolved config (with `sets` over it, checked as --set is); a Hugging Face model named by the
+    run's own `hf/` export, so its original source need not exist any more."""
     from dataclasses import replace
 
     run_dir = Path(run_dir)
     check_run_dir(run_dir, read_toml(run_dir / "config.toml"))  # before resolving imports the task it names
-    cfg = resolve(str(run_dir / "config.toml")).cfg
+    cfg = resolve(str(run_dir / "config.toml"), list(sets)).cfg
     if cfg.model.hf and (run_dir / HF_DIR / "config.json").is_file():
         cfg = replace(cfg, model=replace(cfg.model, hf=str(run_dir / HF_DIR)))
     return cfg

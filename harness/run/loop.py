@@ -341,7 +341,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}; "
                            f"saving a checkpoint, then exiting ({EXIT_PREEMPTED})", file=sys.stderr)
         if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
-            _save(run, step, result, progress)
+            _save(run, step, result, progress, checksums=not ledger.signal)  # (a signal's grace time is short)
         if ledger.signal:
             progress.close()
             run.tracker.close(EXIT_PREEMPTED)  # no curves: a scheduler's kill follows its signal, and the exit code
@@ -401,7 +401,7 @@ def _give_up(run: Run, ledger: Ledger, progress) -> None:
                           f"in all); stopping. Last good checkpoint: {kept}. {advice}")
 
 
-def _save(run: Run, step: int, result, progress) -> None:
+def _save(run: Run, step: int, result, progress, checksums: bool = True) -> None:
     """Collective: a checkpoint of this step, unless its loss is not finite."""
     if math.isfinite(result.loss):
         selection = run.selection
@@ -411,7 +411,7 @@ def _save(run: Run, step: int, result, progress) -> None:
                         {"step": step, "samples_seen": run.samples_seen, "data_position": list(run.sampler.place(step)),
                          **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
-                        data=run.identity, shapes=run.shapes)
+                        data=run.identity, shapes=run.shapes, checksums=checksums)
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..config.run import ConfigError
+from ..config.run import ConfigError, one_line
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def checkpoint_reads():
                 return real(f, *args, weights_only=True, **kwargs)
         except pickle.UnpicklingError as e:
             found = UNSAFE.search(str(e))
-            what = found.group(1) if found else " ".join(str(e).split())[:120]
+            what = found.group(1) if found else one_line(e, 120)
             raise ConfigError(f"{f}: holds {what}, which no checkpoint of the harness holds, and loading it would run "
                               f"code; if you trust where it came from, pass --trust-checkpoint") from None
 
