@@ -277,6 +277,7 @@ def parser() -> argparse.ArgumentParser:
     _docs_options(dc)
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     _run_dir(tr)
+    _scoring_set(tr)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
     for name, example in COMMAND_EXAMPLES.items():  # each command's help ends with one it runs as written
         sub.choices[name].epilog = f"example: {example}"
@@ -302,9 +303,16 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    "trust")
 
 
+def _scoring_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of how the "
+                   "trained model is scored or decoded, for this command only, e.g. translation.beam_size=1 (greedy); "
+                   "`harness keys` marks them")
+
+
 def _evaluate_options(p: argparse.ArgumentParser) -> None:
     """`harness evaluate`: a finished run on a split of its data or on new data."""
     _run_dir(p)
+    _scoring_set(p)
     p.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
     p.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
                    "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
@@ -350,18 +358,18 @@ def _evaluate(args) -> int:
     if args.command == "evaluate" and args.data is not None:
         if args.split:
             raise ConfigError(f"--split {args.split} and --data {args.data}: name one")
-        results = evaluate.evaluate_data(args.run_dir, args.data, args.name, args.periods)
+        results = evaluate.evaluate_data(args.run_dir, args.data, args.name, args.periods, sets=args.set)
         print("\n\n".join(evaluate.render_table(k, v) for k, v in results.items()))
     elif args.command == "evaluate":
         if args.name:
             raise ConfigError("--name names new data: it goes with --data")
         split = args.split or "test"
-        print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods)))
+        print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods, sets=args.set)))
     elif args.sentences:
-        _out("\n".join(evaluate.translate(args.run_dir, args.sentences)))
+        _out("\n".join(evaluate.translate(args.run_dir, args.sentences, args.set)))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
         lines = [line.strip() for line in sys.stdin]
-        said = iter(evaluate.translate(args.run_dir, [line for line in lines if line]))
+        said = iter(evaluate.translate(args.run_dir, [line for line in lines if line], args.set))
         _out("\n".join(next(said) if line else "" for line in lines))
     return 0
 

@@ -416,6 +416,37 @@ def test_evaluate_data_scores_new_pairs_with_the_run_s_own_tokenizer(toy_run, tm
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+
+def test_evaluate_and_translate_take_only_scoring_settings_with_set(toy_run, monkeypatch, capsys, one_thread):
+    """`--set` of how the trained model is decoded (translation.beam_size: 1 is greedy) for one command, the run's
+    config left as it is (before, the beam of the run's config was the only one); a key of what the run trained with,
+    or a value out of its bound, is refused in one line."""
+    import harness.tasks.translation as translation
+    from harness.cli import main
+    from harness.eval.evaluate import evaluate_run
+
+    run, data, cache = toy_run
+    monkeypatch.setenv("HARNESS_CACHE", str(cache))
+    config = (run.dir / "config.toml").read_text()
+    decoded, real = [], translation.generate
+    monkeypatch.setattr(translation, "generate", lambda *a, **k: decoded.append((k["beam_size"],
+                                                                                 k["length_penalty"])) or real(*a, **k))
+    assert evaluate_run(run.dir, "test", sets=["translation.beam_size=1"])["beam_size"] == 1
+    assert set(decoded) == {(1, 0.6)} and json.loads((run.dir / "eval.json").read_text())["test"]["beam_size"] == 1
+    decoded.clear()
+    capsys.readouterr()
+    assert main(["translate", "--run-dir", str(run.dir), "--set", "translation.beam_size=3", "--set",
+                 "translation.length_penalty=0", "the cat."]) == 0
+    assert decoded == [(3, 0.0)] and capsys.readouterr().out.strip()
+    assert (run.dir / "config.toml").read_text() == config
+    for argv, said in ((["evaluate", "--set", "model.d_model=64"], "--set model.d_model=64: evaluate and translate "
+                        "take only settings of how the trained model is scored (this run's are translation.beam_size, "
+                        "translation.length_penalty); model.d_model is what the run trained with"),
+                       (["translate", "--set", "translation.beam_size=0", "a dog."], "translation.beam_size")):
+        assert main([argv[0], "--run-dir", str(run.dir), *argv[1:]]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+
 def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_dir, tmp_path):
     """Sentences have different lengths, so a mean of per-micro-batch means would weigh tokens unequally:
     4 x 1, 1 x 4 and 2 ranks x 1 x 2 must give the same step losses and the same weights."""

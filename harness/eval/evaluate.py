@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.run import ConfigError, RunConfig
+from ..config.run import ConfigError, RunConfig, flatten
 from ..distributed.world import single_world
 from ..prepare import CHECKSUMS, META, STORED, differences, fingerprint, read_meta, sha256, stored
 from ..run.export import check_finished, load_model, run_config, trained_on_note
@@ -32,12 +32,17 @@ SPLITS = ("train", "validation", "test")  # names an entry for new data may not 
 SCORED = ("validation", "test")  # the splits a finished run is scored on (`--split`, `harness.evaluate(split=)`)
 
 
-def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None) -> tuple[RunConfig, object]:
-    """The run's config and its task (`given`: the object the caller passed, used as it is)."""
+def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given=None,
+          sets: list[str] | tuple = ()) -> tuple[RunConfig, object]:
+    """The run's config, with `sets` of its scoring settings over it (`scoring_sets`), and its task (`given`: the
+    object the caller passed, used as it is)."""
     check_finished(run_dir)
     if note := trained_on_note(run_dir):
         print(note, file=sys.stderr, flush=True)
     cfg = run_config(run_dir)
+    if sets:
+        scoring_sets(cfg, sets)
+        cfg = run_config(run_dir, sets)
     task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
@@ -50,6 +55,22 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
             raise ConfigError(f"--periods {periods}: must be >= 1 (1: the whole split, no periods)")
         cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, periods=periods))
     return cfg, task
+
+
+def scoring_sets(cfg: RunConfig, sets: list[str] | tuple) -> None:
+    """`--set` of `harness evaluate` and `translate` changes only how the trained model is scored or decoded (the
+    task's settings declared `scoring`, e.g. translation.beam_size); anything else is what the run trained."""
+    section = cfg.task_section
+    allowed = [f"{section}.{f.name}" for f in dataclasses.fields(cfg.task) if f.metadata.get("scoring")] \
+        if dataclasses.is_dataclass(cfg.task) else []
+    known = flatten(cfg.to_dict())
+    for s in sets:
+        key = s.partition("=")[0].strip()
+        if key not in allowed:
+            choice = f"this run's are {', '.join(allowed)}" if allowed else f"a {cfg.run.task!r} run has none"
+            what = "is what the run trained with" if key in known else "is no setting (harness keys lists them)"
+            raise ConfigError(f"--set {s}: evaluate and translate take only settings of how the trained model is "
+                              f"scored ({choice}); {key or repr(s)} {what}")
 
 
 def _model(run_dir: Path, task) -> torch.nn.Module:
@@ -74,11 +95,12 @@ def _strict(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None) -> dict[str, float | str]:
+def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None,
+                 sets: list[str] | tuple = ()) -> dict[str, float | str]:
     if split not in SCORED:  # another name would score the test split and record it under that name
         raise ConfigError(f"split = {split!r}: a run is scored on {' or '.join(map(repr, SCORED))} (--split, split=)")
     run_dir = Path(run_dir)
-    cfg, task = _task(run_dir, periods=periods, given=task)
+    cfg, task = _task(run_dir, periods=periods, given=task, sets=sets)
     saved = stored(run_dir)
     if saved is not None and hasattr(task, "prepare"):
         now = task.prepare(cfg)
@@ -122,12 +144,12 @@ def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float
     return {**task.metrics(total / count), "loss": total / count, getattr(task, "items", "items"): float(count)}
 
 
-def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None,
-                  periods: int | None = None, task=None) -> dict[str, dict[str, float | str]]:
+def evaluate_data(run_dir: str | Path, path: str | Path, name: str | None = None, periods: int | None = None,
+                  task=None, sets: list[str] | tuple = ()) -> dict[str, dict[str, float | str]]:
     """`harness evaluate --data PATH [--name NAME]`: {entry name: metrics} for each data set PATH holds (a directory
     may hold several: NAME/part), read with the run's stored tokenizer and statistics; also written to eval.json."""
     run_dir, path = Path(run_dir), Path(path)
-    cfg, task = _task(run_dir, reader=True, periods=periods, given=task)
+    cfg, task = _task(run_dir, reader=True, periods=periods, given=task, sets=sets)
     saved = stored(run_dir)
     if saved is None and hasattr(task, "store"):
         raise ConfigError(f"{run_dir}: holds no stored tokenizer and statistics ({STORED}/{CHECKSUMS}), which "
@@ -181,7 +203,7 @@ def checksum(files: list[Path]) -> str:
     return hashlib.sha256("".join(f"{sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
-def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
+def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple = ()) -> list[str]:
     sentences = list(sentences)
     if not sentences:
         raise ConfigError("nothing to translate: give the sentences as arguments, or one per line on standard input")
@@ -189,7 +211,7 @@ def translate(run_dir: str | Path, sentences: list[str]) -> list[str]:
     if blank:
         raise ConfigError(f"sentence {blank[0]} of {len(sentences)} is empty: there is nothing to translate in it")
     run_dir = Path(run_dir)
-    cfg, task = _task(run_dir)
+    cfg, task = _task(run_dir, sets=sets)
     if not hasattr(task, "translate"):
         raise ConfigError(f"{run_dir}: run.task is {cfg.run.task!r}; `harness translate` needs a translation run")
     task.prepared = stored(run_dir)  # the run's own tokenizer, where it keeps one

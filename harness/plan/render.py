@@ -323,6 +323,7 @@ def render_keys() -> str:
                             **own}.items():  # the core sections, then each task's
         choices = f.metadata["choices"]
         extra = f" (one of {', '.join(choices)})" if choices else ""
+        extra += " [evaluate/translate --set]" if f.metadata.get("scoring") else ""
         lines.append(f"{key:30} {json.dumps(f.default):10} {f.metadata['help']}{extra}{owner}")
     lines += ["", f"run.task: the built-in tasks are {', '.join(TASKS)}; {PLUGIN_HINT}. A plug-in task's own keys "
               f"go in the [task] section (its Config dataclass)."]

@@ -61,7 +61,8 @@ class PricesSection:
                           "persistence)", ("mean", "last"))
     periods: int = setting(1, "`harness evaluate`: also score the split in this many consecutive periods by forecast "
                            "origin (rolling origin, the trained model fixed), each against persistence with its own "
-                           "verdict; 1 = the whole split only; `--periods K` sets it for one evaluation")
+                           "verdict; 1 = the whole split only; `--periods K` sets it for one evaluation",
+                           bound="> 0", scoring=True)
 
 
 @dataclass

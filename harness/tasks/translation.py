@@ -44,8 +44,10 @@ class TranslationSection:
     source_lang: str = setting("en", "language code of the source side (a field name or file suffix in the data)")
     target_lang: str = setting("fr", "language code of the target side")
     label_smoothing: float = setting(0.1, "label smoothing of the cross-entropy; padding never counts")
-    beam_size: int = setting(4, "beam width for evaluation and `harness translate`; 1 is greedy decoding")
-    length_penalty: float = setting(0.6, "GNMT length-penalty exponent for beam search; 0 turns it off")
+    beam_size: int = setting(4, "beam width for evaluation and `harness translate`; 1 is greedy decoding",
+                             bound="> 0", scoring=True)
+    length_penalty: float = setting(0.6, "GNMT length-penalty exponent for beam search; 0 turns it off",
+                                    bound=">= 0", scoring=True)
     eval_max_sentences: int = setting(200, "sentences decoded for BLEU at the end of training; 0 means all "
                                       "(`harness evaluate` always decodes the whole split)")
 
