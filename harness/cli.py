@@ -660,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         print("harness: interrupted", file=sys.stderr)
         return 130
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
-        from .launcher import report, under_launcher
+        from .distributed.world import under_launcher
+        from .launcher import report
         from .run.preemption import EXIT_PREEMPTED
 
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else \

@@ -43,9 +43,9 @@ import time
 from pathlib import Path
 
 from .config.run import ConfigError, closest
+from .distributed.world import STATUS_ENV
 from .run.preemption import EXIT_PREEMPTED, SIGNALS
 
-STATUS_ENV = "HARNESS_STATUS_FILE"
 COLLECTIVE_STOPS = (3, EXIT_PREEMPTED)  # every rank stops at the same step: safe to exit 0 under torchrun
 
 
@@ -450,11 +450,6 @@ def _is_rank(pid: int) -> bool:
     except OSError:
         return False
     return b"harness" in argv and b"train" in argv and b"accelerate.commands.launch" not in argv
-
-
-def under_launcher() -> bool:
-    """In a rank: `harness launch` started it, and prints how the job ended (`ending`)."""
-    return bool(os.environ.get(STATUS_ENV))
 
 
 def report(code: int, message: str) -> int:

@@ -71,10 +71,13 @@ def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_th
     assert [m["step"] for m in first.metrics] == list(range(1, k1 + 1))
     assert not (out / ".lock").exists()
     assert not (out / "checkpoints" / f"step_{k1:08d}" / "checksums.json").exists()  # no hashing in a grace period
-    # 2. Ctrl-C (SIGINT) to `harness launch` reaches the ranks through it
+    # 2. Ctrl-C (SIGINT) to `harness launch` reaches the ranks through it; `latest` gone before it: the newest
+    # complete checkpoint resumed, said once (before, by the launch's check and again by each rank)
+    (out / "checkpoints" / "latest").unlink()
     second, seconds = signal_mid_run(start(out, corpus, front=True, args=["--resume", "auto"]), first, signal.SIGINT,
                                      "top")
     assert second.proc.returncode == EXIT_PREEMPTED and seconds < 30, (seconds, second.proc.stderr[-3000:])
+    assert second.proc.stdout.count("`latest` is missing; resuming from the newest complete checkpoint") == 1
     k2 = latest(second)
     assert k2 > k1 and f"stopped by SIGINT after step {k2}" in second.proc.stderr
     # 3. a lock left by a run that is gone (SIGKILLed: its pid no longer exists) is taken over with a note

@@ -35,6 +35,15 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+STATUS_ENV = "HARNESS_STATUS_FILE"  # the file the ranks of `harness launch` report how they ended to (launcher.py)
+
+
+def under_launcher() -> bool:
+    """In a rank: `harness launch` started it, checked the run before (and said its notes), and prints how the job
+    ended (`launcher.ending`)."""
+    return bool(os.environ.get(STATUS_ENV))
+
+
 def local_size() -> int:
     """The ranks on this node: torchrun's LOCAL_WORLD_SIZE, or LOCAL_SIZE from DeepSpeed's own launcher (pdsh, nossh,
     launcher/launch.py), which sets no LOCAL_WORLD_SIZE."""

@@ -117,10 +117,10 @@ def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_").split(".")[0])
 
 
-def resume_target(root: Path) -> Path | None:
+def resume_target(root: Path, say: bool = True) -> Path | None:
     """What `--resume auto` continues from in a run's `checkpoints/`: the one `latest` names; with `latest` missing
-    or naming a checkpoint that is gone, the newest complete one. None for a run that saved nothing yet. Raises
-    ConfigError rather than start over a run whose checkpoints exist but none can be resumed."""
+    or naming a checkpoint that is gone, the newest complete one (with a note, where `say`). None for a run that saved
+    nothing yet. Raises ConfigError rather than start over a run whose checkpoints exist but none can be resumed."""
     found = latest(root)
     if found is not None:
         return found
@@ -129,7 +129,8 @@ def resume_target(root: Path) -> Path | None:
     if ready:
         why = f"`latest` names {named}, which is gone or no complete checkpoint of it" if named else \
             f"`latest` is {'empty' if marker.is_file() else 'missing'}"
-        print(f"note: {root}: {why}; resuming from the newest complete checkpoint, {ready[-1].name}", flush=True)
+        if say:
+            print(f"note: {root}: {why}; resuming from the newest complete checkpoint, {ready[-1].name}", flush=True)
         return ready[-1]
     bad = sorted(root.glob(f"step_*{BAD}"))
     if named or bad:

@@ -452,9 +452,10 @@ def _check_replaceable(plan: Plan, overwrite: bool) -> None:
 
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False,
-              machine_rank: int = 0) -> Path | None:
+              machine_rank: int = 0, say: bool | None = None) -> Path | None:
     """Checks of this machine that need no process group (`machine_rank`: the node's, for `harness launch` on each
-    node). Returns the checkpoint to resume from, if any."""
+    node). Returns the checkpoint to resume from, if any. `say`: print the notes about what is resumed (default: on
+    the first rank; the ranks `harness launch` starts leave them to its own check, which said them)."""
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
     check_nvme(plan.ds)
@@ -483,8 +484,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its "
                               f"checkpoints/ folder, or a step_* checkpoint)")
     elif resume == "auto":
-        found = checkpoint.resume_target(run_dir / "checkpoints")
-        if found is None and (run_dir / "metrics.jsonl").is_file() and launched_rank() == 0:
+        say = launched_rank() == 0 if say is None else say
+        found = checkpoint.resume_target(run_dir / "checkpoints", say)
+        if found is None and (run_dir / "metrics.jsonl").is_file() and say:
             print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
                   f"starting from step 0", flush=True)
     if resume:
