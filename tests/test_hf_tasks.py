@@ -58,6 +58,17 @@ def test_hf_seq2seq_translates_under_partitioned_zero3_resumes_exactly_and_expor
     with torch.no_grad():
         assert torch.allclose(ours(src, src != 0, tgt).logits, theirs(input_ids=src, decoder_input_ids=tgt).logits,
                               atol=1e-6)
+    # the export's generation_config decodes as the run's evaluation did: its beam and length penalty (transformers'
+    # generate() on it had been greedy)
+    from harness.models.decoding import _strip, hf_generate
+
+    gen = theirs.generation_config
+    assert (gen.num_beams, gen.length_penalty, gen.do_sample) == (2, cfg.task.length_penalty, False)
+    with torch.no_grad():
+        said = hf_generate(ours, src, bos=theirs.config.decoder_start_token_id, eos=tok.eos_token_id,
+                           pad=tok.pad_token_id, max_len=8, beam_size=2, length_penalty=cfg.task.length_penalty)
+        plain = theirs.generate(src, max_new_tokens=8)[0, 1:].tolist()
+    assert _strip(plain, tok.eos_token_id, tok.pad_token_id) == said[0]
 
 
 def test_hf_esm_classifies_proteins_under_partitioned_zero3_resumes_exactly_and_exports(tiny_esm, tmp_path):

@@ -343,17 +343,21 @@ def _record_dtype(config: Path, state: dict[str, torch.Tensor]) -> None:
                                      sort_keys=True) + "\n")
 
 
-def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path) -> Path:
+def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path, generation: dict | None = None) -> Path:
     """A directory that `AutoModelFor...from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load with no
-    code of ours: the config, the consolidated fp32 weights and the tokenizer."""
+    code of ours: the config, the consolidated fp32 weights and the tokenizer. `generation`: what its
+    generation_config says beside the source's (the task's decoding, `generation_defaults`), so `generate()` on the
+    export decodes as the run's evaluation did."""
     out.mkdir(parents=True, exist_ok=True)
     # the source's own values of what training overrode (use_cache: false while training, true for generate())
     configs = [c for c in (model.config, getattr(model, "generation_config", None)) if c is not None]
     source = getattr(model, "harness_source_config", {})
     trained = [{k: getattr(c, k) for k in source if hasattr(c, k)} for c in configs]
+    if len(configs) > 1 and generation:
+        trained[1] = {**{k: getattr(configs[1], k, None) for k in generation}, **trained[1]}
     for c, had in zip(configs, trained):
         for key in had:
-            setattr(c, key, source[key])
+            setattr(c, key, source[key] if key in source else generation[key])
     try:
         model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     finally:

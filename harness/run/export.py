@@ -47,7 +47,7 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
             readable(tmp)
             os.replace(tmp, path)
             if hf.is_hf(engine.module):
-                hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR)
+                hf.save(engine.module, state, _tokenizer(task, cfg), run_dir / HF_DIR, _generation(task, cfg))
                 for f in (run_dir / HF_DIR).rglob("*"):
                     readable(f)
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -190,10 +190,16 @@ def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> 
                           f"model; its weights are {Path(run_dir) / MODEL_FILE}")
     if note := trained_on_note(Path(run_dir)):
         print(note, flush=True)
-    tokenizer = _tokenizer(get_task(cfg.run.task), cfg)  # read before OUT is emptied: it may be where it is read from
+    task = get_task(cfg.run.task)
+    tokenizer = _tokenizer(task, cfg)  # read before OUT is emptied: it may be where it is read from
     for old in out.iterdir() if held else ():  # emptied, not replaced: OUT may be a link, a mount, the cwd
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    return hf.save(model, model.state_dict(), tokenizer, out)
+    return hf.save(model, model.state_dict(), tokenizer, out, _generation(task, cfg))
+
+
+def _generation(task, cfg: RunConfig | None) -> dict | None:
+    """How the task decodes with the run's settings, for the export's generation_config (None: the source's)."""
+    return task.generation_defaults(cfg) if cfg is not None and hasattr(task, "generation_defaults") else None
 
 
 def _tokenizer(task, cfg: RunConfig):

@@ -246,6 +246,13 @@ class TranslationTask:
         return [tok.decode(h) for i in range(0, len(ids), b)
                 for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok, cfg)]
 
+    def generation_defaults(self, cfg: RunConfig) -> dict:
+        """A Hugging Face model's export decodes with `generate()` as the run's evaluation does (its own beam search,
+        given these): greedy, or the run's beam and length penalty. The length cap stays `generate`'s own."""
+        t = cfg.task
+        return {"num_beams": t.beam_size, "do_sample": False,
+                **({"length_penalty": t.length_penalty} if t.beam_size > 1 else {})}
+
     def _decode(self, model, src: torch.Tensor, tok, cfg: RunConfig, any_rank=None) -> list[list[int]]:
         """Token ids of each source row's translation; `any_rank` (several ranks): decode in step with them."""
         t = cfg.task
