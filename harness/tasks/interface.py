@@ -37,6 +37,9 @@ class Task(Protocol):
     them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`; without it,
     the mean loss and `metrics` of the split: validation, or `TaskData.test` for test), `prepare`,
     `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
+    `generation_defaults(cfg)`: what a Hugging Face model's export writes in its generation_config, so `generate()`
+    on it decodes as the task's evaluation does (translation: the run's beam); a `Config` field declared
+    `setting(..., scoring=True)` is one `harness evaluate --set` may change.
     `items` names what `count` counts, for the progress bar's rate (default "items"). `activations_on_paper(cfg)`:
     true where the model is one stack of blocks over every position, so that `harness plan` and a launch on GPUs
     estimate its activations on paper (`plan.render.memory_on_paper`); without it, no estimate and no refusal.
