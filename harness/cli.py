@@ -121,6 +121,9 @@ def _bench_shared_flags(sweep, overhead, seeds, proxy, suite) -> None:
 def _bench_own_flags(sweep, overhead, seeds, proxy, suite) -> None:
     """The flags of one bench subcommand (or of sweep and suite, which both find the largest model)."""
     overhead.add_argument("--rounds", type=int, default=2, help="alternations of the two programs")
+    sweep.add_argument("--rounds", type=int, default=1, help="launches of each configuration, interleaved: round by "
+                       "round every configuration runs once, and its timed steps are pooled (on a shared or noisy "
+                       "machine, compare speeds with 3 or more)")
     sweep.add_argument("--largest", choices=["n_layers", "d_model", "seq_len"], help="also find, per configuration, "
                        "the largest model (by this size) or the longest sequence (seq_len, in steps of 64) that trains "
                        "within the memory budget")

@@ -109,9 +109,10 @@ def test_bench_checks_every_configuration_before_launching(tmp_path, capsys):
     assert "--out " in capsys.readouterr().err
     # a configuration that timed out is no measurement: written, said, exit 1 (it was 0)
     proc = bench("sweep", "--ds", "zero0", "--timeout", "1", "--steps", "2000", "--warmup", "1", "--out",
-                 str(tmp_path / "t"), "--run", str(ROOT / "configs" / "runs" / "lm_demo.toml"))  # (2 steps could
-    # finish within the second, forked warm)
+                 str(tmp_path / "t"), "--run", str(ROOT / "configs" / "runs" / "lm_demo.toml"), "--rounds", "2")
+    # (2 steps could finish within the second, forked warm)
     assert proc.returncode == 1 and "1 of 1 configurations failed or timed out (zero0 x1)" in proc.stderr, proc.stderr
+    assert "[1/1, round 2 of 2] zero0 x1" in proc.stdout  # launched again in the second round
     # the run file as the report names it: in the repository, relative to it (no machine's directories)
     assert json.loads((tmp_path / "t" / "bench.json").read_text())["run_file"] == "configs/runs/lm_demo.toml"
 
@@ -307,6 +308,26 @@ def test_paired_blocks_give_the_median_ratio_with_its_order_statistic_interval()
     p = overhead.paired({"harness": [[1.0 + i / 100] for i in range(6)], "plain": [[1.0]] * 6})
     assert overhead.paired_text(p) == "+2.5% (95% CI +0.0%..+5.0%; 6 block pairs)"
 
+
+def test_a_sweep_s_rounds_pool_each_configuration_s_launches():
+    """`--rounds N`: each configuration launched N times, round by round, its timed steps pooled into one entry (the
+    median, p10-p90 and the rates from them); a launch that failed stands for the configuration."""
+    from harness.bench import report
+    from harness.bench.sweep import pooled
+
+    def launch(steps: list[float], peak: float, mem: int) -> dict:
+        return {"name": "zero2 x1", "status": "ok", "step_s": {"median": sorted(steps)[len(steps) // 2]},
+                "step_s_values": steps, "tokens_per_s": 1000 / sorted(steps)[len(steps) // 2], "global_batch": 8,
+                "peak_mem_bytes": mem, "peak_flops_measured": peak}
+
+    one = pooled([launch([0.1, 0.3, 0.2], 5e9, 100), launch([0.4, 0.5, 0.6], 7e9, 300), launch([0.9], 6e9, 200)])
+    assert one["step_s_values"] == [0.1, 0.3, 0.2, 0.4, 0.5, 0.6, 0.9] and one["rounds"] == 3
+    assert one["step_s"]["median"] == 0.4 and one["tokens_per_s"] == pytest.approx(1000 / 0.4)
+    assert one["samples_per_s"] == pytest.approx(8 / 0.4) and one["peak_mem_bytes"] == 300
+    assert one["peak_flops_measured"] == 6e9
+    failed = {"name": "zero2 x1", "status": "timeout", "error": "timed out"}
+    assert pooled([launch([0.1], 1e9, 1), failed]) is failed
+    assert "3 launches each, interleaved" in report._rounds(3) and report._rounds(1) == ""
 
 def test_training_processes_keep_freed_host_memory_unless_the_user_set_glibc_s_thresholds():
     """`world.keep_freed_host_memory` (called by init_world and the plain loop) fixes glibc's mmap and trim

@@ -96,12 +96,18 @@ def _mib(values) -> str:
     return " / ".join(f"{v / 2**20:,.1f}" for v in values) + " MiB"
 
 
+def _rounds(n: int) -> str:
+    return f" and launch, {n} launches each, interleaved (round by round every configuration once), their steps " \
+        f"pooled" if n > 1 else ""
+
+
 def markdown(result: dict) -> str:
     d = result["device"]
     lines = [f"# harness bench: {result['task']} on {d['name']} ({d['count']} device(s))", "",
              *([f"**{result['interrupted']}**", ""] if result.get("interrupted") else []),
-             f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration; step time "
-             f"median (p10-p90). MFU against the datasheet peak / the measured matmul peak.", "",
+             f"{result['steps']} timed steps after {result['warmup']} warm-up steps per configuration"
+             f"{_rounds(result.get('rounds', 1))}; step time median (p10-p90). MFU against the datasheet peak / the "
+             f"measured matmul peak.", "",
              "| configuration | layout | precision | params | step s (p10-p90) | tokens/s | samples/s | model TFLOP/s "
              "| MFU table | MFU measured | peak mem/rank | activations (rank 0) | building the model: host, per rank "
              "| padding | speedup (x) | efficiency |",

@@ -290,21 +290,40 @@ def measure(config: Config, plan: Plan, run_file: str | None, sets: list[str], o
                if profile and (run_dir / PROFILE_FILE).is_file() else {})}
 
 
+def pooled(entries: list[dict]) -> dict:
+    """One configuration's launches (`--rounds`) as one entry: every launch's timed steps pooled (step time, its rates
+    and the FLOP/s from it), the largest peaks, the median measured matmul peak. A launch that failed is the entry."""
+    if len(entries) == 1 or any(e["status"] != "ok" for e in entries):
+        return next((e for e in entries if e["status"] != "ok"), entries[0])
+    first, steps = entries[0], [v for e in entries for v in e["step_s_values"]]
+    median = statistics.median(steps)
+    return {**first, "step_s": summary(steps), "step_s_values": steps, "rounds": len(entries),
+            "tokens_per_s": first["tokens_per_s"] * first["step_s"]["median"] / median,  # (the same work a step)
+            "samples_per_s": first["global_batch"] / median,
+            "peak_mem_bytes": max(e["peak_mem_bytes"] for e in entries),
+            "peak_flops_measured": statistics.median(e["peak_flops_measured"] for e in entries)}
+
+
 def run_bench(args) -> dict:
     if args.largest and not torch.cuda.is_available() and not args.memory_budget_gb:
         raise ConfigError("--largest on a CPU needs --memory-budget-gb (the memory a 'device' may use per rank)")
     planned, sets, out = plans(args), list(args.set), Path(args.out)
     threads = cpu_threads(max(c.nproc for c in planned))  # every process the same share of the cores
+    rounds = getattr(args, "rounds", 1)
     result = {"schema": report.SCHEMA, "task": next(iter(planned.values())).run.cfg.run.task,
               "run_file": report.shown(args.run), "sets": sets, "steps": args.steps, "warmup": args.warmup,
-              "device": describe(sorted({p.ds.precision for p in planned.values()}), threads), "configs": []}
-    with report.kept_if_interrupted(result, len(planned), lambda: report.save(out, "bench", result,
-                                                                            report.markdown(result))):
-        for i, (c, plan) in enumerate(planned.items()):
-            print(f"[{i + 1}/{len(planned)}] {c.name}", flush=True)
+              "rounds": rounds, "device": describe(sorted({p.ds.precision for p in planned.values()}), threads),
+              "configs": []}
+    runs: dict[Config, list[dict]] = {c: [] for c in planned}
+    with report.kept_if_interrupted(result, len(planned) * rounds, lambda: report.save(out, "bench", result,
+                                                                                     report.markdown(result))):
+        for r, (i, (c, plan)) in itertools.product(range(rounds), enumerate(planned.items())):
+            print(f"[{i + 1}/{len(planned)}{f', round {r + 1} of {rounds}' if rounds > 1 else ''}] {c.name}",
+                  flush=True)
             peak = measured_peak(plan.ds.precision, threads=threads)  # beside the run: the machine now
             entry = measure(c, plan, args.run, sets, out, args.warmup, args.steps, args.timeout, threads)
-            result["configs"].append({**entry, "params": count_params(plan), "peak_flops_measured": peak})
+            runs[c].append({**entry, "params": count_params(plan), "peak_flops_measured": peak})
+            result["configs"] = [pooled(done) for done in runs.values() if done]
             report.derive(result["configs"], result["device"])
     if args.largest:
         result["largest"] = [largest(c, args, sets, out, measured) for c, measured in zip(planned, result["configs"])]
