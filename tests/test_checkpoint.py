@@ -57,6 +57,25 @@ def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_bes
     note = trained_on_note(resumed.dir)
     assert "is the export of step 8; the run has trained to step 9 since and not finished: these are step " \
         f"{best['step']}'s weights" in note, note
+    # its best checkpoint damaged: said before any step trains (it was found after the run, at the export)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(part.dir, damaged)
+    kept = damaged / "checkpoints" / checkpoint.step_name(best["step"])
+    states = max(kept.glob("*.pt"), key=lambda f: f.stat().st_size)
+    raw = bytearray(states.read_bytes())
+    raw[_inside_largest_tensor(states)] ^= 1
+    states.write_bytes(bytes(raw))
+    bad = harness(damaged, corpus, nproc=2, front=True, ds=ds, sets=[*sets, "train.max_steps=10"],
+                  args=["--resume", "auto"], check=False)
+    line = bad.proc.stderr.strip().splitlines()[-1]
+    assert bad.proc.returncode == 2 and f"the best checkpoint the resumed run kept (train.select_best), {kept}, " \
+        f"is damaged: {states.name} has changed" in line and line.endswith('set train.select_best = "" to go on '
+                                                                         'without it'), line
+    assert max(m["step"] for m in bad.metrics) == 9
+    # finished on 1 process: the best checkpoint, saved on 2, converted for the export (it had stopped the run at its
+    # end with DeepSpeed's "used a DP world size of 2" traceback, exit 1, nothing exported)
+    alone = harness(tmp_path / "part", corpus, ds=ds, sets=[*sets, "train.max_steps=10"], args=["--resume", "auto"])
+    assert abs(val_loss_of_export(alone.dir) - best["loss"]) < 1e-5
 
 
 def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
@@ -574,7 +593,8 @@ def test_checksums_split_the_bytes_evenly_and_name_the_piece_that_changed(tmp_pa
     raw = bytearray((ckpt / "model_states.pt").read_bytes())
     raw[5432] ^= 1
     (ckpt / "model_states.pt").write_bytes(bytes(raw))
-    with pytest.raises(ConfigError, match=r"model_states.pt has changed since it was saved \(another SHA-256 in GiB 5"):
+    with pytest.raises(ConfigError, match=r"model_states.pt has changed since it was saved \(another SHA-256 in "
+                                          r"its GiB number 6"):
         checkpoint.verify(ckpt, world)
     for record in ({"model_states.pt": {"size": "many", "sha256": []}}, {"../x": {"size": 0, "sha256": ["0"]}}, []):
         (ckpt / "checksums.json").write_text(json.dumps(record))
@@ -618,6 +638,11 @@ def test_a_checkpoint_changed_or_cut_short_is_one_line_naming_the_one_before_it(
     (unchecked / "checkpoints" / step4.name / "checksums.json").unlink()
     assert harness(unchecked, corpus, sets=sets, args=["--resume", "auto"]).proc.returncode == 0
     before = f"the one before it is {ckpts / 'step_00000002'}: continue from it with --resume {ckpts / 'step_00000002'}"
+    layout = (step4 / "layout.json").read_text()  # a record the checks before launch read: checked before they use it
+    (step4 / "layout.json").write_text(layout.replace('"zero_stage": 0', '"zero_stage": 2'))  # (it had been "saved as
+    bad = harness(out, corpus, sets=sets, args=["--resume", "auto"], check=False)  # ZeRO-2: resume it so")
+    assert bad.proc.returncode == 2 and "is damaged: layout.json has changed since it was saved" in bad.proc.stderr
+    (step4 / "layout.json").write_text(layout)
     for damage, said in (("a byte changed", f"{states.name} has changed since it was saved (another SHA-256)"),
                          ("cut short", f"{states.name} is 1,000 bytes, saved as {len(saved):,}"),
                          ("gone", f"{states.name} is gone"),

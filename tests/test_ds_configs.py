@@ -161,13 +161,17 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
     # sections that ask for nothing (DeepSpeed's templates, all off) plan; the same ones switched on are refused
     off = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
                                         "number_checkpoints": None}, "compile": {"deepcompile": False},
-           "comms_logger": {"enabled": False, "verbose": True}, "checkpoint": {"writer": {"type": "fast"}}}
+           "comms_logger": {"enabled": False, "verbose": True}, "checkpoint": {"writer": None}}
     assert make_plan(None, BASE, write(tmp_path, "off", off), 1).ds.config["compile"] == {"deepcompile": False}
     with pytest.raises(ConfigError, match=r"^compile \(ds file .*\) would be ignored: .* set train.compile = true"):
         make_plan(None, BASE, write(tmp_path, "on", {**off, "compile": {"deepcompile": True}}), 1)
-    # a writer that writes in the background: still writing when the checkpoint is named complete and hashed
-    with pytest.raises(ConfigError, match=r"^checkpoint.writer.decoupled \(ds file .*\): DeepSpeed would write"):
-        make_plan(None, BASE, write(tmp_path, "late", {**off, "checkpoint": {"writer": {"decoupled": True}}}), 1)
+    # DeepSpeed's writer engines: a KeyError as the engine was built (CROSS_SIZE), or, decoupled, still writing when
+    # the checkpoint is named complete and hashed; a section that is no object: one line, not an AttributeError
+    for writer in ({"decoupled": True}, {"type": "fast"}):
+        with pytest.raises(ConfigError, match=r"^checkpoint.writer \(ds file .*\): DeepSpeed's writer engines"):
+            make_plan(None, BASE, write(tmp_path, "late", {**off, "checkpoint": {"writer": writer}}), 1)
+    with pytest.raises(ConfigError, match=r"^checkpoint \(ds file .*\) must be an object"):
+        make_plan(None, BASE, write(tmp_path, "list", {**off, "checkpoint": ["writer"]}), 1)
 
 
 def test_adam_w_mode_and_torch_adam_build_what_deepspeed_would():

@@ -432,7 +432,8 @@ def test_evaluate_and_translate_take_only_scoring_settings_with_set(toy_run, mon
     monkeypatch.setattr(translation, "generate", lambda *a, **k: decoded.append((k["beam_size"],
                                                                                  k["length_penalty"])) or real(*a, **k))
     assert evaluate_run(run.dir, "test", sets=["translation.beam_size=1"])["beam_size"] == 1
-    assert set(decoded) == {(1, 0.6)} and json.loads((run.dir / "eval.json").read_text())["test"]["beam_size"] == 1
+    scored = json.loads((run.dir / "eval.json").read_text())["test"]
+    assert set(decoded) == {(1, 0.6)} and (scored["beam_size"], scored["length_penalty"]) == (1, 0.6)
     decoded.clear()
     capsys.readouterr()
     assert main(["translate", "--run-dir", str(run.dir), "--set", "translation.beam_size=3", "--set",
@@ -442,10 +443,13 @@ def test_evaluate_and_translate_take_only_scoring_settings_with_set(toy_run, mon
     for argv, said in ((["evaluate", "--set", "model.d_model=64"], "--set model.d_model=64: evaluate and translate "
                         "take only settings of how the trained model is scored (this run's are translation.beam_size, "
                         "translation.length_penalty); model.d_model is what the run trained with"),
+                       (["evaluate", "--set", "prices.periods=2"], "prices.periods is no setting of a 'translation' "
+                        "run"),
                        (["translate", "--set", "translation.beam_size=0", "a dog."], "translation.beam_size")):
         assert main([argv[0], "--run-dir", str(run.dir), *argv[1:]]) == 2
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err
+
 
 def test_loss_is_normalised_by_target_tokens_across_accumulation_and_ranks(toy_dir, tmp_path):
     """Sentences have different lengths, so a mean of per-micro-batch means would weigh tokens unequally:

@@ -244,11 +244,14 @@ def _check_sections(ds: dict, label: str) -> None:
             raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
                               f"{f'; did you mean `{close}`?' if close else ''} (it takes "
                               f"{', '.join(sorted(PLAIN_SECTIONS[key]))})")
-    writer = (ds.get("checkpoint") or {}).get("writer") if isinstance(ds.get("checkpoint"), dict) else None
-    if isinstance(writer, dict) and writer.get("decoupled"):  # DeepSpeed 0.19: DecoupledCheckpointEngine
-        raise ConfigError(f"checkpoint.writer.decoupled ({label}): DeepSpeed would write the checkpoint in the "
-                          f"background, still writing when the harness names it complete and records its checksums; "
-                          f"remove it (the writer's other settings stand)")
+    ckpt = ds.get("checkpoint")
+    if ckpt is not None and not isinstance(ckpt, dict):
+        raise ConfigError(f"checkpoint ({label}) must be an object")
+    if isinstance(ckpt, dict) and ckpt.get("writer") is not None:  # checked on DeepSpeed 0.19
+        raise ConfigError(f"checkpoint.writer ({label}): DeepSpeed's writer engines do not run here: they read "
+                          f"launcher variables a harness launch does not set (CROSS_SIZE: a KeyError as the engine is "
+                          f"built), and a decoupled one would still be writing when the harness names the checkpoint "
+                          f"complete and records its checksums; remove it")
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"zero_optimization ({label}) must be an object")

@@ -39,10 +39,7 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     check_finished(run_dir)
     if note := trained_on_note(run_dir):
         print(note, file=sys.stderr, flush=True)
-    cfg = run_config(run_dir)
-    if sets:
-        scoring_sets(cfg, sets)
-        cfg = run_config(run_dir, sets)
+    cfg = _scored(run_dir, run_config(run_dir), sets)
     task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
@@ -57,6 +54,14 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     return cfg, task
 
 
+def _scored(run_dir: Path, cfg: RunConfig, sets: list[str] | tuple) -> RunConfig:
+    """The run's config with `sets` of its scoring settings over it (`scoring_sets`)."""
+    if not sets:
+        return cfg
+    scoring_sets(cfg, sets)
+    return run_config(run_dir, sets)
+
+
 def scoring_sets(cfg: RunConfig, sets: list[str] | tuple) -> None:
     """`--set` of `harness evaluate` and `translate` changes only how the trained model is scored or decoded (the
     task's settings declared `scoring`, e.g. translation.beam_size); anything else is what the run trained."""
@@ -68,7 +73,8 @@ def scoring_sets(cfg: RunConfig, sets: list[str] | tuple) -> None:
         key = s.partition("=")[0].strip()
         if key not in allowed:
             choice = f"this run's are {', '.join(allowed)}" if allowed else f"a {cfg.run.task!r} run has none"
-            what = "is what the run trained with" if key in known else "is no setting (harness keys lists them)"
+            what = "is what the run trained with" if key in known else \
+                f"is no setting of a {cfg.run.task!r} run (harness keys lists them)"
             raise ConfigError(f"--set {s}: evaluate and translate take only settings of how the trained model is "
                               f"scored ({choice}); {key or repr(s)} {what}")
 
@@ -211,9 +217,10 @@ def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple
     if blank:
         raise ConfigError(f"sentence {blank[0]} of {len(sentences)} is empty: there is nothing to translate in it")
     run_dir = Path(run_dir)
-    cfg, task = _task(run_dir, sets=sets)
+    cfg, task = _task(run_dir)
     if not hasattr(task, "translate"):
         raise ConfigError(f"{run_dir}: run.task is {cfg.run.task!r}; `harness translate` needs a translation run")
+    cfg = _scored(run_dir, cfg, sets)
     task.prepared = stored(run_dir)  # the run's own tokenizer, where it keeps one
     return task.translate(_model(run_dir, task), cfg, sentences)
 

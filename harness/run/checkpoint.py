@@ -329,7 +329,6 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
                     shutil.copy(path / name, work / name)
                 ds_patches.fix_universal_conversion(work, path)
                 (work / SOURCE).write_text(json.dumps(_stamp(path)) + "\n")
-                write_sums(work)  # reused by later resumes: checked as a checkpoint is
             # The engine reads its metadata (client state, scheduler) from the file its own stage names: ZeRO-3
             # zero_pp_rank_0_mp_rank_XX_model_states.pt, ZeRO-1/2 mp_rank_XX_model_states.pt. Both are there.
             for states in list(work.glob("*mp_rank_*_model_states.pt")):
@@ -337,6 +336,7 @@ def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> P
                 for twin in (f"mp_rank_{mp}", f"zero_pp_rank_0_mp_rank_{mp}"):
                     if not (work / twin).exists():
                         os.link(states, work / twin)
+            write_sums(work)  # reused by later resumes: checked as a checkpoint is (both twins: a copy may part them)
             os.replace(work, out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -505,15 +505,7 @@ def verify(path: Path, world: World) -> None:
     each GiB of it of its SHA-256 (the ranks check shares of equal bytes side by side), else every rank stops with
     the line naming the checkpoint before. Bytes changed since the save (a copy between clusters, a failing disk) had
     loaded silently. One without checksums (saved before they were recorded, or on a stop signal) is read as it is."""
-    sums = all_gather_objects(_read_sums(path) if world.is_main else None)[0]  # rank 0's reading, on every rank
-    found = None
-    if isinstance(sums, str):
-        found = sums
-    elif sums:
-        sizes = {name: entry["size"] for name, entry in sums.items()}
-        mine = _shares(sizes, world.world_size)[world.rank]
-        found = next((why for name, i in mine if (why := _changed(path, name, i, sums[name]))), None)
-    found = next((f for f in all_gather_objects(found) if f), None)
+    found = damage(path, world)
     if found and path.name.endswith(UNIVERSAL):  # made from a checkpoint by a resume: it can be made again
         raise ConfigError(f"{path}, a conversion of a checkpoint for another layout, is damaged: {found}; remove it "
                           f"and resume again, which converts the checkpoint afresh")
@@ -525,15 +517,39 @@ def verify(path: Path, world: World) -> None:
                           f"{_before(path)}")
 
 
+def damage(path: Path, world: World) -> str | None:
+    """Collective: what is wrong with checkpoint `path` against its checksums (`verify`), the same on every rank."""
+    sums = all_gather_objects(_read_sums(path) if world.is_main else None)[0]  # rank 0's reading, on every rank
+    found = None
+    if isinstance(sums, str):
+        found = sums
+    elif sums is not None:
+        sizes = {name: entry["size"] for name, entry in sums.items()}
+        mine = _shares(sizes, world.world_size)[world.rank]
+        found = next((why for name, i in mine if (why := _changed(path, name, i, sums[name]))), None)
+    return next((f for f in all_gather_objects(found) if f), None)
+
+
+def check_records(path: Path) -> None:
+    """The small records the checks before launch read (layout, shapes, data, place) against the checkpoint's
+    checksums, on one process: a changed one had sent the user after a wrong cause (another layout, changed code)."""
+    sums = _read_sums(path)
+    if isinstance(sums, dict):
+        for name in (LAYOUT, SHAPES, DATA, PLACE):
+            if name in sums and (why := _changed(path, name, 0, sums[name])):
+                raise ConfigError(f"checkpoint {path} is damaged: {why} (checked against the {SUMS} saved with it); "
+                                  f"{_before(path)}")
+
+
 def _read_sums(path: Path) -> dict | str | None:
     """A checkpoint's checksums; None where it has none; what is wrong with them where they cannot be used."""
     try:
         sums = json.loads((path / SUMS).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         return f"its {SUMS} cannot be read ({type(e).__name__})"
-    if not isinstance(sums, dict) or not all(_entry_ok(n, e) for n, e in sums.items()):
+    if not isinstance(sums, dict) or not sums or not all(_entry_ok(n, e) for n, e in sums.items()):
         return f"its {SUMS} cannot be read (not the sizes and SHA-256 digests of files within it)"
     return sums
 
@@ -552,8 +568,9 @@ def _changed(path: Path, name: str, chunk: int, recorded: dict) -> str | None:
             return f"{name} is gone"
         if file.stat().st_size != recorded["size"]:
             return f"{name} is {file.stat().st_size:,} bytes, saved as {recorded['size']:,}"
+        where = f" in its GiB number {chunk + 1}" if chunk else ""
         return None if _digest(file, chunk) == recorded["sha256"][chunk] else \
-            f"{name} has changed since it was saved (another SHA-256{f' in GiB {chunk}' if chunk else ''})"
+            f"{name} has changed since it was saved (another SHA-256{where})"
     except Exception as e:  # noqa: BLE001 - any failure is this file's line, said by every rank, not one rank gone
         return f"{name} cannot be read ({type(e).__name__}: {one_line(e, 200)})"
 
@@ -571,8 +588,11 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     if not own.is_dir() and not other.is_dir():  # every rank sees the same file system: all raise alike
         raise ConfigError(f"the resumed state names step {step} as the best checkpoint (train.select_best), but "
                           f"{own} is gone; set train.select_best = \"\" to go on without it")
-    if not own.is_dir():
-        verify(other, world)  # (collective) a damaged one had been copied, and found only when the run ended
+    best = own if own.is_dir() else other
+    found = damage(best, world)  # (collective) a damaged one was found only when the run ended, after training
+    if found:
+        raise ConfigError(f"the best checkpoint the resumed run kept (train.select_best), {best}, is damaged: {found}; "
+                          f"set train.select_best = \"\" to go on without it")
     if world.is_main:
         if not own.is_dir():
             shutil.copytree(other, own)

@@ -432,7 +432,8 @@ def _finish(run: Run, step: int, metrics: dict) -> dict:
             run.say(f"train.select_best = {selection.metric!r}: no evaluation could be selected (none gave a finite "
                     f"value on weights a checkpoint kept); exporting the last step's weights")
         elif selection and selection.step != step:
-            checkpoint.load(run.engine, ckpts / checkpoint.step_name(selection.step), world)  # the best weights
+            # the best weights, converted where they were saved in another layout (a resume onto other ranks)
+            checkpoint.load_onto(run.engine, ckpts / checkpoint.step_name(selection.step), plan.run_dir, plan.ds, world)
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")
             weights = selection.step

@@ -491,6 +491,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
                   f"starting from step 0", flush=True)
     if resume:
         if found is not None:
+            checkpoint.check_records(found)  # what the checks below read: as it was saved
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             _check_same_data(plan, found, data_changed_ok)

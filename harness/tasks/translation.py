@@ -224,7 +224,7 @@ class TranslationTask:
         return {"bleu": scores["bleu"], "chrf": scores["chrf"],
                 "copy_source_bleu": bleu_chrf([rows[j]["src"] for j in order], refs)["bleu"],
                 "nll": mean_nll, "perplexity": math.exp(min(mean_nll, 50.0)), "sentences": float(len(order)),
-                "beam_size": float(t.beam_size),
+                "beam_size": float(t.beam_size), "length_penalty": float(t.length_penalty),
                 "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"]}
 
     @torch.no_grad()
