@@ -150,6 +150,7 @@ def test_bad_mixtures_and_document_masks_are_refused_in_one_line(sources, tmp_pa
     cases = [
         ([mix((big, 0.5), (small, 0))], "data.mix: the weight of"),
         ([mix((big, 1), (big, 1))], "twice"),
+        ([mix((big, 1), (small, 1e-4))], "is below 1/8,192 of the mix"),  # (it had never been drawn, silently)
         ([mix((big, 1), (tmp_path / "none", 1))], "is no prepared corpus"),
         ([mix((big, 1), (bpe, 1))], "prepared with the tokenizer"),
         ([mix((big, 1), (small, 1)), "data.seq_len=100000"], "not one window of data.seq_len + 1"),

@@ -293,6 +293,20 @@ class Documents(ShardMaps):
 BLEND_PERIOD = 4096  # a mixture repeats its allocation of sources every this many samples
 
 
+def blend(weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One period of a mixture: each sample's source, its number among its source's in the period, and each
+    source's samples in it (a weight is held as its share of BLEND_PERIOD: one below half of 1/BLEND_PERIOD draws
+    none)."""
+    weights = np.asarray(weights, dtype=np.float64) / sum(weights)
+    counts = np.zeros(len(weights), dtype=np.int64)
+    source_of, rank_in = np.empty(BLEND_PERIOD, dtype=np.int64), np.empty(BLEND_PERIOD, dtype=np.int64)
+    for p in range(BLEND_PERIOD):
+        k = int(np.argmax(weights * (p + 1) - counts))
+        source_of[p], rank_in[p] = k, counts[k]
+        counts[k] += 1
+    return source_of, rank_in, counts
+
+
 class Mixture:
     """Several sources' windows as one data set. With `weights`, a blend over the run's sample numbers (any i >= 0:
     StepSampler's order "given", so each step holds every source in its share): sample i comes from the source
@@ -309,14 +323,7 @@ class Mixture:
         self.n = int(self.offsets[-1])
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
         if self.weights is not None:
-            counts = np.zeros(len(sources), dtype=np.int64)
-            self.source_of = np.empty(BLEND_PERIOD, dtype=np.int64)
-            self.rank_in = np.empty(BLEND_PERIOD, dtype=np.int64)  # its number among its source's in the period
-            for p in range(BLEND_PERIOD):
-                k = int(np.argmax(self.weights * (p + 1) - counts))
-                self.source_of[p], self.rank_in[p] = k, counts[k]
-                counts[k] += 1
-            self.per_period = counts
+            self.source_of, self.rank_in, self.per_period = blend(self.weights)
 
     def __len__(self) -> int:
         return self.n

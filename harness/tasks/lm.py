@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
-from ..data.corpus import Corpus, Mixture, Windows, is_corpus
+from ..data.corpus import BLEND_PERIOD, Corpus, Mixture, Windows, blend, is_corpus
 from ..data.rows import DataSummary, check_paths, check_split, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
@@ -49,6 +49,11 @@ def parse_mix(key: str, value) -> tuple[tuple[str, float], ...]:
         if os.path.realpath(pair[0]) in seen:
             raise ValueError(f"lists {pair[0]} twice")
         seen.add(os.path.realpath(pair[0]))
+    drawn = blend([w for _, w in pairs])[2]
+    if starved := [path for (path, _), n in zip(pairs, drawn) if n == 0]:
+        raise ValueError(f"the weight of {starved[0]} is below 1/{2 * BLEND_PERIOD:,} of the mix, the least a source "
+                         f"is drawn at (the blend allocates {BLEND_PERIOD:,} samples at a time): it would never be "
+                         f"read; raise it or leave the source out")
     return tuple((path, float(weight)) for path, weight in pairs)
 
 
