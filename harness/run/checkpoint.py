@@ -479,7 +479,13 @@ def record_sums(path: Path, world: World) -> str | None:
     """Collective, on a checkpoint every rank has written: each file's size and the SHA-256 of each GiB of it in
     `checksums.json` (rank 0 writes it), the ranks hashing shares of equal bytes side by side. What failed, or None
     (the checkpoint is then read unchecked, as one saved before checksums were recorded)."""
-    sizes = all_gather_objects(_listing(path) if world.is_main else None)[0]  # rank 0's view, on every rank
+    try:
+        listing = _listing(path) if world.is_main else None
+    except OSError as e:  # (said by every rank below: none is left waiting in the gather)
+        listing = f"listing {path.name}: {type(e).__name__}: {one_line(e)}"
+    sizes = all_gather_objects(listing)[0]  # rank 0's view, on every rank
+    if isinstance(sizes, str):
+        return sizes
     try:
         mine = {(name, i): _digest(path / name, i) for name, i in _shares(sizes, world.world_size)[world.rank]}
     except OSError as e:
