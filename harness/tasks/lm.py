@@ -49,7 +49,7 @@ def parse_mix(key: str, value) -> tuple[tuple[str, float], ...]:
         if os.path.realpath(pair[0]) in seen:
             raise ValueError(f"lists {pair[0]} twice")
         seen.add(os.path.realpath(pair[0]))
-    drawn = blend([w for _, w in pairs])[2]
+    drawn = blend([w for _, w in pairs])[2] if pairs else []
     if starved := [path for (path, _), n in zip(pairs, drawn) if n == 0]:
         raise ValueError(f"the weight of {starved[0]} is below 1/{2 * BLEND_PERIOD:,} of the mix, the least a source "
                          f"is drawn at (the blend allocates {BLEND_PERIOD:,} samples at a time): it would never be "
