@@ -205,7 +205,7 @@ def test_bad_settings_fail_before_training(series_csv, tmp_path):
         task.check(cfg_for(str(series_csv), 'prices.train_end="2020-01-05"'))
     with pytest.raises(ConfigError, match="not found"):
         task.check(cfg_for(str(series_csv) + ".missing"))
-    with pytest.raises(ConfigError, match=r"prices.periods = 0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"prices.periods = 0 \(command line\) must be > 0"):  # (its bound)
         task.check(cfg_for(str(series_csv), "prices.periods=0"))
     with pytest.raises(ConfigError, match="too few"):
         P.windows(cfg_for(str(series_csv), "prices.lookback=64", "prices.horizon=16"), P.prepare(cfg_for(

@@ -89,8 +89,6 @@ class PricesTask:
                 raise ConfigError(f"prices.{key} = {getattr(p, key)} must be > 0")
         if p.patch_len > p.lookback:
             raise ConfigError(f"prices.patch_len = {p.patch_len} must be <= prices.lookback = {p.lookback}")
-        if p.periods < 1:
-            raise ConfigError(f"prices.periods = {p.periods} must be >= 1 (1: the whole split, no periods)")
         if not 0.0 <= p.head_dropout < 1.0:
             raise ConfigError(f"prices.head_dropout = {p.head_dropout} must be in [0, 1)")
         if cfg.model.vocab_size:

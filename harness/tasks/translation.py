@@ -74,8 +74,6 @@ class TranslationTask:
         self._bind(cfg)
         if not 0.0 <= t.label_smoothing < 1.0:
             raise ConfigError(f"translation.label_smoothing = {t.label_smoothing} must be in [0, 1)")
-        if t.beam_size < 1:
-            raise ConfigError(f"translation.beam_size = {t.beam_size} must be >= 1 (1 is greedy decoding)")
         if t.length_penalty < 0 or t.eval_max_sentences < 0:
             raise ConfigError("translation.length_penalty and translation.eval_max_sentences must be >= 0")
         if m.vocab_size and m.vocab_size < 32:
