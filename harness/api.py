@@ -123,7 +123,6 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     `best`: the selected metric, its best value and step, and the step the run stopped early at, or 0).
     `trust_checkpoint`: checkpoints are unpickled whole, which can run code (`--trust-checkpoint`).
     `data_changed_ok`: resume on a prepared corpus other than the checkpoint's (`--data-changed-ok`)."""
-    from .distributed.world import launched_rank, under_launcher
     from .run.startup import preflight
     from .tasks.registry import given
 
@@ -132,8 +131,7 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     with given(task):
         p = _plan("train", run, sets, ds, task)
         _note_main_task(p)
-        resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok,
-                                say=launched_rank() == 0 and not under_launcher())
+        resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok)
         return _train(p, resume_from, overwrite, stop_at, trust_checkpoint)
 
 

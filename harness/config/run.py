@@ -46,6 +46,7 @@ def one_line(e: BaseException, limit: int | None = 300) -> str:
     """An exception's message on one line (libraries' run over several), cut to `limit` characters (None: whole)."""
     return " ".join(str(e).split())[:limit]
 
+
 def setting(default: Any, help: str, choices: tuple | None = None, bound: str | None = None, parse=None,
             scoring: bool = False):
     """A documented config field: its help is what `harness keys` prints; `choices` and `bound` (a key of BOUNDS)

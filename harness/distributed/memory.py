@@ -48,6 +48,7 @@ def freed_blocks_returned(mmap_above: int = 1 << 20):
         if changed:
             keep_freed_host_memory()
 
+
 def resident_bytes() -> int:
     """This process's resident set now (Linux), else 0."""
     try:

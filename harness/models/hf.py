@@ -352,12 +352,11 @@ def save(model: nn.Module, state: dict[str, torch.Tensor], tok, out: Path, gener
     # the source's own values of what training overrode (use_cache: false while training, true for generate())
     configs = [c for c in (model.config, getattr(model, "generation_config", None)) if c is not None]
     source = getattr(model, "harness_source_config", {})
-    trained = [{k: getattr(c, k) for k in source if hasattr(c, k)} for c in configs]
-    if len(configs) > 1 and generation:
-        trained[1] = {**{k: getattr(configs[1], k, None) for k in generation}, **trained[1]}
-    for c, had in zip(configs, trained):
+    wanted = [source, {**(generation or {}), **source}]  # the model's config, its generation_config
+    trained = [{k: getattr(c, k) for k in w if hasattr(c, k)} for c, w in zip(configs, wanted)]
+    for c, had, w in zip(configs, trained, wanted):
         for key in had:
-            setattr(c, key, source[key] if key in source else generation[key])
+            setattr(c, key, w[key])
     try:
         model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     finally:

@@ -439,6 +439,11 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
 CHUNK = 1 << 30  # bytes a rank hashes as one piece: a file far larger than the rest is hashed by several ranks
 
 
+def _pieces(size: int) -> int:
+    """How many CHUNK-sized pieces a file of `size` bytes is hashed in (an empty file: one)."""
+    return max(1, -(-size // CHUNK))
+
+
 def _listing(path: Path) -> dict[str, int]:
     """Every file of checkpoint `path` (subfolders too) but its checksums, by relative name, with its size."""
     return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file() and
@@ -449,7 +454,7 @@ def _shares(sizes: dict[str, int], ranks: int) -> list[list[tuple[str, int]]]:
     """Each rank's pieces (name, chunk index) of the files, the largest first to the least loaded rank: the same on
     every rank, given the same sizes."""
     pieces = sorted(((min(CHUNK, size - i * CHUNK), name, i) for name, size in sizes.items()
-                     for i in range(max(1, -(-size // CHUNK)))), key=lambda p: (-p[0], p[1], p[2]))
+                     for i in range(_pieces(size))), key=lambda p: (-p[0], p[1], p[2]))
     load, shares = [0] * ranks, [[] for _ in range(ranks)]
     for nbytes, name, i in pieces:
         r = load.index(min(load))
@@ -470,7 +475,7 @@ def _digest(file: Path, chunk: int) -> str:
 
 
 def _write_sums(path: Path, sizes: dict[str, int], digests: dict[tuple[str, int], str]) -> None:
-    sums = {name: {"size": size, "sha256": [digests[name, i] for i in range(max(1, -(-size // CHUNK)))]}
+    sums = {name: {"size": size, "sha256": [digests[name, i] for i in range(_pieces(size))]}
             for name, size in sizes.items()}
     _write_atomic(path / SUMS, json.dumps(sums, indent=1) + "\n")
 
@@ -562,7 +567,7 @@ def _read_sums(path: Path) -> dict | str | None:
 
 def _entry_ok(name: str, e: Any) -> bool:
     return isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 0 and \
-        isinstance(e.get("sha256"), list) and len(e["sha256"]) == max(1, -(-e["size"] // CHUNK)) and \
+        isinstance(e.get("sha256"), list) and len(e["sha256"]) == _pieces(e["size"]) and \
         all(isinstance(h, str) for h in e["sha256"]) and not Path(name).is_absolute() and ".." not in Path(name).parts
 
 

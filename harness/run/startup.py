@@ -452,15 +452,15 @@ def _check_replaceable(plan: Plan, overwrite: bool) -> None:
 
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False,
-              machine_rank: int = 0, say: bool | None = None) -> Path | None:
+              machine_rank: int = 0) -> Path | None:
     """Checks of this machine that need no process group (`machine_rank`: the node's, for `harness launch` on each
-    node). Returns the checkpoint to resume from, if any. `say`: print the notes about what is resumed (default: on
-    the first rank; the ranks `harness launch` starts leave them to its own check, which said them)."""
+    node). Returns the checkpoint to resume from, if any. The notes about what is resumed are said by the first rank,
+    or by `harness launch`'s own check where it started the ranks."""
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
     check_nvme(plan.ds)
     shared_wait_s()
-    from ..distributed.world import launched_rank
+    from ..distributed.world import launched_rank, under_launcher
     from . import checkpoint, lock
 
     run_dir = plan.run_dir
@@ -484,7 +484,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its "
                               f"checkpoints/ folder, or a step_* checkpoint)")
     elif resume == "auto":
-        say = launched_rank() == 0 if say is None else say
+        say = launched_rank() == 0 and not under_launcher()
         found = checkpoint.resume_target(run_dir / "checkpoints", say)
         if found is None and (run_dir / "metrics.jsonl").is_file() and say:
             print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
