@@ -20,8 +20,10 @@ from pathlib import Path
 from conftest import DS, LAUNCH, ROOT, TINY, Run, _env, assert_losses_close, harness
 from fake_slurm import kill_tree
 
-SETS = [*TINY, "train.max_steps=400", "train.global_batch_size=8", "train.save_every=50",
-        "train.eval_every=1000000"]
+SETS = [*TINY, "train.global_batch_size=8", "train.save_every=50", "train.eval_every=1000000",
+        'schedule.kind="constant"']  # an lr that does not depend on train.max_steps: see LONG
+LONG = 100_000  # the interrupted jobs' length: none can end before the signal meant to stop it reaches it, however
+# slow the machine (a signal's way through the job takes seconds; with 400 steps a loaded machine ran them all)
 
 
 def wait_for(what, seconds: float = 180.0, every: float = 0.1):
@@ -40,7 +42,7 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
                 "FAKE_SLURM_OUT": str(tmp_path), "DS": str(DS / "zero2.json"), "PROCS_PER_NODE": None,
                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "10"}, cold=True)  # cold: SLURM's signals reach the process tree
     args = ["--set", f"data.path={json.dumps(str(corpus))}", "--set", f"run.output_dir={json.dumps(str(out))}"]
-    for s in SETS:
+    for s in [*SETS, f"train.max_steps={LONG}"]:
         args += ["--set", s]
 
     def submit(*options: str, train: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess:
@@ -88,7 +90,7 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
         # one line for every rank, from rank 0, whichever ranks the signal reached
         assert [line for line in said(first) if "every rank stops" in line] == [
             f"harness: SIGUSR1: every rank stops after step {stopped}; saving a checkpoint, then exiting (75)"]
-        assert f"harness: stopped by SIGUSR1 after step {stopped} of 400" in log(first)
+        assert f"harness: stopped by SIGUSR1 after step {stopped} of {LONG}" in log(first)
         assert f"harness: requeueing job {first}" in log(first)
         # 2. scancel --batch --signal=TERM: the script passes it to the step's processes (not through srun, which
         # would kill the step): a checkpoint again, named for the SIGTERM it was, exit 75, not requeued
@@ -99,7 +101,7 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
         assert f"resumed from {out / 'checkpoints' / f'step_{stopped:08d}'}" in log(first)
         termed = latest()
         assert said(first)[-2:] == [
-            (f"harness: stopped by SIGTERM after step {termed} of 400; latest checkpoint: step_{termed:08d}; "
+            (f"harness: stopped by SIGTERM after step {termed} of {LONG}; latest checkpoint: step_{termed:08d}; "
              f"continue with --resume auto"),
             (f"harness: job {first} stopped with a checkpoint, not requeued (sacct: FAILED, exit code 75): "
              f"resubmit to continue")], said(first)
@@ -114,11 +116,12 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
         assert any(line.startswith(f"harness: job {second} cancelled (scancel, its time limit or a preemption): "
                                    f"SLURM sent SIGTERM to every process")
                    for line in said(second)), said(second)
-        assert said(second)[-1] == (f"harness: stopped by SIGTERM after step {cancelled} of 400; latest checkpoint: "
+        assert said(second)[-1] == (f"harness: stopped by SIGTERM after step {cancelled} of {LONG}; latest checkpoint: "
                                     f"step_{cancelled:08d}; continue with --resume auto"), said(second)
         # 4. resubmitted with a GPU per node (the fake node has them): one process per GPU, nothing set by hand;
-        # it runs to the end; every srun gave each node's launcher the job's CPUs
-        third = submitted("--gpus-per-node=1", FAKE_SLURM_GPUS="1")
+        # made shorter (the lr is constant), it runs to its end; every srun gave each node's launcher the job's CPUs
+        end = cancelled + 50
+        third = submitted("--gpus-per-node=1", train=("--set", f"train.max_steps={end}"), FAKE_SLURM_GPUS="1")
         wait_for(lambda: len(job(third)["runs"]) == 1, seconds=300)
         assert job(third)["runs"][0] == {"code": 0, "state": "COMPLETED"}, log(third)[-3000:]
         assert ": 2 node(s) x 1 process(es) (one per GPU of the job)" in said(third)[0], said(third)
@@ -133,8 +136,8 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
             if pid:
                 kill_tree(pid, signal.SIGKILL)
     resumed = Run(out, None)
-    assert [m["step"] for m in resumed.metrics] == list(range(1, 401))
-    whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=SETS)
+    assert [m["step"] for m in resumed.metrics] == list(range(1, end + 1))
+    whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=[*SETS, f"train.max_steps={end}"])
     assert_losses_close(resumed.losses, whole.losses, 1e-5)
 
 
