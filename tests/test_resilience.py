@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
 from harness.launcher import _is_rank, descendants
 from harness.run.preemption import EXIT_PREEMPTED
@@ -27,12 +29,13 @@ def start(out, corpus, **kwargs) -> subprocess.Popen:
                             env=_env(cold=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str, pid: int | None = None) -> tuple[Run, float]:
-    """Once the run has logged 3 steps, send `sig` to `who` (rank0, rank1, or top: the process started), or to
-    `pid`; wait."""
+def signal_mid_run(proc: subprocess.Popen, run: Run, sig: int, who: str, pid: int | None = None,
+                   at: int | None = None) -> tuple[Run, float]:
+    """Once the run has logged 3 steps (or step `at`), send `sig` to `who` (rank0, rank1, or top: the process
+    started), or to `pid`; wait."""
     seen = len(run.metrics)
     deadline = time.time() + 120
-    while len(run.metrics) < seen + 3:
+    while len(run.metrics) < (at or seen + 3):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
     ranks = [p for p in descendants(proc.pid) if _is_rank(p)]
@@ -89,6 +92,48 @@ def test_signals_stop_every_rank_with_a_checkpoint_and_the_resumed_losses_are_th
     whole = harness(tmp_path / "whole", corpus, nproc=2, ds="zero2.json", sets=LONG, args=["--stop-at", str(end)])
     assert [m["step"] for m in resumed.metrics] == list(range(1, end + 1))
     assert_losses_close(resumed.losses, whole.losses, 1e-6)
+
+
+SLOW_EVAL = ["--run", "examples/digits.toml", "--set", 'run.task="tests.slow_eval_task:SlowEvalDigits"']
+EVAL_AT = ["task.test_samples=20000", "train.max_steps=20", "train.eval_every=10", "train.log_every=1",
+           "train.micro_batch_size=16"]  # an evaluation of 625 micro-batches a rank
+
+
+def test_a_signal_in_an_evaluation_cuts_it_short_on_every_rank_and_the_resumed_run_makes_it_first(tmp_path):
+    """SIGTERM to one rank as the ranks evaluate step 10 (each micro-batch 10 ms: 6 s; without the cut the run stops
+    after step 11): every rank stops it at the same micro-batch and saves step 10 owing it, exit 75. The run resumed
+    makes it first; Ctrl-C in the final evaluation stops that one too, after the last checkpoint; resumed, the run
+    makes it and exports. Losses and evaluations: an uninterrupted run's."""
+    out = tmp_path / "run"
+
+    def start(*args: str, slow: str = "0.01") -> subprocess.Popen:
+        cmd = command(out, tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, front=True, args=[*SLOW_EVAL, *args])
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env({"SLOW_EVAL_S": slow}, cold=True), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    first, _ = signal_mid_run(start(), Run(out, None), signal.SIGTERM, "rank1", at=10)
+    assert first.proc.returncode == EXIT_PREEMPTED, first.proc.stderr[-3000:]
+    assert ("harness: SIGTERM: every rank stops after step 10 (in its evaluation); saving a checkpoint, then exiting "
+            "(75)") in first.proc.stderr
+    assert first.proc.stderr.strip().splitlines()[-1] == (
+        "harness: stopped by SIGTERM after step 10 of 20, its evaluation cut short (a resumed run makes it first); "
+        "latest checkpoint: step_00000010; continue with --resume auto")
+    assert not (out / "eval.jsonl").exists() and latest(first) == 10
+    second, _ = signal_mid_run(start("--resume", "auto"), first, signal.SIGINT, "top", at=20)
+    assert second.proc.returncode == EXIT_PREEMPTED, second.proc.stderr[-3000:]
+    assert second.proc.stderr.strip().splitlines()[-1] == (
+        "harness: stopped by SIGINT after step 20 of 20, in the final evaluation (a resumed run makes it, then "
+        "exports); latest checkpoint: step_00000020; continue with --resume auto")
+    assert [e["step"] for e in second.evals] == [10] and not (out / "model.safetensors").exists()
+    third = start("--resume", "auto", slow="0")
+    assert third.wait(timeout=180) == 0, third.communicate()[1][-3000:]
+    resumed = Run(out, None)
+    whole = harness(tmp_path / "whole", tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, args=SLOW_EVAL)
+    assert [e["step"] for e in resumed.evals] == [e["step"] for e in whole.evals] == [10, 20]
+    for ours, theirs in zip(resumed.evals, whole.evals):
+        assert ours == pytest.approx(theirs, rel=1e-6), (ours, theirs)
+    assert_losses_close(resumed.losses, whole.losses, 1e-6)
+    assert (out / "model.safetensors").exists()
 
 
 def catches(pid: int, sig: int) -> bool:

@@ -9,7 +9,7 @@ import signal
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -43,7 +43,7 @@ from ..tasks.interface import check_data, check_metrics, check_model, check_same
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose
-from .preemption import EXIT_PREEMPTED, Watch
+from .preemption import CUT_EVERY, EXIT_PREEMPTED, Cut, Watch, cut_if_signalled
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
@@ -52,40 +52,49 @@ from .trust import TRUST
 
 
 @torch.no_grad()
-def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None
-             ) -> tuple[float, int]:
+def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None,
+             stop: Callable[[], int | None] | None = None) -> tuple[float, int]:
     """The summed loss and the items it counts over `samples` (each once, whatever the world size; the first `limit`
-    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0."""
+    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0. `stop`:
+    this rank's stop signal, if it got one; any rank's cuts the sum short on every rank (raises preemption.Cut)."""
     batches, steps = eval_batches(len(samples), micro, world.dp_rank, world.dp_size, limit)
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)
     was_training = engine.training
     engine.eval()
     shown = progress(range(steps), desc=desc, leave=False, disable=not world.is_main) if desc else range(steps)
-    for i in shown:
-        real = i < len(batches)
-        batch = to_device(task.collate([samples[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
-                          world.device)
-        if real and world.sp_rank == 0:  # the sequence ranks split one batch: counted once
-            totals[1] += task.count(batch)
-        if split := getattr(engine, "harness_split", None):  # each sequence rank sums its own positions
-            batch = split.batch(task, batch)
-        # Every rank runs `steps` forwards: ZeRO-3 gathers weights, tensor parallelism all-reduces, collectively.
-        if world.pp_size > 1:  # the data-parallel mean of the ranks' sums (a rank's repeated batch counts 0),
-            totals[0] += pipeline_loss_sum(engine, task, batch, real).double()  # the same on every rank
-        else:
-            with sequence.split_over(split):  # a forward with collectives (the all-to-all): every rank, every batch
-                loss = task.loss(engine, batch).double()
-            if real:
-                totals[0] += loss
-    engine.train(was_training)
+    with contextlib.ExitStack() as restore:
+        restore.callback(engine.train, was_training)
+        for i in shown:
+            if stop and i % CUT_EVERY == CUT_EVERY - 1:
+                cut_if_signalled(stop(), world)
+            _add_batch_loss(engine, task, samples, world, batches, i, totals)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return totals[0].item(), int(totals[1].item())
 
 
-def evaluate(engine, plan: Plan, val, world: World) -> dict[str, float]:
+def _add_batch_loss(engine, task, samples, world: World, batches: list, i: int, totals: torch.Tensor) -> None:
+    """Micro-batch `i` of this rank's `batches` (past their end: the last again, counting nothing) into `totals`."""
+    real = i < len(batches)
+    batch = to_device(task.collate([samples[j] for j in (batches[i] if real else batches[-1] if batches else [0])]),
+                      world.device)
+    if real and world.sp_rank == 0:  # the sequence ranks split one batch: counted once
+        totals[1] += task.count(batch)
+    if split := getattr(engine, "harness_split", None):  # each sequence rank sums its own positions
+        batch = split.batch(task, batch)
+    # Every rank runs `steps` forwards: ZeRO-3 gathers weights, tensor parallelism all-reduces, collectively.
+    if world.pp_size > 1:  # the data-parallel mean of the ranks' sums (a rank's repeated batch counts 0),
+        totals[0] += pipeline_loss_sum(engine, task, batch, real).double()  # the same on every rank
+    else:
+        with sequence.split_over(split):  # a forward with collectives (the all-to-all): every rank, every batch
+            loss = task.loss(engine, batch).double()
+        if real:
+            totals[0] += loss
+
+
+def evaluate(engine, plan: Plan, val, world: World, stop: Callable[[], int | None] | None = None) -> dict[str, float]:
     """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
     t = plan.run.cfg.train
-    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches)
+    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches, stop=stop)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
     return {**metrics, "loss": total / count} if count else {}  # the loss whatever the task reports as its own "loss":
@@ -136,6 +145,7 @@ class Run:
     build_peaks: list[dict]
     shapes: dict[str, list[int]]  # the whole model's parameters (checkpoint.SHAPES)
     identity: dict | None         # what the run trains on (checkpoint.DATA): taken once, as the data was read
+    owed: bool = False            # the resumed checkpoint's evaluation, which a signal cut short: made first (OWED)
 
     @property
     def checkpoints(self) -> Path:
@@ -156,7 +166,7 @@ def _train(plan: Plan, world: World, resume_from: Path | None, stop_at: int | No
     if isinstance(run, dict):  # --resume auto on a finished run
         return run
     step, metrics = _loop(run, watch, beat, teardown)
-    return _finish(run, step, metrics)
+    return _finish(run, watch, step, metrics)
 
 
 def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | None,
@@ -214,7 +224,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                max_steps=max_steps, position=position), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
                state.get("samples_seen", 0), selection, tracker, flops,
                float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
-               {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity)
+               {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity, bool(state.get(OWED)))
 
 
 def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,
@@ -315,6 +325,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
     plan, world, t = run.plan, run.world, run.plan.run.cfg.train
     steps, ledger, progress, compiled = _stepper(run, teardown)
     metrics, step = {}, run.sampler.start_step
+    if run.owed and step < run.max_steps:  # (a run made shorter since makes its final evaluation there instead)
+        metrics = _owed_evaluation(run, watch, step, progress)
     while step < run.stop and not run.stopped_early:
         traced = profiling.StepProfile(world.device) if step + 1 == t.profile_step and world.is_main else None
         mark = traced.section if traced else profiling.unmarked  # train.profile_step: where the step's time goes
@@ -331,29 +343,61 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
         if ledger.give_up or (step == run.stop and ledger.bad_weights):  # no export of suspect weights, nor exit
             _give_up(run, ledger, progress)  # 0 (--stop-at: with a checkpoint of this step) after a non-finite loss
-        improved = False
+        improved, cut = False, False
         if evaluating and not ledger.signal:
-            metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step,
-                                    want=run.selection and run.selection.metric)
-            if run.selection:  # the same verdict on every rank: the metrics are all-reduced
-                improved = _select(run.selection, metrics, step, plan, world, run.tracker, math.isfinite(result.loss))
+            try:
+                metrics, improved = _evaluation(run, watch, step, math.isfinite(result.loss))
+            except Cut as e:
+                ledger.signal, cut = e.signum, True
         if ledger.signal and world.is_main:  # one line for all ranks, whichever of them got the signal
-            progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}; "
-                           f"saving a checkpoint, then exiting ({EXIT_PREEMPTED})", file=sys.stderr)
+            progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}"
+                           f"{' (in its evaluation)' * cut}; saving a checkpoint, then exiting ({EXIT_PREEMPTED})",
+                           file=sys.stderr)
         if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
-            _save(run, step, result, progress, checksums=not ledger.signal)  # (a signal's grace time is short)
+            _save(run, step, result, progress, checksums=not ledger.signal, owed=cut)  # (a signal's grace is short)
         if ledger.signal:
-            progress.close()
-            run.tracker.close(EXIT_PREEMPTED)  # no curves: a scheduler's kill follows its signal, and the exit code
-            # must come first
-            raise Preempted(f"stopped by {signal.Signals(ledger.signal).name} after step {step} of {run.max_steps}; "
-                            f"{checkpoint.resume_hint(run.checkpoints)}")
+            _preempted(run, ledger.signal, step, progress, OWED_NOTE if cut else "")
     progress.close()
     if compiled:
         graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
         run.say(f"train.compile: {graphs} compiled in {compiled.seconds:.1f} s, counted apart from step_s (metrics "
                 f"compile_s)")
     return step, metrics
+
+
+OWED = "evaluation_owed"  # in a checkpoint's state: its step's evaluation was cut short by a stop signal
+OWED_NOTE = ", its evaluation cut short (a resumed run makes it first)"
+
+
+def _evaluation(run: Run, watch: Watch, step: int, savable: bool = True) -> tuple[dict, bool]:
+    """The evaluation of `step` and, with train.select_best, whether it improved (the same verdict on every rank: the
+    metrics are all-reduced). A stop signal cuts it short on every rank: raises Cut."""
+    metrics = _eval_and_log(run.engine, run.plan, run.data.val, run.world, run.tracker, step,
+                            want=run.selection and run.selection.metric, stop=lambda: watch.signal)
+    if not run.selection:
+        return metrics, False
+    return metrics, _select(run.selection, metrics, step, run.plan, run.world, run.tracker, savable)
+
+
+def _owed_evaluation(run: Run, watch: Watch, step: int, progress) -> dict:
+    """The evaluation of the resumed checkpoint's step, which a signal had cut short: made before the first step."""
+    try:
+        metrics, improved = _evaluation(run, watch, step)
+    except Cut as e:  # the checkpoint still owes it
+        _preempted(run, e.signum, step, progress, OWED_NOTE)
+    if improved and run.world.is_main:
+        checkpoint.mark_best(run.checkpoints, step)
+    return metrics
+
+
+def _preempted(run: Run, signum: int, step: int, progress=None, how: str = "") -> NoReturn:
+    """End the run for a stop signal: exit EXIT_PREEMPTED (the CLI), naming the checkpoint to resume from."""
+    if progress is not None:
+        progress.close()
+    run.tracker.close(EXIT_PREEMPTED)  # no curves: a scheduler's kill follows its signal, and the exit code must come
+    # first
+    raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step} of {run.max_steps}{how}; "
+                    f"{checkpoint.resume_hint(run.checkpoints)}")
 
 
 def _stepper(run: Run, teardown: contextlib.ExitStack) -> tuple:
@@ -401,11 +445,12 @@ def _give_up(run: Run, ledger: Ledger, progress) -> None:
                           f"in all); stopping. Last good checkpoint: {kept}. {advice}")
 
 
-def _save(run: Run, step: int, result, progress, checksums: bool = True) -> None:
-    """Collective: a checkpoint of this step, unless its loss is not finite."""
+def _save(run: Run, step: int, result, progress, checksums: bool = True, owed: bool = False) -> None:
+    """Collective: a checkpoint of this step, unless its loss is not finite; `owed`: its evaluation, which a signal
+    cut short, is made first by a run resumed from it."""
     if math.isfinite(result.loss):
         selection = run.selection
-        extra = {"selection": selection.state()} if selection else {}
+        extra = {**({"selection": selection.state()} if selection else {}), **({OWED: True} if owed else {})}
         best = selection.step if selection and selection.value is not None else None
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, "data_position": list(run.sampler.place(step)),
@@ -416,12 +461,16 @@ def _save(run: Run, step: int, result, progress, checksums: bool = True) -> None
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 
 
-def _finish(run: Run, step: int, metrics: dict) -> dict:
+def _finish(run: Run, watch: Watch, step: int, metrics: dict) -> dict:
     """The final evaluation, the best checkpoint's weights (train.select_best) and the export, or a line saying how
     to continue a run stopped by --stop-at; then the curves."""
     plan, world, selection, ckpts = run.plan, run.world, run.selection, run.checkpoints
     if step >= run.max_steps:  # past it too: a finished run resumed with fewer steps, its export gone
-        metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True)
+        try:
+            metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True,
+                                    stop=lambda: watch.signal)
+        except Cut as e:  # the last checkpoint comes before it: a run resumed there makes it, then exports
+            _preempted(run, e.signum, step, how=", in the final evaluation (a resumed run makes it, then exports)")
         if selection and _select(selection, metrics, step, plan, world, run.tracker, final=True) and world.is_main:
             checkpoint.mark_best(ckpts, step)
     if step >= run.max_steps or run.stopped_early:
@@ -477,11 +526,16 @@ def _draw_curves(run: Run) -> None:
         say(f"curves not drawn: {type(e).__name__}: {e}")
 
 
-def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None) -> dict:
-    metrics = evaluate(engine, plan, val, world)
+def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None,
+                  stop: Callable[[], int | None] | None = None) -> dict:
+    """The evaluation of `step`, logged; a stop signal (`stop`) cuts it short until the task's own evaluation
+    starts (raises preemption.Cut)."""
+    metrics = evaluate(engine, plan, val, world, stop)
     # The field's metrics (e.g. BLEU by beam search) once, at the end; at every evaluation when train.select_best
     # names one (`want`) that the loss does not give.
     if (final or (want and want not in metrics)) and hasattr(plan.task, "evaluate"):
+        if stop:  # the task's own evaluation cannot be cut short (decoding, say): the last chance before it
+            cut_if_signalled(stop(), world)
         model, eval_world = engine, world
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data

@@ -8,6 +8,10 @@ at that step: which ranks the signal reached first differs from one stop to the 
 of a step, launchers pass it on again), so no rank speaks on receiving it. A second signal changes nothing; SIGKILL
 still ends a run at once.
 
+An evaluation runs no steps: each asks every rank every `CUT_EVERY` micro-batches, and once at its end, whether a
+signal came (`cut_if_signalled`, a small collective of its own); if one did, every rank stops it at the same batch.
+The run then stops as after a step, with a checkpoint that owes the evaluation: a resumed run makes it first.
+
 Before the loop watches, while a rank starts (imports, the process group, the model), SIGTERM and SIGUSR1 would
 kill it by their default action, which the launcher reads as a crash (exit 4 or 1) that no scheduler requeues:
 `starting` takes them from the process's first line, and the run stops with EXIT_PREEMPTED, nothing saved.
@@ -45,6 +49,28 @@ def stop_if_signalled() -> None:
     if _early:
         raise Preempted(f"stopped by {signal.Signals(_early[0]).name} while the run was starting, before its first "
                         f"step: nothing was saved; --resume auto goes on from the run's last checkpoint, if it has one")
+
+
+CUT_EVERY = 32  # an evaluation's micro-batches between two checks for a signal (a collective each)
+
+
+class Cut(Exception):
+    """An evaluation stopped by a stop signal, raised alike on every rank (`cut_if_signalled`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def cut_if_signalled(signalled: int | None, world) -> None:
+    """Collective: raise Cut on every rank if any rank got a stop signal (the highest number of them), else return."""
+    import torch
+
+    from ..distributed.world import all_reduce
+
+    got = int(all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX).item())
+    if got:
+        raise Cut(got)
 
 
 class Watch:
