@@ -316,7 +316,8 @@ def _evaluate_options(p: argparse.ArgumentParser) -> None:
     """`harness evaluate`: a finished run on a split of its data or on new data."""
     _run_dir(p)
     _scoring_set(p)
-    p.add_argument("--split", choices=["validation", "test"], help="a split of the run's data (default: test)")
+    p.add_argument("--split", choices=["validation", "test"],
+                   help="a split of the run's data (default: test; validation for a task without one, the lm)")
     p.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
                    "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
                    "and statistics")
@@ -366,8 +367,7 @@ def _evaluate(args) -> int:
     elif args.command == "evaluate":
         if args.name:
             raise ConfigError("--name names new data: it goes with --data")
-        split = args.split or "test"
-        print(evaluate.render_table(split, evaluate.evaluate_run(args.run_dir, split, args.periods, sets=args.set)))
+        print(evaluate.render_table(*evaluate.score_run(args.run_dir, args.split, args.periods, sets=args.set)))
     elif args.sentences:
         _out("\n".join(evaluate.translate(args.run_dir, args.sentences, args.set)))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input

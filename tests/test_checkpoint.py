@@ -88,14 +88,30 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--overwrite"])
     assert len((first.dir / "metrics.jsonl").read_text().splitlines()) == 3
     # `harness evaluate` on a task without a field evaluation of its own (lm): its mean loss and metrics, as the
-    # loop's last validation gave them; a split it does not build is one line
-    from harness.eval.evaluate import evaluate_run
+    # loop's last validation gave them; a split it does not build is one line, and no split named scores validation.
+    # New text (--data): the validation rows written to a file score as the validation split does
+    from harness.data.rows import keep, load_rows
+    from harness.eval.evaluate import evaluate_data, evaluate_run, score_run
+    from harness.run.export import run_config
+    from harness.tasks.lm import SPLIT_SEED
 
     scored, last = evaluate_run(first.dir, "validation"), first.evals[-1]
     assert scored["loss"] == pytest.approx(last["loss"], abs=1e-5) and scored["perplexity"] == pytest.approx(
         last["perplexity"], rel=1e-5) and scored[getattr(resolve_task("lm"), "items", "items")] > 0, (scored, last)
     with pytest.raises(ConfigError, match="task 'lm' builds no test split .* score --split validation"):
         evaluate_run(first.dir, "test")
+    assert score_run(first.dir, None) == ("validation", scored)
+    d = run_config(first.dir).data
+    held = keep(load_rows(str(corpus), d).train_test_split(test_size=d.val_fraction, shuffle=True, seed=SPLIT_SEED)
+                ["test"])["text"]
+    (tmp_path / "held.txt").write_text("\n".join(held) + "\n\n")
+    new = evaluate_data(first.dir, tmp_path / "held.txt")["held.txt"]
+    assert {k: new[k] for k in scored} == pytest.approx(scored, rel=1e-6), (new, scored)
+    assert new["rows_kept"] == len(held) and new["skipped"] == "empty 1", new
+    (tmp_path / "short.txt").write_text("too short\n")
+    with pytest.raises(ConfigError, match=r"short.txt: its rows hold fewer tokens than one window of data.seq_len \+ "
+                                          r"1 = 33: nothing to score"):
+        evaluate_data(first.dir, tmp_path / "short.txt")
     # --resume auto where the run saved nothing (its checkpoints gone here): said, and trained from step 0
     shutil.rmtree(first.dir / "checkpoints")
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])

@@ -58,7 +58,7 @@ def test_plugin_task_by_module_resumes_exactly_and_is_found_by_evaluate_and_benc
 def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(cached_run, tmp_path, one_thread):
     """The example's reader (`read`): its test rows written to a file score what the test split scores; a task without
     a reader gets one line from `evaluate --data`."""
-    from harness.config.run import ConfigError, to_toml
+    from harness.config.run import ConfigError
     from harness.tasks import resolve
     from harness.eval.evaluate import evaluate_data, evaluate_run
     from harness.run.trust import trusting
@@ -74,12 +74,13 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
         got = evaluate_data(run.dir, data)["digits.txt"]
     assert {k: got[k] for k in split} == pytest.approx(split, rel=1e-6)
     assert got["rows_kept"] == 500 and got["skipped"] == "malformed 1"
-    lm = tmp_path / "lm"  # the built-in lm task has no reader: refused before its (absent) model is read
-    lm.mkdir()
-    (lm / "config.toml").write_text(to_toml(resolve(None, ['run.task="lm"']).cfg))
-    (lm / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match="task 'lm' has no reader"):
-        evaluate_data(lm, data)
+
+    class Unread(task_class(cfg.run.task)):
+        read = None  # a task without a reader: refused before the model is read
+
+    with trusting(task="examples/digits_task.py:DigitsTask"), pytest.raises(ConfigError, match=r"digits_task.py:"
+                                                                                 r"DigitsTask' has no reader"):
+        evaluate_data(run.dir, data, task=Unread())
 
 
 def test_a_task_file_edited_between_two_runs_of_one_process_is_read_again(tmp_path):

@@ -103,6 +103,14 @@ def _strict(value):
 
 def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None,
                  sets: list[str] | tuple = ()) -> dict[str, float | str]:
+    return score_run(run_dir, split, periods, task, sets)[1]
+
+
+def score_run(run_dir: str | Path, split: str | None, periods: int | None = None, task=None,
+              sets: list[str] | tuple = ()) -> tuple[str, dict[str, float | str]]:
+    """(the split scored, its metrics); `split` None (no --split given): the test split, or validation where the
+    task builds none (the lm's), said."""
+    defaulted, split = split is None, split or "test"
     if split not in SCORED:  # another name would score the test split and record it under that name
         raise ConfigError(f"split = {split!r}: a run is scored on {' or '.join(map(repr, SCORED))} (--split, split=)")
     run_dir = Path(run_dir)
@@ -130,12 +138,16 @@ def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, ta
     else:  # the task's own figures from the mean loss, on the split its build_data gives
         data = task.build_data(cfg)
         samples = {"validation": data.val, "test": getattr(data, "test", None)}[split]
+        if samples is None and defaulted:
+            print(f"note: task {cfg.run.task!r} builds no test split: scoring the validation split (--split "
+                  f"validation; new data: --data PATH)", file=sys.stderr, flush=True)
+            split, samples = "validation", data.val
         if samples is None:
             raise ConfigError(f"{run_dir}: task {cfg.run.task!r} builds no test split (its build_data gives training "
                               f"and validation data): score --split validation, or new data with --data")
         metrics = loss_metrics(task, model, cfg, samples, world)
     _record(run_dir, {split: metrics})
-    return metrics
+    return split, metrics
 
 
 def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float]:

@@ -187,7 +187,9 @@ def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> 
     model, cfg = load_model(run_dir)
     if not hf.is_hf(model):
         raise ConfigError(f"{run_dir}: its model ({type(model).__name__}) is the harness's own, not a Hugging Face "
-                          f"model; its weights are {Path(run_dir) / MODEL_FILE}")
+                          f"model; its weights are {Path(run_dir) / MODEL_FILE} (harness.load_model reads them). A "
+                          f"run exports to Hugging Face when it trains one: model.hf names a transformers model or "
+                          f"config (docs/plugins-and-api.md, e.g. examples/byte_llama.py)")
     if note := trained_on_note(Path(run_dir)):
         print(note, flush=True)
     task = get_task(cfg.run.task)

@@ -10,18 +10,20 @@ import hashlib
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
-from ..data.corpus import BLEND_PERIOD, Corpus, Mixture, Windows, blend, is_corpus
+from ..data.corpus import BLEND_PERIOD, MANIFEST, Corpus, Mixture, Windows, blend, is_corpus
 from ..data.rows import DataSummary, check_paths, check_split, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
-from .interface import TaskData
+from .interface import ReadData, TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
 LARGE_RAW_BYTES = 100 << 20  # a raw file this big is tokenized at every start: say how to do it once
@@ -272,6 +274,36 @@ class LanguageModelTask:
             raise ConfigError(f"{d.path or 'the default text'}: its training rows hold fewer tokens than one sample of "
                               f"data.seq_len + 1 = {d.seq_len + 1}; shorten data.seq_len or use more data")
         return TaskData(train, self._pack(keep(val_rows), d.seq_len, encode), summary)
+
+    def read(self, cfg: RunConfig, path: Path, stored) -> ReadData:
+        """`harness evaluate --data PATH`: text as data.path reads it (data.format, data.text_field, the same
+        cleaning), cut into windows of data.seq_len + 1 tokens as the validation split is (a last part shorter than
+        a window is not scored); or a prepared corpus: every window of its documents, held-out ones too."""
+        d, name = cfg.data, str(path)
+        if name.startswith("hub:"):
+            raise ConfigError(f"--data {name}: scores files; prepare the data set once (harness prepare lm --input "
+                              f"{name} --out DIR) and score DIR")
+        if is_corpus(name):
+            return self._read_corpus(cfg, name)
+        rows = load_rows(name, d)
+        counts = dict(Counter(rows["status"]))
+        windows = self._pack(keep(rows), d.seq_len, self._encoder(cfg))
+        if len(windows) == 0 and len(keep(rows)):
+            raise ConfigError(f"--data {name}: its rows hold fewer tokens than one window of data.seq_len + 1 = "
+                              f"{d.seq_len + 1}: nothing to score")
+        return ReadData(windows, counts, [Path(name)])
+
+    def _read_corpus(self, cfg: RunConfig, name: str) -> ReadData:
+        corpus, seq = Corpus(name), cfg.data.seq_len
+        corpus.check()
+        _check_tokens(cfg, "--data", name, corpus)
+        windows = [Windows(corpus, split, seq, cfg.data.document_mask) for split in ("train", "validation")
+                   if corpus.tokens(split) > seq]
+        if not windows:
+            raise ConfigError(f"--data {name}: holds {corpus.tokens() + corpus.tokens('validation'):,} tokens, not "
+                              f"one window of data.seq_len + 1 = {seq + 1}: nothing to score")
+        counts = {"ok": corpus.documents() + corpus.documents("validation")}
+        return ReadData(Mixture(windows) if len(windows) > 1 else windows[0], counts, [Path(name) / MANIFEST])
 
     def _encoder(self, cfg: RunConfig):
         """Rows -> one token stream: their UTF-8 bytes joined by "\n", or the HF tokenizer's ids joined by EOS."""
