@@ -198,15 +198,23 @@ def test_a_disk_that_fills_removes_the_partial_shard_and_the_prepare_continues(t
 
 
 def test_training_reads_a_prepared_corpus_and_refuses_a_damaged_one(tmp_path, corpus):
-    prepared = tmp_path / "prepared"
+    """Also: `harness evaluate --data` scores a prepared corpus as the run's validation of it did."""
+    from harness.eval.evaluate import evaluate_data, evaluate_run
+
+    prepared, held = tmp_path / "prepared", tmp_path / "held"
     done = cli("prepare", "lm", "--input", str(corpus), "--out", str(prepared), "--val-fraction", "0.05")
     assert done.returncode == 0, done.stderr
+    prepare_corpus([str(write_corpus(tmp_path / "held.txt", lines=100, seed=5))], str(held))
     run = tmp_path / "run"
-    train = subprocess.run(command(run, prepared), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    train = subprocess.run(command(run, prepared, sets=[f"data.val_path={json.dumps(str(held))}"]), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "prepared corpus" in train.stdout + train.stderr
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records)
+    scored, new = evaluate_run(run, "validation"), evaluate_data(run, held)["held"]
+    assert {k: new[k] for k in scored} == pytest.approx(scored, rel=1e-6), (new, scored)
+    assert new["rows_kept"] == Corpus(held).documents() and new["data"] == str(held / MANIFEST)
     plan = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
     assert plan.returncode == 0 and "prepared corpus" in plan.stdout and "epochs" in plan.stdout, plan.stderr
     shard = Corpus(prepared).shards["train"][0].path
@@ -381,6 +389,25 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
     (src / "gone.txt").symlink_to(tmp_path / "unmounted.txt")
     with pytest.raises(ConfigError, match=r"gone.txt is a link to nothing .*unmounted.txt\); its data is missing"):
         expand([str(src)])
+
+
+def test_the_files_of_a_folder_that_no_reader_takes_are_said_not_passed_over_silently(tmp_path, capsys):
+    """A folder of .txt and .md notes was prepared from its .txt alone, saying nothing of the .md. One line now counts
+    what is not read, by suffix; a corpus prepared inside it (shards, records) and hidden files are not counted."""
+    from harness.prepare.corpus import KNOWN, expand
+
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    for name in ("b.md", "c.md", "d.pdf", ".hidden"):
+        (src / name).write_text("x\n")
+    prepare_corpus([str(src / "a.txt")], str(src / "prepared"), val_fraction=0.0)
+    capsys.readouterr()
+    assert expand([str(src)]) == [str(src / "a.txt")]
+    assert capsys.readouterr().out == (f"note: --input {src}: 3 file(s) of no kind it reads, not read (.md 2, .pdf 1; "
+                                       f"e.g. {src / 'b.md'}); it reads {KNOWN}: rename a text file .txt, or convert "
+                                       f"it, to include it\n")
+    assert expand([str(src / "a.txt")]) == [str(src / "a.txt")] and capsys.readouterr().out == ""
 
 
 def test_a_prepare_over_changed_inputs_names_the_files_that_changed(tmp_path):

@@ -101,9 +101,12 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
         for m in matches:
             p = Path(m)
             if p.is_dir():
-                kind = [(f, passed_over(f)) for f in _walk(p) if kind_of(str(f))]
+                walked = _walk(p)
+                kind = [(f, passed_over(f)) for f in walked if kind_of(str(f))]
                 found += sorted(str(f) for f, over_it in kind if not over_it)  # (as strings: the unit numbers of before)
                 over += [f for f, over_it in kind if over_it]
+                _say_unread(m, sorted(f for f in walked if not kind_of(str(f)) and not f.name.startswith(".")
+                                      and not passed_over(f)))
             elif p.is_file() and (m == name or not passed_over(p)):
                 found.append(m)
             elif p.is_file():
@@ -118,6 +121,16 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
                                   f"compressed .gz/.bz2/.xz/.zst)")
         files += [str(Path(f).resolve()) for f in found]
     return list(dict.fromkeys(files))
+
+
+def _say_unread(folder: str, unread: list[Path]) -> None:
+    """One line for the files a folder holds that no reader takes (a `.md` of text, say), by suffix: not read."""
+    if not unread:
+        return
+    kinds = Counter(f.suffix.lower() or "no suffix" for f in unread)
+    listed = ", ".join(f"{k} {n}" for k, n in kinds.most_common(4)) + (", ..." if len(kinds) > 4 else "")
+    print(f"note: --input {folder}: {len(unread)} file(s) of no kind it reads, not read ({listed}; e.g. {unread[0]}); "
+          f"it reads {KNOWN}: rename a text file .txt, or convert it, to include it", flush=True)
 
 
 def _walk(root: Path) -> list[Path]:
