@@ -790,7 +790,11 @@ def _check_settings(root: Path, before: dict, settings: dict) -> None:
     records = sorted((root / "units").glob("[0-9]*.json"))
     made = (root / MANIFEST).is_file() or any(_read_json(r).get("shards") for r in records)
     if made:
-        raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)")
+        was, now = ({i["path"]: i["size"] for i in x} for x in (before.get("inputs") or [], settings["inputs"]))
+        grown = was.items() < now.items() and set(changed[1:]) <= {"units"}  # files added, none gone or changed
+        raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)" + (
+            "; to add the new files without preparing the others again, prepare them alone into another --out and "
+            "train on both with data.mix (docs/corpora.md)" if grown else ""))
     for r in records:
         r.unlink()
 
