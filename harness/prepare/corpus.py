@@ -794,7 +794,7 @@ def _check_settings(root: Path, before: dict, settings: dict) -> None:
         grown = was.items() < now.items() and set(changed[1:]) <= {"units"}  # files added, none gone or changed
         raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)" + (
             "; to add the new files without preparing the others again, prepare them alone into another --out and "
-            "train on both with data.mix (docs/corpora.md)" if grown else ""))
+            "train on both with data.mix, each weighted by its tokens (docs/corpora.md)" if grown else ""))
     for r in records:
         r.unlink()
 
