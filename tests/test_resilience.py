@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,39 +102,63 @@ EVAL_AT = ["task.test_samples=20000", "train.max_steps=20", "train.eval_every=10
 
 def test_a_signal_in_an_evaluation_cuts_it_short_on_every_rank_and_the_resumed_run_makes_it_first(tmp_path):
     """SIGTERM to one rank as the ranks evaluate step 10 (each micro-batch 10 ms: 6 s; without the cut the run stops
-    after step 11): every rank stops it at the same micro-batch and saves step 10 owing it, exit 75. The run resumed
-    makes it first; Ctrl-C in the final evaluation stops that one too, after the last checkpoint; resumed, the run
-    makes it and exports. Losses and evaluations: an uninterrupted run's."""
+    some steps later): every rank stops it at the same micro-batch and saves step 10 owing it, exit 75. The run
+    resumed makes it first (stopped there by --stop-at, it saves step 10 again, owing nothing: the next resume does
+    not make it again); Ctrl-C in the final evaluation stops that one too, after the last checkpoint; resumed, the
+    run makes it and exports. Losses and evaluations: an uninterrupted run's, each evaluation once."""
     out = tmp_path / "run"
 
-    def start(*args: str, slow: str = "0.01") -> subprocess.Popen:
+    def start(*args: str) -> subprocess.Popen:
         cmd = command(out, tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, front=True, args=[*SLOW_EVAL, *args])
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env({"SLOW_EVAL_S": slow}, cold=True), stdout=subprocess.PIPE,
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env({"SLOW_EVAL_S": "0.01"}, cold=True), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
+
+    def resumed(*args: str) -> Run:
+        return harness(out, tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, args=[*SLOW_EVAL, "--resume", "auto",
+                                                                                   *args])
 
     first, _ = signal_mid_run(start(), Run(out, None), signal.SIGTERM, "rank1", at=10)
     assert first.proc.returncode == EXIT_PREEMPTED, first.proc.stderr[-3000:]
     assert ("harness: SIGTERM: every rank stops after step 10 (in its evaluation); saving a checkpoint, then exiting "
             "(75)") in first.proc.stderr
     assert first.proc.stderr.strip().splitlines()[-1] == (
-        "harness: stopped by SIGTERM after step 10 of 20, its evaluation cut short (a resumed run makes it first); "
-        "latest checkpoint: step_00000010; continue with --resume auto")
+        "harness: stopped by SIGTERM after step 10 of 20, its evaluation left to the resumed run, which makes it "
+        "first; latest checkpoint: step_00000010; continue with --resume auto")
     assert not (out / "eval.jsonl").exists() and latest(first) == 10
-    second, _ = signal_mid_run(start("--resume", "auto"), first, signal.SIGINT, "top", at=20)
+    owed = resumed("--stop-at", "10")
+    assert "eval step 10: " in owed.proc.stdout and "stopped at step 10 of 20 (--stop-at)" in owed.proc.stdout
+    second, _ = signal_mid_run(start("--resume", "auto"), owed, signal.SIGINT, "top", at=20)
     assert second.proc.returncode == EXIT_PREEMPTED, second.proc.stderr[-3000:]
     assert second.proc.stderr.strip().splitlines()[-1] == (
         "harness: stopped by SIGINT after step 20 of 20, in the final evaluation (a resumed run makes it, then "
         "exports); latest checkpoint: step_00000020; continue with --resume auto")
-    assert [e["step"] for e in second.evals] == [10] and not (out / "model.safetensors").exists()
-    third = start("--resume", "auto", slow="0")
-    assert third.wait(timeout=180) == 0, third.communicate()[1][-3000:]
-    resumed = Run(out, None)
+    assert "eval step 10: " not in second.proc.stdout and [e["step"] for e in second.evals] == [10]
+    assert not (out / "model.safetensors").exists()
+    done = resumed()
     whole = harness(tmp_path / "whole", tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, args=SLOW_EVAL)
-    assert [e["step"] for e in resumed.evals] == [e["step"] for e in whole.evals] == [10, 20]
-    for ours, theirs in zip(resumed.evals, whole.evals):
+    assert [e["step"] for e in done.evals] == [e["step"] for e in whole.evals] == [10, 20]
+    for ours, theirs in zip(done.evals, whole.evals):
         assert ours == pytest.approx(theirs, rel=1e-6), (ours, theirs)
-    assert_losses_close(resumed.losses, whole.losses, 1e-6)
+    assert_losses_close(done.losses, whole.losses, 1e-6)
     assert (out / "model.safetensors").exists()
+
+
+def test_a_signal_that_reaches_the_loop_at_a_step_that_evaluates_leaves_the_evaluation_to_the_resumed_run(tmp_path):
+    """SIGTERM (the task sends it to its own process in step 1's forward) reaches the loop with step 2, which
+    evaluates: the run stops without evaluating and the checkpoint owes it (before, that evaluation was never made)."""
+    out, sets = tmp_path / "run", ["task.test_samples=500", "train.max_steps=4", "train.eval_every=2"]
+    stopped = harness(out, tmp_path, sets=sets, args=SLOW_EVAL, env={"SIGNAL_AT_STEP": "1"}, check=False)
+    assert stopped.proc.returncode == EXIT_PREEMPTED, stopped.proc.stderr[-3000:]
+    assert stopped.proc.stderr.strip().splitlines()[-1] == (
+        "harness: stopped by SIGTERM after step 2 of 4, its evaluation left to the resumed run, which makes it first; "
+        "latest checkpoint: step_00000002; continue with --resume auto")
+    # the resumed run makes it, then dies before its next checkpoint (removed here): the run resumed again makes it
+    # again, recorded once
+    harness(out, tmp_path, sets=sets, args=[*SLOW_EVAL, "--resume", "auto", "--stop-at", "3"])
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    done = harness(out, tmp_path, sets=sets, args=[*SLOW_EVAL, "--resume", "auto"])
+    assert [e["step"] for e in done.evals] == [2, 4] and "eval step 2: " in done.proc.stdout
 
 
 def catches(pid: int, sig: int) -> bool:

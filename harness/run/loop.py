@@ -43,7 +43,7 @@ from ..tasks.interface import check_data, check_metrics, check_model, check_same
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose
-from .preemption import CUT_EVERY, EXIT_PREEMPTED, Cut, Watch, cut_if_signalled
+from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, checks_after, cut_if_signalled
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
@@ -65,7 +65,7 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
     with contextlib.ExitStack() as restore:
         restore.callback(engine.train, was_training)
         for i in shown:
-            if stop and i % CUT_EVERY == CUT_EVERY - 1:
+            if stop and checks_after(i):
                 cut_if_signalled(stop(), world)
             _add_batch_loss(engine, task, samples, world, batches, i, totals)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
@@ -207,7 +207,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         write_configs(plan, world, resume_from)
     if selection and selection.value is not None:
         checkpoint.adopt_best(plan.run_dir / "checkpoints", selection.step, resume_from.parent, world)
-    tracker = _records(plan, world, start_step, max_steps, selection, resume_from is not None)
+    tracker = _records(plan, world, start_step, max_steps, selection, resume_from is not None, bool(state.get(OWED)))
     say(start_line(plan, world, type(meta_model).__name__, n_params, flops.method, start_step, max_steps,
                    steps_per_epoch, every.describe(steps_per_epoch), threads))
     for line in [build_report(build_peaks, n_params)] if build_peaks[0]["host"] is not None else []:
@@ -228,15 +228,16 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
 
 
 def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,
-             resumed: bool) -> Tracker:
+             resumed: bool, owed: bool = False) -> Tracker:
     """The run's records from `start_step` on: what a crashed run logged past its checkpoint dropped (rank 0), and
     the tracker. W&B continues the run directory's own W&B run where nothing was logged past the checkpoint (a
     preemption's stop); past it, W&B keeps the steps it has, so the run goes on in a new W&B run."""
     ds, logged = plan.ds, 0
     if world.is_main:
         logged = truncate_jsonl(plan.run_dir / "metrics.jsonl", start_step)
-        # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again
-        truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps))
+        # the final evaluation comes after the last checkpoint: a run resumed there (its export gone) makes it again;
+        # so does a run resumed from a checkpoint that owes its evaluation (OWED), which a resume may have made
+        truncate_jsonl(plan.run_dir / "eval.jsonl", start_step - (start_step >= max_steps or owed))
         if selection:
             selection.record(plan.run_dir)
     layout = {"layout.world_size": world.world_size, "layout.zero_stage": ds.zero_stage,
@@ -343,20 +344,22 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
             ledger.settle(last=step == run.stop or bool(ledger.signal) or ledger.give_up)  # decisions below need it
         if ledger.give_up or (step == run.stop and ledger.bad_weights):  # no export of suspect weights, nor exit
             _give_up(run, ledger, progress)  # 0 (--stop-at: with a checkpoint of this step) after a non-finite loss
-        improved, cut = False, False
+        improved, cut, evaluated = False, False, False
         if evaluating and not ledger.signal:
             try:
                 metrics, improved = _evaluation(run, watch, step, math.isfinite(result.loss))
+                evaluated, ledger.signal = True, agreed(watch.signal, world)  # one late in it: stop here, not later
             except Cut as e:
                 ledger.signal, cut = e.signum, True
+        owed = bool(evaluating and ledger.signal and not evaluated)  # cut short, or not begun: the resumed run's
         if ledger.signal and world.is_main:  # one line for all ranks, whichever of them got the signal
             progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}"
                            f"{' (in its evaluation)' * cut}; saving a checkpoint, then exiting ({EXIT_PREEMPTED})",
                            file=sys.stderr)
         if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
-            _save(run, step, result, progress, checksums=not ledger.signal, owed=cut)  # (a signal's grace is short)
+            _save(run, step, math.isfinite(result.loss), progress, checksums=not ledger.signal, owed=owed)
         if ledger.signal:
-            _preempted(run, ledger.signal, step, progress, OWED_NOTE if cut else "")
+            _preempted(run, ledger.signal, step, progress, OWED_NOTE if owed else "")
     progress.close()
     if compiled:
         graphs = f"{compiled.graphs} graph{'s' * (compiled.graphs != 1)}"
@@ -366,7 +369,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
 
 
 OWED = "evaluation_owed"  # in a checkpoint's state: its step's evaluation was cut short by a stop signal
-OWED_NOTE = ", its evaluation cut short (a resumed run makes it first)"
+OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
 
 
 def _evaluation(run: Run, watch: Watch, step: int, savable: bool = True) -> tuple[dict, bool]:
@@ -387,6 +390,8 @@ def _owed_evaluation(run: Run, watch: Watch, step: int, progress) -> dict:
         _preempted(run, e.signum, step, progress, OWED_NOTE)
     if improved and run.world.is_main:
         checkpoint.mark_best(run.checkpoints, step)
+    if run.stopped_early or step >= run.stop:  # the run ends here: its checkpoint saved again, owing nothing, so
+        _save(run, step, True, progress)  # that a resume says it finished (early stopping) or goes on from it
     return metrics
 
 
@@ -445,10 +450,10 @@ def _give_up(run: Run, ledger: Ledger, progress) -> None:
                           f"in all); stopping. Last good checkpoint: {kept}. {advice}")
 
 
-def _save(run: Run, step: int, result, progress, checksums: bool = True, owed: bool = False) -> None:
-    """Collective: a checkpoint of this step, unless its loss is not finite; `owed`: its evaluation, which a signal
-    cut short, is made first by a run resumed from it."""
-    if math.isfinite(result.loss):
+def _save(run: Run, step: int, finite: bool, progress, checksums: bool = True, owed: bool = False) -> None:
+    """Collective: a checkpoint of this step, unless its loss is not `finite`; `owed`: its evaluation, which a signal
+    stopped, is made first by a run resumed from it."""
+    if finite:
         selection = run.selection
         extra = {**({"selection": selection.state()} if selection else {}), **({OWED: True} if owed else {})}
         best = selection.step if selection and selection.value is not None else None

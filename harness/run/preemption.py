@@ -8,9 +8,10 @@ at that step: which ranks the signal reached first differs from one stop to the 
 of a step, launchers pass it on again), so no rank speaks on receiving it. A second signal changes nothing; SIGKILL
 still ends a run at once.
 
-An evaluation runs no steps: each asks every rank every `CUT_EVERY` micro-batches, and once at its end, whether a
-signal came (`cut_if_signalled`, a small collective of its own); if one did, every rank stops it at the same batch.
-The run then stops as after a step, with a checkpoint that owes the evaluation: a resumed run makes it first.
+An evaluation runs no steps: the ranks ask each other whether a signal came after its micro-batches 1, 2, 4, ...,
+`CUT_EVERY` and every `CUT_EVERY` more (`cut_if_signalled`, a small collective of its own); if one did, every rank
+stops it at the same batch, and the run stops as after a step, with a checkpoint that owes the evaluation (a
+resumed run makes it first). Once it is whole they ask again (`agreed`), so the run stops at that step.
 
 Before the loop watches, while a rank starts (imports, the process group, the model), SIGTERM and SIGUSR1 would
 kill it by their default action, which the launcher reads as a crash (exit 4 or 1) that no scheduler requeues:
@@ -51,7 +52,13 @@ def stop_if_signalled() -> None:
                         f"step: nothing was saved; --resume auto goes on from the run's last checkpoint, if it has one")
 
 
-CUT_EVERY = 32  # an evaluation's micro-batches between two checks for a signal (a collective each)
+CUT_EVERY = 32  # an evaluation's micro-batches between two checks for a signal (a collective each), at most
+
+
+def checks_after(i: int) -> bool:
+    """Whether the ranks ask for a signal after an evaluation's micro-batch `i` (from 0): 1, 2, 4, ..., CUT_EVERY,
+    then every CUT_EVERY (an evaluation of a few slow batches is cut short too)."""
+    return (i + 1) % CUT_EVERY == 0 or (i + 1) & i == 0
 
 
 class Cut(Exception):
@@ -62,14 +69,18 @@ class Cut(Exception):
         self.signum = signum
 
 
-def cut_if_signalled(signalled: int | None, world) -> None:
-    """Collective: raise Cut on every rank if any rank got a stop signal (the highest number of them), else return."""
+def agreed(signalled: int | None, world) -> int:
+    """Collective: the stop signal any rank got (the highest number of them), the same on every rank; else 0."""
     import torch
 
     from ..distributed.world import all_reduce
 
-    got = int(all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX).item())
-    if got:
+    return int(all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX).item())
+
+
+def cut_if_signalled(signalled: int | None, world) -> None:
+    """Collective: raise Cut on every rank if any rank got a stop signal, else return."""
+    if got := agreed(signalled, world):
         raise Cut(got)
 
 
