@@ -190,9 +190,10 @@ def _task_reference(task, run_dir: str | Path) -> str | None:
     return f"{where}:{cls.__qualname__}"
 
 
-def evaluate(run_dir: str | Path, split: str = "test", data: str | Path | None = None, name: str | None = None,
+def evaluate(run_dir: str | Path, split: str | None = None, data: str | Path | None = None, name: str | None = None,
              task=None, trust_run_dir: bool = False):
-    """The field's metrics of a finished run on a split (`harness evaluate`), or with `data` on new data read with
+    """The field's metrics of a finished run on a split (`harness evaluate`; by default the test split, or validation
+    for a task that builds none, the lm), or with `data` on new data read with
     the run's stored tokenizer and statistics (`--data`: {entry name: metrics}, one entry per data set); also
     written to RUN/eval.json. A run of a plug-in task needs `task` (its name, as you trust it) or `trust_run_dir`
     (see harness/run/trust.py); a task object is used as it is, and trusted as the run's task if it is the one

@@ -112,6 +112,18 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     with pytest.raises(ConfigError, match=r"short.txt: its rows hold fewer tokens than one window of data.seq_len \+ "
                                           r"1 = 33: nothing to score"):
         evaluate_data(first.dir, tmp_path / "short.txt")
+    # the new file's own format and field: JSON lines by its name, its text in "body" (--set, for the new data only)
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in held))
+    body = evaluate_data(first.dir, tmp_path / "held.jsonl", sets=['data.text_field="body"'])["held.jsonl"]
+    assert {k: body[k] for k in scored} == pytest.approx(scored, rel=1e-6), (body, scored)
+    (tmp_path / "empty.txt").write_text("")
+    for path, message in ((tmp_path / "empty.txt", "the file is empty: nothing to score"),
+                          (tmp_path, "a folder that is no prepared corpus")):
+        with pytest.raises(ConfigError, match=message):
+            evaluate_data(first.dir, path)
+    with pytest.raises(ConfigError, match=r"scored or the new data read \(this run's are data.format, "
+                                          r"data.text_field\); data.seq_len is what the run trained with"):
+        evaluate_data(first.dir, tmp_path / "held.txt", sets=["data.seq_len=64"])
     # --resume auto where the run saved nothing (its checkpoints gone here): said, and trained from step 0
     shutil.rmtree(first.dir / "checkpoints")
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])

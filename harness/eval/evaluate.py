@@ -39,11 +39,12 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     check_finished(run_dir)
     if note := trained_on_note(run_dir):
         print(note, file=sys.stderr, flush=True)
-    cfg = _scored(run_dir, run_config(run_dir), sets)
+    cfg = run_config(run_dir)
     task = given if given is not None else get_task(cfg.run.task)
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
                           f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
+    cfg = _scored(run_dir, cfg, sets, getattr(task, "reader_settings", ()) if reader else ())
     if periods is not None:  # `--periods K`: rolling-origin periods, for this evaluation only
         if cfg.run.task != "prices":
             raise ConfigError(f"--periods {periods}: rolling-origin periods score price forecasts; {run_dir} is a "
@@ -54,20 +55,23 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     return cfg, task
 
 
-def _scored(run_dir: Path, cfg: RunConfig, sets: list[str] | tuple) -> RunConfig:
+def _scored(run_dir: Path, cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ...] = ()) -> RunConfig:
     """The run's config with `sets` of its scoring settings over it (`scoring_sets`)."""
     if not sets:
         return cfg
-    scoring_sets(cfg, sets)
+    scoring_sets(cfg, sets, reading)
     return run_config(run_dir, sets)
 
 
-def scoring_sets(cfg: RunConfig, sets: list[str] | tuple) -> None:
+def scoring_sets(cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ...] = ()) -> None:
     """`--set` of `harness evaluate` and `translate` changes only how the trained model is scored or decoded (the
-    task's settings declared `scoring`, e.g. translation.beam_size); anything else is what the run trained."""
+    task's settings declared `scoring`, e.g. translation.beam_size), and with --data how its reader reads the new
+    data (`reading`: the task's `reader_settings`, e.g. the lm's data.format); anything else is what the run
+    trained."""
     section = cfg.task_section
     allowed = [f"{section}.{f.name}" for f in dataclasses.fields(cfg.task) if f.metadata.get("scoring")] \
         if dataclasses.is_dataclass(cfg.task) else []
+    allowed += list(reading)
     known = flatten(cfg.to_dict())
     for s in sets:
         key = s.partition("=")[0].strip()
@@ -76,7 +80,7 @@ def scoring_sets(cfg: RunConfig, sets: list[str] | tuple) -> None:
             what = "is what the run trained with" if key in known else \
                 f"is no setting of a {cfg.run.task!r} run (harness keys lists them)"
             raise ConfigError(f"--set {s}: evaluate and translate take only settings of how the trained model is "
-                              f"scored ({choice}); {key or repr(s)} {what}")
+                              f"scored{' or the new data read' * bool(reading)} ({choice}); {key or repr(s)} {what}")
 
 
 def _model(run_dir: Path, task) -> torch.nn.Module:
@@ -101,7 +105,7 @@ def _strict(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def evaluate_run(run_dir: str | Path, split: str, periods: int | None = None, task=None,
+def evaluate_run(run_dir: str | Path, split: str | None, periods: int | None = None, task=None,
                  sets: list[str] | tuple = ()) -> dict[str, float | str]:
     return score_run(run_dir, split, periods, task, sets)[1]
 

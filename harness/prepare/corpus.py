@@ -97,7 +97,7 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
             files.append(name)
             continue
         matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else [name]
-        found, over = [], []
+        found, over, unread = [], [], {}
         for m in matches:
             p = Path(m)
             if p.is_dir():
@@ -105,12 +105,13 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
                 kind = [(f, passed_over(f)) for f in walked if kind_of(str(f))]
                 found += sorted(str(f) for f, over_it in kind if not over_it)  # (as strings: the unit numbers of before)
                 over += [f for f, over_it in kind if over_it]
-                _say_unread(m, sorted(f for f in walked if not kind_of(str(f)) and not f.name.startswith(".")
-                                      and not passed_over(f)))
+                unread.update((f.resolve(), f) for f in walked if not kind_of(str(f)) and not passed_over(f)
+                              and not any(part.startswith(".") for part in f.relative_to(p).parts))
             elif p.is_file() and (m == name or not passed_over(p)):
                 found.append(m)
             elif p.is_file():
                 over.append(p)
+        _say_unread(name, sorted(unread.values()))  # once for the input, each file once (a glob's folders overlap)
         if not found:
             raise ConfigError(f"--input {name}: matches no file" + (f" of a known kind ({KNOWN}, compressed "
                               f".gz/.bz2/.xz/.zst)" if Path(name).is_dir() else "") +
@@ -124,10 +125,12 @@ def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
 
 
 def _say_unread(folder: str, unread: list[Path]) -> None:
-    """One line for the files a folder holds that no reader takes (a `.md` of text, say), by suffix: not read."""
+    """One line for the files that folders of an input hold and no reader takes (a `.md` of text, say), by suffix
+    (hidden ones and those in hidden folders, `.git/`, left out): they are not read."""
     if not unread:
         return
-    kinds = Counter(f.suffix.lower() or "no suffix" for f in unread)
+    kinds = Counter(("".join(f.suffixes[-2:]) if _compression(str(f)) else f.suffix).lower() or "no suffix"
+                    for f in unread)
     listed = ", ".join(f"{k} {n}" for k, n in kinds.most_common(4)) + (", ..." if len(kinds) > 4 else "")
     print(f"note: --input {folder}: {len(unread)} file(s) of no kind it reads, not read ({listed}; e.g. {unread[0]}); "
           f"it reads {KNOWN}: rename a text file .txt, or convert it, to include it", flush=True)
