@@ -145,7 +145,7 @@ class Run:
     build_peaks: list[dict]
     shapes: dict[str, list[int]]  # the whole model's parameters (checkpoint.SHAPES)
     identity: dict | None         # what the run trains on (checkpoint.DATA): taken once, as the data was read
-    owed: bool = False            # the resumed checkpoint's evaluation, which a signal cut short: made first (OWED)
+    owed: bool = False            # the resumed checkpoint's evaluation, which a signal stopped: made first (OWED)
 
     @property
     def checkpoints(self) -> Path:
@@ -368,7 +368,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
     return step, metrics
 
 
-OWED = "evaluation_owed"  # in a checkpoint's state: its step's evaluation was cut short by a stop signal
+OWED = "evaluation_owed"  # in a checkpoint's state: a stop signal came before its step's evaluation was whole
 OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
 
 
@@ -383,7 +383,7 @@ def _evaluation(run: Run, watch: Watch, step: int, savable: bool = True) -> tupl
 
 
 def _owed_evaluation(run: Run, watch: Watch, step: int, progress) -> dict:
-    """The evaluation of the resumed checkpoint's step, which a signal had cut short: made before the first step."""
+    """The evaluation of the resumed checkpoint's step, which a signal had stopped: made before the first step."""
     try:
         metrics, improved = _evaluation(run, watch, step)
     except Cut as e:  # the checkpoint still owes it
