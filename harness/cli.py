@@ -309,7 +309,7 @@ def _train_options(p: argparse.ArgumentParser) -> None:
 def _scoring_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of how the "
                    "trained model is scored or decoded, for this command only, e.g. translation.beam_size=1 (greedy); "
-                   "`harness keys` marks them")
+                   "`harness keys` marks them; with --data, the lm's data.format and data.text_field for the file")
 
 
 def _evaluate_options(p: argparse.ArgumentParser) -> None:
@@ -319,8 +319,8 @@ def _evaluate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["validation", "test"],
                    help="a split of the run's data (default: test; validation for a task without one, the lm)")
     p.add_argument("--data", metavar="PATH", help="new data instead, in a format the task reads (a file pair by its "
-                   "prefix, a directory, a csv, tsv, jsonl or fasta file), read with the run's stored tokenizer "
-                   "and statistics")
+                   "prefix, a directory, a csv, tsv, jsonl or fasta file; the lm: a text, jsonl or csv file, or a "
+                   "prepared corpus), read with the run's stored tokenizer and statistics")
     p.add_argument("--name", help="--data: the entry's name in RUN/eval.json (default: PATH's file name)")
     p.add_argument("--periods", type=int, metavar="K", help="price runs: also score K consecutive periods of the "
                    "windows by forecast origin (rolling origin, the model fixed), each with its verdict against "
