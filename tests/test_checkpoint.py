@@ -116,6 +116,11 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     (tmp_path / "held.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in held))
     body = evaluate_data(first.dir, tmp_path / "held.jsonl", sets=['data.text_field="body"'])["held.jsonl"]
     assert {k: body[k] for k in scored} == pytest.approx(scored, rel=1e-6), (body, scored)
+    (tmp_path / "held").write_text((tmp_path / "held.txt").read_text())  # a name that tells no format: --set it
+    with pytest.raises(ConfigError, match="cannot tell the format from the file name; set data.format"):
+        evaluate_data(first.dir, tmp_path / "held")
+    named = evaluate_data(first.dir, tmp_path / "held", sets=['data.format="text"'])["held"]
+    assert {k: named[k] for k in scored} == pytest.approx(scored, rel=1e-6), (named, scored)
     (tmp_path / "empty.txt").write_text("")
     for path, message in ((tmp_path / "empty.txt", "the file is empty: nothing to score"),
                           (tmp_path, "a folder that is no prepared corpus")):

@@ -392,8 +392,8 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
 
 
 def test_the_files_of_a_folder_that_no_reader_takes_are_said_not_passed_over_silently(tmp_path, capsys):
-    """A folder of .txt and .md notes was prepared from its .txt alone, saying nothing of the .md. One line now counts
-    what is not read, by suffix; a corpus prepared inside it (shards, records) and hidden files are not counted."""
+    """A folder of .txt and .md notes: one line counts what is not read (the .md), by suffix; a corpus prepared inside
+    it (shards, records) and hidden files are not counted."""
     from harness.prepare.corpus import KNOWN, expand
 
     src = tmp_path / "in"

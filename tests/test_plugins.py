@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -76,11 +77,15 @@ def test_plugin_task_with_a_reader_scores_new_data_and_one_without_is_refused(ca
     assert got["rows_kept"] == 500 and got["skipped"] == "malformed 1"
 
     class Unread(task_class(cfg.run.task)):
-        read = None  # a task without a reader: refused before the model is read
+        read = None  # a task without a reader: refused before the model (here an empty file) is read
 
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    shutil.copy(run.dir / "config.toml", empty / "config.toml")
+    (empty / "model.safetensors").write_bytes(b"")
     with trusting(task="examples/digits_task.py:DigitsTask"), pytest.raises(ConfigError, match=r"digits_task.py:"
                                                                                  r"DigitsTask' has no reader"):
-        evaluate_data(run.dir, data, task=Unread())
+        evaluate_data(empty, data, task=Unread())
 
 
 def test_a_task_file_edited_between_two_runs_of_one_process_is_read_again(tmp_path):

@@ -145,7 +145,8 @@ def test_a_signal_in_an_evaluation_cuts_it_short_on_every_rank_and_the_resumed_r
 
 def test_a_signal_that_reaches_the_loop_at_a_step_that_evaluates_leaves_the_evaluation_to_the_resumed_run(tmp_path):
     """SIGTERM (the task sends it to its own process in step 1's forward) reaches the loop with step 2, which
-    evaluates: the run stops without evaluating and the checkpoint owes it (before, that evaluation was never made)."""
+    evaluates: the run stops without evaluating and the checkpoint owes it. SIGTERM in an evaluation at a step
+    without a record of its own (train.log_every = 3) writes the step's record before the run stops."""
     out, sets = tmp_path / "run", ["task.test_samples=500", "train.max_steps=4", "train.eval_every=2"]
     stopped = harness(out, tmp_path, sets=sets, args=SLOW_EVAL, env={"SIGNAL_AT_STEP": "1"}, check=False)
     assert stopped.proc.returncode == EXIT_PREEMPTED, stopped.proc.stderr[-3000:]
@@ -159,6 +160,10 @@ def test_a_signal_that_reaches_the_loop_at_a_step_that_evaluates_leaves_the_eval
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
     done = harness(out, tmp_path, sets=sets, args=[*SLOW_EVAL, "--resume", "auto"])
     assert [e["step"] for e in done.evals] == [2, 4] and "eval step 2: " in done.proc.stdout
+    cut = harness(tmp_path / "cut", tmp_path, sets=[*sets, "train.log_every=3"], args=SLOW_EVAL,
+                  env={"SIGNAL_IN_EVAL": "1"}, check=False)
+    assert cut.proc.returncode == EXIT_PREEMPTED and "after step 2 of 4, its evaluation left" in cut.proc.stderr
+    assert [m["step"] for m in cut.metrics] == [2], cut.metrics
 
 
 def catches(pid: int, sig: int) -> bool:

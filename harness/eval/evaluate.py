@@ -44,7 +44,11 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     if reader and not callable(getattr(task, "read", None)):
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
                           f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
-    cfg = _scored(run_dir, cfg, sets, getattr(task, "reader_settings", ()) if reader else ())
+    reading = getattr(task, "reader_settings", {}) if reader else {}
+    # how the run read its own data is not how to read the new file (the lm's data.format): back to the reader's
+    # value, unless `sets` give one
+    resets = [f"{key}={json.dumps(value)}" for key, value in reading.items() if value is not None]
+    cfg = _scored(run_dir, cfg, sets, tuple(reading), resets)
     if periods is not None:  # `--periods K`: rolling-origin periods, for this evaluation only
         if cfg.run.task != "prices":
             raise ConfigError(f"--periods {periods}: rolling-origin periods score price forecasts; {run_dir} is a "
@@ -55,12 +59,13 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
     return cfg, task
 
 
-def _scored(run_dir: Path, cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ...] = ()) -> RunConfig:
-    """The run's config with `sets` of its scoring settings over it (`scoring_sets`)."""
-    if not sets:
+def _scored(run_dir: Path, cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ...] = (),
+            resets: list[str] | tuple = ()) -> RunConfig:
+    """The run's config with `resets` and then `sets` of its scoring settings over it (`scoring_sets`)."""
+    if not sets and not resets:
         return cfg
     scoring_sets(cfg, sets, reading)
-    return run_config(run_dir, sets)
+    return run_config(run_dir, [*resets, *sets])
 
 
 def scoring_sets(cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ...] = ()) -> None:

@@ -50,13 +50,17 @@ from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
 
+OWED = "evaluation_owed"  # in a checkpoint's state: a stop signal came before its step's evaluation was whole
+OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
+
 
 @torch.no_grad()
 def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None,
-             stop: Callable[[], int | None] | None = None) -> tuple[float, int]:
+             signalled: Callable[[], int | None] | None = None) -> tuple[float, int]:
     """The summed loss and the items it counts over `samples` (each once, whatever the world size; the first `limit`
-    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0. `stop`:
-    this rank's stop signal, if it got one; any rank's cuts the sum short on every rank (raises preemption.Cut)."""
+    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0.
+    `signalled`: this rank's stop signal, if it got one; any rank's cuts the sum short on every rank (raises
+    preemption.Cut)."""
     batches, steps = eval_batches(len(samples), micro, world.dp_rank, world.dp_size, limit)
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)
     was_training = engine.training
@@ -65,9 +69,9 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
     with contextlib.ExitStack() as restore:
         restore.callback(engine.train, was_training)
         for i in shown:
-            if stop and checks_after(i):
-                cut_if_signalled(stop(), world)
             _add_batch_loss(engine, task, samples, world, batches, i, totals)
+            if signalled and checks_after(i):
+                cut_if_signalled(signalled(), world)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return totals[0].item(), int(totals[1].item())
 
@@ -91,10 +95,11 @@ def _add_batch_loss(engine, task, samples, world: World, batches: list, i: int, 
             totals[0] += loss
 
 
-def evaluate(engine, plan: Plan, val, world: World, stop: Callable[[], int | None] | None = None) -> dict[str, float]:
+def evaluate(engine, plan: Plan, val, world: World, signalled: Callable[[], int | None] | None = None
+             ) -> dict[str, float]:
     """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
     t = plan.run.cfg.train
-    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches, stop=stop)
+    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches, signalled=signalled)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
     return {**metrics, "loss": total / count} if count else {}  # the loss whatever the task reports as its own "loss":
@@ -154,6 +159,11 @@ class Run:
     @property
     def stopped_early(self) -> bool:
         return bool(self.selection and self.selection.stopped_at)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether an evaluation has anything to do (`_check_validation`)."""
+        return bool(len(self.data.val) or hasattr(self.plan.task, "evaluate"))
 
     def say(self, *args, **kwargs) -> None:
         if self.world.is_main:
@@ -351,7 +361,10 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
                 evaluated, ledger.signal = True, agreed(watch.signal, world)  # one late in it: stop here, not later
             except Cut as e:
                 ledger.signal, cut = e.signum, True
-        owed = bool(evaluating and ledger.signal and not evaluated)  # cut short, or not begun: the resumed run's
+        # cut short, or not begun: the resumed run's, where a checkpoint is saved and there is anything to evaluate
+        owed = bool(evaluating and ledger.signal and not evaluated and math.isfinite(result.loss) and run.evaluates)
+        if ledger.signal:  # a stop found after the steps were read: the step's record too, as at any stop
+            ledger.log_last()
         if ledger.signal and world.is_main:  # one line for all ranks, whichever of them got the signal
             progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}"
                            f"{' (in its evaluation)' * cut}; saving a checkpoint, then exiting ({EXIT_PREEMPTED})",
@@ -368,15 +381,11 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
     return step, metrics
 
 
-OWED = "evaluation_owed"  # in a checkpoint's state: a stop signal came before its step's evaluation was whole
-OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
-
-
 def _evaluation(run: Run, watch: Watch, step: int, savable: bool = True) -> tuple[dict, bool]:
     """The evaluation of `step` and, with train.select_best, whether it improved (the same verdict on every rank: the
     metrics are all-reduced). A stop signal cuts it short on every rank: raises Cut."""
     metrics = _eval_and_log(run.engine, run.plan, run.data.val, run.world, run.tracker, step,
-                            want=run.selection and run.selection.metric, stop=lambda: watch.signal)
+                            want=run.selection and run.selection.metric, signalled=lambda: watch.signal)
     if not run.selection:
         return metrics, False
     return metrics, _select(run.selection, metrics, step, run.plan, run.world, run.tracker, savable)
@@ -388,10 +397,10 @@ def _owed_evaluation(run: Run, watch: Watch, step: int, progress) -> dict:
         metrics, improved = _evaluation(run, watch, step)
     except Cut as e:  # the checkpoint still owes it
         _preempted(run, e.signum, step, progress, OWED_NOTE)
-    if improved and run.world.is_main:
-        checkpoint.mark_best(run.checkpoints, step)
-    if run.stopped_early or step >= run.stop:  # the run ends here: its checkpoint saved again, owing nothing, so
-        _save(run, step, True, progress)  # that a resume says it finished (early stopping) or goes on from it
+    # saved again, owing nothing, where the run ends here (a resume then says it finished, or goes on from it) and
+    # where it is now the best (its selection state, and this run's own copy of it: the resumed one may be another's)
+    if improved or run.stopped_early or step >= run.stop:
+        _save(run, step, True, progress)
     return metrics
 
 
@@ -473,7 +482,7 @@ def _finish(run: Run, watch: Watch, step: int, metrics: dict) -> dict:
     if step >= run.max_steps:  # past it too: a finished run resumed with fewer steps, its export gone
         try:
             metrics = _eval_and_log(run.engine, plan, run.data.val, world, run.tracker, step, final=True,
-                                    stop=lambda: watch.signal)
+                                    signalled=lambda: watch.signal)
         except Cut as e:  # the last checkpoint comes before it: a run resumed there makes it, then exports
             _preempted(run, e.signum, step, how=", in the final evaluation (a resumed run makes it, then exports)")
         if selection and _select(selection, metrics, step, plan, world, run.tracker, final=True) and world.is_main:
@@ -532,15 +541,15 @@ def _draw_curves(run: Run) -> None:
 
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None,
-                  stop: Callable[[], int | None] | None = None) -> dict:
-    """The evaluation of `step`, logged; a stop signal (`stop`) cuts it short until the task's own evaluation
+                  signalled: Callable[[], int | None] | None = None) -> dict:
+    """The evaluation of `step`, logged; a stop signal (`signalled`) cuts it short until the task's own evaluation
     starts (raises preemption.Cut)."""
-    metrics = evaluate(engine, plan, val, world, stop)
+    metrics = evaluate(engine, plan, val, world, signalled)
     # The field's metrics (e.g. BLEU by beam search) once, at the end; at every evaluation when train.select_best
     # names one (`want`) that the loss does not give.
     if (final or (want and want not in metrics)) and hasattr(plan.task, "evaluate"):
-        if stop:  # the task's own evaluation cannot be cut short (decoding, say): the last chance before it
-            cut_if_signalled(stop(), world)
+        if signalled:  # the task's own evaluation cannot be cut short (decoding, say): the last chance before it
+            cut_if_signalled(signalled(), world)
         model, eval_world = engine, world
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data

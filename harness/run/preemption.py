@@ -11,7 +11,8 @@ still ends a run at once.
 An evaluation runs no steps: the ranks ask each other whether a signal came after its micro-batches 1, 2, 4, ...,
 `CUT_EVERY` and every `CUT_EVERY` more (`cut_if_signalled`, a small collective of its own); if one did, every rank
 stops it at the same batch, and the run stops as after a step, with a checkpoint that owes the evaluation (a
-resumed run makes it first). Once it is whole they ask again (`agreed`), so the run stops at that step.
+resumed run makes it first). Once an evaluation in training is whole they ask again (`agreed`), so the run stops
+at that step.
 
 Before the loop watches, while a rank starts (imports, the process group, the model), SIGTERM and SIGUSR1 would
 kill it by their default action, which the launcher reads as a crash (exit 4 or 1) that no scheduler requeues:
@@ -56,8 +57,8 @@ CUT_EVERY = 32  # an evaluation's micro-batches between two checks for a signal 
 
 
 def checks_after(i: int) -> bool:
-    """Whether the ranks ask for a signal after an evaluation's micro-batch `i` (from 0): 1, 2, 4, ..., CUT_EVERY,
-    then every CUT_EVERY (an evaluation of a few slow batches is cut short too)."""
+    """Whether the ranks ask for a signal after an evaluation's micro-batch `i` (from 0): after 1, 2, 4, ...,
+    CUT_EVERY of them, then every CUT_EVERY more (an evaluation of a few slow batches is cut short too)."""
     return (i + 1) % CUT_EVERY == 0 or (i + 1) & i == 0
 
 
@@ -75,7 +76,8 @@ def agreed(signalled: int | None, world) -> int:
 
     from ..distributed.world import all_reduce
 
-    return int(all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX).item())
+    got = all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX)
+    return int(got.item())  # sync point (once an evaluation's CUT_EVERY micro-batches at most)
 
 
 def cut_if_signalled(signalled: int | None, world) -> None:

@@ -174,6 +174,7 @@ class Ledger:
         self.works: list[Work] = []  # the global work of the span's steps not yet added
         self.span = 1  # steps in the next span (`span_length`)
         self.step, self.result = None, None  # the last step read
+        self.unlogged: tuple | None = None  # the last step read, while it has no record: what `_log` takes
         self.nonfinite, self.give_up, self.signal = 0, False, 0
         self.itemless = 0  # of the non-finite steps in a row, those whose batches counted no items (a 0/0 loss)
         # whether the weights are suspect: one of them updated the weights (ZeRO-0 in fp32 does; 1-3 skip it), or its
@@ -251,9 +252,16 @@ class Ledger:
         if r.skipped and self.world.is_main:
             why = "gradient not finite" if r.loss_scale is None else f"fp16 overflow (loss scale now {r.loss_scale:g})"
             self.progress.write(f"step {step}: {why}, update skipped ({r.skipped_steps} so far)")
+        self.unlogged = (step, r, lr, samples_seen, ended)
         if step % self.t.log_every == 0 or step == self.stop or last or self.give_up or r.signal:
             with mark("logging"):
-                self._log(step, r, lr, samples_seen, ended)
+                self.log_last()
+
+    def log_last(self) -> None:
+        """The last step read gets its record if it has none: the loop stops after it (a stop it found later)."""
+        if self.unlogged is not None:
+            self._log(*self.unlogged)
+            self.unlogged = None
 
     def _log(self, step: int, r: StepResult, lr: float, samples_seen: int, ended: float) -> None:
         seconds = ended - self.window_start

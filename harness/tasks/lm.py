@@ -11,7 +11,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
 from ..data.corpus import BLEND_PERIOD, MANIFEST, Corpus, Mixture, Windows, blend, is_corpus
-from ..data.rows import SUFFIX_FORMATS, DataSummary, check_paths, check_split, keep, load_rows
+from ..data.rows import DataSummary, check_paths, check_split, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
@@ -117,7 +117,8 @@ class LanguageModelTask:
     byte_level = True  # until a run names a Hugging Face model
     loss_chunk = 0  # train.loss_chunk, set by build_model
     hf_model = False  # a Hugging Face model (model.hf), set by build_model
-    reader_settings = ("data.format", "data.text_field")  # `evaluate --data --set` them for the new file (`read`)
+    # `evaluate --data --set` them for the new file (`read`); its format is told by its name, not the run's
+    reader_settings = {"data.format": "auto", "data.text_field": None}
 
     def check(self, cfg: RunConfig) -> None:
         d = cfg.data
@@ -277,7 +278,7 @@ class LanguageModelTask:
         return TaskData(train, self._pack(keep(val_rows), d.seq_len, encode), summary)
 
     def read(self, cfg: RunConfig, path: Path, stored) -> ReadData:
-        """`harness evaluate --data PATH`: a text file read as data.path is, its format told by its name (else
+        """`harness evaluate --data PATH`: a text file read as data.path is, its format told by its name (or --set
         data.format) and the same cleaning, cut into windows of data.seq_len + 1 tokens as the validation split is
         (a last part shorter than a window is not scored); or a prepared corpus: every window of its documents,
         held-out ones too."""
@@ -292,8 +293,7 @@ class LanguageModelTask:
                               f"prepare the folder (harness prepare lm --input {name} --out DIR) and score DIR")
         if os.path.isfile(name) and os.path.getsize(name) == 0:
             raise ConfigError(f"--data {name}: the file is empty: nothing to score")
-        told = SUFFIX_FORMATS.get(Path(name.lower().removesuffix(".gz")).suffix)  # not the training file's format
-        rows = load_rows(name, replace(d, format=told) if told else d)
+        rows = load_rows(name, d)
         counts = dict(Counter(rows["status"]))
         windows = self._pack(keep(rows), d.seq_len, self._encoder(cfg))
         if len(windows) == 0 and len(keep(rows)):
