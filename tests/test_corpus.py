@@ -229,6 +229,12 @@ def test_training_reads_a_prepared_corpus_and_refuses_a_damaged_one(tmp_path, co
     shard.unlink()
     bad = cli("plan", "--set", f"data.path={json.dumps(str(prepared))}", "--set", "train.max_steps=10")
     assert bad.returncode == 2 and "is missing" in bad.stderr
+    small = tmp_path / "small"  # fewer windows than a global batch: refused before launch, not by every rank
+    prepare_corpus([str(write_corpus(tmp_path / "small.txt", lines=30, seed=1))], str(small))
+    bad = cli("plan", "--set", f"data.path={json.dumps(str(small))}", "--set", "train.global_batch_size=64", "--set",
+              "train.max_steps=10")
+    assert bad.returncode == 2 and "training window(s) of data.seq_len + 1 = " in bad.stderr and \
+        "fewer than one global batch of 64" in bad.stderr, bad.stderr
     good = tmp_path / "good"
     prepare_corpus([str(corpus)], str(good))
     bad = cli("plan", "--set", f"data.path={json.dumps(str(good))}", "--set", f"data.val_path={json.dumps(str(prepared))}",

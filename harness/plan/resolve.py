@@ -85,6 +85,8 @@ def make_plan(run_file: str | None, overrides: list[str], ds_file: str | None, w
                           f"compiles whole; use ZeRO-0/1/2 or set train.compile=false")
     if hasattr(task, "check_layout"):  # what the task's own settings need of the layout
         task.check_layout(run.cfg, ds.layout)
+    if hasattr(task, "check_batch"):  # else the ranks find out, once started
+        task.check_batch(run.cfg, ds.global_batch_size)
     if ds.layout.pp_size > 1 or ds.layout.tp_size > 1:
         check_model_parallel(run, ds, task)
     if ds.layout.sp_size > 1:

@@ -31,6 +31,7 @@ class Task(Protocol):
 
     Required: `build_model`, `build_data`, `collate`, `count`, `inputs`, `loss_from`.
     Optional: `check`, `check_layout(cfg, layout)` (what the task needs of the parallel layout, before launch),
+    `check_batch(cfg, global_batch)` (that data it can size cheaply holds a global batch, before launch),
     `loss`, `metrics`, `Config` (the task's own `[task]` section), `Data` (a DataSection subclass: keys of its own
     in [data], e.g. the lm's `data.mix`), `lengths` (length-bucketed
     batches), `pad_values` (the batch's (B, length) tensors and their padding value: `data.length_buckets` pads

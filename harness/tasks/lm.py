@@ -159,6 +159,19 @@ class LanguageModelTask:
             raise ConfigError(f"train.loss_chunk = {cfg.train.loss_chunk} under a pipeline: its last stage computes "
                               f"the loss from the whole logits, so nothing would be chunked; set it to 0")
 
+    def check_batch(self, cfg: RunConfig, global_batch: int) -> None:
+        """Before launch: prepared training data holds a global batch of windows (raw text is sized once read)."""
+        d = cfg.data
+        sources = [p for p, _ in d.mix] or ([d.path] if is_corpus(d.path) else [])
+        if not global_batch or not sources:
+            return
+        windows = sum(len(Windows(Corpus(p), "train", d.seq_len)) for p in sources)
+        if windows < global_batch:
+            key = "data.mix" if d.mix else f"data.path = {d.path}"
+            raise ConfigError(f"{key}: {windows:,} training window(s) of data.seq_len + 1 = {d.seq_len + 1} tokens, "
+                              f"fewer than one global batch of {global_batch}; use more data, a smaller batch or a "
+                              f"shorter data.seq_len")
+
     def build_model(self, cfg: RunConfig):
         m = cfg.model
         self.hf_model = bool(m.hf)
