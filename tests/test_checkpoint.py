@@ -492,6 +492,8 @@ def test_best_checkpoint_is_exported_and_early_stopping_stops_the_same_after_a_r
     module = torch.load(ckpts / names[0] / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert exported.keys() == module.keys() and all(torch.equal(exported[k], module[k]) for k in exported)
     assert abs(val_loss_of_export(run.dir) - best) < 1e-5 and abs(best - run.evals[-1]["loss"]) > 1e-3
+    sparse = harness(tmp_path / "sparse", corpus, sets=[*BEST, "train.log_every=100"])  # the stop's step has its
+    assert [m["step"] for m in sparse.metrics] == [stop]  # record, as the end of a run has
 
     # resumed into a new run directory one evaluation before the stop: the carried state (best, evaluations since)
     # stops it at the same step, and the best checkpoint comes along from the run it resumed

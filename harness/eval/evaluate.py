@@ -45,6 +45,7 @@ def _task(run_dir: Path, reader: bool = False, periods: int | None = None, given
         raise ConfigError(f"{run_dir}: task {cfg.run.task!r} has no reader (`read`, see the Task interface in "
                           f"harness/tasks/interface.py), so it cannot score new data; score a split with --split")
     reading = getattr(task, "reader_settings", {}) if reader else {}
+    reading = reading if isinstance(reading, dict) else dict.fromkeys(reading)  # (a tuple: keys kept as the run's)
     # how the run read its own data is not how to read the new file (the lm's data.format): back to the reader's
     # value, unless `sets` give one
     resets = [f"{key}={json.dumps(value)}" for key, value in reading.items() if value is not None]

@@ -70,7 +70,7 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
         restore.callback(engine.train, was_training)
         for i in shown:
             _add_batch_loss(engine, task, samples, world, batches, i, totals)
-            if signalled and checks_after(i):
+            if signalled and checks_after(i) and i + 1 < steps:  # (after the last: the loop asks, `agreed`)
                 cut_if_signalled(signalled(), world)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return totals[0].item(), int(totals[1].item())
@@ -162,8 +162,9 @@ class Run:
 
     @property
     def evaluates(self) -> bool:
-        """Whether an evaluation has anything to do (`_check_validation`)."""
-        return bool(len(self.data.val) or hasattr(self.plan.task, "evaluate"))
+        """Whether an evaluation in training has anything to do: the validation loss, or the task's own evaluation
+        for train.select_best (`_eval_and_log`)."""
+        return bool(len(self.data.val) or (self.selection and hasattr(self.plan.task, "evaluate")))
 
     def say(self, *args, **kwargs) -> None:
         if self.world.is_main:
@@ -363,7 +364,7 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
                 ledger.signal, cut = e.signum, True
         # cut short, or not begun: the resumed run's, where a checkpoint is saved and there is anything to evaluate
         owed = bool(evaluating and ledger.signal and not evaluated and math.isfinite(result.loss) and run.evaluates)
-        if ledger.signal:  # a stop found after the steps were read: the step's record too, as at any stop
+        if ledger.signal or run.stopped_early:  # a stop found after the steps were read: the step's record too
             ledger.log_last()
         if ledger.signal and world.is_main:  # one line for all ranks, whichever of them got the signal
             progress.write(f"harness: {signal.Signals(ledger.signal).name}: every rank stops after step {step}"

@@ -37,7 +37,9 @@ class Task(Protocol):
     batches), `pad_values` (the batch's (B, length) tensors and their padding value: `data.length_buckets` pads
     them to a few lengths), `padding` (the padding fraction in the logs), `evaluate` (`harness evaluate`; without it,
     the mean loss and `metrics` of the split: validation, or `TaskData.test` for test), `prepare`,
-    `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line.
+    `store` and `read` (`harness evaluate --data`; see `CaseStudy`): without `read`, `--data` is refused in one line;
+    `reader_settings`: the run keys `evaluate --data --set` may give for the new data, as {key: the value it is reset
+    to for new data, or None to keep the run's} (the lm's data.format and data.text_field).
     `generation_defaults(cfg)`: what a Hugging Face model's export writes in its generation_config, so `generate()`
     on it decodes as the task's evaluation does (translation: the run's beam); a `Config` field declared
     `setting(..., scoring=True)` is one `harness evaluate --set` may change.

@@ -117,7 +117,8 @@ class LanguageModelTask:
     byte_level = True  # until a run names a Hugging Face model
     loss_chunk = 0  # train.loss_chunk, set by build_model
     hf_model = False  # a Hugging Face model (model.hf), set by build_model
-    # `evaluate --data --set` them for the new file (`read`); its format is told by its name, not the run's
+    # `evaluate --data --set` them for the new file (`read`); data.format is reset to "auto" (the new file's name
+    # tells it, not the run's), data.text_field keeps the run's (None)
     reader_settings = {"data.format": "auto", "data.text_field": None}
 
     def check(self, cfg: RunConfig) -> None:
