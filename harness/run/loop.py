@@ -57,8 +57,8 @@ OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
 @torch.no_grad()
 def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None,
              signalled: Callable[[], int | None] | None = None) -> tuple[float, int]:
-    """The summed loss and the items it counts over `samples` (each once, whatever the world size; the first `limit`
-    micro-batches per rank with a limit), the model in eval mode meanwhile; `desc`: a progress bar on rank 0.
+    """The summed loss and the items it counts over `samples` (each once, whatever the world size; with a `limit`,
+    that many micro-batches per rank, of samples spread evenly over them), the model in eval mode meanwhile; `desc`: a progress bar on rank 0.
     `signalled`: this rank's stop signal, if it got one; any rank's cuts the sum short on every rank (raises
     preemption.Cut)."""
     batches, steps = eval_batches(len(samples), micro, world.dp_rank, world.dp_size, limit)

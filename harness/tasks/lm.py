@@ -308,12 +308,12 @@ class LanguageModelTask:
         if os.path.isfile(name) and os.path.getsize(name) == 0:
             raise ConfigError(f"--data {name}: the file is empty: nothing to score")
         rows = load_rows(name, d)
-        counts = dict(Counter(rows["status"]))
-        windows = self._pack(keep(rows), d.seq_len, self._encoder(cfg))
-        if len(windows) == 0 and len(keep(rows)):
+        kept = keep(rows)
+        windows = self._pack(kept, d.seq_len, self._encoder(cfg))
+        if len(windows) == 0 and len(kept):
             raise ConfigError(f"--data {name}: its rows hold fewer tokens than one window of data.seq_len + 1 = "
                               f"{d.seq_len + 1}: nothing to score")
-        return ReadData(windows, counts, [Path(name)])
+        return ReadData(windows, dict(Counter(rows["status"])), [Path(name)])
 
     def _read_corpus(self, cfg: RunConfig, name: str) -> ReadData:
         corpus, seq = Corpus(name), cfg.data.seq_len
