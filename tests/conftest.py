@@ -326,6 +326,18 @@ def ds_variant(tmp: Path, base: str, **zero) -> str:
     return str(path)
 
 
+class Stopped(Exception):
+    """What `stop_after` raises."""
+
+
+def stop_after(last: int, i: int, steps: int, asked: list) -> None:
+    """A World's `between_batches` for a task's own evaluation: records each (i, steps) it is asked with in `asked`,
+    and stops the evaluation (raises Stopped) after micro-batch `last`, as the loop does on a stop signal."""
+    asked.append((i, steps))
+    if i == last:
+        raise Stopped
+
+
 def assert_losses_close(a: dict[int, float], b: dict[int, float], rel: float) -> None:
     assert a.keys() == b.keys() and a, (a, b)
     for step in a:

@@ -1,6 +1,7 @@
 """The protein case study: data preparation, vocabulary, encoder heads, loss masking, MLM masking, training."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import zipfile
 from collections import Counter
@@ -17,7 +18,7 @@ from harness.prepare import read_meta
 from harness.prepare import protein as prep
 from harness.tasks.protein import IGNORE, ProteinTask
 
-from conftest import harness
+from conftest import Stopped, harness, stop_after
 
 SPLITS = ("train", "validation", "test")
 
@@ -288,6 +289,13 @@ def test_q3_scores_every_residue_of_chains_longer_than_seq_len(tmp_path):
     model = task.build_model(cfg)  # positions for 4 residues and <cls> only
     metrics = task.evaluate(model, cfg, "test", single_world(torch.device("cpu")))
     assert metrics["residues"] == 6 and metrics["chains_in_windows"] == 1
+    asked = []  # in training, the loop's `between_batches` (World.scored) after each batch: a stop signal ends it
+    world = dataclasses.replace(single_world(torch.device("cpu")), between_batches=lambda i, n: stop_after(0, i, n,
+                                                                                                          asked))
+    one_a_batch = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    with pytest.raises(Stopped):
+        task.evaluate(model, one_a_batch, "test", world)
+    assert asked == [(0, 2)]
 
 
 def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir, tmp_path):

@@ -166,6 +166,26 @@ def test_a_signal_that_reaches_the_loop_at_a_step_that_evaluates_leaves_the_eval
     assert [m["step"] for m in cut.metrics] == [2], cut.metrics
 
 
+def test_a_signal_in_a_tasks_own_evaluation_cuts_it_where_the_task_asks_and_the_resumed_run_makes_it(tmp_path):
+    """SIGTERM (the task sends it to its own process) in the 2nd micro-batch of the task's own evaluation (of 16, for
+    train.select_best's metric): the run stops after 2, owing it; resumed, it makes it: the uninterrupted run's."""
+    sets = ["task.test_samples=500", "train.max_steps=4", "train.eval_every=2", 'train.select_best="mae"']
+    own = ["--run", "examples/digits.toml", "--set", 'run.task="tests.slow_eval_task:SlowOwnEvalDigits"']
+    out, log = tmp_path / "run", tmp_path / "scored.log"
+    stopped = harness(out, tmp_path, sets=sets, args=own, env={"SIGNAL_IN_OWN_EVAL": "2", "OWN_EVAL_LOG": str(log)},
+                      check=False)
+    assert stopped.proc.returncode == EXIT_PREEMPTED, stopped.proc.stderr[-3000:]
+    assert stopped.proc.stderr.strip().splitlines()[-1] == (
+        "harness: stopped by SIGTERM after step 2 of 4, its evaluation left to the resumed run, which makes it first; "
+        "latest checkpoint: step_00000002; continue with --resume auto")
+    assert log.read_text().split() == ["0", "1"]  # of 16
+    done = harness(out, tmp_path, sets=sets, args=[*own, "--resume", "auto"])
+    whole = harness(tmp_path / "whole", tmp_path, sets=sets, args=own)
+    assert [e["step"] for e in done.evals] == [e["step"] for e in whole.evals] == [2, 4]
+    for ours, theirs in zip(done.evals, whole.evals):
+        assert ours == pytest.approx(theirs, rel=1e-6), (ours, theirs)
+
+
 def catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler for `sig` (Linux /proc: SigCgt)."""
     try:

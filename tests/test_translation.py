@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_losses_close, bare_copy, cli, ds_variant, harness, python
+from conftest import ROOT, Stopped, _env, assert_losses_close, bare_copy, cli, ds_variant, harness, python, stop_after
 from harness.config.run import ConfigError
 from harness.tasks import resolve
 from harness.models.decoding import beam_search, greedy
@@ -504,6 +504,12 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
 
         model, cfg = load_model(run.dir)
         alone = TranslationTask().evaluate(model, cfg, "validation", single_world(), max_sentences=12)
+        # in training, the loop's `between_batches` (World.scored) after each decoded batch: a stop signal ends it
+        asked = []
+        with pytest.raises(Stopped):
+            TranslationTask().evaluate(model, cfg, "validation", dataclasses.replace(
+                single_world(), between_batches=lambda i, steps: stop_after(1, i, steps, asked)), max_sentences=12)
+        assert [i for i, _ in asked] == [0, 1] and asked[0][1] > 2, asked
     assert final["sentences"] == alone["sentences"] == 12
     assert final["bleu"] == pytest.approx(alone["bleu"], abs=1e-6) and final["chrf"] == pytest.approx(alone["chrf"])
     assert final["nll"] == pytest.approx(alone["nll"], rel=1e-4)

@@ -106,6 +106,8 @@ class World:
     sp_rank: int = 0      # which chunk of each sequence's positions (sequence parallel)
     sp_size: int = 1
     library_output: str = ""  # what DeepSpeed printed while the world started (the run's deepspeed.log)
+    # set by the training loop while a task's own evaluation runs (a stop signal ends it: `scored`); else None
+    between_batches: Callable[[int, int], None] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -121,6 +123,13 @@ class World:
     def loss_replicas(self) -> int:
         """Ranks that compute the same loss: `replicas` but the sequence ranks (each sums over its own positions)."""
         return self.replicas // self.sp_size
+
+    def scored(self, i: int, steps: int) -> None:
+        """A task's own evaluation calls this after its micro-batch `i` (from 0) of `steps`, on every rank alike. In
+        training, where a rank got a stop signal, the ranks end the evaluation there together (it raises; the loop
+        saves a checkpoint that owes it); they ask each other now and then (a small collective). Elsewhere nothing."""
+        if self.between_batches is not None:
+            self.between_batches(i, steps)
 
     def gather(self, obj) -> list:
         """Every data-parallel rank's `obj` (picklable), in data-parallel order, on every rank; a sync point.

@@ -43,7 +43,7 @@ from ..tasks.interface import check_data, check_metrics, check_model, check_same
 from . import checkpoint, profiling
 from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose
-from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, checks_after, cut_if_signalled
+from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, cut_between, cut_if_signalled
 from .selection import Selection
 from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
@@ -70,8 +70,8 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
         restore.callback(engine.train, was_training)
         for i in shown:
             _add_batch_loss(engine, task, samples, world, batches, i, totals)
-            if signalled and checks_after(i) and i + 1 < steps:  # (after the last: the loop asks, `agreed`)
-                cut_if_signalled(signalled(), world)
+            if signalled:
+                cut_between(i, steps, signalled(), world)
     all_reduce(totals)  # sync point; ranks that read the same batch count it alike, so the ratio is exact
     return totals[0].item(), int(totals[1].item())
 
@@ -543,20 +543,21 @@ def _draw_curves(run: Run) -> None:
 
 def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, want: str | None = None,
                   signalled: Callable[[], int | None] | None = None) -> dict:
-    """The evaluation of `step`, logged; a stop signal (`signalled`) cuts it short until the task's own evaluation
-    starts (raises preemption.Cut)."""
+    """The evaluation of `step`, logged; a stop signal (`signalled`) cuts it short (raises preemption.Cut): the task's
+    own evaluation where it asks (`World.scored`)."""
     metrics = evaluate(engine, plan, val, world, signalled)
     # The field's metrics (e.g. BLEU by beam search) once, at the end; at every evaluation when train.select_best
     # names one (`want`) that the loss does not give.
     if (final or (want and want not in metrics)) and hasattr(plan.task, "evaluate"):
-        if signalled:  # the task's own evaluation cannot be cut short (decoding, say): the last chance before it
-            cut_if_signalled(signalled(), world)
         model, eval_world = engine, world
+        if signalled:  # asked before it (a first batch of decoding is slow too) and where it asks, `World.scored`
+            cut_if_signalled(signalled(), world)
+            eval_world = replace(world, between_batches=lambda i, steps: cut_between(i, steps, signalled(), world))
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data
             model.load_state_dict(full_state_dict(engine, world, everywhere=True))
             model.to(world.device)
-            eval_world = replace(world, dp_rank=world.rank, dp_size=world.world_size, stage=0, pp_size=1)
+            eval_world = replace(eval_world, dp_rank=world.rank, dp_size=world.world_size, stage=0, pp_size=1)
         own = plan.task.evaluate(model, plan.run.cfg, "validation", eval_world, in_training=True)
         check_metrics(plan.task, own, "evaluate(model, cfg, split, world)")
         metrics.update(own)

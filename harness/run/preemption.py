@@ -9,7 +9,8 @@ of a step, launchers pass it on again), so no rank speaks on receiving it. A sec
 still ends a run at once.
 
 An evaluation runs no steps: the ranks ask each other whether a signal came after its micro-batches 1, 2, 4, ...,
-`CUT_EVERY` and every `CUT_EVERY` more (`cut_if_signalled`, a small collective of its own); if one did, every rank
+`CUT_EVERY` and every `CUT_EVERY` more (`cut_between`, a small collective of its own; a task's own evaluation asks
+through `World.scored`, the built-in tasks' after each batch they decode or score); if one did, every rank
 stops it at the same batch, and the run stops as after a step, with a checkpoint that owes the evaluation (a
 resumed run makes it first). Once an evaluation in training is whole they ask again (`agreed`), so the run stops
 at that step.
@@ -84,6 +85,13 @@ def cut_if_signalled(signalled: int | None, world) -> None:
     """Collective: raise Cut on every rank if any rank got a stop signal, else return."""
     if got := agreed(signalled, world):
         raise Cut(got)
+
+
+def cut_between(i: int, steps: int, signalled: int | None, world) -> None:
+    """After an evaluation's micro-batch `i` of `steps`, on every rank: `cut_if_signalled` where `checks_after(i)`,
+    but not after the last (the loop asks then, `agreed`, and keeps the whole evaluation)."""
+    if checks_after(i) and i + 1 < steps:
+        cut_if_signalled(signalled, world)
 
 
 class Watch:

@@ -133,7 +133,9 @@ class CaseStudy(Task, Protocol):
         `in_training` is then true and a task may score a sample of the split), the consolidated plain model on
         every rank (pipeline runs), or a plain module in one process (`harness evaluate`). Every rank makes the
         same number of forward calls, through the model's top-level `__call__` only, so ZeRO-3 and tensor
-        parallelism can run their collectives; results are gathered with `world.gather`.
+        parallelism can run their collectives; results are gathered with `world.gather`. After each micro-batch `i`
+        of `steps` (every rank alike) it may call `world.scored(i, steps)`: in training, a stop signal then ends the
+        evaluation there on every rank (it raises; leave it be); without, a signal waits until it is whole.
         """
 
 

@@ -172,6 +172,7 @@ class PricesTask:
             pred = model(x).float().cpu()  # (b, H, C)
             if real:
                 mine.append((idx, pred))
+            world.scored(i, steps)  # in training, a stop signal ends it here on every rank
         model.train(was_training)
         out = torch.empty(len(data), data.horizon, data.values.shape[1])
         for part in world.gather(mine):  # sync point: every data-parallel rank's (indices, forecasts)

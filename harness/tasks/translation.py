@@ -211,6 +211,7 @@ class TranslationTask:
             if real:
                 nll += torch.tensor([loss.item(), self.count(batch)], dtype=torch.float64, device=dev)
                 out += [(j, tok.decode(h)) for j, h in zip(ids, hyps)]
+            world.scored(i, steps)  # in training, a stop signal ends it here on every rank
         model.train(was_training)
         all_reduce(nll)  # sync point
         decoded = dict(x for part in world.gather(out) for x in part)  # sync point; index -> hypothesis
