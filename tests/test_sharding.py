@@ -121,13 +121,18 @@ def test_eval_shards_cover_every_sample_once_in_lockstep(n, micro, dp):
 
 
 def test_a_capped_evaluation_reads_samples_spread_over_the_whole_split():
-    """train.eval_batches: `limit` batches a rank, of samples spread evenly over the split (a corpus's validation
-    windows lie in file order, a mixture's source by source: the first ones had been one file's or one source's)."""
-    shards = [eval_batches(1000, 4, r, 2, limit=5) for r in range(2)]
+    """train.eval_batches: that many global batches of samples, spread evenly over the split (a corpus's validation
+    windows lie in file order, a mixture's source by source: the first ones had been one file's or one source's),
+    the same ones on every layout."""
+    shards = [eval_batches(1000, 4, r, 2, samples=40) for r in range(2)]
     seen = sorted(i for batches, _ in shards for b in batches for i in b)
     assert len(seen) == len(set(seen)) == 40 and {s for _, s in shards} == {5}
     assert seen[0] == 0 and seen[-1] == 975 and max(b - a for a, b in zip(seen, seen[1:])) == 25
-    assert eval_batches(30, 4, 0, 2, limit=5) == eval_batches(30, 4, 0, 2)  # a cap above the split: all of it
+    for micro, dp in ((8, 1), (2, 4), (3, 3)):  # another micro-batch or data-parallel size: the same samples
+        shards = [eval_batches(1000, micro, r, dp, samples=40) for r in range(dp)]
+        assert sorted(i for batches, _ in shards for b in batches for i in b) == seen
+        assert len({s for _, s in shards}) == 1
+    assert eval_batches(30, 4, 0, 2, samples=40) == eval_batches(30, 4, 0, 2)  # a cap above the split: all of it
 
 
 def test_length_buckets_keep_the_epoch_a_permutation_and_batch_similar_lengths():

@@ -62,9 +62,14 @@ def test_fp16_dynamic_loss_scaling_matches_single_process(cached_run):
     assert halvings <= skipped[-1]  # with hysteresis a scale drop needs at least one skipped step
 
 
+# evaluations of one global batch (4 samples) at steps 3 and 6: the same samples on any layout of that batch
+CAPPED_EVAL = ["train.eval_every=3", "train.eval_batches=1"]
+
+
 def test_gradient_accumulation_equals_one_big_batch(cached_run):
     ref = cached_run("ref-fp32", ds="zero0.json")
-    accum = cached_run("accum", ds="zero0.json", sets=["train.micro_batch_size=1", "train.grad_accum_steps=4"])
+    accum = cached_run("accum", ds="zero0.json", sets=["train.micro_batch_size=1", "train.grad_accum_steps=4",
+                                                       *CAPPED_EVAL])
     assert "global batch 4 = 1 x 4 x 1" in accum.proc.stdout
     assert_losses_close(accum.losses, ref.losses, FP32_TOL)
     from safetensors.torch import load_file
@@ -79,9 +84,15 @@ def test_accumulation_across_ranks(cached_run):
     """2 ranks x micro 1 x accumulation 2 = the same 4 samples per step."""
     ref = cached_run("ref-fp32", ds="zero0.json")
     two = cached_run("accum-2p", nproc=2, ds="zero2.json",
-                     sets=["train.micro_batch_size=1", "train.global_batch_size=4"])
+                     sets=["train.micro_batch_size=1", "train.global_batch_size=4", *CAPPED_EVAL])
     assert "global batch 4 = 1 x 2 x 2" in two.proc.stdout
     assert_losses_close(two.losses, ref.losses, FP32_TOL)
+    # train.eval_batches = 1: one global batch's samples, the same on 2 ranks x 2 as on 1 rank x 4 micro-batches
+    one = cached_run("accum", ds="zero0.json", sets=["train.micro_batch_size=1", "train.grad_accum_steps=4",
+                                                     *CAPPED_EVAL])
+    assert [e["step"] for e in two.evals] == [e["step"] for e in one.evals] == [3, 6]
+    for theirs, ours in zip(one.evals, two.evals):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=FP32_TOL), (ours, theirs)
 
 
 @pytest.mark.parametrize("option", ["train.activation_checkpointing=true", "train.compile=true"])

@@ -146,8 +146,9 @@ class TrainSection:
     log_every: int = setting(10, "write metrics every N steps", bound="> 0")
     eval_every: int | str = setting(0, "evaluate every N steps (and always at the end), or \"0.5 epochs\" or \"20 per "
                                     "run\" (see harness/config/cadence.py); 0 means only at the end")
-    eval_batches: int = setting(0, "micro-batches per rank per evaluation, of samples spread evenly over the "
-                                "validation set; 0 means all of it", bound=">= 0")
+    eval_batches: int = setting(0, "global batches of samples an evaluation reads, spread evenly over the "
+                                "validation set (the same ones on every layout of that global batch); 0 means all "
+                                "of it", bound=">= 0")
     save_every: int | str = setting(0, "checkpoint every N steps (and always at the end), or \"1 epoch\" or \"5 per "
                                     "run\"; 0 means only at the end")
     keep_checkpoints: int = setting(2, "how many of the latest checkpoints to keep (and the best, with "

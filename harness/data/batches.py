@@ -159,17 +159,13 @@ class StepSampler(Sampler[list[int]]):
         return (self.max_steps - self.start_step) * self.accum
 
 
-def eval_batches(n: int, micro: int, dp_rank: int, dp_size: int, limit: int = 0) -> tuple[list[list[int]], int]:
+def eval_batches(n: int, micro: int, dp_rank: int, dp_size: int, samples: int = 0) -> tuple[list[list[int]], int]:
     """This rank's evaluation micro-batches (a strided shard of all n samples) and how many batches every rank
     must run: ranks with fewer real batches repeat a forward pass so collective ops (ZeRO-3) stay in step. With
-    `limit` batches a rank, the samples evaluated are spread evenly over all n, not the first ones: a prepared
-    corpus's validation windows lie in file order (a mixture's source by source), and the first would have been one
-    file's or one source's."""
-    if limit and limit * micro * dp_size < n:
-        m = limit * micro * dp_size
-        chosen = [k * n // m for k in range(m)]
-        mine = chosen[dp_rank::dp_size]
-        return [mine[i:i + micro] for i in range(0, len(mine), micro)], limit
-    mine = list(range(dp_rank, n, dp_size))
+    `samples` < n, that many are evaluated, spread evenly over all n, the same ones on every layout (not the first
+    ones: a prepared corpus's validation windows lie in file order, a mixture's source by source, and the first
+    would have been one file's or one source's)."""
+    chosen = range(n) if not 0 < samples < n else [k * n // samples for k in range(samples)]
+    mine = list(chosen[dp_rank::dp_size])
     batches = [mine[i:i + micro] for i in range(0, len(mine), micro)]
-    return batches, math.ceil(math.ceil(n / dp_size) / micro)
+    return batches, math.ceil(math.ceil(len(chosen) / dp_size) / micro)

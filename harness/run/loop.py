@@ -58,7 +58,7 @@ OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
 def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None,
              signalled: Callable[[], int | None] | None = None) -> tuple[float, int]:
     """The summed loss and the items it counts over `samples` (each once, whatever the world size; with a `limit`,
-    that many micro-batches per rank, of samples spread evenly over them), the model in eval mode meanwhile; `desc`: a progress bar on rank 0.
+    that many of them, spread evenly), the model in eval mode meanwhile; `desc`: a progress bar on rank 0.
     `signalled`: this rank's stop signal, if it got one; any rank's cuts the sum short on every rank (raises
     preemption.Cut)."""
     batches, steps = eval_batches(len(samples), micro, world.dp_rank, world.dp_size, limit)
@@ -99,7 +99,8 @@ def evaluate(engine, plan: Plan, val, world: World, signalled: Callable[[], int 
              ) -> dict[str, float]:
     """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
     t = plan.run.cfg.train
-    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, t.eval_batches, signalled=signalled)
+    limit = t.eval_batches * plan.ds.global_batch_size  # the same samples on every layout of that batch
+    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, limit, signalled=signalled)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
     return {**metrics, "loss": total / count} if count else {}  # the loss whatever the task reports as its own "loss":

@@ -242,8 +242,9 @@ class LanguageModelTask:
         held = Corpus(d.val_path).tokens() if d.val_path else sum(c.tokens("validation") for c in corpora)
         source = "data.val_path" if d.val_path else f"the {'corpora' if d.mix else 'corpus'}'s own (--val-fraction " \
                                                     f"at prepare; data.val_fraction is for raw text)"
-        reads = f"~{held // seq:,} windows, all of it (train.eval_batches caps it)" if not cfg.train.eval_batches \
-            else f"{cfg.train.eval_batches} micro-batches a rank (train.eval_batches)"
+        capped = cfg.train.eval_batches * global_batch
+        reads = f"~{held // seq:,} windows, all of it (train.eval_batches caps it)" if not 0 < capped < held // seq \
+            else f"{capped:,} windows of ~{held // seq:,} (train.eval_batches = {cfg.train.eval_batches} global batches)"
         lines.append(f"  validation: {source}; an evaluation reads {reads}")
         return "\n".join(lines)
 
