@@ -152,12 +152,22 @@ def test_windows_cross_shards_and_the_lazy_order_is_a_permutation(inputs, tmp_pa
     ("empty", "hold no document to train on"),
     ("no field", "no row has the field 'body' (--text-field) as text (2 rows without it); fields found: text, id"),
     ("truncated gz", "unreadable at about row"),
+    ("parquet gz", "a parquet file compresses inside itself; decompress it to "),
+    ("out a file", "out: " + "{out} is a file, not a directory"),
 ])
 def test_prepare_refuses_bad_input_in_one_line(case, message, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     args = ["prepare", "lm", "--out", str(tmp_path / "out")]
-    if case == "no match":
+    message = message.format(out=tmp_path / "out")
+    if case == "parquet gz":
+        (src / "r.parquet.gz").write_bytes(gzip.compress(b"PAR1"))
+        args += ["--input", str(src / "r.parquet.gz")]
+    elif case == "out a file":
+        (tmp_path / "out").write_text("notes\n")
+        (src / "a.txt").write_text("one line\n")
+        args += ["--input", str(src / "a.txt")]
+    elif case == "no match":
         args += ["--input", str(src / "*.txt")]
     elif case == "empty":
         (src / "e.txt").write_text("\n  \n")

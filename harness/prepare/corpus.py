@@ -192,6 +192,9 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
         elif kind == PARQUET:
             import pyarrow.parquet as pq
 
+            if _compression(path):
+                raise ConfigError(f"--input {path}: a parquet file compresses inside itself; decompress it to "
+                                  f"{path[:path.rindex('.')]}")
             try:
                 groups = pq.ParquetFile(path).num_row_groups
             except Exception as e:  # noqa: BLE001 - pyarrow's own errors: one line naming the file
