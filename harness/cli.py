@@ -659,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # in its checks, before any rank starts (it passes Ctrl-C on to the ranks then)
+            print("\nharness: interrupted", file=sys.stderr)
+            return 130
     args = _parse(argv)
     is_main = launched_rank() == 0
     try:

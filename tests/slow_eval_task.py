@@ -1,11 +1,13 @@
 """A plug-in task for tests/test_resilience.py: examples/digits_task.py, each micro-batch of whose evaluation takes
 SLOW_EVAL_S seconds more (the environment's), so that a signal can be sent while the ranks evaluate; with
 SIGNAL_AT_STEP=K (SIGNAL_IN_EVAL=K), each process sends itself SIGTERM in the forward of its K-th training
-(evaluation) micro-batch. `SlowOwnEvalDigits`: the same with an `evaluate` of its own (SIGNAL_IN_OWN_EVAL=K there)."""
+(evaluation) micro-batch; with SLOW_CHECK_S, its `check` sleeps. `SlowOwnEvalDigits`: the same with an `evaluate`
+of its own (SIGNAL_IN_OWN_EVAL=K there)."""
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -16,6 +18,12 @@ from harness.data.batches import eval_batches
 
 class SlowEvalDigits(DigitsTask):
     trained = evaluated = 0  # training and evaluation micro-batches this process has run
+
+    def check(self, cfg) -> None:  # SLOW_CHECK_S: the checks before launch take that long, said first on stderr
+        if wait := float(os.environ.get("SLOW_CHECK_S", "0")):
+            print("checking slowly", file=sys.stderr, flush=True)
+            time.sleep(wait)
+        super().check(cfg)
 
     def loss_from(self, prediction, batch) -> torch.Tensor:
         if not torch.is_grad_enabled():  # the harness evaluates without gradients

@@ -224,6 +224,17 @@ def test_harness_launch_exits_2_before_any_rank_starts_and_3_when_updates_keep_b
     assert bad.proc.stderr.strip().splitlines()[-1] == "harness: error: optimizer.lr = -1.0 (command line) must be >= 0"
     assert "accelerate launch" not in bad.proc.stdout and not (tmp_path / "bad").exists()
     assert time.time() - started < 30
+    # Ctrl-C while it checks (a plug-in task's check that takes its time): one line, exit 130, nothing started
+    slow = subprocess.Popen(command(tmp_path / "slow", corpus, nproc=2, front=True, args=SLOW_EVAL), cwd=ROOT,
+                            env=_env({"SLOW_CHECK_S": "120"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for line in slow.stderr:
+        if line.startswith("checking slowly"):
+            break
+    slow.send_signal(signal.SIGINT)
+    _, err = slow.communicate(timeout=60)
+    assert slow.returncode == 130 and err.strip().splitlines() == ["harness: interrupted"], err[-3000:]
+    assert not (tmp_path / "slow").exists()
     # started without the front end, the ranks check the disk before they build a model of 1.6e12 parameters
     disk = harness(tmp_path / "disk", corpus, nproc=2, sets=["model.d_model=262144"], check=False)
     assert disk.proc.returncode != 0, disk.proc.stderr[-2000:]
