@@ -291,6 +291,16 @@ def test_a_resume_on_other_data_is_refused_unless_the_user_says_so(tmp_path, cor
     other.rename(moved)
     done = harness(run, moved, args=["--resume", "auto", "--stop-at", "6"])
     assert [m["step"] for m in done.metrics] == [1, 2, 3, 4, 5, 6]
+    # a text file read as it is: its bytes (and how its rows are chosen and split) are what the run trained on
+    text = write_corpus(tmp_path / "text.txt", lines=1500, seed=3)
+    raw = tmp_path / "raw"
+    harness(raw, text, sets=["train.save_every=2"], args=["--stop-at", "2"])
+    refused = harness(raw, text, sets=["data.val_fraction=0.2"], args=["--resume", "auto"], check=False)
+    assert refused.proc.returncode == 2 and "--data-changed-ok" in refused.proc.stderr, refused.proc.stderr[-2000:]
+    text.write_text(text.read_text().replace("model", "models"))
+    refused = harness(raw, text, args=["--resume", "auto"], check=False)
+    last = refused.proc.stderr.strip().splitlines()[-1]
+    assert refused.proc.returncode == 2 and f"trained on {text} (fingerprint" in last, refused.proc.stderr[-2000:]
 
 
 def test_a_damaged_shard_is_prepared_again_by_the_same_command(tmp_path, capsys):

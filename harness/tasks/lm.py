@@ -340,15 +340,25 @@ class LanguageModelTask:
                               for i in (*ids, tok.eos_token_id)]
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
-        """What a checkpoint records of prepared data, so that a resume on other data is refused: the corpora's
-        fingerprints (and a mixture's weights)."""
+        """What a checkpoint records of the data, so that a resume on other data is refused: the corpora's
+        fingerprints (and a mixture's weights), or a text file's bytes with the settings that choose its rows and
+        its split (none for a Hub data set: its revision is not known without the network)."""
         d = cfg.data
         if d.mix:
             total = sum(w for _, w in d.mix)  # {web = 7, books = 3} is {web = 0.7, books = 0.3}
             parts = "".join(f"{Corpus(p).fingerprint}:{w / total:.12g};" for p, w in d.mix)
             return {"path": "data.mix of " + ", ".join(p for p, _ in d.mix),
                     "fingerprint": hashlib.sha256(parts.encode()).hexdigest()[:16]}
-        return Corpus(d.path).identity if is_corpus(d.path) else None
+        if is_corpus(d.path):
+            return Corpus(d.path).identity
+        path = d.path or default_corpus()
+        if not os.path.isfile(path):
+            return None
+        digest = hashlib.sha256(repr((d.format, d.text_field, d.val_fraction, d.max_row_chars)).encode())
+        with open(path, "rb") as f:  # (read whole anyway, to be tokenised)
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        return {"path": d.path or "the embedded default text", "fingerprint": digest.hexdigest()[:16]}
 
     def sample_order(self, cfg: RunConfig) -> str:
         """StepSampler's `order`: a blend orders its samples itself (each source permuted within its own epochs, the
