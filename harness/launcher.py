@@ -62,7 +62,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
                       "[ACCELERATE OPTIONS] train --run RUN.toml [--ds DS.json] ...")
 
 
-def launch_settings(accelerate_args: list[str], who: str = "harness launch") -> dict:
+LAUNCH = "harness launch"  # it refuses DeepSpeed's launchers that start other hosts' ranks (REMOTE), hostfile or not
+
+
+def launch_settings(accelerate_args: list[str], who: str = LAUNCH) -> dict:
     """What the launch will be, as accelerate reads it: its options over its config file (default: accelerate's
     default config, where there is one). `who` names the command in errors."""
     from accelerate.commands.config import default_config_file
@@ -161,7 +164,7 @@ def _check_machines(args, processes: int, where, who: str) -> None:
     # rendezvous, static or c10d, waits (900 s) for a host named None
     launcher = _multinode_launcher(args)
     each_node = launcher in (None, "standard", "nossh")  # a launch on every machine (pdsh and MPI: one, from here)
-    if machines > 1 and launcher not in (None, "standard"):
+    if machines > 1 and launcher not in (None, "standard") and not (who == LAUNCH and launcher in REMOTE):
         _check_hostfile(args.deepspeed_hostfile, machines, processes // machines, args, where, who)
     if machines > 1 and not args.main_process_ip and each_node:
         raise ConfigError(f"{who}: {where('num_machines')} = {machines} needs --main_process_ip (or main_process_ip in "
@@ -639,14 +642,14 @@ def _ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> t
         if name in ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"):  # ended from outside: the job can go on
             why = " (kill -9, or the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
             return EXIT_HUNG, f"harness: error: {who} was killed by {name}{when}{why}; {resume}; every rank's " \
-                              f"output: {log}", ""
+                              f"stderr: {log}", ""
         why = (" (its collective library aborts a rank whose collective failed, timed out or did not match the other "
                "ranks', e.g. NCCL's watchdog or gloo's size check: see its output)"
                if name == "SIGABRT" else "")
-        return 1, f"harness: error: {who} crashed with {name}{when}{why}; {resume}; every rank's output: {log}", \
+        return 1, f"harness: error: {who} crashed with {name}{when}{why}; {resume}; every rank's stderr: {log}", \
             _without_torchrun(held)
     return code, f"harness: error: {who} failed with exit code {cause['code']}{when}: its error is above; " \
-                 f"{resume}; every rank's output: {log}", _without_torchrun(held)
+                 f"{resume}; every rank's stderr: {log}", _without_torchrun(held)
 
 
 def _last_step(run_dir: Path) -> int:

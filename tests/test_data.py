@@ -80,6 +80,10 @@ def test_bad_lines_in_json_lines_and_csv_are_skipped_and_counted_not_the_whole_f
     nothing.write_text('{"body": "x"}\n{"title": "y"}\n')
     with pytest.raises(ConfigError, match="none of its 2 records has a text 'text' field.*fields found: body, title"):
         load_rows(str(nothing), DataSection())
+    ragged = tmp_path / "ragged.csv"  # the column is there; no row has the header's length (it said columns: [])
+    ragged.write_text("text,label\na, b, 1\nc, d, 0\n")
+    with pytest.raises(ConfigError, match=r"none of its 2 rows has as many fields as its header \(another delimiter"):
+        load_rows(str(ragged), DataSection())
 
 
 @pytest.mark.parametrize("name, content, message", [

@@ -142,6 +142,12 @@ def test_the_shipped_multi_node_launches_are_still_accepted(tmp_path):
                                           r"accelerate launch --config_file \S+deepspeed_hostfile\.yaml "
                                           r"--deepspeed_hostfile \S+ -m harness train --run R\.toml$"):
         launcher_main([*hostfile, "train", "--run", "R.toml"], None)
+    # the same refusal where the hostfile is missing too (it said to write one, then refused the launch anyway)
+    missing = ["--config_file", str(LAUNCH / "deepspeed_hostfile.yaml"), "--deepspeed_hostfile", str(tmp_path / "no")]
+    with pytest.raises(ConfigError, match=r"deepspeed_multinode_launcher = pdsh starts "):
+        launcher_main([*missing, "train", "--run", "R.toml"], None)
+    with pytest.raises(ConfigError, match=r"cannot read it \(No such file or directory\)"):  # harness plan: checked
+        launch_settings(missing, "harness plan")
 
 
 @pytest.mark.parametrize("text,options,said", [

@@ -287,7 +287,7 @@ def test_a_stopped_killed_or_agent_stopped_rank_ends_the_job_in_one_line_and_the
     assert run.proc.returncode == 4, run.proc.stderr[-3000:]
     line = one_error(run)
     assert " was killed by SIGKILL after step " in line and line.startswith("harness: error: rank 1 (pid "), line
-    assert f"latest checkpoint: step_{latest(run):08d}; continue with --resume auto; every rank's output: " \
+    assert f"latest checkpoint: step_{latest(run):08d}; continue with --resume auto; every rank's stderr: " \
         f"{out / 'launch.log'}" in line, line
     assert "ChildFailedError" in (out / "launch.log").read_text()  # torchrun's report, kept
     # 3. SIGTERM to torchrun (the elastic agent) itself: it passes it on, the ranks save and say so in one line

@@ -200,6 +200,13 @@ def test_a_rank_lost_while_the_job_stops_is_named_at_the_ranks_step_and_the_stop
                             f"died: killed, out of memory, or its node went down); gone: rank 0 (pid {dead.pid} on "
                             f"{socket.gethostname()}: its process is gone). Ending the job;"), error
     assert "166" not in error
+    # the rank lost on another machine: this machine's ranks, seen running, are not suspected
+    beat = json.loads((beats / "rank_00000.json").read_text())
+    (beats / "rank_00000.json").write_text(json.dumps({**beat, "host": "node-002"}))
+    (beats / "rank_00002.json").write_text(json.dumps(
+        {"rank": 2, "host": socket.gethostname(), "pid": os.getppid(), "step": 284, "time": time.time()}))
+    remote = str(diagnose(tmp_path, 3, 1, 1800.0, 30.0, lost=True, step=284))
+    assert f"; suspects: rank 0 (pid {dead.pid} on node-002). Ending the job;" in remote, remote
     code, line, _ = ending(1, {"code": 4, "message": error}, "", tmp_path, tmp_path / "launch.log", signal.SIGTERM)
     assert code == 4 and line == (f"harness: error: {error} (the job was stopping: this launcher had passed SIGTERM "
                                   f"on to the ranks)"), line

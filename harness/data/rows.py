@@ -264,7 +264,10 @@ def read_records(path: str, kind: str, field_name: str) -> list:
     values = [v if isinstance(v, str) else MALFORMED for v in values]  # a number or a list: malformed too
     if records and all(v is MALFORMED for v in values):
         if kind == "csv":  # checked before launch too (check_paths), for load_rows called on its own
-            columns = next((list(r) for r in records if r is not MALFORMED), [])
+            columns = next((list(r) for r in records if r is not MALFORMED), None)
+            if columns is None:
+                raise ConfigError(f"{path}: none of its {len(records)} rows has as many fields as its header (another "
+                                  f"delimiter, or a comma in unquoted text?): nothing to read")
             raise ConfigError(f"{path}: no column {field_name!r} (data.text_field) in its header; columns are "
                               f"{columns}")
         keys = sorted({k for r in records if r is not MALFORMED for k in r})
