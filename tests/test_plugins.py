@@ -103,6 +103,36 @@ def test_a_task_file_edited_between_two_runs_of_one_process_is_read_again(tmp_pa
     assert task_class(f"{path}:T").version == 2
 
 
+def test_a_plugin_run_goes_on_where_its_project_moved(tmp_path):
+    """A project copied elsewhere (another checkout, a cluster): its run resumes, is evaluated and loaded with the
+    task file where it is now (config.toml holds the old absolute path); a changed file at the old place is another
+    task."""
+    def harness_in(project, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([python(), "-m", "harness", *args], cwd=project, env=_env({"PYTHONPATH": str(ROOT)}),
+                              capture_output=True, text=True, timeout=300)
+
+    old, new, run = tmp_path / "p4", tmp_path / "p5", tmp_path / "run"
+    (old / "examples").mkdir(parents=True)
+    for name in ("digits_task.py", "digits.toml"):
+        shutil.copy(ROOT / "examples" / name, old / "examples" / name)
+    train = ["train", "--run", "examples/digits.toml", "--set", f"run.output_dir={json.dumps(str(run))}",
+             "--set", "train.max_steps=6", "--set", "train.save_every=3"]
+    assert harness_in(old, *train, "--stop-at", "3").returncode == 0
+    old.rename(new)
+    (old / "examples").mkdir(parents=True)  # the old place holds a task file of that name again, another one
+    (old / "examples" / "digits_task.py").write_text((new / "examples" / "digits_task.py").read_text() + "\n# v2\n")
+    refused = harness_in(new, *train, "--resume", "auto")
+    assert refused.returncode == 2 and f"saved by a '{old / 'examples' / 'digits_task.py'}:DigitsTask' run" in \
+        refused.stderr, refused.stderr[-2000:]
+    shutil.rmtree(old)
+    done = harness_in(new, *train, "--resume", "auto")
+    assert done.returncode == 0 and "at step 3" in done.stdout, done.stderr[-2000:]
+    new.rename(old)  # and back: the finished run's config.toml names the file at `new`
+    scored = harness_in(old, "evaluate", "--run-dir", str(run), "--split", "test", "--task",
+                        "examples/digits_task.py:DigitsTask")
+    assert scored.returncode == 0 and "| mse " in scored.stdout, scored.stderr[-2000:]
+
+
 @pytest.mark.parametrize("sets,message", [
     (["task.lenght=8"], "unknown config key `task.lenght` (command line); did you mean `task.length`?"),
     (["task.length=\"8\""], "task.length must be int, got str '8'"),

@@ -8,6 +8,7 @@ optimizer's fp32 master copy, not the 16-bit weights.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -17,7 +18,8 @@ from torch import nn
 from ..config.run import ConfigError, RunConfig, TrainingStopped, one_line, read_toml
 from ..distributed.world import World, all_gather_objects
 from ..tasks import resolve
-from .trust import check_run_dir
+from ..tasks.registry import moved_plugin
+from .trust import TRUST, check_run_dir
 
 MODEL_FILE = "model.safetensors"
 
@@ -116,8 +118,10 @@ def run_config(run_dir: str | Path, sets: list[str] | tuple = ()) -> RunConfig:
     from dataclasses import replace
 
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, read_toml(run_dir / "config.toml"))  # before resolving imports the task it names
-    cfg = resolve(str(run_dir / "config.toml"), list(sets)).cfg
+    raw = read_toml(run_dir / "config.toml")
+    check_run_dir(run_dir, raw)  # before resolving imports the task it names
+    moved = moved_plugin(raw.get("run", {}).get("task", ""), TRUST.get().task)  # the plug-in where it is now
+    cfg = resolve(str(run_dir / "config.toml"), [*[f"run.task={json.dumps(moved)}"] * bool(moved), *sets]).cfg
     if cfg.model.hf and (run_dir / HF_DIR / "config.json").is_file():
         cfg = replace(cfg, model=replace(cfg.model, hf=str(run_dir / HF_DIR)))
     return cfg

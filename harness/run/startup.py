@@ -17,6 +17,7 @@ from ..distributed import ds_patches
 from ..distributed.world import World, launched_world_size, quiet_deepspeed
 from ..plan.resolve import Plan
 from ..prepare import META, fingerprint
+from ..tasks.registry import moved_plugin
 
 CPU_FP16_ENV = "HARNESS_CPU_FP16"
 
@@ -352,9 +353,9 @@ def check_same_model(plan: Plan, found: Path) -> None:
     if found.parent.name != "checkpoints" or not (source / "config.toml").is_file():
         return  # a checkpoint without its run's config: DeepSpeed's load is the check
     ours, raw = plan.run.cfg, read_toml(source / "config.toml")
-    if raw.get("run", {}).get("task") != ours.run.task:
-        raise ConfigError(f"--resume {found}: saved by a {raw.get('run', {}).get('task')!r} run, but "
-                          f"{plan.run.describe('run.task')}")
+    saved_task = raw.get("run", {}).get("task")
+    if saved_task != ours.run.task and not moved_plugin(saved_task, ours.run.task):  # (the project moved: the same)
+        raise ConfigError(f"--resume {found}: saved by a {saved_task!r} run, but {plan.run.describe('run.task')}")
     # the task is this run's own (the user named it), and remote model code only where this run trusts it too
     now = TRUST.get()
     with trusting(checkpoint=now.checkpoint, task=ours.run.task, run_dir=now.run_dir or (

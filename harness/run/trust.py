@@ -104,13 +104,14 @@ def checkpoint_reads():
 def check_run_dir(run_dir: Path, raw: dict[str, Any]) -> None:
     """Before a run directory's config.toml (`raw`, parsed, not resolved) is resolved, which imports the task it
     names: refuse a plug-in task the user did not name and model code the user did not trust."""
-    from ..tasks.registry import is_plugin_name, plugin_path
+    from ..tasks.registry import is_plugin_name, moved_plugin, plugin_path
 
     trust = TRUST.get()
     if trust.run_dir:
         return
     task = raw.get("run", {}).get("task", "")
-    if is_plugin_name(task) and (trust.task is None or plugin_path(trust.task) != task):
+    if is_plugin_name(task) and (trust.task is None or plugin_path(trust.task) != task) and \
+            not moved_plugin(task, trust.task):
         named = f" (you named {trust.task!r})" if trust.task else ""
         raise ConfigError(f"{run_dir}/config.toml names the plug-in task {task!r}, code that importing it would "
                           f"run{named}; name it yourself with --task {task!r} (the API: task=) or pass "

@@ -39,6 +39,21 @@ def plugin_path(name: str) -> str:
     return name
 
 
+def moved_plugin(saved: str, named: str | None) -> str | None:
+    """The plug-in task `named` (what the user names now) made absolute, where it is the one a run's config.toml
+    names (`saved`) at another place: the same class, in a file of the same name, where the saved file is gone or
+    holds the same code (the project moved: another checkout, a cluster's copy); else None."""
+    if not named or not is_plugin_name(saved):
+        return None
+    (old, _, cls), (new, _, now) = saved.rpartition(":"), plugin_path(named).rpartition(":")
+    if cls != now or not (old.endswith(".py") and new.endswith(".py")) or Path(old).name != Path(new).name:
+        return None
+    try:
+        return f"{new}:{now}" if not Path(old).exists() or Path(old).read_bytes() == Path(new).read_bytes() else None
+    except OSError:  # the new file unreadable: its import says why
+        return None
+
+
 def is_plugin_name(task: str) -> bool:
     return isinstance(task, str) and ":" in task
 
