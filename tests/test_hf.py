@@ -7,6 +7,7 @@ run."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -144,7 +145,7 @@ def test_an_export_of_a_16_bit_module_says_the_dtype_of_the_weights_it_wrote(tin
     assert next(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").parameters()).dtype == torch.float32
 
 
-def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_path):
+def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tiny_llama_shards, tmp_path):
     from harness.config.run import ConfigError
     from harness.tasks import get_task, resolve
 
@@ -152,8 +153,27 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tmp_pa
     cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama / 'config.json'))}"]).cfg
     task.check(cfg)
     assert type(task.build_model(cfg)).__name__ == "LlamaForCausalLM"  # random init from the config
-    for ref, message in [(str(tmp_path / "none.json"), "no such file"), ("./no/such/dir", "no such directory")]:
-        with pytest.raises(ConfigError, match=message):
+    named = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama / 'config.json'))}",
+                           'model.hf_class="LlamaForCausalLM"']).cfg  # a model class itself, not an auto class
+    assert type(task.build_model(named)).__name__ == "LlamaForCausalLM"
+    broken = tmp_path / "broken"  # a checkpoint copied in part: a shard cut short, or the index of shards left out
+    shutil.copytree(tiny_llama, broken)
+    (broken / "model.safetensors").write_bytes((broken / "model.safetensors").read_bytes()[:10])
+    unindexed = tmp_path / "unindexed"
+    shutil.copytree(tiny_llama_shards, unindexed)
+    (unindexed / "model.safetensors.index.json").unlink()
+    ids = tmp_path / "ids"  # a config.json whose pad id is past a vocabulary made smaller
+    ids.mkdir()
+    config = json.loads((tiny_llama / "config.json").read_text())
+    (ids / "config.json").write_text(json.dumps({**config, "vocab_size": 1}))
+    for ref, message in [(str(tmp_path / "none.json"), "no such file"), ("./no/such/dir", "no such directory"),
+                         ("tests/tiny-lama", "no such directory"),  # under a folder here: a path, not a hub id
+                         (str(tiny_llama.parent / "tiny-lama"), f"did you mean {str(tiny_llama)!r}"),
+                         (str(broken), "model.safetensors is no readable safetensors file ("),
+                         (str(unindexed), "but not the index that names them (model.safetensors.index.json)"),
+                         (str(ids / "config.json"), "gives pad_token_id = 1, bos_token_id = 2, eos_token_id = 3: ids "
+                                                     "past vocab_size = 1, the size of the embedding table")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
             task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(ref)}"]).cfg)
     with pytest.raises(ConfigError, match="model.d_model = 64 .* belongs to the built-in model"):
         resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}", "model.d_model=64"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config.run import ConfigError, RunConfig, one_line
+from ..config.run import ConfigError, RunConfig, closest, one_line
 
 EXTRA = 'pip install -e ".[hf]"'
 WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)")  # save_pretrained's, whole or sharded
@@ -51,8 +51,13 @@ def _config_source(ref: str) -> tuple[str, bool]:
         raise ConfigError(f"model.hf = {ref!r} is a file; name a model directory (save_pretrained's) or a config.json")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ConfigError(f"model.hf = {ref!r}: no config.json in that directory (save_pretrained writes one)")
-    if ref.startswith((".", "/")) and not path.is_dir():
-        raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id has no leading . or /)")
+    # a hub id is NAME or OWNER/NAME: a path past that, or under a folder here, is a local one
+    if not path.exists() and (ref.startswith((".", "/", "~")) or len(path.parts) > 2 or
+                              len(path.parts) == 2 and Path(path.parts[0]).is_dir()):
+        near = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        hint = f"; did you mean {str(path.parent / close)!r}?" if (close := closest(path.name, near)) else ""
+        raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id is NAME or OWNER/NAME, with no folder of "
+                          f"that name here){hint}")
     return ref, True
 
 
@@ -65,15 +70,26 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
     if not hasattr(transformers, cls_name):
         raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
     config = load_config(cfg)
+    vocab = getattr(config, "vocab_size", None) or 0
+    past = [f"{key} = {getattr(config, key)}" for key in ("pad_token_id", "bos_token_id", "eos_token_id")
+            if vocab and isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab]
+    if past:  # an embedding's padding_idx past its table: an AssertionError as the model is built
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config.json gives {', '.join(past)}: ids past "
+                          f"vocab_size = {vocab}, the size of the embedding table they index; change them together")
     source, has_weights = _config_source(cfg.model.hf)
     if not cfg.model.hf_tokenizer and has_weights:
         raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
                           f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
     local = has_weights and Path(source).is_dir()  # weights on this machine: their files are checked here
-    if local and not any(WEIGHTS.fullmatch(p.name) for p in Path(source).iterdir()):
+    held = sorted(p.name for p in Path(source).iterdir() if WEIGHTS.fullmatch(p.name)) if local else []
+    if local and not held:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
                           f"pytorch_model*.bin); to start from random initialisation name its config.json: "
                           f"model.hf = {str(Path(source) / 'config.json')!r}")
+    if local and not set(held) & set(LOADED) and not any((Path(source) / f"{name}.index.json").is_file()
+                                                          for name in LOADED):
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: holds the shards {held[0]}, ... but not the index that "
+                          f"names them ({INDEX}), which from_pretrained reads; copy or download the checkpoint whole")
     missing = [name for name in _shards(Path(source)) if not (Path(source) / name).is_file()] if local else []
     if missing:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(missing)} of the shards its {INDEX} names are missing "
@@ -83,7 +99,6 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
         _check_model(cfg, cls, config, positions or cfg.data.seq_len)
         if local:
             _check_weights(cfg, cls, config, weight_files(source))
-    vocab = getattr(config, "vocab_size", None) or 0
     tok = tokenizer(cfg) if own_tokenizer(cfg) and vocab else None
     # the ids the task's rows can take: the base vocabulary and EOS (which joins them); a pad token added on top of
     # an unresized model (e.g. 32001 for 32000) never appears in its batches
@@ -163,14 +178,18 @@ def _check_weights(cfg: RunConfig, cls, config, files: list[Path]) -> None:
     prefix = f"{getattr(cls, 'base_model_prefix', '')}."
     wrong = []
     for f in files:
-        with safe_open(str(f), framework="pt") as weights:
-            for name in weights.keys():
-                for key in (name, prefix + name, name.removeprefix(prefix)):
-                    if key in shapes:
-                        shape = weights.get_slice(name).get_shape()
-                        if list(shape) != shapes[key]:
-                            wrong.append(f"{name}: {list(shape)} in {f.name}, {shapes[key]} by config.json")
-                        break
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                for name in weights.keys():
+                    for key in (name, prefix + name, name.removeprefix(prefix)):
+                        if key in shapes:
+                            shape = weights.get_slice(name).get_shape()
+                            if list(shape) != shapes[key]:
+                                wrong.append(f"{name}: {list(shape)} in {f.name}, {shapes[key]} by config.json")
+                            break
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors (a cut or empty file): one line naming it
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: {f.name} is no readable safetensors file "
+                              f"({one_line(e, 120)}); copy or download the checkpoint whole") from None
     if wrong:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(wrong)} of its weights do not fit the model its "
                           f"config.json describes (e.g. {wrong[0]}); the config and the weights must come from the "
@@ -227,8 +246,10 @@ def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
         model.harness_loading = how  # said by parallel.build_engine
     elif has_weights and not on_meta:
         model = cls.from_pretrained(source, config=config, trust_remote_code=cfg.model.trust_remote_code)
-    else:
+    elif hasattr(cls, "from_config"):  # an auto class
         model = cls.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    else:  # model.hf_class naming a model class itself
+        model = cls(config)
     model.harness_source_config = saved
     return model.train()
 
@@ -253,6 +274,7 @@ def weight_files(source: str) -> list[Path]:
 
 
 INDEX = "model.safetensors.index.json"
+LOADED = ("model.safetensors", "pytorch_model.bin")  # what from_pretrained reads, or NAME.index.json of its shards
 
 
 def _shards(path: Path) -> list[str]:
