@@ -111,8 +111,13 @@ def _plan(fn: str, run, sets, ds, task, world_size=None):
 
 
 def plan_text(p) -> str:
+    """What `harness plan` prints for a plan `harness.plan` returned."""
+    from .config.run import ConfigError
     from .plan.render import render
+    from .plan.resolve import Plan
 
+    if not isinstance(p, Plan):
+        raise ConfigError(f"harness.plan_text: p = {_shown(p)} must be what harness.plan returns")
     return render(p)
 
 

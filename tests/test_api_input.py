@@ -42,13 +42,15 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
     ("evaluate", {"run_dir": "runs/none", "name": 3}, "harness.evaluate: name = 3 must be a name"),
     ("evaluate", {"run_dir": "runs/none", "task": 3}, "harness.evaluate: task = 3 must be a task's name or a task"),
     ("load_model", {"run_dir": "runs/none", "task": 3}, "harness.load_model: task = 3 must be a task's name or a"),
+    ("plan_text", {"p": "configs/runs/lm_demo.toml"}, "harness.plan_text: p = 'configs/runs/lm_demo.toml' must be "
+                                                      "what harness.plan returns"),
 ])
 def test_api_arguments_of_a_wrong_type_or_range_are_refused_naming_them(fn, kwargs, message, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.toml").write_text("")  # overwrite="no" must not replace it
     sets = [*TINY, "train.max_steps=1", f"run.output_dir={json.dumps(str(run_dir))}"]
-    kwargs = {"sets": sets, **kwargs} if fn not in ("evaluate", "load_model") else kwargs
+    kwargs = {"sets": sets, **kwargs} if fn not in ("evaluate", "load_model", "plan_text") else kwargs
     with pytest.raises(ConfigError) as e:
         getattr(harness, fn)(**kwargs)
     assert message in _one_line(e)

@@ -445,6 +445,8 @@ def test_evaluate_and_translate_take_only_scoring_settings_with_set(toy_run, mon
                         "translation.length_penalty); model.d_model is what the run trained with"),
                        (["evaluate", "--set", "prices.periods=2"], "prices.periods is no setting of a 'translation' "
                         "run"),
+                       (["evaluate", "--set", "translation.beam_sise=2"], "translation.beam_sise is no setting of a "
+                        "'translation' run (did you mean translation.beam_size?)"),
                        (["translate", "--set", "translation.beam_size=0", "a dog."], "translation.beam_size")):
         assert main([argv[0], "--run-dir", str(run.dir), *argv[1:]]) == 2
         err = capsys.readouterr().err.strip()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.run import ConfigError, RunConfig, flatten
+from ..config.run import ConfigError, RunConfig, closest, flatten
 from ..distributed.world import single_world
 from ..prepare import CHECKSUMS, META, STORED, differences, fingerprint, read_meta, sha256, stored
 from ..run.export import check_finished, load_model, run_config, trained_on_note
@@ -83,8 +83,9 @@ def scoring_sets(cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ..
         key = s.partition("=")[0].strip()
         if key not in allowed:
             choice = f"this run's are {', '.join(allowed)}" if allowed else f"a {cfg.run.task!r} run has none"
+            hint = f"did you mean {near}?" if (near := closest(key, [*allowed, *known])) else "harness keys lists them"
             what = "is what the run trained with" if key in known else \
-                f"is no setting of a {cfg.run.task!r} run (harness keys lists them)"
+                f"is no setting of a {cfg.run.task!r} run ({hint})"
             raise ConfigError(f"--set {s}: evaluate and translate take only settings of how the trained model is "
                               f"scored{' or the new data read' * bool(reading)} ({choice}); {key or repr(s)} {what}")
 
