@@ -166,7 +166,12 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tiny_l
     ids.mkdir()
     config = json.loads((tiny_llama / "config.json").read_text())
     (ids / "config.json").write_text(json.dumps({**config, "vocab_size": 1}))
+    coded = tmp_path / "coded"  # code of its own for the auto class, beside a library model_type
+    coded.mkdir()
+    (coded / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.MyLlama"}}))
     for ref, message in [(str(tmp_path / "none.json"), "no such file"), ("./no/such/dir", "no such directory"),
+                         (str(coded / "config.json"), "its config names code of its own for AutoModelForCausalLM "
+                                                      "(auto_map: mine.MyLlama), which runs when the model loads"),
                          ("tests/tiny-lama", "no such directory"),  # under a folder here: a path, not a hub id
                          (str(tiny_llama.parent / "tiny-lama"), f"did you mean {str(tiny_llama)!r}"),
                          (str(broken), "model.safetensors is no readable safetensors file ("),

@@ -70,6 +70,12 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
     if not hasattr(transformers, cls_name):
         raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
     config = load_config(cfg)
+    own = (getattr(config, "auto_map", None) or {}).get(cls_name)
+    if own and not cfg.model.trust_remote_code:  # a library model_type loads without it, passing over that code
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own for {cls_name} (auto_map: "
+                          f"{own}), which runs when the model loads; set model.trust_remote_code = true only if you "
+                          f"trust its source (without it transformers would train its own {config.model_type!r} "
+                          f"class instead)")
     vocab = getattr(config, "vocab_size", None) or 0
     past = [f"{key} = {getattr(config, key)}" for key in ("pad_token_id", "bos_token_id", "eos_token_id")
             if vocab and isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab]
