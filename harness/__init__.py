@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 from . import api  # noqa: E402
 from .api import evaluate, load_model, plan_text, train  # noqa: E402,F401 - light: they import on call
-from .config import ConfigError, TrainingStopped  # noqa: E402,F401
+from .config import ConfigError, Preempted, TrainingStopped  # noqa: E402,F401
 
 
 class _CallablePackage(types.ModuleType):

@@ -41,6 +41,29 @@ def test_every_api_function_is_callable_twice_in_one_process(order, tmp_path, co
     assert dict(lines)["AGAIN"] == "4 harness.plan.render"
 
 
+STOPPED = """
+import os
+import sys
+import harness
+sets = ['run.task="tests.slow_eval_task:SlowEvalDigits"', "train.max_steps=4", f"run.output_dir={sys.argv[1]!r}"]
+try:
+    harness.train("examples/digits.toml", sets=[s.replace("'", '"') for s in sets])
+except harness.Preempted as e:  # the task sends its process SIGTERM in step 1 (Ctrl-C in a notebook is SIGINT)
+    print("PREEMPTED", e)
+os.environ.pop("SIGNAL_AT_STEP")
+print("RESUMED", harness.train("examples/digits.toml", sets=[s.replace("'", '"') for s in sets], resume="auto")["step"])
+"""
+
+
+def test_a_run_stopped_by_a_signal_raises_harness_preempted_and_resumes(tmp_path):
+    proc = subprocess.run([python(), "-c", STOPPED, str(tmp_path / "run")], cwd=ROOT, env=_env({"SIGNAL_AT_STEP": "1"}),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PREEMPTED stopped by SIGTERM after step 2 of 4; latest checkpoint: step_00000002" in proc.stdout, \
+        proc.stdout[-2000:]
+    assert "RESUMED 4" in proc.stdout
+
+
 TASK_OBJECT = """
 import sys
 import harness
