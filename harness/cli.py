@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:  # in its checks, before any rank starts (it passes Ctrl-C on to the ranks then)
+        except KeyboardInterrupt:  # not while the job runs: it passes Ctrl-C on to the ranks then
             print("\nharness: interrupted", file=sys.stderr)
             return 130
     args = _parse(argv)

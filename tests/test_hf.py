@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
-from conftest import TINY_RUN, assert_losses_close, cli, ds_variant, harness
+from conftest import ROOT, TINY_RUN, _env, assert_losses_close, cli, ds_variant, harness, python
 
 transformers = pytest.importorskip("transformers")
 
@@ -166,20 +167,27 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tiny_l
     ids.mkdir()
     config = json.loads((tiny_llama / "config.json").read_text())
     (ids / "config.json").write_text(json.dumps({**config, "vocab_size": 1}))
-    coded = tmp_path / "coded"  # code of its own for the auto class, beside a library model_type
-    coded.mkdir()
+    coded = tmp_path / "coded"  # code of its own for the auto class beside a library model_type (an export keeps
+    shutil.copytree(tiny_llama, coded)  # auto_map without the code: the library's class, as transformers builds it)
     (coded / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.MyLlama"}}))
+    exported = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(coded / 'config.json'))}"]).cfg
+    task.check(exported)
+    assert type(task.build_model(exported)).__name__ == "LlamaForCausalLM"
+    (coded / "mine.py").write_text("raise SystemExit('code of its own ran')\n")
     for ref, message in [(str(tmp_path / "none.json"), "no such file"), ("./no/such/dir", "no such directory"),
                          (str(coded / "config.json"), "its config names code of its own for AutoModelForCausalLM "
-                                                      "(auto_map: mine.MyLlama), which runs when the model loads"),
-                         ("tests/tiny-lama", "no such directory"),  # under a folder here: a path, not a hub id
+                                                      "(mine.MyLlama, in mine.py beside it), which runs when"),
+                         ("tests/no/tiny-lama", "no such directory"),  # past OWNER/NAME: a path, not a hub id
                          (str(tiny_llama.parent / "tiny-lama"), f"did you mean {str(tiny_llama)!r}"),
-                         (str(broken), "model.safetensors is no readable safetensors file ("),
+                         (str(broken), "model.safetensors does not read as safetensors ("),
                          (str(unindexed), "but not the index that names them (model.safetensors.index.json)"),
-                         (str(ids / "config.json"), "gives pad_token_id = 1, bos_token_id = 2, eos_token_id = 3: ids "
-                                                     "past vocab_size = 1, the size of the embedding table")]:
+                         (str(ids / "config.json"), "gives pad_token_id = 1, past vocab_size = 1, the size of the "
+                                                     "embedding table it indexes")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(ref)}"]).cfg)
+    with pytest.raises(ConfigError, match=re.escape("model.hf_class = 'BertLMHeadModel' builds BertConfig models; ")):
+        task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                                  'model.hf_class="BertLMHeadModel"']).cfg)
     with pytest.raises(ConfigError, match="model.d_model = 64 .* belongs to the built-in model"):
         resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}", "model.d_model=64"])
     contradicted = tmp_path / "contradicted"  # a config.json edited apart from its weights: refused before launch
@@ -237,13 +245,25 @@ def test_hf_tensor_parallel_sizes_are_checked_before_launch_and_an_odd_vocabular
         check_hf_tensor_parallel(run, 2, transformers.GPT2Config(n_embd=32, n_head=4, n_inner=64))
 
 
+def test_an_owner_name_hub_id_beside_a_folder_of_that_owner_is_still_looked_up(tmp_path):
+    """OWNER/NAME is a hub id though a folder OWNER is here (a model downloaded beside it); not found there either,
+    the line says so, with the folder meant."""
+    (tmp_path / "owner" / "model-a").mkdir(parents=True)
+    proc = subprocess.run([python(), "-m", "harness", "plan", "--set", 'model.hf="owner/model-b"', "--set",
+                           "train.max_steps=1"], cwd=tmp_path, env=_env({"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}),
+                          capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("harness: error: model.hf = 'owner/model-b': "), proc.stderr[-2000:]
+    assert last.endswith("; no folder owner/model-b here either; did you mean 'owner/model-a'?"), last
+
+
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
     from harness.config.run import ConfigError
     from harness.tasks import get_task, resolve
 
     cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
                          'model.hf_class="AutoModelForNothing"']).cfg
-    with pytest.raises(ConfigError, match="model.hf_class = 'AutoModelForNothing' is not a transformers auto class"):
+    with pytest.raises(ConfigError, match="model.hf_class = 'AutoModelForNothing' is no transformers auto class"):
         get_task("lm").check(cfg)
 
 

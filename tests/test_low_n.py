@@ -2,17 +2,19 @@
 the encoder mixed with its ridge baseline (protein.blend), `harness bench seeds`, and their bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, cli
+from conftest import ROOT, Stopped, cli, stop_after
 from test_protein import cache, write_fitness  # noqa: F401 - cache: this module's own data cache (autouse)
 
 from harness.bench.seeds import markdown, seeds_of, summarise
 from harness.config import cadence
 from harness.config.run import ConfigError
+from harness.distributed.world import single_world
 from harness.prepare import protein as prep
 from harness.prepare import read_meta
 from harness.tasks import resolve
@@ -121,6 +123,12 @@ def test_the_blend_is_the_ridge_fit_at_share_one_and_the_encoder_at_zero(tmp_pat
     assert torch.allclose(model(batch["ids"], batch["mask"]), (encoder + linear.float().unsqueeze(-1)) / 2, atol=1e-6)
     model.train()
     assert torch.equal(model(batch["ids"], batch["mask"]), encoder)  # no dropout here: training sees the encoder only
+    # an evaluation in training cut short by a stop signal (the loop's World.scored) leaves the share it found
+    asked, world = [], dataclasses.replace(single_world(torch.device("cpu")),
+                                          between_batches=lambda i, n: stop_after(0, i, n, asked))
+    with pytest.raises(Stopped):
+        task.evaluate(model, cfg, "validation", world, in_training=True)
+    assert asked and model.ridge_mix.item() == 0.5 and model.training
     assert choose_mix([3.0, 2.0, 1.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.75  # the encoder has it backwards
     assert choose_mix([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [1.0, 2.0, 3.0]) == 0.0
     assert choose_mix([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.0  # a tie: the smaller share

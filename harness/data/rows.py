@@ -267,7 +267,7 @@ def read_records(path: str, kind: str, field_name: str) -> list:
             columns = next((list(r) for r in records if r is not MALFORMED), None)
             if columns is None:
                 raise ConfigError(f"{path}: none of its {len(records)} rows has as many fields as its header (another "
-                                  f"delimiter, or a comma in unquoted text?): nothing to read")
+                                  f"delimiter, or one in unquoted text?): nothing to read")
             raise ConfigError(f"{path}: no column {field_name!r} (data.text_field) in its header; columns are "
                               f"{columns}")
         keys = sorted({k for r in records if r is not MALFORMED for k in r})

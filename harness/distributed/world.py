@@ -127,7 +127,7 @@ class World:
     def scored(self, i: int, steps: int) -> None:
         """A task's own evaluation calls this after its micro-batch `i` (from 0) of `steps`, on every rank alike. In
         training, where a rank got a stop signal, the ranks end the evaluation there together (it raises; the loop
-        saves a checkpoint that owes it); they ask each other now and then (a small collective). Elsewhere nothing."""
+        saves a checkpoint that owes it): they ask each other, a small collective. Elsewhere nothing."""
         if self.between_batches is not None:
             self.between_batches(i, steps)
 

@@ -83,7 +83,7 @@ def scoring_sets(cfg: RunConfig, sets: list[str] | tuple, reading: tuple[str, ..
         key = s.partition("=")[0].strip()
         if key not in allowed:
             choice = f"this run's are {', '.join(allowed)}" if allowed else f"a {cfg.run.task!r} run has none"
-            hint = f"did you mean {near}?" if (near := closest(key, [*allowed, *known])) else "harness keys lists them"
+            hint = f"did you mean {near}?" if (near := closest(key, allowed)) else "harness keys lists them"
             what = "is what the run trained with" if key in known else \
                 f"is no setting of a {cfg.run.task!r} run ({hint})"
             raise ConfigError(f"--set {s}: evaluate and translate take only settings of how the trained model is "

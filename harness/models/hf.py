@@ -42,7 +42,7 @@ def transformers_module(what: str):
 
 def _config_source(ref: str) -> tuple[str, bool]:
     """(what AutoConfig reads, whether the weights come with it): a config.json alone has none."""
-    path = Path(ref)
+    path = Path(ref).expanduser()
     if path.suffix == ".json":
         if not path.is_file():
             raise ConfigError(f"model.hf = {ref!r}: no such file")
@@ -51,14 +51,17 @@ def _config_source(ref: str) -> tuple[str, bool]:
         raise ConfigError(f"model.hf = {ref!r} is a file; name a model directory (save_pretrained's) or a config.json")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ConfigError(f"model.hf = {ref!r}: no config.json in that directory (save_pretrained writes one)")
-    # a hub id is NAME or OWNER/NAME: a path past that, or under a folder here, is a local one
-    if not path.exists() and (ref.startswith((".", "/", "~")) or len(path.parts) > 2 or
-                              len(path.parts) == 2 and Path(path.parts[0]).is_dir()):
-        near = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
-        hint = f"; did you mean {str(path.parent / close)!r}?" if (close := closest(path.name, near)) else ""
-        raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id is NAME or OWNER/NAME, with no folder of "
-                          f"that name here){hint}")
+    if path.is_dir():
+        return str(path), True
+    if ref.startswith((".", "/", "~")) or len(path.parts) > 2:  # a hub id is NAME or OWNER/NAME
+        raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id is NAME or OWNER/NAME){_near(path)}")
     return ref, True
+
+
+def _near(path: Path) -> str:
+    """A did-you-mean for a local folder that is not there, among its would-be siblings."""
+    names = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+    return f"; did you mean {str(path.parent / near)!r}?" if (near := closest(path.name, names)) else ""
 
 
 def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None:
@@ -67,44 +70,26 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
     no token of its own)."""
     transformers = transformers_module(f"model.hf = {cfg.model.hf!r}")
     cls_name = cfg.model.hf_class or auto_class
-    if not hasattr(transformers, cls_name):
-        raise ConfigError(f"model.hf_class = {cls_name!r} is not a transformers auto class (e.g. {auto_class})")
+    named = getattr(transformers, cls_name, None)
+    is_model = isinstance(named, type) and issubclass(named, transformers.PreTrainedModel)
+    if not (hasattr(named, "_model_mapping") or is_model):
+        raise ConfigError(f"model.hf_class = {cls_name!r} is no transformers auto class (e.g. {auto_class}) or model "
+                          f"class")
     config = load_config(cfg)
-    own = (getattr(config, "auto_map", None) or {}).get(cls_name)
-    if own and not cfg.model.trust_remote_code:  # a library model_type loads without it, passing over that code
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own for {cls_name} (auto_map: "
-                          f"{own}), which runs when the model loads; set model.trust_remote_code = true only if you "
-                          f"trust its source (without it transformers would train its own {config.model_type!r} "
-                          f"class instead)")
-    vocab = getattr(config, "vocab_size", None) or 0
-    past = [f"{key} = {getattr(config, key)}" for key in ("pad_token_id", "bos_token_id", "eos_token_id")
-            if vocab and isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab]
-    if past:  # an embedding's padding_idx past its table: an AssertionError as the model is built
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config.json gives {', '.join(past)}: ids past "
-                          f"vocab_size = {vocab}, the size of the embedding table they index; change them together")
     source, has_weights = _config_source(cfg.model.hf)
+    _check_config(cfg, cls_name, config, source)
     if not cfg.model.hf_tokenizer and has_weights:
         raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
                           f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
     local = has_weights and Path(source).is_dir()  # weights on this machine: their files are checked here
-    held = sorted(p.name for p in Path(source).iterdir() if WEIGHTS.fullmatch(p.name)) if local else []
-    if local and not held:
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
-                          f"pytorch_model*.bin); to start from random initialisation name its config.json: "
-                          f"model.hf = {str(Path(source) / 'config.json')!r}")
-    if local and not set(held) & set(LOADED) and not any((Path(source) / f"{name}.index.json").is_file()
-                                                          for name in LOADED):
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: holds the shards {held[0]}, ... but not the index that "
-                          f"names them ({INDEX}), which from_pretrained reads; copy or download the checkpoint whole")
-    missing = [name for name in _shards(Path(source)) if not (Path(source) / name).is_file()] if local else []
-    if missing:
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(missing)} of the shards its {INDEX} names are missing "
-                          f"(e.g. {missing[0]}); copy or download the checkpoint whole")
+    if local:
+        _check_files(cfg, Path(source))
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
         _check_model(cfg, cls, config, positions or cfg.data.seq_len)
         if local:
             _check_weights(cfg, cls, config, weight_files(source))
+    vocab = getattr(config, "vocab_size", None) or 0
     tok = tokenizer(cfg) if own_tokenizer(cfg) and vocab else None
     # the ids the task's rows can take: the base vocabulary and EOS (which joins them); a pad token added on top of
     # an unresized model (e.g. 32001 for 32000) never appears in its batches
@@ -113,6 +98,46 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has {tokens} tokens and the model "
                           f"vocab_size = {vocab} in its config.json; use the model's own tokenizer, or resize its "
                           f"embeddings (resize_token_embeddings) and save it again")
+
+
+def _check_config(cfg: RunConfig, cls_name: str, config, source: str) -> None:
+    """What the config.json says that the model would fail on or pass over: code of its own beside it (auto_map)
+    without model.trust_remote_code, a model class for other configs, a pad id past the embedding table."""
+    own = (getattr(config, "auto_map", None) or {}).get(cls_name)
+    folder = Path(source) if Path(source).is_dir() else Path(source).parent
+    module = own.split("--")[-1].rsplit(".", 1)[0] if isinstance(own, str) else ""
+    if module and (folder / f"{module}.py").is_file() and not cfg.model.trust_remote_code:
+        # (a library model_type loads without it, passing over that code; an export keeps auto_map, not the code)
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own for {cls_name} ({own}, in "
+                          f"{module}.py beside it), which runs when the model loads; set model.trust_remote_code = "
+                          f"true only if you trust its source (without it transformers trains its own "
+                          f"{config.model_type!r} class instead)")
+    cls = getattr(transformers_module(f"model.hf = {cfg.model.hf!r}"), cls_name)
+    if not hasattr(cls, "_model_mapping") and not isinstance(config, cls.config_class):
+        raise ConfigError(f"model.hf_class = {cls_name!r} builds {cls.config_class.__name__} models; model.hf = "
+                          f"{cfg.model.hf!r} is a {config.model_type!r} model ({type(config).__name__})")
+    # (with model.hf_tokenizer = false the task sets the vocabulary and its ids itself)
+    vocab, pad = getattr(config, "vocab_size", None) or 0, getattr(config, "pad_token_id", None)
+    if own_tokenizer(cfg) and vocab and isinstance(pad, int) and pad >= vocab:  # the embedding's padding_idx
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config.json gives pad_token_id = {pad}, past "
+                          f"vocab_size = {vocab}, the size of the embedding table it indexes; change them together")
+
+
+def _check_files(cfg: RunConfig, source: Path) -> None:
+    """A local checkpoint holds what from_pretrained reads: weights, the index of its shards and every shard."""
+    held = sorted(p.name for p in source.iterdir() if WEIGHTS.fullmatch(p.name))
+    if not held:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: the directory holds no weights (model*.safetensors, "
+                          f"pytorch_model*.bin); to start from random initialisation name its config.json: "
+                          f"model.hf = {str(source / 'config.json')!r}")
+    index = f"{LOADED[held[0].endswith('.bin')]}.index.json"
+    if not set(held) & set(LOADED) and not any((source / f"{name}.index.json").is_file() for name in LOADED):
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: holds the shards {held[0]}, ... but not the index that "
+                          f"names them ({index}), which from_pretrained reads; copy or download the checkpoint whole")
+    missing = [name for name in _shards(source) if not (source / name).is_file()]
+    if missing:
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(missing)} of the shards its {INDEX} names are missing "
+                          f"(e.g. {missing[0]}); copy or download the checkpoint whole")
 
 
 def model_class(cfg: RunConfig, auto_class: str, config):
@@ -194,8 +219,9 @@ def _check_weights(cfg: RunConfig, cls, config, files: list[Path]) -> None:
                                 wrong.append(f"{name}: {list(shape)} in {f.name}, {shapes[key]} by config.json")
                             break
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (a cut or empty file): one line naming it
-            raise ConfigError(f"model.hf = {cfg.model.hf!r}: {f.name} is no readable safetensors file "
-                              f"({one_line(e, 120)}); copy or download the checkpoint whole") from None
+            raise ConfigError(f"model.hf = {cfg.model.hf!r}: {f.name} does not read as safetensors "
+                              f"({one_line(e, 120)}); a file cut short: copy or download the checkpoint whole") \
+                from None
     if wrong:
         raise ConfigError(f"model.hf = {cfg.model.hf!r}: {len(wrong)} of its weights do not fit the model its "
                           f"config.json describes (e.g. {wrong[0]}); the config and the weights must come from the "
@@ -217,7 +243,10 @@ def load_config(cfg: RunConfig):
             raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own (auto_map), which "
                               f"runs when the model loads; set model.trust_remote_code = true only if you trust "
                               f"its source") from None
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0]}") from None
+        where = Path(source)  # OWNER/NAME, where a folder OWNER is here: a hub id, or a typo of a local folder
+        local = f"; no folder {source} here either{_near(where)}" if not where.exists() and \
+            where.parent.is_dir() and str(where.parent) != "." else ""
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0].rstrip('.')}{local}") from None
 
 
 def takes_packed(cfg: RunConfig, auto_class: str) -> bool:

@@ -551,9 +551,10 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
     # names one (`want`) that the loss does not give.
     if (final or (want and want not in metrics)) and hasattr(plan.task, "evaluate"):
         model, eval_world = engine, world
-        if signalled:  # asked before it (a first batch of decoding is slow too) and where it asks, `World.scored`
-            cut_if_signalled(signalled(), world)
-            eval_world = replace(world, between_batches=lambda i, steps: cut_between(i, steps, signalled(), world))
+        if signalled:  # asked before it and after each of its batches where it asks (`World.scored`): a batch of
+            cut_if_signalled(signalled(), world)  # decoding can take seconds, the collective is small beside it
+            eval_world = replace(world, between_batches=lambda i, steps: cut_if_signalled(signalled(), world)
+                                 if i + 1 < steps else None)
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data
             model.load_state_dict(full_state_dict(engine, world, everywhere=True))

@@ -9,8 +9,9 @@ of a step, launchers pass it on again), so no rank speaks on receiving it. A sec
 still ends a run at once.
 
 An evaluation runs no steps: the ranks ask each other whether a signal came after its micro-batches 1, 2, 4, ...,
-`CUT_EVERY` and every `CUT_EVERY` more (`cut_between`, a small collective of its own; a task's own evaluation asks
-through `World.scored`, the built-in tasks' after each batch they decode or score); if one did, every rank
+`CUT_EVERY` and every `CUT_EVERY` more (`cut_between`, a small collective of its own; a task's own evaluation, whose
+batches may take seconds each (decoding), after each batch where it asks through `World.scored`, as the built-in
+tasks do); if one did, every rank
 stops it at the same batch, and the run stops as after a step, with a checkpoint that owes the evaluation (a
 resumed run makes it first). Once an evaluation in training is whole they ask again (`agreed`), so the run stops
 at that step.

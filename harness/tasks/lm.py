@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
 from ..data.corpus import BLEND_PERIOD, MANIFEST, Corpus, Mixture, Windows, blend, is_corpus
-from ..data.rows import DataSummary, check_paths, check_split, keep, load_rows
+from ..data.rows import DataSummary, check_paths, check_split, data_format, keep, load_rows
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
@@ -354,7 +354,9 @@ class LanguageModelTask:
         path = d.path or default_corpus()
         if not os.path.isfile(path):
             return None
-        digest = hashlib.sha256(repr((d.format, d.text_field, d.val_fraction, d.max_row_chars)).encode())
+        kind = data_format(path, d.format)  # the settings that choose the rows and the split, where they do
+        digest = hashlib.sha256(repr((kind, d.text_field if kind != "text" else None,
+                                      None if d.val_path else d.val_fraction, d.max_row_chars)).encode())
         with open(path, "rb") as f:  # (read whole anyway, to be tokenised)
             for block in iter(lambda: f.read(1 << 24), b""):
                 digest.update(block)

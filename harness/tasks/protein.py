@@ -482,6 +482,23 @@ class ProteinTask:
         return {"loss": mean_loss}
 
     @torch.no_grad()
+    def _scores(self, model, samples, batches: list, steps: int, split: str, world, blended=None) -> list[tuple]:
+        """This rank's (prediction, target) per sample, with the linear model's prediction third where `blended`
+        (the model whose ridge mix is being chosen) is given."""
+        mine = []
+        for i in progress(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
+            real = i < len(batches)
+            index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
+            batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
+            logits = hf.logits(model(batch["ids"], batch["mask"])).float()  # every rank calls the model `steps` times
+            if real:
+                mine += _per_sample(logits, batch)
+                if blended is not None:  # the linear model's prediction beside the encoder's
+                    linear = blended.ridge(batch["ids"], batch["mask"]).squeeze(-1).tolist()
+                    mine[-len(linear):] = [(p, y, r) for (p, y), r in zip(mine[-len(linear):], linear)]
+            world.scored(i, steps)  # in training, a stop signal ends it here on every rank
+        return mine
+
     def evaluate(self, model, cfg: RunConfig, split: str, world, in_training: bool = False,
                  data: Samples | None = None) -> dict[str, float | str]:
         """The field's metrics over the whole split (or `data`, from `read`), on every rank (see the Task protocol
@@ -494,20 +511,16 @@ class ProteinTask:
         model.eval()
         blended = getattr(model, "module", model)  # protein.blend: the encoder's own predictions first, then the mix
         choose = in_training and split == "validation" and hasattr(blended, "ridge_mix")
+        before = blended.ridge_mix.clone() if choose else None
         if choose:
             blended.ridge_mix.zero_()
-        mine = []
-        for i in progress(range(steps), desc=f"scoring {split}", disable=not world.is_main, leave=False):
-            real = i < len(batches)
-            index = batches[i] if real else (batches[-1] if batches else [0])  # repeat a batch: same forward count
-            batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
-            logits = hf.logits(model(batch["ids"], batch["mask"])).float()  # every rank calls the model `steps` times
-            if real:
-                mine += _per_sample(logits, batch)
-                if choose:  # the linear model's prediction beside the encoder's
-                    linear = blended.ridge(batch["ids"], batch["mask"]).squeeze(-1).tolist()
-                    mine[-len(linear):] = [(p, y, r) for (p, y), r in zip(mine[-len(linear):], linear)]
-            world.scored(i, steps)  # in training, a stop signal ends it here on every rank
+        try:
+            mine = self._scores(model, samples, batches, steps, split, world, blended if choose else None)
+        except BaseException:  # cut short (a stop signal, `World.scored`): the model as it was, its checkpoint saved
+            if choose:
+                blended.ridge_mix.copy_(before)
+            model.train(was_training)
+            raise
         model.train(was_training)
         outputs = [o for rank in world.gather(mine) for o in rank]  # sync point
         extra = {}
