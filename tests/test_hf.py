@@ -249,9 +249,9 @@ def test_an_owner_name_hub_id_beside_a_folder_of_that_owner_is_still_looked_up(t
     """OWNER/NAME is a hub id though a folder OWNER is here (a model downloaded beside it); not found there either,
     the line says so, with the folder meant."""
     (tmp_path / "owner" / "model-a").mkdir(parents=True)
+    offline = _env({"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     proc = subprocess.run([python(), "-m", "harness", "plan", "--set", 'model.hf="owner/model-b"', "--set",
-                           "train.max_steps=1"], cwd=tmp_path, env=_env({"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}),
-                          capture_output=True, text=True, timeout=120)
+                           "train.max_steps=1"], cwd=tmp_path, env=offline, capture_output=True, text=True, timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("harness: error: model.hf = 'owner/model-b': "), proc.stderr[-2000:]
     assert last.endswith("; no folder owner/model-b here either; did you mean 'owner/model-a'?"), last
