@@ -268,6 +268,9 @@ class Flat(Unsaid):
      "must divide the 9 positions of each sample (prices.lookback = 36"),
     ({"sp": 2}, 2, ['run.task="PLUGIN:Flat"'], "has no attention the harness can split"),
     ({"sp": 2}, 2, ['run.task="PLUGIN:Unsaid"'], "does not say how its batches split over positions"),
+    # what the task cannot do is said first, not the heads of a model it might not have (was: must divide n_heads)
+    ({"sp": 2}, 2, ['run.task="PLUGIN:Unsaid"', "model.n_heads=1"], "does not say how its batches split over"),
+    ({"sp": 2}, 2, ['run.task="PLUGIN:Flat"', "model.n_heads=1"], "has no attention the harness can split"),
 ])
 def test_bad_sequence_parallel_input_is_refused_before_launch(ds, world, sets, message, tmp_path):
     sp = ds.pop("sp")

@@ -145,9 +145,6 @@ def _check_sequence_parallel(ds: dict, sp: int, tp: int, pp: int, world_size: in
         raise ConfigError(f"{key} with model.hf = {c.model.hf!r} and run.task = {c.run.task!r}: DeepSpeed's Hugging "
                           f"Face path drops the attention mask, so it takes causal language models without padding "
                           f"(the lm task); train this task's own model, or without sequence parallelism")
-    if not c.model.hf and c.model.n_heads % sp:
-        raise ConfigError(f"{key} must divide {run.describe('model.n_heads')}: each rank attends with n_heads / {sp} "
-                          f"heads over the whole sequence")
     if stage == 3 and (ds.get("zero_optimization") or {}).get("reduce_scatter", True) is False:
         raise ConfigError(f"{key} with zero_optimization.reduce_scatter = false under ZeRO-3 ({label}): DeepSpeed "
                           f"0.19 then divides a bucket's gradients by the data-parallel size or by data x sequence "

@@ -206,9 +206,14 @@ def check_sequence_parallel(run: Resolved, ds: DSResolved, task: Task) -> None:
         return
     with torch.device("meta"):
         model = task.build_model(run.cfg)
-    if not any(isinstance(m, Attention) for m in model.modules()):
+    heads = {m.q_proj.out_features // m.head_dim for m in model.modules() if isinstance(m, Attention)}
+    if not heads:
         raise ConfigError(f"{key}: {name}'s model ({type(model).__name__}) has no attention the harness can split "
                           f"(harness.models.transformer.Attention); train without sequence parallelism")
+    if bad := sorted(h for h in heads if h % sp):  # (asked of the model: a plug-in's may have heads of its own)
+        what = run.describe("model.n_heads") if heads == {run.cfg.model.n_heads} else f"its attention's {bad[0]} heads"
+        raise ConfigError(f"{key} must divide {what}: each rank attends with n_heads / {sp} heads over the whole "
+                          f"sequence")
 
 
 def check_hf_tensor_parallel(run: Resolved, tp: int, config, model: torch.nn.Module | None = None) -> None:
