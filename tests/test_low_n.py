@@ -197,3 +197,12 @@ def test_bench_seeds_trains_and_scores_every_seed(tmp_path):
             assert r["sequences"] == 24.0 and "ridge_mix" in r
         assert c["spearman"]["n"] == 2 and c["ridge_spearman"]["sd"] == 0.0  # ridge: no seed in it
     assert "| zero0 x1 protein.train_subsample=60 |" in (out / "seeds.md").read_text()
+    # a figure the evaluation does not report stops the study after its first run, not after every seed's
+    typo = cli("bench", "seeds", "0,1", "--metric", "spearman", "--baseline", "ridge_spearmann", "--threads", "1",
+               "--out", str(tmp_path / "typo"), *[a for s in (
+                   'run.task="protein"', f"data.path={json.dumps(str(path))}", 'protein.objective="regress"',
+                   "data.seq_len=32", "model.d_model=16", "model.n_heads=2", "train.max_steps=1") for a in ("--set", s)],
+               env={"HARNESS_CACHE": os.environ["HARNESS_CACHE"]}, timeout=600)
+    assert typo.returncode == 2 and typo.stderr.strip().splitlines()[-1].startswith(
+        "harness: error: --baseline ridge_spearmann: the evaluation reports no such figure (it has "), typo.stderr
+    assert "[2/2]" not in typo.stdout

@@ -70,8 +70,7 @@ def run_seeds(args) -> dict:
         print(f"[{i + 1}/{len(configs) * len(seeds)}] {c.name} seed {seed}", flush=True)
         scored = train_and_score(c, args.run, sets, seed, out / "runs" / f"{c.slug}-seed{seed}", args.split,
                                  threads, args.timeout)
-        if "error" not in scored and not isinstance(scored.get(metric), (int, float)):
-            scored = {"error": f"the evaluation reports no {metric!r} (it has {', '.join(scored)})"}
+        check_reported(scored, metric, args.baseline, out / "runs" / f"{c.slug}-seed{seed}")
         if "error" in scored:
             print(f"  failed: {scored['error']}", flush=True)
         else:
@@ -83,6 +82,19 @@ def run_seeds(args) -> dict:
     print(markdown(result))
     print(f"wrote {out / 'seeds.json'}, {out / 'seeds.md'}")
     return result
+
+
+def check_reported(scored: dict, metric: str, baseline: str | None, run_dir: Path) -> None:
+    """After a run's evaluation: the figures --metric and --baseline name are among those it reports, or the study
+    stops there, in one line (a task with a field evaluation of its own says them only once it ran)."""
+    if "error" in scored:
+        return
+    missing = [f"{flag} {name}" for flag, name in (("--metric", metric), ("--baseline", baseline))
+               if name and not isinstance(scored.get(name), (int, float))]
+    if missing:
+        figures = ", ".join(k for k, v in scored.items() if isinstance(v, (int, float)))
+        raise ConfigError(f"{' and '.join(missing)}: the evaluation reports no such figure (it has {figures}); the "
+                          f"study stops after its first run ({run_dir})")
 
 
 def check_scorable(plan: Plan, split: str, metric: str, baseline: str | None = None) -> None:
