@@ -371,7 +371,9 @@ def _evaluate(args) -> int:
     elif args.sentences:
         _out("\n".join(evaluate.translate(args.run_dir, args.sentences, args.set)))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
-        lines = [line.strip() for line in sys.stdin]
+        lines = [raw.decode("utf-8", "surrogateescape").strip() for raw in sys.stdin.buffer]  # (any locale)
+        if bad := next(((i, why) for i, line in enumerate(lines, 1) if (why := evaluate.undecodable(line))), None):
+            raise ConfigError(f"standard input, line {bad[0]}: {bad[1]}")
         said = iter(evaluate.translate(args.run_dir, [line for line in lines if line], args.set))
         _out("\n".join(next(said) if line else "" for line in lines))
     return 0

@@ -524,6 +524,12 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
                            input="the big cat sees a dog.\n\na child likes the red bread.\n", capture_output=True,
                            text=True, env=_env({"HARNESS_CACHE": str(cache)}), timeout=120)
     assert piped.returncode == 0, piped.stderr[-2000:]
+    latin = subprocess.run([python(), "-m", "harness", "translate", "--run-dir", str(run.dir)], cwd=ROOT,
+                           input=b"the cat.\nJesus \xe9 wept.\n", capture_output=True, timeout=120,
+                           env=_env({"HARNESS_CACHE": str(cache), "LC_ALL": "en_US.UTF-8"}))
+    assert latin.returncode == 2 and latin.stderr.decode().strip().splitlines() == [
+        "harness: error: standard input, line 2: not UTF-8 (byte 0xe9 at character 7); convert the text first, e.g. "
+        "iconv -f latin1 -t utf-8"], latin.stderr
     first, second = proc.stdout.strip().splitlines()
     assert piped.stdout.splitlines() == [first, "", second]
     # a reader that leaves (`| head -1`): no traceback (a BrokenPipeError's, then Python's at exit)

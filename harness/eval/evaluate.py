@@ -239,6 +239,9 @@ def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple
     blank = [i for i, s in enumerate(sentences, 1) if not s.strip()]
     if blank:
         raise ConfigError(f"sentence {blank[0]} of {len(sentences)} is empty: there is nothing to translate in it")
+    for i, s in enumerate(sentences, 1):
+        if bad := undecodable(s):
+            raise ConfigError(f"sentence {i} of {len(sentences)}: {bad}")
     run_dir = Path(run_dir)
     cfg, task = _task(run_dir)
     if not hasattr(task, "translate"):
@@ -246,6 +249,18 @@ def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple
     cfg = _scored(run_dir, cfg, sets)
     task.prepared = stored(run_dir)  # the run's own tokenizer, where it keeps one
     return task.translate(_model(run_dir, task), cfg, sentences)
+
+
+def undecodable(text: str) -> str | None:
+    """What is wrong with text read from bytes that were not UTF-8 (Python keeps them as lone surrogates: command-line
+    arguments, and standard input in some locales), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF
+        return (f"not UTF-8 (byte 0x{byte:02x} at character {e.start + 1}); convert the text first, e.g. iconv -f "
+                f"latin1 -t utf-8")
 
 
 def _number(v: float) -> str:

@@ -242,8 +242,10 @@ class TranslationTask:
         ids = [p[:keep] + [tok.eos_id] for p in pieces]
         model.eval()
         b = cfg.train.micro_batch_size
-        return [tok.decode(h) for i in range(0, len(ids), b)
-                for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok, cfg)]
+        starts = range(0, len(ids), b)  # a bar on stderr where it takes more than one batch
+        shown = progress(starts, desc="translating", unit="batch", leave=False) if len(starts) > 1 else starts
+        return [tok.decode(h) for i in shown for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok,
+                                                                     cfg)]
 
     def generation_defaults(self, cfg: RunConfig) -> dict:
         """A Hugging Face model's export decodes with `generate()` as the run's evaluation does (its own beam search,
