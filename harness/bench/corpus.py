@@ -3,6 +3,7 @@ the loader's tokens/s a rank, and a toy 1-step run's start-up and peak memory on
 alternated with the same run on the embedded default."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -102,25 +103,42 @@ def start_up(data: str | None, run: Path) -> dict:
 def run_corpus(args) -> dict:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    sizes = [s.strip() for s in args.sizes.split(",")]
-    sources = {s: text(work / f"text-{s}.txt", SIZES[s]) for s in sizes}
-    small, bytes_at = sources[sizes[0]], sizes[min(1, len(sizes) - 1)]  # bytes on enough units for 2 workers
-    result = {"sizes": sizes, "prepare": [{"text": bytes_at, **prepare(sources[bytes_at], work / "p-bytes", w)}
-                                          for w in (1, 2)]}
-    tokenizer = bpe(work, small)
-    result["prepare"] += [{"text": sizes[0], **prepare(small, work / "p-bpe", w, tokenizer)} for w in (1, 2)]
+    sizes = sorted(dict.fromkeys(s.strip() for s in args.sizes.split(",")), key=SIZES.get)  # smallest first
+    total, done = 2 * len(sizes) + 6 + args.repeats * (len(sizes) + 1), itertools.count(1)
+
+    def say(what: str) -> None:  # long work: a line as each stage starts
+        print(f"[{next(done)}/{total}] {what}", flush=True)
+
+    sources = {}
     for s in sizes:
+        say(f"synthetic text of {s} ({work / f'text-{s}.txt'}, written once)")
+        sources[s] = text(work / f"text-{s}.txt", SIZES[s])
+    small, bytes_at = sources[sizes[0]], sizes[min(1, len(sizes) - 1)]  # bytes on enough units for 2 workers
+    result = {"sizes": sizes, "prepare": []}
+    for w in (1, 2):
+        say(f"prepare {bytes_at} as bytes, {w} worker(s)")
+        result["prepare"].append({"text": bytes_at, **prepare(sources[bytes_at], work / "p-bytes", w)})
+    say("a BPE tokenizer of 8,192 ids on the first 10 MB")
+    tokenizer = bpe(work, small)
+    for w in (1, 2):
+        say(f"prepare {sizes[0]} with it, {w} worker(s)")
+        result["prepare"].append({"text": sizes[0], **prepare(small, work / "p-bpe", w, tokenizer)})
+    for s in sizes:
+        say(f"prepare the {s} corpus the start-ups read")
         prepare(sources[s], work / f"corpus-{s}", 2)
+    say(f"the loader over the {sizes[-1]} corpus")
     result["loader"] = loader(work / f"corpus-{sizes[-1]}")
     runs = {"default": [], **{s: [] for s in sizes}}
     for _ in range(args.repeats):  # alternated: a drift in the machine's speed weighs on every size alike
         for name in runs:
+            say(f"start-up on {'the embedded default' if name == 'default' else f'the {name} corpus'}")
             runs[name].append(start_up(None if name == "default" else str(work / f"corpus-{name}"), work / "run"))
     result["start_up"] = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
                                  "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in rs), "runs": rs}
                           for name, rs in runs.items()}
     save(out, "corpus", {**result, "cpus": os.cpu_count()}, markdown(result))
     print(markdown(result))
+    print(f"wrote {out / 'corpus.json'}, {out / 'corpus.md'}")
     return result
 
 
