@@ -310,6 +310,10 @@ def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir
     rows, counts, files = prep.read_scoring(cfg, stored, tsv)
     assert counts == {"ok": 2, "unknown_class": 1, "malformed": 1} and files == [tsv]
     assert rows["label"] == [1, 0] and rows["ids"][0] == prep.encode(prep.tokenizer(default_dir), ["ACDKLW"])[0]
+    fitness = tmp_path / "fitness.tsv"  # measurements, not classes: refused (it had scored the rows valued "0")
+    fitness.write_text("sequence\tlabel\nACDKLW\t1.25\nMKVLAG\t0\nGGSSAW\t0.37\n")
+    with pytest.raises(ConfigError, match=r"its labels are measurements \(e\.g\. 1\.25\), not this run's classes"):
+        prep.read_scoring(cfg, stored, fitness)
     flip = write_flip(tmp_path / "flip")
     residue = config('protein.objective="residue"', "data.seq_len=64", path=str(flip))
     stored = store(prep.prepare(residue), tmp_path / "flip_data", prep.STORED, prep.COMPARED, prep.SCORING_KEYS)

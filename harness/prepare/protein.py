@@ -384,8 +384,11 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[st
     kind, classes, sites = meta["labels"], meta["classes"], meta.get("sites")
     rows, others, files = read_scored(path, cfg)
     whole = math.inf if kind == "residue" or sites else cfg.data.seq_len
+    read = [clean(r, kind, whole) for r in rows]
+    if kind == "class":
+        _check_classes(path, [label for st, _, label in read if st in KEPT], classes)
     cleaned = [("unknown_class", "", None) if st in KEPT and kind == "class" and label not in classes
-               else (st, seq, label) for st, seq, label in (clean(r, kind, whole) for r in rows)]
+               else (st, seq, label) for st, seq, label in read]
     counts, kept = deduplicate({"test": cleaned}, kind)
     if kind == "residue":
         fit(counts, kept, cfg.data.seq_len)
@@ -393,6 +396,24 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[st
         kept["test"] = on_sites(kept["test"], counts["test"], sites)
     counts = {**counts["test"], **({"not_test": others} if others else {})}
     return rows_of(tok, kept["test"], kind, classes, sites), counts, files
+
+
+def _check_classes(path: Path, labels: list, classes: list) -> None:
+    """New data for a classifier whose labels are mostly measurements (fractional numbers), not its classes: a
+    regression set, refused rather than scored on the rows whose value happens to be a class's name ("0")."""
+    unknown = [label for label in labels if label not in classes]
+    fractional = [x for x in unknown if _number(x) is not None and not float(_number(x)).is_integer()]
+    if labels and len(unknown) > len(labels) / 2 and fractional:
+        raise ConfigError(f"--data {path}: its labels are measurements (e.g. {fractional[0]}), not this run's classes "
+                          f"({', '.join(map(str, classes[:5]))}); score a regression data set with a run trained "
+                          f"with protein.objective = \"regress\"")
+
+
+def _number(x) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
 
 
 def varying_sites(train: list[tuple[str, Any]], source: str) -> dict[str, Any]:
