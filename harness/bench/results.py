@@ -168,6 +168,8 @@ def main(check: bool, root: Path = ROOT) -> int:
         elif current != new:
             page.write_text(new)
             print(f"updated {page}")
+        else:
+            print(f"{page}: its tables already match results/")
     return 1 if stale else 0
 
 
