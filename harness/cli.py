@@ -334,6 +334,8 @@ def _docs_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", metavar="NAME,...", help="these checks (and those they run after)")
     p.add_argument("--static", action="store_true", help="run nothing: check that every figure is still written in "
                    "its page as docs/checks.toml states it")
+    p.add_argument("--list", action="store_true", help="run nothing: list the checks, each with its page, minutes and "
+                   "command")
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
@@ -583,7 +585,7 @@ def _keys(args) -> int:
 def _docs(args) -> int:
     from .docs import main as docs
 
-    return docs(args.only, args.quick, args.static)
+    return docs(args.only, args.quick, args.static, args.list)
 
 
 def _results(args) -> int:

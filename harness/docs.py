@@ -67,8 +67,8 @@ def chosen(checks: list[Check], only: str | None, quick: bool) -> list[Check]:
         if unknown:
             raise ConfigError(f"--only: no check {', '.join(unknown)}; the checks are {', '.join(by_name)}")
         picked = [by_name[n] for n in only.split(",")]
-    else:  # quick: a check whose own and prerequisites' minutes are a minute or less
-        picked = [c for c in checks if not quick or minutes(c, by_name) <= QUICK_MINUTES]
+    else:  # quick: a check of a minute or less, each of those it runs after too (the main job, then its score)
+        picked = [c for c in checks if not quick or longest(c, by_name) <= QUICK_MINUTES]
     ordered: list[Check] = []
 
     def add(c: Check) -> None:
@@ -82,9 +82,9 @@ def chosen(checks: list[Check], only: str | None, quick: bool) -> list[Check]:
     return ordered
 
 
-def minutes(c: Check, by_name: dict[str, Check]) -> float:
-    """A check's minutes with those of the checks it runs after."""
-    return c.minutes + (minutes(by_name[c.after], by_name) if c.after else 0.0)
+def longest(c: Check, by_name: dict[str, Check]) -> float:
+    """The most minutes of a check and those it runs after, each on its own."""
+    return max(c.minutes, longest(by_name[c.after], by_name) if c.after else 0.0)
 
 
 MIN_WAIT_S = 120.0  # the least a check is given before it counts as hung
@@ -101,15 +101,20 @@ def measure(c: Check) -> tuple[str | None, float, str]:
     return (found.group(1) if found else None), time.monotonic() - started, out[-1500:]
 
 
-def main(only: str | None = None, quick: bool = False, static: bool = False) -> int:
+def main(only: str | None = None, quick: bool = False, static: bool = False, listing: bool = False) -> int:
     checks = load()
-    unstated = [c for c in checks if not c.stated()]
+    picked = chosen(checks, only, quick)  # a bad --only refused before anything runs
+    if listing:
+        for c in picked:
+            print(f"{c.name} ({c.doc}, about {c.minutes:g} min{f', after {c.after}' * bool(c.after)}): {c.command}")
+        return 0
+    unstated = [c for c in picked if not c.stated()]
     for c in unstated:
         print(f"{c.name}: {c.doc} no longer says {c.written or c.value!r}", file=sys.stderr)
     if static:
-        print(f"{len(checks) - len(unstated)} of {len(checks)} figures written as {CHECKS.name} states them")
+        print(f"{len(picked) - len(unstated)} of {len(picked)} figures written as {CHECKS.name} states them")
         return 1 if unstated else 0
-    failed, picked = list(unstated), chosen(checks, only, quick)  # a bad --only refused before the table starts
+    failed = list(unstated)
     print("| check | page | stated | measured | within | seconds (stated: minutes) |\n|---|---|---|---|---|---|")
     for c in picked:
         got, seconds, tail = measure(c)

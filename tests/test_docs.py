@@ -18,6 +18,8 @@ def test_every_stated_figure_is_still_in_its_page_and_the_quickest_holds():
     assert done.returncode == 0 and f"| {quickest.name} | " in done.stdout and "| yes (" in done.stdout, \
         done.stdout + done.stderr[-2000:]
     assert all(c.minutes > 0 for c in checks) and {c.doc for c in checks} >= {"README.md", "docs/case-studies.md"}
+    # --quick: what the README says it runs (the plan line, the main job and its score on new text)
+    assert [c.name for c in docs.chosen(checks, None, quick=True)] == ["plan-launch", "main-job", "main-job-data"]
 
 
 def test_a_figure_that_moved_or_left_its_page_fails_the_check(tmp_path, monkeypatch, capsys):
@@ -37,6 +39,9 @@ def test_a_figure_that_moved_or_left_its_page_fails_the_check(tmp_path, monkeypa
     page.write_text("The answer is 41 units.\n")
     assert docs.main(static=True) == 1
     assert "held: page.md no longer says 'is 42.0 units'" in capsys.readouterr().err
+    assert docs.main(listing=True, only="moved") == 0 and capsys.readouterr().out.splitlines() == [
+        "held (page.md, about 0.1 min): echo answer 42.04", "moved (page.md, about 0.1 min, after held): echo answer 43"]
+    assert docs.main(static=True, only="moved") == 1  # held, which it runs after, no longer says it
     with pytest.raises(ConfigError, match="no check warp"):
         docs.main(only="warp")
     with pytest.raises(ConfigError, match="--only '': name a check"):  # it ran every check
