@@ -408,7 +408,11 @@ def test_evaluate_data_scores_new_pairs_with_the_run_s_own_tokenizer(toy_run, tm
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"x": "y"}\n')
     bare = bare_copy(run.dir, tmp_path / "bare")
+    (tmp_path / "half.en").write_text("the cat.\n")  # the other side in another language: said so
+    (tmp_path / "half.de").write_text("die Katze.\n")
     for run_dir, path, message in ((run.dir, data / "nothing", "not found as translation pairs"),
+                                   (run.dir, tmp_path / "half.en", "half.en: the other side of the pair is missing: "
+                                    "no half.fr[.gz] beside it (half.de); this run translates en to fr"),
                                    (run.dir, bad, "needs columns 'en' and 'fr'"),
                                    (bare, data, "holds no stored tokenizer and statistics")):
         assert main(["evaluate", "--run-dir", str(run_dir), "--data", str(path)]) == 2

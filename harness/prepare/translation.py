@@ -35,6 +35,7 @@ above. Its pairs are cleaned by the validation/test rules and tokenized by the r
 """
 from __future__ import annotations
 
+import glob
 import re
 import sqlite3
 from collections import Counter
@@ -213,16 +214,22 @@ def scoring_sources(path: Path, src_lang: str, tgt_lang: str) -> list[tuple[str,
                               f"prefix, e.g. {path / (sorted(pairs) or ['NAME'])[0]}")
         return [(stem if len(chosen) > 1 else "", read_pair(*chosen[stem]), list(chosen[stem]))
                 for stem in sorted(chosen)]
-    prefix = path
+    prefix, side = path, None
     for lang in langs:  # one file of the pair named: its prefix
         for end in (f".{lang}", f".{lang}.gz"):
             if path.name.endswith(end) and path.is_file():
-                prefix = path.with_name(path.name.removesuffix(end))
+                prefix, side = path.with_name(path.name.removesuffix(end)), lang
     found = _pairs(prefix.parent, langs).get(prefix.name) if prefix.parent.is_dir() else None
+    if found is None and side is not None:  # one side there, the other missing (another language's beside it?)
+        other = tgt_lang if side == src_lang else src_lang
+        beside = sorted(p.name for p in prefix.parent.glob(f"{glob.escape(prefix.name)}.*") if p != path)
+        raise ConfigError(f"{path}: the other side of the pair is missing: no {prefix.name}.{other}[.gz] beside it "
+                          f"({', '.join(beside) or 'no other file of that prefix'}); this run translates {src_lang} "
+                          f"to {tgt_lang}")
     if found is None:
-        raise ConfigError(f"{path}: not found as translation pairs: give a file pair by its prefix (PREFIX.{src_lang} "
-                          f"and PREFIX.{tgt_lang}, gzipped or not), a directory holding such pairs, or a "
-                          f".jsonl/.json/.csv/.tsv file")
+        what = "is no translation data" if path.exists() else "not found as translation pairs"
+        raise ConfigError(f"{path}: {what}: give a file pair by its prefix (PREFIX.{src_lang} and PREFIX.{tgt_lang}, "
+                          f"gzipped or not), a directory holding such pairs, or a .jsonl/.json/.csv/.tsv file")
     return [("", read_pair(*found), list(found))]
 
 
