@@ -40,7 +40,8 @@ def test_a_figure_that_moved_or_left_its_page_fails_the_check(tmp_path, monkeypa
     assert docs.main(static=True) == 1
     assert "held: page.md no longer says 'is 42.0 units'" in capsys.readouterr().err
     assert docs.main(listing=True, only="moved") == 0 and capsys.readouterr().out.splitlines() == [
-        "held (page.md, about 0.1 min): echo answer 42.04", "moved (page.md, about 0.1 min, after held): echo answer 43"]
+        "held (page.md, about 0.1 min): echo answer 42.04",
+        "moved (page.md, about 0.1 min, after held): echo answer 43"]
     assert docs.main(static=True, only="moved") == 1  # held, which it runs after, no longer says it
     with pytest.raises(ConfigError, match="no check warp"):
         docs.main(only="warp")

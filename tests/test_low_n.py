@@ -201,7 +201,8 @@ def test_bench_seeds_trains_and_scores_every_seed(tmp_path):
     typo = cli("bench", "seeds", "0,1", "--metric", "spearman", "--baseline", "ridge_spearmann", "--threads", "1",
                "--out", str(tmp_path / "typo"), *[a for s in (
                    'run.task="protein"', f"data.path={json.dumps(str(path))}", 'protein.objective="regress"',
-                   "data.seq_len=32", "model.d_model=16", "model.n_heads=2", "train.max_steps=1") for a in ("--set", s)],
+                   "data.seq_len=32", "model.d_model=16", "model.n_heads=2", "train.max_steps=1")
+                 for a in ("--set", s)],
                env={"HARNESS_CACHE": os.environ["HARNESS_CACHE"]}, timeout=600)
     assert typo.returncode == 2 and typo.stderr.strip().splitlines()[-1].startswith(
         "harness: error: --baseline ridge_spearmann: the evaluation reports no such figure (it has "), typo.stderr

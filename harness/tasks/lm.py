@@ -244,7 +244,8 @@ class LanguageModelTask:
                                                     f"at prepare; data.val_fraction is for raw text)"
         capped = cfg.train.eval_batches * global_batch
         reads = f"~{held // seq:,} windows, all of it (train.eval_batches caps it)" if not 0 < capped < held // seq \
-            else f"{capped:,} windows of ~{held // seq:,} (train.eval_batches = {cfg.train.eval_batches} global batches)"
+            else f"{capped:,} windows of ~{held // seq:,} (train.eval_batches = {cfg.train.eval_batches} global " \
+                 f"batches)"
         lines.append(f"  validation: {source}; an evaluation reads {reads}")
         return "\n".join(lines)
 
