@@ -373,7 +373,8 @@ def _evaluate(args) -> int:
     elif args.sentences:
         _out("\n".join(evaluate.translate(args.run_dir, args.sentences, args.set)))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
-        lines = [raw.decode("utf-8", "surrogateescape").strip() for raw in sys.stdin.buffer]  # (any locale)
+        binary = getattr(sys.stdin, "buffer", None)  # bytes, so any locale reads them (a text stream as it is)
+        lines = [(line.decode("utf-8", "surrogateescape") if binary else line).strip() for line in binary or sys.stdin]
         if bad := next(((i, why) for i, line in enumerate(lines, 1) if (why := evaluate.undecodable(line))), None):
             raise ConfigError(f"standard input, line {bad[0]}: {bad[1]}")
         said = iter(evaluate.translate(args.run_dir, [line for line in lines if line], args.set))
