@@ -185,6 +185,9 @@ def test_hf_model_from_a_config_json_alone_and_bad_references(tiny_llama, tiny_l
                                                      "embedding table it indexes")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(ref)}"]).cfg)
+    with pytest.raises(ConfigError, match=re.escape("model.hf_class = 'PreTrainedModel' builds no models; ")):
+        task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                                  'model.hf_class="PreTrainedModel"']).cfg)
     with pytest.raises(ConfigError, match=re.escape("model.hf_class = 'BertLMHeadModel' builds BertConfig models; ")):
         task.check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
                                   'model.hf_class="BertLMHeadModel"']).cfg)

@@ -113,9 +113,10 @@ def _check_config(cfg: RunConfig, cls_name: str, config, source: str) -> None:
                           f"true only if you trust its source (without it transformers trains its own "
                           f"{config.model_type!r} class instead)")
     cls = getattr(transformers_module(f"model.hf = {cfg.model.hf!r}"), cls_name)
-    if not hasattr(cls, "_model_mapping") and not isinstance(config, cls.config_class):
-        raise ConfigError(f"model.hf_class = {cls_name!r} builds {cls.config_class.__name__} models; model.hf = "
-                          f"{cfg.model.hf!r} is a {config.model_type!r} model ({type(config).__name__})")
+    made = getattr(cls, "config_class", None)  # (None: a base class, PreTrainedModel itself)
+    if not hasattr(cls, "_model_mapping") and not (isinstance(made, type) and isinstance(config, made)):
+        raise ConfigError(f"model.hf_class = {cls_name!r} builds {getattr(made, '__name__', 'no')} models; model.hf "
+                          f"= {cfg.model.hf!r} is a {config.model_type!r} model ({type(config).__name__})")
     # (with model.hf_tokenizer = false the task sets the vocabulary and its ids itself)
     vocab, pad = getattr(config, "vocab_size", None) or 0, getattr(config, "pad_token_id", None)
     if own_tokenizer(cfg) and vocab and isinstance(pad, int) and pad >= vocab:  # the embedding's padding_idx
