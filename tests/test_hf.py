@@ -324,6 +324,18 @@ def test_the_partitioned_loader_finds_a_hub_ids_weights_in_the_cache(tiny_llama_
     assert weight_files("harness-tests/absent") == []
 
 
+def test_the_partitioned_loader_builds_a_model_class_named_itself(tiny_llama):
+    """model.hf_class naming a model class, not an auto class: the ZeRO-3 loader builds it as `build` does (it had
+    called from_config, which only auto classes have), and reads the checkpoint's weights into it."""
+    from harness.distributed.zero3 import load_partitioned
+
+    config = transformers.AutoConfig.from_pretrained(tiny_llama)
+    model, how = load_partitioned(transformers.LlamaForCausalLM, config, str(tiny_llama))
+    assert type(model).__name__ == "LlamaForCausalLM" and "read its own share" in how
+    whole = transformers.LlamaForCausalLM.from_pretrained(tiny_llama).state_dict()
+    assert all(torch.equal(t, whole[k]) for k, t in model.state_dict().items())
+
+
 @pytest.mark.parametrize("family", ["llama", "t5", "esm-mlm", "esm-classify", "esm-residue"])
 def test_hugging_face_flops_are_counted_from_the_config_and_match_a_count_of_the_real_forward(family):
     """A Hugging Face model's FLOPs come from its config over the batch's real positions (transformers' forward

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.hf import PARTITIONED_LOADER, weight_files
+from ..models.hf import PARTITIONED_LOADER, from_config, weight_files
 from .world import all_gather_objects
 
 
@@ -85,7 +85,7 @@ def load_partitioned(cls, config, source: str, trust_remote_code: bool = False) 
                 part = f.get_slice(key)
                 headers[key] = (tuple(part.get_shape()), part.get_dtype())
     with _weights_left_empty():
-        model = cls.from_config(config, trust_remote_code=trust_remote_code)
+        model = from_config(cls, config, trust_remote_code)
     own = model.state_dict(keep_vars=True)  # name -> parameter or persistent buffer; tied weights under each name
     why = agreed(_unloadable(model, own, headers))
     if why:

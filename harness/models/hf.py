@@ -77,7 +77,7 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
                           f"class")
     config = load_config(cfg)
     source, has_weights = _config_source(cfg.model.hf)
-    _check_config(cfg, cls_name, config, source)
+    _check_config(cfg, named, config, source)
     if not cfg.model.hf_tokenizer and has_weights:
         raise ConfigError(f"model.hf_tokenizer = false with model.hf = {cfg.model.hf!r}: pretrained weights know only "
                           f"their own tokenizer's ids; name a config.json to train from scratch on the task's tokenizer")
@@ -100,9 +100,11 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
                           f"embeddings (resize_token_embeddings) and save it again")
 
 
-def _check_config(cfg: RunConfig, cls_name: str, config, source: str) -> None:
+def _check_config(cfg: RunConfig, cls, config, source: str) -> None:
     """What the config.json says that the model would fail on or pass over: code of its own beside it (auto_map)
-    without model.trust_remote_code, a model class for other configs, a pad id past the embedding table."""
+    without model.trust_remote_code, a model class `cls` (model.hf_class) for other configs, a pad id past the
+    embedding table."""
+    cls_name = cls.__name__
     own = (getattr(config, "auto_map", None) or {}).get(cls_name)
     folder = Path(source) if Path(source).is_dir() else Path(source).parent
     module = own.split("--")[-1].rsplit(".", 1)[0] if isinstance(own, str) else ""
@@ -112,7 +114,6 @@ def _check_config(cfg: RunConfig, cls_name: str, config, source: str) -> None:
                           f"{module}.py beside it), which runs when the model loads; set model.trust_remote_code = "
                           f"true only if you trust its source (without it transformers trains its own "
                           f"{config.model_type!r} class instead)")
-    cls = getattr(transformers_module(f"model.hf = {cfg.model.hf!r}"), cls_name)
     made = getattr(cls, "config_class", None)  # (None: a base class, PreTrainedModel itself)
     if not hasattr(cls, "_model_mapping") and not (isinstance(made, type) and isinstance(config, made)):
         raise ConfigError(f"model.hf_class = {cls_name!r} builds {getattr(made, '__name__', 'no')} models; model.hf "
@@ -282,12 +283,17 @@ def build(cfg: RunConfig, auto_class: str, **config_overrides) -> nn.Module:
         model.harness_loading = how  # said by parallel.build_engine
     elif has_weights and not on_meta:
         model = cls.from_pretrained(source, config=config, trust_remote_code=cfg.model.trust_remote_code)
-    elif hasattr(cls, "from_config"):  # an auto class
-        model = cls.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-    else:  # model.hf_class naming a model class itself
-        model = cls(config)
+    else:
+        model = from_config(cls, config, cfg.model.trust_remote_code)
     model.harness_source_config = saved
     return model.train()
+
+
+def from_config(cls, config, trust_remote_code: bool = False) -> nn.Module:
+    """A model of `config` with fresh weights, through the auto class, or model.hf_class's model class itself."""
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config, trust_remote_code=trust_remote_code)
+    return cls(config)
 
 
 def weight_files(source: str) -> list[Path]:
