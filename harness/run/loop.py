@@ -191,7 +191,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     if crowded:
         say(crowded)
     data, sampler_args, steps_per_epoch, max_steps, every = _data(plan, world, resume_from)
-    identity = data_identity(plan)  # not at each save: its source may since have been edited, moved or prepared anew
+    # not at each save: its source may since have been edited, moved or prepared anew; rank 0 alone writes it
+    identity = data_identity(plan) if world.is_main else None
     with torch.device("meta"):  # the whole model's shapes, whatever share of it this rank holds: size and FLOPs
         meta_model = task.build_model(cfg)
     check_model(task, meta_model)
@@ -553,8 +554,8 @@ def _eval_and_log(engine, plan, val, world, tracker, step, final: bool = False, 
         model, eval_world = engine, world
         if signalled:  # asked before it and after each of its batches where it asks (`World.scored`): a batch of
             cut_if_signalled(signalled(), world)  # decoding can take seconds, the collective is small beside it
-            eval_world = replace(world, between_batches=lambda i, steps: cut_if_signalled(signalled(), world)
-                                 if i + 1 < steps else None)
+            eval_world = replace(world, between_batches=lambda i, steps: cut_between(i, steps, signalled(), world,
+                                                                                       every=True))
         if world.pp_size > 1:  # a pipeline cannot run free-form forwards (decoding): every rank takes the whole
             model = plan.task.build_model(plan.run.cfg)  # model and a share of the data
             model.load_state_dict(full_state_dict(engine, world, everywhere=True))
