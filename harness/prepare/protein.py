@@ -402,18 +402,18 @@ def _check_classes(path: Path, labels: list, classes: list) -> None:
     """New data for a classifier whose labels are mostly measurements (fractional numbers), not its classes: a
     regression set, refused rather than scored on the rows whose value happens to be a class's name ("0")."""
     unknown = [label for label in labels if label not in classes]
-    fractional = [x for x in unknown if _number(x) is not None and not float(_number(x)).is_integer()]
+    fractional = [x for x in unknown if _fractional(x)]
     if labels and len(unknown) > len(labels) / 2 and fractional:
         raise ConfigError(f"--data {path}: its labels are measurements (e.g. {fractional[0]}), not this run's classes "
                           f"({', '.join(map(str, classes[:5]))}); score a regression data set with a run trained "
                           f"with protein.objective = \"regress\"")
 
 
-def _number(x) -> float | None:
+def _fractional(x) -> bool:
     try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
+        return not float(x).is_integer()
+    except (TypeError, ValueError):  # a word: no measurement
+        return False
 
 
 def varying_sites(train: list[tuple[str, Any]], source: str) -> dict[str, Any]:

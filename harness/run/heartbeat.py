@@ -102,14 +102,16 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
     now, found = time.time(), beats(run_dir)
     heard = {rank: found.get(rank) for rank in range(world_size)}
     running = {r: b and running_here(b["host"], b["pid"], b.get("started")) for r, b in heard.items()}
-    gone = [r for r, b in heard.items() if b is not None and running[r] is False]
+    gone = [r for r in heard if running[r] is False]
     silent = [r for r, b in heard.items() if b is None or now - b["time"] > 3 * every_s]
     steps = {r: b["step"] for r, b in heard.items() if b is not None}
     behind = [r for r, s in steps.items() if s < max(steps.values(), default=0)]
-    # lost and none gone here: the ranks not seen running on this machine (another machine's, whose death only its
-    # own ranks can see)
-    suspects = (gone or [r for r in range(world_size) if r != me and running[r] is not True] if lost else
-                sorted(set(gone) | set(silent) | set(behind))) or [r for r in range(world_size) if r != me]
+    # lost and none gone here: the ranks not seen running on this machine (another machine's: its own ranks see)
+    if lost:
+        suspects = gone or [r for r in range(world_size) if r != me and running[r] is not True]
+    else:
+        suspects = sorted(set(gone) | set(silent) | set(behind))
+    suspects = suspects or [r for r in range(world_size) if r != me]
 
     def say(r: int) -> str:
         b = heard[r]

@@ -8,13 +8,12 @@ at that step: which ranks the signal reached first differs from one stop to the 
 of a step, launchers pass it on again), so no rank speaks on receiving it. A second signal changes nothing; SIGKILL
 still ends a run at once.
 
-An evaluation runs no steps: the ranks ask each other whether a signal came after its micro-batches 1, 2, 4, ...,
-`CUT_EVERY` and every `CUT_EVERY` more (`cut_between`, a small collective of its own; a task's own evaluation, whose
-batches may take seconds each (decoding), after each batch where it asks through `World.scored`, as the built-in
-tasks do); if one did, every rank
-stops it at the same batch, and the run stops as after a step, with a checkpoint that owes the evaluation (a
-resumed run makes it first). Once an evaluation in training is whole they ask again (`agreed`), so the run stops
-at that step.
+An evaluation runs no steps: the ranks ask each other whether a signal came (`cut_between`, a small collective of
+its own) after its micro-batches 1, 2, 4, ..., `CUT_EVERY` and every `CUT_EVERY` more, and after each batch of a
+task's own evaluation, whose batches may take seconds each (decoding), where it asks through `World.scored` (the
+built-in tasks do). If one came, every rank stops it at the same batch, and the run stops as after a step, with a
+checkpoint that owes the evaluation (a resumed run makes it first). Once an evaluation in training is whole they
+ask again (`agreed`), so the run stops at that step.
 
 Before the loop watches, while a rank starts (imports, the process group, the model), SIGTERM and SIGUSR1 would
 kill it by their default action, which the launcher reads as a crash (exit 4 or 1) that no scheduler requeues:
@@ -79,7 +78,7 @@ def agreed(signalled: int | None, world) -> int:
     from ..distributed.world import all_reduce
 
     got = all_reduce(torch.tensor([signalled or 0], device=world.device), torch.distributed.ReduceOp.MAX)
-    return int(got.item())  # sync point (once an evaluation's CUT_EVERY micro-batches at most)
+    return int(got.item())  # sync point (in evaluations only, see cut_between)
 
 
 def cut_if_signalled(signalled: int | None, world) -> None:
@@ -88,10 +87,11 @@ def cut_if_signalled(signalled: int | None, world) -> None:
         raise Cut(got)
 
 
-def cut_between(i: int, steps: int, signalled: int | None, world) -> None:
-    """After an evaluation's micro-batch `i` of `steps`, on every rank: `cut_if_signalled` where `checks_after(i)`,
-    but not after the last (the loop asks then, `agreed`, and keeps the whole evaluation)."""
-    if checks_after(i) and i + 1 < steps:
+def cut_between(i: int, steps: int, signalled: int | None, world, every: bool = False) -> None:
+    """After an evaluation's micro-batch `i` of `steps`, on every rank: `cut_if_signalled` where `checks_after(i)`
+    (`every`: after each batch), but not after the last (the loop asks then, `agreed`, and keeps the whole
+    evaluation)."""
+    if (every or checks_after(i)) and i + 1 < steps:
         cut_if_signalled(signalled, world)
 
 
