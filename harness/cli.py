@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from .config.run import UNSET_PREFIX, ConfigError, Preempted, TrainingStopped
@@ -371,22 +372,24 @@ def _evaluate(args) -> int:
             raise ConfigError("--name names new data: it goes with --data")
         print(evaluate.render_table(*evaluate.score_run(args.run_dir, args.split, args.periods, sets=args.set)))
     elif args.sentences:
-        _out("\n".join(evaluate.translate(args.run_dir, args.sentences, args.set)))
+        _out(evaluate.translate(args.run_dir, args.sentences, args.set))
     else:  # a line out for each line in, a blank one for a blank one: the output lines up with its input
         binary = getattr(sys.stdin, "buffer", None)  # bytes, so any locale reads them (a text stream as it is)
         lines = [(line.decode("utf-8", "surrogateescape") if binary else line).strip() for line in binary or sys.stdin]
         if bad := next(((i, why) for i, line in enumerate(lines, 1) if (why := evaluate.undecodable(line))), None):
             raise ConfigError(f"standard input, line {bad[0]}: {bad[1]}")
         said = iter(evaluate.translate(args.run_dir, [line for line in lines if line], args.set))
-        _out("\n".join(next(said) if line else "" for line in lines))
+        _out(next(said) if line else "" for line in lines)
     return 0
 
 
-def _out(text: str) -> None:
-    """Print translations; a reader that left (`harness translate ... | head -1`) ends the command with exit 1 and
-    no traceback, nor Python's second error as it flushes stdout at exit (its own advice: stdout to devnull)."""
+def _out(lines: Iterable[str]) -> None:
+    """Print translations as they come (Ctrl-C keeps those printed); a reader that left (`harness translate ... |
+    head -1`) ends the command with exit 1 and no traceback, nor Python's second error as it flushes stdout at exit
+    (its own advice: stdout to devnull)."""
     try:
-        print(text, flush=True)
+        for line in lines:
+            print(line, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(1) from None

@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import signal
 import subprocess
 
 import pytest
@@ -552,8 +553,20 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
 
         batched = translate(run.dir, many)
         alone = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-        assert batched[:4] == [TranslationTask().translate(model, alone, [s])[0] for s in many[:4]]
+        assert list(batched)[:4] == [next(TranslationTask().translate(model, alone, [s])) for s in many[:4]]
     long = cli("translate", "--run-dir", str(run.dir), "the big cat sees a dog. " * 40, "the dog.",
                env={"HARNESS_CACHE": str(cache)}, timeout=120)
     assert long.returncode == 0 and "note: 1 of 2 sentence(s) (e.g. number 1) are longer than data.seq_len - 1" in \
         long.stderr, long.stderr[-2000:]
+    # each batch's translations are printed as they are decoded: Ctrl-C keeps them (all came at the end, or none)
+    (tmp_path / "many.txt").write_text("the big cat sees a dog.\n" * 2000)
+    with open(tmp_path / "many.txt") as many_in:
+        streamed = subprocess.Popen([python(), "-m", "harness", "translate", "--run-dir", str(run.dir)], cwd=ROOT,
+                                    stdin=many_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=_env({"HARNESS_CACHE": str(cache)}))
+    head = streamed.stdout.readline()
+    streamed.send_signal(signal.SIGINT)
+    rest, err = streamed.communicate(timeout=120)
+    assert streamed.returncode == 130 and err.strip().splitlines()[-1] == "harness: interrupted", err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    assert head.strip() == first and 1 <= len(rest.splitlines()) + 1 < 2000

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -232,7 +233,8 @@ def checksum(files: list[Path]) -> str:
     return hashlib.sha256("".join(f"{sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
-def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple = ()) -> list[str]:
+def translate(run_dir: str | Path, sentences: list[str], sets: list[str] | tuple = ()) -> Iterator[str]:
+    """The translations of `sentences`, in their order, each batch's as it is decoded (the input is checked first)."""
     sentences = list(sentences)
     if not sentences:
         raise ConfigError("nothing to translate: give the sentences as arguments, or one per line on standard input")

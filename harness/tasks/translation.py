@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,10 +228,10 @@ class TranslationTask:
                 "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"]}
 
     @torch.no_grad()
-    def translate(self, model, cfg: RunConfig, sentences: list[str]) -> list[str]:
+    def translate(self, model, cfg: RunConfig, sentences: list[str]) -> Iterator[str]:
         """Translate raw sentences on one process with the run's tokenizer and beam settings, train.micro_batch_size
-        at a time (the memory of a batch, not of the whole input); a source past data.seq_len - 1 pieces is cut
-        there, as training cut it, and said."""
+        at a time (the memory of a batch, not of the whole input), each batch's given as it is decoded; a source past
+        data.seq_len - 1 pieces is cut there, as training cut it, and said."""
         self._bind(cfg)
         tok = prep.tokenizer(self.prepare(cfg))
         dev = next(model.parameters()).device
@@ -244,8 +245,8 @@ class TranslationTask:
         b = cfg.train.micro_batch_size
         starts = range(0, len(ids), b)  # a bar on stderr where it takes more than one batch
         shown = progress(starts, desc="translating", unit="batch", leave=False) if len(starts) > 1 else starts
-        return [tok.decode(h) for i in shown for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok,
-                                                                     cfg)]
+        for i in shown:
+            yield from (tok.decode(h) for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok, cfg))
 
     def generation_defaults(self, cfg: RunConfig) -> dict:
         """A Hugging Face model's export decodes with `generate()` as the run's evaluation does (its own beam search,
