@@ -74,6 +74,23 @@ def test_a_train_that_fails_after_taking_the_run_directory_lets_go_of_it(tmp_pat
     assert harness.train(sets=sets, overwrite=True)["step"] == 1
 
 
+def test_a_start_refused_after_writing_its_configs_is_replaced_by_the_next_without_overwrite(tmp_path, capsys):
+    """A run refused by its data once it had written config.toml (a file too big for the check before launch) left a
+    run directory that refused the corrected command: "exists and is not empty"."""
+    (tmp_path / "one_line.txt").write_text("the cat sat on the mat. " * 3000 + "\n")  # past the check's 64 KiB peek
+    run_dir = tmp_path / "run"
+    sets = [*TINY, "train.max_steps=1", f"data.path={json.dumps(str(tmp_path / 'one_line.txt'))}",
+            f"run.output_dir={json.dumps(str(run_dir))}"]
+    with pytest.raises(ConfigError, match="leaves none to train on"):
+        harness.train(sets=sets)
+    assert "config.toml" in {p.name for p in run_dir.iterdir()}
+    assert harness.train(sets=[*sets, "data.val_fraction=0"])["step"] == 1
+    assert "holds only the start-up files of a run that never trained a step: replaced" in capsys.readouterr().out
+    (run_dir / "notes.txt").write_text("mine\n")  # a trained run, and a file of the user's: still refused
+    with pytest.raises(ConfigError, match="run directory exists and is not empty"):
+        harness.train(sets=[*sets, "data.val_fraction=0"])
+
+
 def test_a_wrong_type_in_a_dict_config_names_the_dict_not_the_command_line():
     with pytest.raises(ConfigError) as e:
         harness.plan({"train": {"max_steps": "three"}})
