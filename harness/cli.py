@@ -417,9 +417,13 @@ def _prepare_corpus(args) -> int:
             return 130
     c = m["counts"]
     skipped = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in c["rows"].items() if k != "ok") or "none skipped"
+    held = sum(s["split"] == "validation" for s in m["shards"])
     print(f"prepared {args.out}: train {c['train']['tokens']:,} tokens in {c['train']['documents']:,} documents, "
           f"validation {c['validation']['tokens']:,} tokens in {c['validation']['documents']:,}; {len(m['shards'])} "
-          f"shards ({m['dtype']}); rows {skipped}")
+          f"shards ({len(m['shards']) - held} train, {held} validation; {m['dtype']}); rows {skipped}")
+    if not c["validation"]["documents"] and (args.merge or args.val_fraction):
+        print("note: no document was held out for validation (whole documents are): a run on it evaluates nothing; "
+              "prepare more documents, a larger --val-fraction, or a validation corpus apart (data.val_path)")
     return 0
 
 

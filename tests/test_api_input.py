@@ -91,6 +91,19 @@ def test_a_start_refused_after_writing_its_configs_is_replaced_by_the_next_witho
         harness.train(sets=[*sets, "data.val_fraction=0"])
 
 
+def test_an_evaluation_reading_many_times_what_its_steps_train_on_is_said_with_the_cap(tmp_path, corpus, capsys):
+    """By default an evaluation reads the whole validation split: of a large corpus it took minutes, unsaid, where
+    the steps between two took seconds. The start says so, and what train.eval_batches would read."""
+    sets = [*TINY, "train.max_steps=1", "train.eval_every=1", "data.val_fraction=0.3",
+            f"data.path={json.dumps(str(corpus))}", f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"]
+    harness.train(sets=sets)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note: an evaluation reads" in line]
+    assert len(notes) == 1 and "more than 3 times the 4 the 1 steps between two train on" in notes[0] and \
+        "train.eval_batches = 1 would read 4" in notes[0], notes
+    harness.train(sets=[*sets, "train.eval_batches=3"], overwrite=True)
+    assert "note: an evaluation reads" not in capsys.readouterr().out
+
+
 def test_a_wrong_type_in_a_dict_config_names_the_dict_not_the_command_line():
     with pytest.raises(ConfigError) as e:
         harness.plan({"train": {"max_steps": "three"}})

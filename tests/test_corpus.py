@@ -380,12 +380,27 @@ def test_prepare_s_command_line_takes_every_input_and_passes_over_its_own_output
     assert globbed.returncode == 0 and "in 100 documents" in globbed.stdout, globbed.stderr[-2000:]
     again = cli(*glob_args)
     assert again.returncode == 0 and again.stdout == globbed.stdout, again.stderr[-2000:]
-    (tmp_path / "r.jsonl").write_text('{"body": "x y"}\n{"body": "z"}\n')
+    (tmp_path / "r.jsonl").write_text('{"id": 1}\n{"body": "x y"}\n{"body": "z"}\n')
     wrong = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"))
-    assert wrong.returncode == 2 and "no row has the field 'text'" in wrong.stderr
+    # the fields of every row read, the commonest first (the first row's alone had been named)
+    assert wrong.returncode == 2 and "no row has the field 'text'" in wrong.stderr and \
+        wrong.stderr.strip().endswith("fields found: body, id"), wrong.stderr
     right = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"),
                 "--text-field", "body", "--val-fraction", "0")
-    assert right.returncode == 0 and "in 2 documents" in right.stdout, right.stderr[-2000:]
+    assert right.returncode == 0 and "in 2 documents" in right.stdout and "note:" not in right.stdout, \
+        right.stderr[-2000:]
+    # validation asked for, none drawn (whole documents are): said at prepare, not first when nothing evaluates
+    unheld = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r2"),
+                 "--text-field", "body")
+    assert unheld.returncode == 0 and "1 shards (1 train, 0 validation; uint8)" in unheld.stdout and \
+        "note: no document was held out for validation" in unheld.stdout, unheld.stdout
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x y"], "n": [1]}), tmp_path / "r.parquet")
+    columns = cli("prepare", "lm", "--input", str(tmp_path / "r.parquet"), "--out", str(tmp_path / "rp"),
+                  "--text-field", "n")  # a column, not of text
+    assert columns.returncode == 2 and columns.stderr.strip().endswith("fields found: body, n"), columns.stderr
 
 
 def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_path):

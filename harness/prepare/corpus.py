@@ -906,13 +906,18 @@ def _weight(unit: Unit) -> int:
     return unit.end - unit.start if unit.end >= 0 and unit.kind != PARQUET else unit.size
 
 
-def _json_fields(paths: list[str]) -> list[str]:
-    """The fields of the first JSON object among the first lines of the first JSON-lines input (for the line that
-    says none has --text-field); [] where there is none."""
-    path = next((p for p in paths if kind_of(p) == JSON), None)
+def _fields(paths: list[str]) -> list[str]:
+    """The fields of the first JSON-lines or parquet input (for the line that says none has --text-field): every key
+    among its first 100 JSON objects, most common first, or its parquet columns; [] where there are none."""
+    path = next((p for p in paths if kind_of(p) in (JSON, PARQUET)), None)
     if path is None:
         return []
+    keys = Counter()
     try:
+        if kind_of(path) == PARQUET:
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
         with _open(path) as f:
             for line in itertools.islice(f, 100):
                 try:
@@ -920,10 +925,10 @@ def _json_fields(paths: list[str]) -> list[str]:
                 except ValueError:
                     continue
                 if isinstance(row, dict):
-                    return list(row)
+                    keys.update(row.keys())  # (a dict itself would add its values)
     except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, ConfigError, *_zstd_errors()):
-        pass  # unreadable: the line goes without the fields
-    return []
+        pass  # unreadable (pyarrow's errors are ValueError and OSError): the line goes without the fields
+    return [k for k, _ in keys.most_common()]
 
 
 def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str, stamps: dict) -> dict:
@@ -935,7 +940,7 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
     shards = [s for r in records for s in r["shards"]]
     if not any(s["split"] == "train" for s in shards) and not settings.get("part"):
         if counts["malformed"] and not counts["ok"]:
-            found = _json_fields([i["path"] for i in settings["inputs"]])
+            found = _fields([i["path"] for i in settings["inputs"]])
             raise ConfigError(f"{root}: no row has the field {settings['text_field']!r} (--text-field) as text "
                               f"({counts['malformed']} rows without it)" + (f"; fields found: {', '.join(found)}"
                                                                            if found else ""))

@@ -107,6 +107,21 @@ def evaluate(engine, plan: Plan, val, world: World, signalled: Callable[[], int 
     # train.select_best's val_loss, and the record's (a task's metrics(1.0) = {"loss": 123.0} had replaced it)
 
 
+EVAL_COST = 3  # samples scored per sample trained at which an evaluation (forward only) takes about its steps' time
+
+
+def eval_cost_note(t, eval_steps: int, n_val: int, global_batch: int) -> str | None:
+    """A note where an evaluation reads many times the samples the steps between two train on (by default the whole
+    validation split, which of a large corpus is millions of windows): it would take longer than those steps."""
+    reads = min(n_val, t.eval_batches * global_batch) if t.eval_batches else n_val
+    trained = eval_steps * global_batch
+    if not trained or reads <= EVAL_COST * trained:
+        return None
+    return (f"note: an evaluation reads {reads:,} validation samples, more than {EVAL_COST} times the {trained:,} "
+            f"the {eval_steps} steps between two train on (it takes longer than they do); train.eval_batches = "
+            f"{eval_steps} would read {trained:,}, spread over the split")
+
+
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:
     """Train `plan` on this rank. A scheduler's signal (`preemption.py`) ends it after the step it came in, with a
     checkpoint: raises Preempted."""
@@ -232,6 +247,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     described = task.describe_data(cfg, ds.global_batch_size) if hasattr(task, "describe_data") else None
     say(described or (data.summary.line() if data.summary else
                       f"data train: {len(data.train)} samples; validation: {len(data.val)}"))
+    if note := eval_cost_note(cfg.train, every.eval_steps, len(data.val), ds.global_batch_size):
+        say(note)
     position = tuple(state["data_position"]) if "data_position" in state else None  # (not in older checkpoints)
     return Run(plan, world, data, engine, schedule, every, StepSampler(**sampler_args, start_step=start_step,
                max_steps=max_steps, position=position), max_steps, min(max_steps, stop_at) if stop_at else max_steps,
