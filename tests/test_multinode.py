@@ -61,3 +61,28 @@ def test_deepspeed_s_nossh_launcher_runs_two_nodes_from_the_hostfile(tmp_path, c
     assert "world 2 (data parallel 2)" in results[1][0]
     one_node = cached_run("zero2-2p", nproc=2, ds="zero2.json", sets=["train.micro_batch_size=2"])
     assert_losses_close(Run(out, subprocess.CompletedProcess([], 0)).losses, one_node.losses, 1e-6)
+
+
+def test_nodes_started_with_other_settings_are_refused_before_training(tmp_path, corpus):
+    """A node given another --set or --ds had trained its share of the weights at another lr, said nowhere, or hung
+    before step 1 (ZeRO-2 against ZeRO-3) until the collective timeout. Every node exits 2 naming what differs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    train = ["train"]
+    for item in [*TINY, "train.micro_batch_size=2", f"data.path={json.dumps(str(corpus))}",
+                 f"run.output_dir={json.dumps(str(out))}"]:
+        train += ["--set", item]
+    own = {1: ["--ds", str(DS / "zero3.json"), "--set", "optimizer.lr=0.01"], 0: ["--ds", str(DS / "zero2.json")]}
+    procs = [subprocess.Popen([python(), "-m", "harness", "launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
+                               "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
+                               "--main_process_port", str(port), "--num_machines", "2", "--num_processes", "2",
+                               *train, *own[machine_rank]], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for machine_rank in (1, 0)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 2, stderr[-4000:]
+        assert f"harness: error: rank 1 (on {socket.gethostname()}) resolved another run than rank 0: ZeRO stage = 3 " \
+               "there, 2 on rank 0; optimizer.lr = 0.01 there, 0.003 on rank 0; DeepSpeed " in stderr, stderr[-4000:]
+    assert not (out / "metrics.jsonl").exists()

@@ -647,6 +647,39 @@ def shared_wait_s() -> float:
     return value
 
 
+NODE_PATHS = ("data.path", "data.val_path", "data.mix")  # may differ by node: the data is compared by its content
+
+
+def check_same_plan(plan: Plan, world: World) -> None:
+    """Every rank resolved the same run and DeepSpeed config. A node started with another --set, --ds or run file had
+    trained its share of the weights with other settings (an lr apart, said nowhere) or hung before the first step
+    (ZeRO stages apart). Collective; the data is compared once read (`loop._data`)."""
+    import hashlib
+    import json
+    import socket
+
+    from ..distributed.world import all_gather_objects
+
+    mine = {"ZeRO stage": plan.ds.zero_stage, "precision": plan.ds.precision,  # said first: what --ds names
+            **{k: v for k, v in flatten(plan.run.cfg.to_dict()).items() if k not in NODE_PATHS},
+            **{f"DeepSpeed {k}": v for k, v in flatten(plan.ds.config).items()}}
+    digests = all_gather_objects(hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    everyone = all_gather_objects((mine, socket.gethostname()))  # in full, only where they differ
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    (first, _), (theirs, host) = everyone[0], everyone[other]
+    keys = [k for k in dict.fromkeys([*first, *theirs]) if first.get(k, ()) != theirs.get(k, ())]
+
+    def value(d: dict, key: str) -> str:
+        return repr(d[key]) if key in d else "unset"
+
+    said = "; ".join(f"{k} = {value(theirs, k)} there, {value(first, k)} on rank 0" for k in keys[:3]) + \
+        ("; ..." if keys[3:] else "")
+    raise ConfigError(f"rank {other} (on {host}) resolved another run than rank 0: {said}; start every node with the "
+                      f"same run file, --ds and --set")
+
+
 def check_shared(plan: Plan, world: World) -> None:
     """Under several nodes, the run directory must be one that every node sees: every node writes checkpoints into
     it and reads them back on resume, and a node-local folder of the same name would lose them silently. Local rank
