@@ -162,8 +162,9 @@ CASES = [
     ("ds-untested-optimizer-refused", [], None, {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer":
                                                  False, "optimizer": {"type": "SGD", "params": {"lr": "auto"}}},
      "zero_allow_untested_optimizer = false"),
-    ("ds-monitor-key-typo", [], None, {"tensorboard": {"enabled": True, "outpt_path": "x"}},
+    ("ds-monitor-key-typo", [], None, {"tensorboard": {"enabled": False, "outpt_path": "x"}},
      "tensorboard.outpt_path (ds file"),
+    ("ds-monitor-on", [], None, {"wandb": {"enabled": True}}, "wandb.enabled (ds file"),
     ("ds-plain-section-typo", [], None, {"flops_profiler": {"profile_stepp": 3}}, "did you mean `profile_step`"),
     ("ds-missing", ["--ds", "/nonexistent/ds.json"], None, None, "/nonexistent/ds.json"),
     ("ds-not-object", [], None, "[1, 2]", "must hold a JSON object"),

@@ -161,10 +161,16 @@ def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_on
     # sections that ask for nothing (DeepSpeed's templates, all off) plan; the same ones switched on are refused
     off = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
                                         "number_checkpoints": None}, "compile": {"deepcompile": False},
-           "comms_logger": {"enabled": False, "verbose": True}, "checkpoint": {"writer": None}}
+           "comms_logger": {"enabled": False, "verbose": True}, "checkpoint": {"writer": None},
+           "wandb": {"enabled": False, "project": "p"}, "tensorboard": {"output_path": "tb"}, "csv_monitor": {}}
     assert make_plan(None, BASE, write(tmp_path, "off", off), 1).ds.config["compile"] == {"deepcompile": False}
     with pytest.raises(ConfigError, match=r"^compile \(ds file .*\) would be ignored: .* set train.compile = true"):
         make_plan(None, BASE, write(tmp_path, "on", {**off, "compile": {"deepcompile": True}}), 1)
+    # DeepSpeed's monitors, enabled as its model reads the switch ("yes" is true): the harness's logging.backend
+    for key, way in (("wandb", 'logging.backend = "wandb"'), ("tensorboard", 'logging.backend = "tensorboard"'),
+                     ("csv_monitor", "RUN/metrics.jsonl"), ("comet", "logging.backend")):
+        with pytest.raises(ConfigError, match=rf"^{key}.enabled \(ds file .*\): DeepSpeed's monitor .*; use {way}"):
+            make_plan(None, BASE, write(tmp_path, key, {**off, key: {"enabled": "yes"}}), 1)
     # DeepSpeed's writer engines: a KeyError as the engine was built (CROSS_SIZE), or, decoupled, still writing when
     # the checkpoint is named complete and hashed; a section that is no object: one line, not an AttributeError
     for writer in ({"decoupled": True}, {"type": "fast"}):

@@ -51,6 +51,15 @@ NOT_APPLIED = {
     "autotuning": "DeepSpeed's autotuner runs from the deepspeed launcher; `harness bench sweep` tries sizes here",
     "dataloader_drop_last": "the harness's sampler makes the batches (DeepSpeed's data loader is not used)",
 }
+# DeepSpeed's monitors log from the engine beside the harness's own logging: its W&B fails rank 0 where no API key is
+# configured, its files land in the working directory (jobs started there overwrite each other), and it prints
+# per-step timing lines. Refused where enabled, naming the harness's way, which writes into the run directory.
+MONITORS = {
+    "wandb": 'logging.backend = "wandb" (offline in the run directory where no API key is configured)',
+    "tensorboard": 'logging.backend = "tensorboard" (RUN/tensorboard/)',
+    "csv_monitor": "RUN/metrics.jsonl and RUN/eval.jsonl, which every run writes",
+    "comet": 'logging.backend = "wandb" or "tensorboard"',
+}
 # Sections DeepSpeed 0.19 reads key by key from a plain dict (no model of its own): a misspelled key is dropped
 PLAIN_SECTIONS = {
     "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
@@ -239,6 +248,9 @@ def _check_sections(ds: dict, label: str) -> None:
             raise ConfigError(f"unknown DeepSpeed key `{key}` ({label}){hint}")
         if key in NOT_APPLIED and _on(value):
             raise ConfigError(f"{key} ({label}) would be ignored: {NOT_APPLIED[key]}; remove it")
+        if key in MONITORS and _enabled(value):
+            raise ConfigError(f"{key}.enabled ({label}): DeepSpeed's monitor would log beside the harness, outside "
+                              f"the run directory; use {MONITORS[key]}, and remove {key} or set its enabled false")
         for name in (value.keys() - PLAIN_SECTIONS.get(key, value.keys())) if isinstance(value, dict) else ():
             close = closest(name, sorted(PLAIN_SECTIONS[key]))
             raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"
@@ -266,6 +278,17 @@ def _on(value: Any) -> bool:
     if isinstance(value, dict):
         return value.get("enabled") is not False and any(_on(v) for v in value.values())
     return value not in (None, False, 0, "auto", "", [])
+
+
+def _enabled(section: Any) -> bool:
+    """A monitor's `enabled` as DeepSpeed's model reads it (pydantic's bool: "yes" and 1 are true, and it is false
+    when left out); one it cannot read as a bool is its reader's to refuse (`_deepspeed_reads`)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return isinstance(section, dict) and TypeAdapter(bool).validate_python(section.get("enabled", False))
+    except ValidationError:
+        return False
 
 
 def _strategy(ds_file: str | None, given: dict) -> tuple[str, dict]:
