@@ -443,6 +443,27 @@ def test_nvme_offload_needs_deepspeeds_async_io_op_on_this_machine(tmp_path, cor
     assert "NVMe offload (ds file" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
+def test_zeropp_quantization_needs_deepspeeds_quantizer_kernel_on_this_machine(tmp_path, corpus, no_process_group,
+                                                                             capsys):
+    """Each rank failed with "This op had not been implemented on CPU backend." (ZeRO-3 building its engine, or at the
+    first backward for gradients); hpZ partitioning alone runs on a CPU and gets as far as the process group."""
+    from deepspeed.accelerator import get_accelerator
+
+    if type(get_accelerator().create_op_builder("QuantizerBuilder")).__name__ != "NotImplementedBuilder":
+        pytest.skip("this accelerator builds DeepSpeed's quantizer kernel: ZeRO++ quantization is not refused here")
+    args = ["train", S, f"data.path={json.dumps(str(corpus))}", S, f"run.output_dir={json.dumps(str(tmp_path / 'r'))}",
+            *TWO_STEPS, "--ds", str(tmp_path / "ds.json")]
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3, key: True}}))
+        assert main(args) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"zero_optimization.{key} (ds file" in line and "quantizer kernel" in line, line
+        assert not (tmp_path / "r").exists()
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}))
+    with pytest.raises(AssertionError, match="process group was started"):
+        main(args)
+
+
 def test_a_warmup_longer_than_the_run_is_said_in_the_plan():
     from harness.api import plan
     from harness.plan.render import render

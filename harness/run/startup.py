@@ -59,6 +59,29 @@ def check_nvme(ds) -> None:
                           f"build (`ds_report` says why; usually libaio is missing: libaio-dev); offload to \"cpu\"")
 
 
+# ZeRO++'s quantized communication, which loads DeepSpeed's quantizer kernel (0.19: partition_parameters.CUDAQuantizer
+# for weights, coalesced_collectives.all_to_all_quant_reduce for gradients); its hpZ partitioning needs no kernel
+ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
+def check_zeropp(ds) -> None:
+    """ZeRO++'s quantized weights and gradients (ZeRO-3) on an accelerator without a build of DeepSpeed's quantizer
+    kernel (the CPU's): every rank fails as the engine is built or at the first backward, each with its traceback."""
+    asked = [k for k in ZEROPP_QUANTIZED if ds.config["zero_optimization"].get(k)]
+    if not asked or ds.zero_stage != 3:  # ZeRO 1-2 do not read them
+        return
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    acc = get_accelerator()
+    made = acc.create_op_builder("QuantizerBuilder")  # the CPU's is DeepSpeed's NotImplementedBuilder
+    if not installed_ops.get("quantizer") and (made is None or type(made).__name__ == "NotImplementedBuilder"
+                                               or not made.is_compatible(verbose=False)):
+        raise ConfigError(f"zero_optimization.{asked[0]} ({ds.origin}): ZeRO++'s quantized communication needs "
+                          f"DeepSpeed's quantizer kernel, which has no build for the {acc.device_name()} accelerator; "
+                          f"remove {' and '.join(asked)} (zero_hpz_partition_size runs without it)")
+
+
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 
 
@@ -471,6 +494,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     clear_stale_build_locks()
     check_precision(plan.ds.precision)
     check_nvme(plan.ds)
+    check_zeropp(plan.ds)
     shared_wait_s()
     from ..distributed.world import launched_rank, under_launcher
     from . import checkpoint, lock
