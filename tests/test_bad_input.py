@@ -3,6 +3,7 @@ before any process group starts: the table below runs each case in this process,
 trap that fails the test if a case gets that far."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -183,10 +184,18 @@ CASES = [
     ("data-one-row", [S, "data.path=@one.txt"], None, None, "one.txt: data.path holds 1 row: holding out"),
     ("data-a-directory", [S, "data.path=@DIR"], None, None, "data.path is a directory (a.txt); name one file"),
     ("data-unknown-suffix", [S, "data.path=@rows.xml"], None, None, "rows.xml: cannot tell the format"),
+    ("data-raw-parquet", [S, "data.path=@rows.parquet"], None, None, "rows.parquet: raw parquet is read only by "
+     "`harness prepare lm`: prepare it once (harness prepare lm --input "),
+    ("data-raw-parquet-gz", [S, "data.path=@rows.parquet.gz"], None, None, "rows.parquet.gz: raw parquet is read only "
+     "by `harness prepare lm`: prepare it once (decompress it to "),
+    ("data-gz-cut-short", [S, "data.path=@cut.txt.gz"], None, None, "cut.txt.gz: data.path is not readable: "
+     "Compressed file ended"),
     ("output-dir-under-a-file", [S, "run.output_dir=@rows.xml"], None, None, "rows.xml is a file, not a directory"),
 ]
 FILES = {"empty.txt": b"", "blank.jsonl": b" \n\n", "header.csv": b"text,label\n", "columns.csv": b"body,label\nx,1\n",
-         "rows.xml": b"<rows/>\n", "body.jsonl": b'{"body": "a"}\n{"body": "b"}\n', "one.txt": b"short text\n"}
+         "rows.xml": b"<rows/>\n", "body.jsonl": b'{"body": "a"}\n{"body": "b"}\n', "one.txt": b"short text\n",
+         "rows.parquet": b"PAR1", "rows.parquet.gz": gzip.compress(b"PAR1"),
+         "cut.txt.gz": gzip.compress(b"some text\n" * 99)[:20]}
 
 
 @pytest.fixture

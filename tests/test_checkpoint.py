@@ -120,6 +120,9 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     with pytest.raises(ConfigError, match="cannot tell the format from the file name; set data.format"):
         evaluate_data(first.dir, tmp_path / "held")
     named = evaluate_data(first.dir, tmp_path / "held", sets=['data.format="text"'])["held"]
+    (tmp_path / "held.parquet").write_bytes(b"PAR1")  # raw parquet: prepare reads it, not this
+    with pytest.raises(ConfigError, match=r"held.parquet: raw parquet is read only by `harness prepare lm`"):
+        evaluate_data(first.dir, tmp_path / "held.parquet")
     assert {k: named[k] for k in scored} == pytest.approx(scored, rel=1e-6), (named, scored)
     (tmp_path / "empty.txt").write_text("")
     for path, message in ((tmp_path / "empty.txt", "the file is empty: nothing to score"),

@@ -55,7 +55,13 @@ class DataSummary:
 def data_format(path: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt
-    kind = SUFFIX_FORMATS.get(Path(path.lower().removesuffix(".gz")).suffix)
+    suffix = Path(path.lower().removesuffix(".gz")).suffix
+    kind = SUFFIX_FORMATS.get(suffix)
+    if suffix == ".parquet":  # this reader takes text, json and csv; prepare reads parquet, by row group
+        plain = path[:-3] if path.lower().endswith(".gz") else path
+        unzip = f"decompress it to {plain}, then " if plain != path else ""
+        raise ConfigError(f"{path}: raw parquet is read only by `harness prepare lm`: prepare it once ({unzip}harness "
+                          f"prepare lm --input {plain} --out DIR) and name DIR instead")
     if kind is None:
         raise ConfigError(f"{path}: cannot tell the format from the file name; set data.format to text, json or csv")
     return kind
@@ -83,7 +89,7 @@ def check_paths(d: DataSection) -> None:
                 raise ConfigError(f"{path}: {key} not found")
             try:
                 head, whole = _peek(path)
-            except OSError as e:
+            except (OSError, EOFError) as e:  # EOFError: a .gz cut short
                 raise ConfigError(f"{path}: {key} is not readable: {e}") from None
             kind = data_format(path, d.format)
             _check_not_empty(path, head, whole, kind)
@@ -172,7 +178,7 @@ def load_rows(path: str, d: DataSection, split: str = "train"):
             ds = datasets.load_dataset(kind, data_files=path, split="train", encoding_errors="replace")
         else:  # json lines and csv read here, line by line: a bad line is one skipped row, not a refused file
             ds = datasets.Dataset.from_dict({d.text_field: read_records(path, kind, d.text_field)})
-    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
+    except (ValueError, OSError, EOFError, datasets.exceptions.DatasetGenerationError) as e:
         raise ConfigError(f"{path}: cannot load as {kind} data: {str(e).splitlines()[0]}") from None
     column = "text" if kind == "text" else d.text_field
     if column not in ds.column_names:
