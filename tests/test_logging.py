@@ -81,6 +81,24 @@ def test_wandb_offline_run_holds_the_logged_metrics(tmp_path, corpus):
     assert len(offline) == 1 and [r.history for r in wandb_records(offline[0]) if r.HasField("history")]
 
 
+def test_wandb_disabled_is_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """WANDB_MODE=disabled: W&B logs nothing and says nothing, and the run had said nothing either."""
+    from accelerate.state import PartialState
+
+    from harness.config.run import RunConfig
+    from harness.run.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    PartialState(cpu=True)  # accelerate's trackers need its state; no process group on one process
+    try:
+        Tracker(RunConfig(), tmp_path, enabled=True).close(0)
+    finally:
+        PartialState._reset_state()
+    said = capsys.readouterr()
+    assert f"logging: W&B disabled (WANDB_MODE=disabled): metrics.jsonl and eval.jsonl in {tmp_path}" in said.out
+    assert "start failed" not in said.err and not list(tmp_path.glob("wandb/*run-*")), said
+
+
 def test_a_log_s_progress_lines_say_where_a_bar_ended_once(monkeypatch, capsys):
     """In a log: a bar's last line once (a stop printed it twice), and a bar that leaves nothing (an evaluation's)
     still says where it ended once it said where it began (it showed 0/29 only)."""

@@ -138,6 +138,9 @@ class Tracker:
             print(f"logging: W&B offline into {self.run_dir / 'wandb'} (`wandb sync` uploads it)", flush=True)
         elif self.backend is not None and mode in ONLINE:
             print(f"logging: W&B online, project {project}, run {run_id}", flush=True)
+        elif self.backend is not None and mode == "disabled":  # wandb logs nothing then, and says nothing itself
+            print(f"logging: W&B disabled (WANDB_MODE=disabled): metrics.jsonl and eval.jsonl in {self.run_dir} keep "
+                  f"the record", flush=True)
 
     def log(self, record: dict[str, Any], file: str = "metrics.jsonl") -> None:
         if not self.enabled:
