@@ -47,12 +47,19 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _run_dir(p: argparse.ArgumentParser) -> None:
     """A finished run directory to read, and what of it to trust: it may come from elsewhere."""
-    p.add_argument("--run-dir", required=True, metavar="DIR")
+    p.add_argument("--run-dir", required=True, metavar="DIR", help="a finished run's directory (its run.output_dir, "
+                   "e.g. runs/lm_demo), holding its config.toml and exported model.safetensors")
     p.add_argument("--task", metavar="NAME", help="the plug-in task the run directory's config.toml names, named by "
                    "you: importing it runs its code, which a run directory alone may not make happen")
     p.add_argument("--trust-run-dir", action="store_true", help="import the plug-in task and run the Hugging Face "
                    "model code (model.trust_remote_code) the run directory names; only for one you trust")
 
+
+PLAN_LAUNCH = """Resolve and check everything, print it with its sources, train nothing.
+
+It also takes what `harness launch` takes before `train`: accelerate launch's options
+(--config_file FILE, --num_processes N, --mixed_precision, ...), anywhere among its own,
+and plans that launch's world and precision (not with --world-size or --mixed-precision)."""
 
 EXAMPLES = """examples:
   harness train --run configs/runs/lm_demo.toml --ds zero2          # one process; --ds names a file or configs/ds/NAME
@@ -195,7 +202,8 @@ def _corpus_options(p: argparse.ArgumentParser, inputs: str, out_required: bool 
     p.add_argument("--out", required=out_required, metavar="DIR", help="the prepared directory; the same command "
                    "again continues an interrupted prepare, or does nothing")
     p.add_argument("--workers", type=int, default=1, help="processes preparing units in parallel (default 1)")
-    p.add_argument("--text-field", default="text", help="the field or column of JSON, csv and parquet rows")
+    p.add_argument("--text-field", default="text", help="the field or column of JSON, csv and parquet rows "
+                   "(default text)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="documents held out for validation (default "
                    "0.01; the same documents whatever the workers or parts)")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation draw")
@@ -252,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
                         "answering) or 75 (stopped by SIGTERM, SIGINT or SIGUSR1 with a checkpoint: --resume auto "
                         "continues)")
     la.add_argument("argv", nargs=argparse.REMAINDER, metavar="... train ...")
-    p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing")
+    p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing",
+                       description=PLAN_LAUNCH)
     _plan_options(p)
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
     pr = sub.add_parser("prepare", help="tokenize a corpus into shards once (lm), or clean, split and tokenize a "
@@ -281,7 +290,7 @@ def parser() -> argparse.ArgumentParser:
     _docs_options(dc)
     tr = sub.add_parser("translate", help="translate sentences with a finished translation run")
     _run_dir(tr)
-    _scoring_set(tr)
+    _scoring_set(tr, data=False)
     tr.add_argument("sentences", nargs="*", help="sentences to translate; none: one per line from stdin")
     for name, example in COMMAND_EXAMPLES.items():  # each command's help ends with one it runs as written
         sub.choices[name].epilog = f"example: {example}"
@@ -307,10 +316,12 @@ def _train_options(p: argparse.ArgumentParser) -> None:
                    "trust")
 
 
-def _scoring_set(p: argparse.ArgumentParser) -> None:
+def _scoring_set(p: argparse.ArgumentParser, data: bool = True) -> None:
+    """`data`: the command takes --data (evaluate), whose file's format and field --set may name (translate: none)."""
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of how the "
                    "trained model is scored or decoded, for this command only, e.g. translation.beam_size=1 (greedy); "
-                   "`harness keys` marks them; with --data, the lm's data.format and data.text_field for the file")
+                   "`harness keys` marks them" + ("; with --data, the lm's data.format and data.text_field for the "
+                                                 "file" if data else ""))
 
 
 def _evaluate_options(p: argparse.ArgumentParser) -> None:

@@ -65,6 +65,23 @@ def test_scripts_can_rely_on_these_keys():
     assert all(f.metadata["help"] for f in all_keys().values())
 
 
+def test_every_option_of_every_command_says_what_it_is():
+    """`--help` lists no bare option (evaluate's and export's --run-dir had none)."""
+    import argparse
+
+    from harness.cli import parser
+
+    def bare(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from bare(sub, f"{path} {name}")
+            elif a.option_strings and not a.help:
+                yield f"{path} {a.option_strings[0]}"
+
+    assert list(bare(parser(), "harness")) == []
+
+
 def test_the_core_config_stays_small_and_each_built_in_task_declares_its_own_section():
     import dataclasses
 
