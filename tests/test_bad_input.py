@@ -168,6 +168,8 @@ CASES = [
     ("ds-monitor-on", [], None, {"wandb": {"enabled": True}}, "wandb.enabled (ds file"),
     ("ds-plain-section-typo", [], None, {"flops_profiler": {"profile_stepp": 3}}, "did you mean `profile_step`"),
     ("ds-missing", ["--ds", "/nonexistent/ds.json"], None, None, "/nonexistent/ds.json"),
+    ("ds-shipped-path-from-elsewhere", ["--ds", "/elsewhere/configs/ds/zero2.json"], None, None,
+     "; did you mean --ds zero2, the project's configs/ds/zero2.json"),
     ("ds-not-object", [], None, "[1, 2]", "must hold a JSON object"),
     # the command line and the run directory
     ("stop-at-zero", ["--stop-at", "0"], None, None, "--stop-at"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.ds import DSResolved, ds_path, fill_zero_auto, resolve_ds
+from ..config.ds import SHIPPED, DSResolved, ds_path, fill_zero_auto, resolve_ds
 from ..config.layout import layer_specs, tp_split_params
 from ..config.run import ConfigError, Resolved, check_training_length
 from ..distributed.world import accelerate_mixed_precision, launched_world_size
@@ -34,6 +34,11 @@ def ds_file_arg(ds_file: str | None) -> str | None:
         raise ConfigError("--ds is empty: name a DeepSpeed file or one of configs/ds (e.g. zero2), or leave --ds out "
                           "for the harness default (ZeRO-0, fp32)")
     ds_file = ds_path(ds_file) if ds_file else None
+    shipped = Path(ds_file or "").name
+    if ds_file and not Path(ds_file).exists() and shipped.endswith(".json") and (SHIPPED / shipped).is_file():
+        # configs/ds/zero2.json typed from outside the repository: its name works from anywhere
+        raise ConfigError(f"{ds_file}: DeepSpeed config not found (from {Path.cwd()}); did you mean --ds "
+                          f"{shipped.removesuffix('.json')}, the project's configs/ds/{shipped}")
     from_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
     if ds_file and from_accelerate and Path(ds_file).resolve() != Path(from_accelerate).resolve():
         raise ConfigError(f"--ds {ds_file} contradicts the accelerate launch config's deepspeed_config_file "
