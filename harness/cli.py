@@ -663,7 +663,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         argv = _old_bench(argv, ap.bench)
     args, extra = ap.parse_known_args(argv)
     if extra:  # a bench study's usage line names its own flags
-        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}")
+        spaced = [s for s in getattr(args, "set", None) or [] if "=" not in s and not s.startswith(UNSET_PREFIX)]
+        hint = f" (--set takes KEY=VALUE as one word: --set {spaced[0]}={extra[0]})" if spaced else ""
+        getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     args.launch = launch
     args.argv = argv  # recorded by the suite with its results
     return args
@@ -678,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launcher import main as launch
 
         try:
-            return launch(argv[1:], parser().parse_args)
+            return launch(argv[1:], _parse)
         except ConfigError as e:
             print(f"harness: error: {e}", file=sys.stderr)
             return 2

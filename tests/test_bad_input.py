@@ -284,6 +284,15 @@ def test_a_misspelled_accelerate_option_is_one_line_naming_the_option_meant(caps
         "--mixed-precision: invalid choice: 'bf17' (choose from 'no', 'fp16', 'bf16', 'fp8')\n")  # no hint: no typo
 
 
+@pytest.mark.parametrize("argv", [["train"], ["launch", "train"], ["evaluate", "--run-dir", "runs/x"]])
+def test_a_set_with_a_space_for_its_equals_sign_says_how_to_write_it(argv, capsys):
+    """argparse alone said "unrecognized arguments: 30", naming neither --set nor the form it takes."""
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--set", "train.max_steps", "30"])
+    assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "harness: error: unrecognized arguments: 30 (--set takes KEY=VALUE as one word: --set train.max_steps=30)")
+
+
 def test_harness_launch_names_the_accelerator_before_deepspeed_can_warn_of_guessing_it(monkeypatch, capsys):
     """On a CPU DeepSpeed prints a warning line when it guesses the accelerator: `harness launch` names it first,
     so that a refusal is the only line a user sees."""
