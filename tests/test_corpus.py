@@ -462,13 +462,13 @@ def test_a_prepare_over_changed_inputs_names_the_files_that_changed(tmp_path):
     for name in ("d.txt", "e.txt"):
         (src / name).write_text("new\n")
     with pytest.raises(ConfigError, match=rf"prepared with other inputs \(added {src / 'd.txt'} and 1 more; gone "
-                                          rf"{src / 'b.txt'}; resized {src / 'a.txt'}\), units; use another --out "
+                                          rf"{src / 'b.txt'}; resized {src / 'a.txt'}\); use another --out "
                                           rf"\(or delete it\)$"):
         prepare_corpus([str(src)], str(tmp_path / "out"), val_fraction=0.0)
     (src / "b.txt").write_text("back\n")  # files added, none gone or changed: the way to add them without the rest
     prepare_corpus([str(src / "b.txt")], str(tmp_path / "grown"), val_fraction=0.0)
     (src / "c2.txt").write_text("new\n")
-    with pytest.raises(ConfigError, match=rf"prepared with other inputs \(added {src / 'c2.txt'}\), units; use "
+    with pytest.raises(ConfigError, match=rf"prepared with other inputs \(added {src / 'c2.txt'}\); use "
                                           r"another --out \(or delete it\); to add the new files without preparing "
                                           r"the others again, prepare them alone into another --out and train on both "
                                           r"with data.mix"):

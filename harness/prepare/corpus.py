@@ -789,15 +789,16 @@ def _check_settings(root: Path, before: dict, settings: dict) -> None:
     """The same settings as the prepare `root` holds, or a prepare that made nothing yet (say, one whose
     --text-field was wrong), whose records then go: anything else is refused."""
     changed = [k for k in settings if k != "inputs" and not _same(k, before.get(k), settings[k])]
-    if before.get("inputs") != settings["inputs"]:
-        changed.insert(0, _inputs_changed(before.get("inputs") or [], settings["inputs"]))
+    if before.get("inputs") != settings["inputs"]:  # the count of units follows from the inputs: not named beside them
+        inputs = _inputs_changed(before.get("inputs") or [], settings["inputs"])
+        changed = [inputs, *(k for k in changed if k != "units")]
     if not changed:
         return
     records = sorted((root / "units").glob("[0-9]*.json"))
     made = (root / MANIFEST).is_file() or any(_read_json(r).get("shards") for r in records)
     if made:
         was, now = ({i["path"]: i["size"] for i in x} for x in (before.get("inputs") or [], settings["inputs"]))
-        grown = was.items() < now.items() and set(changed[1:]) <= {"units"}  # files added, none gone or changed
+        grown = was.items() < now.items() and not changed[1:]  # files added, none gone or changed, no other setting
         raise ConfigError(f"{root}: prepared with other {', '.join(changed)}; use another --out (or delete it)" + (
             "; to add the new files without preparing the others again, prepare them alone into another --out and "
             "train on both with data.mix, each weighted by its tokens (docs/corpora.md)" if grown else ""))
