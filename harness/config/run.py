@@ -120,7 +120,8 @@ class DataSection:
     val_fraction: float = setting(0.05, "fraction of rows held out for validation when `val_path` "
                                   "is empty", bound="in [0, 1)")
     seq_len: int = setting(128, "tokens per training sample", bound="> 0")
-    max_row_chars: int = setting(20000, "rows longer than this are truncated to it (and counted)", bound="> 0")
+    max_row_chars: int = setting(20000, "rows longer than this are truncated to it (and counted); a "
+                                  "prepared corpus (harness prepare lm) keeps its rows whole", bound="> 0")
     num_workers: int = setting(0, "DataLoader worker processes per rank (each prefetches 4 batches "
                                "ahead)", bound=">= 0")
     length_buckets: str = setting("", "comma-separated lengths (ascending, the last = data.seq_len, e.g. "
