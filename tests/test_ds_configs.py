@@ -123,6 +123,24 @@ def test_a_deepspeed_scheduler_resumed_with_another_length_takes_its_lr_from_the
         resumed.proc.stdout, resumed.proc.stdout[-2000:]
 
 
+def test_a_resume_under_another_kind_of_scheduler_takes_it_from_the_resumed_step(tmp_path, corpus):
+    """The run's [schedule] resumed under a DeepSpeed scheduler section, and back: a schedule's state is its step, so
+    the new one takes its lr from there as a changed section does (each had failed to read the other's state, as a
+    checkpoint "cut short, damaged or missing", pointing to an earlier one that failed alike)."""
+    kinds = {"harness": write(tmp_path, "harness", {"zero_optimization": {"stage": 0}, "optimizer": ADAMW_AUTO}),
+             "WarmupDecayLR": write(tmp_path, "decay", {"zero_optimization": {"stage": 0}, "optimizer": ADAMW_AUTO,
+                                                         "scheduler": DECAY})}
+    whole = {kind: harness(tmp_path / kind, corpus, ds=ds, sets=SETS) for kind, ds in kinds.items()}
+    for first, then in (("harness", "WarmupDecayLR"), ("WarmupDecayLR", "harness")):
+        harness(tmp_path / "run", corpus, ds=kinds[first], sets=SETS, args=["--stop-at", "5", "--overwrite"])
+        resumed = harness(tmp_path / "run", corpus, ds=kinds[then], sets=SETS, args=["--resume", "auto"])
+        lr, expected = ({m["step"]: m["lr"] for m in run.metrics} for run in (resumed, whole[then]))
+        assert [lr[s] for s in (6, 7, 8)] == pytest.approx([expected[s] for s in (6, 7, 8)], rel=1e-9, abs=1e-12)
+        assert lr[5] != pytest.approx(expected[5])  # the first run's schedule up to the checkpoint
+        assert f"the lr schedule is {then} from step 6 (the checkpoint's run had {first})" in resumed.proc.stdout, \
+            resumed.proc.stdout[-2000:]
+
+
 def test_explicit_values_are_adopted_over_defaults_and_every_contradiction_is_one_line(tmp_path):
     ds = write(tmp_path, "ds", {"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.8, 0.99],
                                                                            "weight_decay": 0.01}},

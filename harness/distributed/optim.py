@@ -110,6 +110,16 @@ def deepspeed_arch_list():
             os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
 
+def place_schedule(schedule, step: int) -> None:
+    """A schedule of another kind than a checkpoint's (the run's [schedule] for a DeepSpeed scheduler section, one
+    DeepSpeed scheduler for another), whose state it cannot read, set at the checkpoint's `step` (steps done): a
+    schedule's state is its step (`follow_config_lr` then sets the lr there)."""
+    if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+        schedule.last_epoch = step  # 0 when built, + 1 a step
+    elif hasattr(schedule, "last_batch_iteration"):
+        schedule.last_batch_iteration = step - 1  # DeepSpeed's: -1 when built
+
+
 def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     """After a resume: the learning rate of the run config, not the checkpoint's. DeepSpeed restores the schedule's
     state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved), and

@@ -28,6 +28,7 @@ import torch
 
 from ..config.run import ConfigError, TrainingStopped, one_line
 from ..distributed import ds_patches
+from ..distributed.optim import place_schedule
 from ..distributed.world import World, all_gather_objects, barrier, is_lost, is_timeout
 from .trust import checkpoint_reads
 
@@ -147,7 +148,13 @@ def layout_of(ds) -> dict[str, Any]:
     return {"dp_size": ds.layout.dp_size, "tp_size": ds.layout.tp_size, "pp_size": ds.layout.pp_size,
             "sp_size": ds.layout.sp_size, "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer,
             "offload_params": ds.offload_params,
-            "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.global_batch_size}
+            "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.global_batch_size,
+            "schedule": schedule_kind(ds)}
+
+
+def schedule_kind(ds) -> str:
+    """The lr schedule's kind: DeepSpeed's scheduler section's type, or "harness" (the run's [schedule])."""
+    return ds.sections.scheduler["type"] if ds.sections.scheduler else "harness"
 
 
 def batch_note(path: Path, ds, placed: bool) -> str | None:
@@ -611,19 +618,26 @@ def adopt_best(root: Path, step: int, source: Path, world: World) -> None:
     barrier()
 
 
-def load(engine, path: Path, world: World, named: Path | None = None) -> dict[str, Any]:
+def load(engine, path: Path, world: World, named: Path | None = None, schedule: str | None = None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, loss scaler and this rank's RNG; returns the client state. A
     step_N.universal checkpoint (`to_universal`) loads into whatever partitioning the engine has; `named`: the
-    checkpoint it was converted from, which a file that cannot be read is said of."""
+    checkpoint it was converted from, which a file that cannot be read is said of. A scheduler of another kind than
+    the checkpoint's (`schedule`, `schedule_kind`) is set at its step instead (its state had failed to read as
+    another's: "cut short, damaged or missing")."""
+    saved = (saved_layout(named or path) or {}).get("schedule")
+    other = saved is not None and schedule is not None and saved != schedule
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.
     engine._config.load_universal_checkpoint = path.name.endswith(UNIVERSAL)
     verify(path, world)
     try:
         with checkpoint_reads():  # DeepSpeed's reads too: data, not code (trust.py)
-            _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+            _, client_state = engine.load_checkpoint(str(path.parent), tag=path.name,
+                                                     load_lr_scheduler_states=not other)
             if client_state is None:
                 raise RuntimeError("DeepSpeed found no state in it")
+            if other:
+                place_schedule(engine.lr_scheduler, client_state["step"])
             if path.name.endswith(UNIVERSAL):
                 ds_patches.after_universal_load(engine, path)
             rng = path / f"rng_rank{world.rank:05d}.pt"
@@ -646,7 +660,7 @@ def load_onto(engine, path: Path, run_dir: Path, ds, world: World) -> dict[str, 
     """`load` into this engine's layout: converted first where it is not the checkpoint's (`reshape`). Another run's
     checkpoint is converted afresh into this run's checkpoints, read, and the conversion removed."""
     if not reshape(path, ds):
-        return load(engine, path, world)
+        return load(engine, path, world, schedule=schedule_kind(ds))
     verify(path, world)
     out = conversion_of(path, run_dir)
     foreign = out.parent != path.parent
@@ -655,7 +669,7 @@ def load_onto(engine, path: Path, run_dir: Path, ds, world: World) -> dict[str, 
             converted = to_universal(path, out, world, afresh=foreign)
         except UNREADABLE as e:
             _said_unreadable(path, world, e)
-        state = load(engine, converted, world, named=path)
+        state = load(engine, converted, world, named=path, schedule=schedule_kind(ds))
     except BaseException:
         if foreign and world.is_main:  # (no barrier: the other ranks may be anywhere in the load)
             shutil.rmtree(out, ignore_errors=True)
