@@ -76,6 +76,13 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
 
     refused = submit("--gpus-per-node=8")  # a GPU request on a node without GPUs: Slurm's own refusal
     assert refused.returncode == 1 and "Invalid generic resource (gres) specification" in refused.stderr
+    # a GPU count the script cannot read: one line naming both variables, exit 2 (`set -u` had ended the script on
+    # the unset one, exit 1)
+    unread = submitted(SLURM_GPUS_ON_NODE="a100:two")
+    wait_for(lambda: len(job(unread)["runs"]) == 1)
+    assert job(unread)["runs"][0]["code"] == 2 and said(unread) == [
+        "harness: error: cannot read the job's GPUs per node from SLURM_GPUS_ON_NODE=a100:two SLURM_GPUS_PER_NODE=: "
+        "set PROCS_PER_NODE"], log(unread)
     first = submitted()  # no GPUs asked for, no process count given: a CPU job, one process per node
     try:
         # 1. SIGUSR1 to the batch script (--signal=B:USR1@300): every node stops with a checkpoint, exits 75, and
