@@ -111,6 +111,9 @@ CASES = [
     ("ds-stage-string", [], None, {"zero_optimization": {"stage": "2"}}, "zero_optimization.stage = \"2\""),
     ("ds-stage-out-of-range", [], None, {"zero_optimization": {"stage": 5}}, "should be 0, 1, 2 or 3"),
     ("ds-zero-key-typo", [], None, {"zero_optimization": {"stag": 2}}, "did you mean `stage`"),
+    ("ds-offload-ratio-below-3", [], None,  # a check of the whole section: named, without pydantic's prefix
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+     "): Partial offloading only supported for ZeRO Stage 3"),
     ("ds-stage-bool", [], None, {"zero_optimization": {"stage": True}}, "stage = true (ds file"),
     ("ds-stage-float", [], None, {"zero_optimization": {"stage": 2.0}}, "stage = 2.0 (ds file"),
     ("ds-zero-auto-unfillable", [], None, {"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}},

@@ -228,8 +228,8 @@ def _deepspeed_reads(ds: dict, label: str) -> None:
     except ValidationError as e:  # a pydantic model's: the key and why
         err = e.errors()[0]
         why = "it reads no such key there" if err["type"] == "extra_forbidden" else choices_once(err["msg"])
-        raise ConfigError(f"{'.'.join(map(str, err['loc'])) or e.title} ({label}): DeepSpeed refuses it: {why}") \
-            from None
+        where = ".".join(map(str, err["loc"])) or e.title.rstrip(".")  # a check of the whole section: its name
+        raise ConfigError(f"{where} ({label}): DeepSpeed refuses it: {why}") from None
     except (DeepSpeedConfigError, ValueError, AssertionError, TypeError, KeyError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{label}: DeepSpeed refuses it: {why}") from None
@@ -466,7 +466,8 @@ def _check_types(ds: dict, label: str) -> None:
 
 def choices_once(message: str) -> str:
     """A pydantic message listing an enum's values, each once: DeepSpeed's ZeRO stage enum has two names for 3, and
-    pydantic says "Input should be 0, 1, 2, 3 or 3"."""
+    pydantic says "Input should be 0, 1, 2, 3 or 3"; a validator's own message without pydantic's prefix."""
+    message = message.removeprefix("Assertion failed, ").removeprefix("Value error, ")
     head, sep, listed = message.partition("Input should be ")
     if not sep:
         return message
@@ -527,7 +528,7 @@ def _validate(name: str, section: dict, model, label: str) -> None:
         checked = model(**section)
     except ValidationError as e:
         err = e.errors()[0]
-        key = name + "." + ".".join(str(x) for x in err["loc"])
+        key = ".".join([name, *map(str, err["loc"])])  # (a check of the whole section has no loc)
         hint, message = "", choices_once(err["msg"])
         if err["type"] == "extra_forbidden":
             message = f"DeepSpeed {deepspeed.__version__} reads no such key here"
