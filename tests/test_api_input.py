@@ -89,6 +89,20 @@ def test_a_start_refused_after_writing_its_configs_is_replaced_by_the_next_witho
     (run_dir / "notes.txt").write_text("mine\n")  # a trained run, and a file of the user's: still refused
     with pytest.raises(ConfigError, match="run directory exists and is not empty"):
         harness.train(sets=[*sets, "data.val_fraction=0"])
+    # a folder of the user's that holds only names a start writes (its data/, no config.toml), or a refused start's
+    # files and the run's data under them: refused, not emptied
+    mine, started = tmp_path / "mine", tmp_path / "started"
+    folder_sets = {folder: [*TINY, "train.max_steps=1", f"run.output_dir={json.dumps(str(folder))}",
+                            f"data.path={json.dumps(str(folder / 'data' / 'train.txt'))}"] for folder in (mine, started)}
+    with pytest.raises(ConfigError, match="leaves none to train on"):
+        harness.train(sets=[*folder_sets[started], f"data.path={json.dumps(str(tmp_path / 'one_line.txt'))}"])
+    for folder in (mine, started):
+        (folder / "data").mkdir(parents=True)
+        (folder / "data" / "train.txt").write_text("the cat sat on the mat.\n" * 400)
+    for folder in (mine, started):
+        with pytest.raises(ConfigError, match="run directory exists and is not empty"):
+            harness.train(sets=[*folder_sets[folder], "data.val_fraction=0"])
+        assert (folder / "data" / "train.txt").is_file()
 
 
 def test_an_evaluation_reading_many_times_what_its_steps_train_on_is_said_with_the_cap(tmp_path, corpus, capsys):

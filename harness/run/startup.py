@@ -459,15 +459,24 @@ def is_run_dir(path: Path) -> bool:
         all(p.name in RUN_FILES or p.name.startswith("launch_node") for p in path.iterdir())
 
 
-# What a start writes before its first step: a directory holding nothing else trained nothing (a start refused by its
-# data once its configs were written, say), and a new start replaces it without --overwrite
+# What a start writes before its first step (its configs, logs, RUN/data/'s tokenizer, a tracker's first files)
 START_FILES = {"config.toml", "ds_config.json", "deepspeed.log", "launch.log", ".lock", ".ranks", ".nodes", "data",
                "tensorboard", "wandb"}
 
 
-def never_trained(path: Path) -> bool:
-    """Whether run directory `path` holds only what a start writes before its first step (or nothing)."""
-    return all(p.name in START_FILES or p.name.startswith("launch_node") for p in path.iterdir())
+def never_trained(plan: Plan) -> bool:
+    """Whether the run directory holds a start that never trained a step and nothing else: the config.toml a start
+    writes first, naming this directory, beside start-up files alone, and none of the run's data under it. A new
+    start replaces it without --overwrite (a start refused by its data once its configs were written, say)."""
+    run_dir, d = plan.run_dir.resolve(), plan.run.cfg.data
+    try:
+        named = Path(read_toml(run_dir / "config.toml")["run"]["output_dir"]).resolve()
+    except (ConfigError, OSError, KeyError, TypeError):
+        return False
+    data = [getattr(d, "path", ""), getattr(d, "val_path", ""), *(p for p, _ in getattr(d, "mix", None) or [])]
+    return named == run_dir and all(p.name in START_FILES or p.name.startswith("launch_node")
+                                    for p in run_dir.iterdir()) and \
+        not any(run_dir in Path(path).resolve().parents for path in data if path)
 
 
 def _check_replaceable(plan: Plan, overwrite: bool) -> None:
@@ -531,12 +540,12 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             _check_same_data(plan, found, data_changed_ok)
-    elif run_dir.exists() and not never_trained(run_dir):
-        _check_replaceable(plan, overwrite)
-    elif run_dir.exists() and any(run_dir.iterdir()) and not overwrite and launched_rank() == 0 and \
-            not under_launcher():
-        print(f"note: {run_dir} holds only the start-up files of a run that never trained a step: replaced",
-              flush=True)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        if overwrite or not never_trained(plan):
+            _check_replaceable(plan, overwrite)
+        elif launched_rank() == 0 and not under_launcher():
+            print(f"note: {run_dir} holds only the start-up files of a run that never trained a step: replaced",
+                  flush=True)
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 
@@ -602,7 +611,8 @@ def check_fits(plan: Plan, model, capacity: int) -> str | None:
 def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrite: bool):
     """Rank 0 takes the run directory's lock (`lock.py`; returned, None on other ranks) and, for a new run, writes the
     resolved configs (a resume writes them once it knows it will train: `write_configs`); an --overwrite clears the
-    old run first, as a new run clears the start-up files of one that never trained a step. Collective: a lock taken meanwhile by another run is refused on every rank."""
+    old run first, as a new run clears the start-up files of one that never trained a step (`never_trained`).
+    Collective: a lock taken meanwhile by another run is refused on every rank."""
     from ..distributed.world import all_gather_objects
     from .lock import Lock
 
@@ -614,7 +624,7 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
         except ConfigError as e:
             error = str(e)
         # cleared once it is ours (a run that started meanwhile holds the lock, and this one is refused above)
-        if held and resume_from is None and (overwrite or never_trained(plan.run_dir)):
+        if held and resume_from is None and (overwrite or never_trained(plan)):
             for old in plan.run_dir.iterdir():
                 if old != held.path:
                     shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
