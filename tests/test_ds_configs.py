@@ -132,12 +132,18 @@ def test_a_resume_under_another_kind_of_scheduler_takes_it_from_the_resumed_step
                                                          "scheduler": DECAY})}
     whole = {kind: harness(tmp_path / kind, corpus, ds=ds, sets=SETS) for kind, ds in kinds.items()}
     for first, then in (("harness", "WarmupDecayLR"), ("WarmupDecayLR", "harness")):
-        harness(tmp_path / "run", corpus, ds=kinds[first], sets=SETS, args=["--stop-at", "5", "--overwrite"])
+        stopped = harness(tmp_path / "run", corpus, ds=kinds[first], sets=SETS, args=["--stop-at", "5", "--overwrite"])
+        if first != "harness":  # as a checkpoint saved before layout.json named its schedule: its run's ds_config.json
+            layout = stopped.dir / "checkpoints" / "step_00000005" / "layout.json"
+            layout.write_text(json.dumps({k: v for k, v in json.loads(layout.read_text()).items() if k != "schedule"}))
+            (layout.parent / "checksums.json").unlink()
         resumed = harness(tmp_path / "run", corpus, ds=kinds[then], sets=SETS, args=["--resume", "auto"])
-        lr, expected = ({m["step"]: m["lr"] for m in run.metrics} for run in (resumed, whole[then]))
+        lr, expected, before = ({m["step"]: m["lr"] for m in run.metrics} for run in (resumed, whole[then], whole[first]))
         assert [lr[s] for s in (6, 7, 8)] == pytest.approx([expected[s] for s in (6, 7, 8)], rel=1e-9, abs=1e-12)
         assert lr[5] != pytest.approx(expected[5])  # the first run's schedule up to the checkpoint
         assert f"the lr schedule is {then} from step 6 (the checkpoint's run had {first})" in resumed.proc.stdout, \
+            resumed.proc.stdout[-2000:]
+        assert f"from step 6; lr there {lr[6]:.3g} (the checkpoint's run: {before[6]:.3g})" in resumed.proc.stdout, \
             resumed.proc.stdout[-2000:]
 
 

@@ -116,6 +116,7 @@ def place_schedule(schedule, step: int) -> None:
     schedule's state is its step (`follow_config_lr` then sets the lr there)."""
     if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
         schedule.last_epoch = step  # 0 when built, + 1 a step
+        schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]  # the checkpoint's next lr (restored)
     elif hasattr(schedule, "last_batch_iteration"):
         schedule.last_batch_iteration = step - 1  # DeepSpeed's: -1 when built
 

@@ -157,6 +157,19 @@ def schedule_kind(ds) -> str:
     return ds.sections.scheduler["type"] if ds.sections.scheduler else "harness"
 
 
+def saved_schedule(path: Path) -> str | None:
+    """`schedule_kind` of checkpoint `path`; for one saved before layout.json said it, its run's resolved DeepSpeed
+    config's (the run's latest start's: an earlier checkpoint may have had another)."""
+    kind = (saved_layout(path) or {}).get("schedule")
+    if kind is None:
+        try:
+            kind = (json.loads((path.parent.parent / "ds_config.json").read_text()).get("scheduler") or
+                    {}).get("type", "harness")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return kind
+
+
 def batch_note(path: Path, ds, placed: bool) -> str | None:
     """A line where resuming checkpoint `path` under `ds` changes the global batch (e.g. fewer processes at the same
     micro-batch): the steps after it are then not the uninterrupted run's. `placed`: the checkpoint kept its place in
@@ -624,7 +637,7 @@ def load(engine, path: Path, world: World, named: Path | None = None, schedule: 
     checkpoint it was converted from, which a file that cannot be read is said of. A scheduler of another kind than
     the checkpoint's (`schedule`, `schedule_kind`) is set at its step instead (its state had failed to read as
     another's: "cut short, damaged or missing")."""
-    saved = (saved_layout(named or path) or {}).get("schedule")
+    saved = saved_schedule(named or path)
     other = saved is not None and schedule is not None and saved != schedule
     # DeepSpeed reads checkpoint.load_universal only while loading (engine.load_checkpoint and the ZeRO optimizers'
     # load_state_dict): set per load, so one engine loads a converted checkpoint and, later, its own.

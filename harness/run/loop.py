@@ -343,9 +343,9 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
     notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds, "data_position" in state)) else []
-    saved, kind = (checkpoint.saved_layout(resume_from) or {}).get("schedule"), checkpoint.schedule_kind(plan.ds)
-    if saved and saved != kind:  # (its state is its step: checkpoint.load)
-        notes.append(f"the lr schedule is {kind} from step {state['step'] + 1} (the checkpoint's run had {saved})")
+    was, kind = checkpoint.saved_schedule(resume_from), checkpoint.schedule_kind(plan.ds)
+    if was and was != kind:  # (its state is its step: checkpoint.load)
+        notes.append(f"the lr schedule is {kind} from step {state['step'] + 1} (the checkpoint's run had {was})")
     lr = plan.run.cfg.optimizer.lr
     saved = follow_config_lr(schedule, lr)
     if saved is not None:  # e.g. lowered after a non-finite stop, or the run made longer or shorter
