@@ -143,11 +143,11 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
 def _train(p, resume_from, overwrite: bool, stop_at: int | None, trust_checkpoint: bool) -> dict[str, Any]:
     from .distributed.world import barrier, close_world, init_world
     from .run.loop import train as run_training
-    from .run.startup import watching_build_locks
+    from .run.startup import check_same_plan, watching_build_locks
     from .run.trust import trusting
 
     with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's
-        world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s)
+        world = init_world(p.ds.layout, p.run.cfg.train.collective_timeout_s, agree=lambda: check_same_plan(p))
         try:
             with trusting(checkpoint=trust_checkpoint):
                 result = run_training(p, world, resume_from, overwrite, stop_at)

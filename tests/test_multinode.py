@@ -3,6 +3,7 @@ launch/multi_node.yaml (DeepSpeed "standard" launcher, static rendezvous on 127.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 
@@ -10,19 +11,23 @@ from conftest import DS, LAUNCH, ROOT, TINY, Run, _env, assert_losses_close, pyt
 
 
 def test_two_nodes_match_two_processes_on_one_node(tmp_path, corpus, cached_run):
+    """Node 1 reads a copy of the data at another path (staged on its own disk): the nodes' settings are compared,
+    paths aside, and the data by its content."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "run"
+    (tmp_path / "node1").mkdir()
+    staged = {0: corpus, 1: shutil.copy(corpus, tmp_path / "node1" / corpus.name)}
     train = ["-m", "harness", "train", "--ds", str(DS / "zero2.json")]
-    for item in [*TINY, "train.micro_batch_size=2", f"data.path={json.dumps(str(corpus))}",
-                 f"run.output_dir={json.dumps(str(out))}"]:
+    for item in [*TINY, "train.micro_batch_size=2", f"run.output_dir={json.dumps(str(out))}"]:
         train += ["--set", item]
     procs = []
     for machine_rank in (1, 0):
         cmd = [python(), "-m", "accelerate.commands.launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
                "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-               str(port), "--num_machines", "2", "--num_processes", "2", *train]
+               str(port), "--num_machines", "2", "--num_processes", "2", *train, "--set",
+               f"data.path={json.dumps(str(staged[machine_rank]))}"]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     results = [p.communicate(timeout=300) for p in procs]
@@ -65,7 +70,8 @@ def test_deepspeed_s_nossh_launcher_runs_two_nodes_from_the_hostfile(tmp_path, c
 
 def test_nodes_started_with_other_settings_are_refused_before_training(tmp_path, corpus):
     """A node given another --set or --ds had trained its share of the weights at another lr, said nowhere, or hung
-    before step 1 (ZeRO-2 against ZeRO-3) until the collective timeout. Every node exits 2 naming what differs."""
+    before step 1 (ZeRO-2 against ZeRO-3; sequence-parallel groups made by one node alone) until the collective
+    timeout. Every node exits 2 naming what differs, before any subgroup is made."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -74,7 +80,7 @@ def test_nodes_started_with_other_settings_are_refused_before_training(tmp_path,
     for item in [*TINY, "train.micro_batch_size=2", f"data.path={json.dumps(str(corpus))}",
                  f"run.output_dir={json.dumps(str(out))}"]:
         train += ["--set", item]
-    own = {1: ["--ds", str(DS / "zero3.json"), "--set", "optimizer.lr=0.01"], 0: ["--ds", str(DS / "zero2.json")]}
+    own = {1: ["--ds", str(DS / "sp2_zero3.json"), "--set", "optimizer.lr=0.01"], 0: ["--ds", str(DS / "zero2.json")]}
     procs = [subprocess.Popen([python(), "-m", "harness", "launch", "--config_file", str(LAUNCH / "multi_node.yaml"),
                                "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
                                "--main_process_port", str(port), "--num_machines", "2", "--num_processes", "2",

@@ -145,9 +145,10 @@ _inits = [0]  # worlds this process has started (`_rendezvous_again`)
 _excepthook: list = []  # sys.excepthook before torch's rank-prefixing one, restored by close_world in a world of one
 
 
-def init_world(layout=None, timeout_s: float | None = None) -> World:
+def init_world(layout=None, timeout_s: float | None = None, agree: Callable[[], None] | None = None) -> World:
     """The process group and this rank's place in `layout` (a `config.layout.Layout`; None = data parallel only). A
-    collective that waits longer than `timeout_s` raises (None: torch's default, 30 min)."""
+    collective that waits longer than `timeout_s` raises (None: torch's default, 30 min). `agree`: a collective check
+    that the ranks mean the same run, made before any subgroup (ranks that differ in them would hang)."""
     keep_freed_host_memory()
     if "RANK" not in os.environ:  # no launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -196,6 +197,8 @@ def init_world(layout=None, timeout_s: float | None = None) -> World:
         layout = Layout(world_size=world_size, dp_size=world_size)
     if layout.world_size != world_size:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
+    if agree is not None and world_size > 1:
+        agree()
     if layout.sp_size > 1:  # DeepSpeed's Ulysses groups (distributed/sequence.py), handed to it as the mpu
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 

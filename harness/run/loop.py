@@ -45,7 +45,7 @@ from .export import MODEL_FILE, export_model
 from .heartbeat import Heartbeat, diagnose
 from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, cut_between, cut_if_signalled
 from .selection import Selection
-from .startup import check_free_space, check_same_plan, data_identity, prepare_run_dir, write_configs
+from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -127,8 +127,6 @@ def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, s
     checkpoint: raises Preempted."""
     timeout_s = plan.run.cfg.train.collective_timeout_s
     with Watch() as watch, contextlib.ExitStack() as teardown:
-        if world.world_size > 1:
-            check_same_plan(plan, world)
         held = prepare_run_dir(plan, world, resume_from, overwrite)
         beat = Heartbeat(plan.run_dir, world.rank, min(30.0, timeout_s / 4))  # names a hung rank (heartbeat.py)
         try:

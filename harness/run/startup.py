@@ -681,22 +681,26 @@ def shared_wait_s() -> float:
     return value
 
 
-NODE_PATHS = ("data.path", "data.val_path", "data.mix")  # may differ by node: the data is compared by its content
+NODE_PATHS = ("data.path", "data.val_path", "data.mix")  # the data is compared by its content once read (loop._data)
 
 
-def check_same_plan(plan: Plan, world: World) -> None:
-    """Every rank resolved the same run and DeepSpeed config. A node started with another --set, --ds or run file had
-    trained its share of the weights with other settings (an lr apart, said nowhere) or hung before the first step
-    (ZeRO stages apart). Collective; the data is compared once read (`loop._data`)."""
+def check_same_plan(plan: Plan) -> None:
+    """Every rank resolved the same run and DeepSpeed config, paths aside (a node may read a copy staged on its own
+    disk). A node started with another --set, --ds or run file had trained its share of the weights with other
+    settings (an lr apart, said nowhere) or hung before the first step (ZeRO stages apart). Collective: called as the
+    process group starts, before its subgroups (`init_world`'s `agree`)."""
     import hashlib
     import json
     import socket
 
     from ..distributed.world import all_gather_objects
 
+    def compared(items: dict) -> dict:
+        return {k: v for k, v in items.items() if k not in NODE_PATHS and not (isinstance(v, str) and "/" in v)}
+
     mine = {"ZeRO stage": plan.ds.zero_stage, "precision": plan.ds.precision,  # said first: what --ds names
-            **{k: v for k, v in flatten(plan.run.cfg.to_dict()).items() if k not in NODE_PATHS},
-            **{f"DeepSpeed {k}": v for k, v in flatten(plan.ds.config).items()}}
+            **compared(flatten(plan.run.cfg.to_dict())),
+            **{f"DeepSpeed {k}": v for k, v in compared(flatten(plan.ds.config)).items()}}
     digests = all_gather_objects(hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest())
     if len(set(digests)) == 1:
         return
@@ -711,7 +715,7 @@ def check_same_plan(plan: Plan, world: World) -> None:
     said = "; ".join(f"{k} = {value(theirs, k)} there, {value(first, k)} on rank 0" for k in keys[:3]) + \
         ("; ..." if keys[3:] else "")
     raise ConfigError(f"rank {other} (on {host}) resolved another run than rank 0: {said}; start every node with the "
-                      f"same run file, --ds and --set")
+                      f"same run file, --ds and --set (paths may differ)")
 
 
 def check_shared(plan: Plan, world: World) -> None:
