@@ -260,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
                         "answering) or 75 (stopped by SIGTERM, SIGINT or SIGUSR1 with a checkpoint: --resume auto "
                         "continues)")
     la.add_argument("argv", nargs=argparse.REMAINDER, metavar="... train ...")
-    p = sub.add_parser("plan", help="resolve and check everything, print it with its sources, train nothing",
+    p = sub.add_parser("plan", help="resolve and check the run and DeepSpeed configs (not this machine's devices: a "
+                       "plan may be of another), print them with their sources, train nothing",
                        description=PLAN_LAUNCH)
     _plan_options(p)
     sub.add_parser("keys", help="list every run-config key with its default and meaning")
@@ -664,7 +665,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     args, extra = ap.parse_known_args(argv)
     if extra:  # a bench study's usage line names its own flags
         spaced = [s for s in getattr(args, "set", None) or [] if "=" not in s and not s.startswith(UNSET_PREFIX)]
-        hint = f" (--set takes KEY=VALUE as one word: --set {spaced[0]}={extra[0]})" if spaced else ""
+        value = next((e for e in extra if not e.startswith("-")), None)  # what followed the key, not an option
+        hint = f" (--set takes KEY=VALUE as one word: --set {spaced[0]}={value})" if spaced and value else ""
         getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     args.launch = launch
     args.argv = argv  # recorded by the suite with its results

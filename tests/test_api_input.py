@@ -93,7 +93,8 @@ def test_a_start_refused_after_writing_its_configs_is_replaced_by_the_next_witho
     # files and the run's data under them: refused, not emptied
     mine, started = tmp_path / "mine", tmp_path / "started"
     folder_sets = {folder: [*TINY, "train.max_steps=1", f"run.output_dir={json.dumps(str(folder))}",
-                            f"data.path={json.dumps(str(folder / 'data' / 'train.txt'))}"] for folder in (mine, started)}
+                            f"data.path={json.dumps(str(folder / 'data' / 'train.txt'))}"]
+                   for folder in (mine, started)}
     with pytest.raises(ConfigError, match="leaves none to train on"):
         harness.train(sets=[*folder_sets[started], f"data.path={json.dumps(str(tmp_path / 'one_line.txt'))}"])
     for folder in (mine, started):
@@ -112,8 +113,8 @@ def test_an_evaluation_reading_many_times_what_its_steps_train_on_is_said_with_t
             f"data.path={json.dumps(str(corpus))}", f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"]
     harness.train(sets=sets)
     notes = [line for line in capsys.readouterr().out.splitlines() if "note: an evaluation reads" in line]
-    assert len(notes) == 1 and "more than 3 times the 4 the 1 steps between two train on" in notes[0] and \
-        "train.eval_batches = 1 would read 4" in notes[0], notes
+    assert len(notes) == 1 and "train.eval_batches = 1 would read 4" in notes[0] and \
+        "more than 3 times the 4 samples trained between two evaluations (1 steps)" in notes[0], notes
     harness.train(sets=[*sets, "train.eval_batches=3"], overwrite=True)
     assert "note: an evaluation reads" not in capsys.readouterr().out
 

@@ -138,7 +138,7 @@ def test_a_resume_under_another_kind_of_scheduler_takes_it_from_the_resumed_step
             layout.write_text(json.dumps({k: v for k, v in json.loads(layout.read_text()).items() if k != "schedule"}))
             (layout.parent / "checksums.json").unlink()
         resumed = harness(tmp_path / "run", corpus, ds=kinds[then], sets=SETS, args=["--resume", "auto"])
-        lr, expected, before = ({m["step"]: m["lr"] for m in run.metrics} for run in (resumed, whole[then], whole[first]))
+        lr, expected, before = ({m["step"]: m["lr"] for m in r.metrics} for r in (resumed, whole[then], whole[first]))
         assert [lr[s] for s in (6, 7, 8)] == pytest.approx([expected[s] for s in (6, 7, 8)], rel=1e-9, abs=1e-12)
         assert lr[5] != pytest.approx(expected[5])  # the first run's schedule up to the checkpoint
         assert f"the lr schedule is {then} from step 6 (the checkpoint's run had {first})" in resumed.proc.stdout, \

@@ -1,10 +1,13 @@
 """Translation case study: data preparation, tokenizer, model, loss, decoding, and a 2-process ZeRO-2 run."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
 import math
+import os
+import pty
 import random
 import re
 import signal
@@ -570,3 +573,16 @@ def test_zero3_generation_matches_one_process(toy_dir, tmp_path, one_thread):
     assert streamed.returncode == 130 and err.strip().splitlines()[-1] == "harness: interrupted", err[-2000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
     assert head.strip() == first and 1 <= len(rest.splitlines()) + 1 < 2000
+    # in a terminal, no bar: its redraws on stderr would cut the lines streaming to stdout
+    shown, terminal = pty.openpty()
+    on_tty = subprocess.run([python(), "-m", "harness", "translate", "--run-dir", str(run.dir)], cwd=ROOT,
+                            input="the big cat sees a dog.\n" * 12, stdout=terminal, stderr=subprocess.PIPE, text=True,
+                            env=_env({"HARNESS_CACHE": str(cache)}), timeout=120)
+    os.close(terminal)
+    seen = b""
+    with contextlib.suppress(OSError):  # EIO once the terminal's writer is gone
+        while chunk := os.read(shown, 65536):
+            seen += chunk
+    os.close(shown)
+    assert on_tty.returncode == 0 and "translating" not in on_tty.stderr, on_tty.stderr[-2000:]
+    assert seen.decode().split() == (first.split() * 12), seen

@@ -249,8 +249,9 @@ def _check_sections(ds: dict, label: str) -> None:
         if key in NOT_APPLIED and _on(value):
             raise ConfigError(f"{key} ({label}) would be ignored: {NOT_APPLIED[key]}; remove it")
         if key in MONITORS and _enabled(value):
-            raise ConfigError(f"{key}.enabled ({label}): DeepSpeed's monitor would log beside the harness, outside "
-                              f"the run directory; use {MONITORS[key]}, and remove {key} or set its enabled false")
+            raise ConfigError(f"{key}.enabled ({label}): DeepSpeed's monitor would log from the engine beside the "
+                              f"harness's own logging; use {MONITORS[key]}, and remove {key} or set its enabled "
+                              f"false")
         for name in (value.keys() - PLAIN_SECTIONS.get(key, value.keys())) if isinstance(value, dict) else ():
             close = closest(name, sorted(PLAIN_SECTIONS[key]))
             raise ConfigError(f"{key}.{name} ({label}): DeepSpeed reads no such key there"

@@ -11,8 +11,8 @@ and the same command again redoes none. Units go to
 points at their shards. A document is a line of text, a JSON line's or csv row's or parquet row's text field; it is
 held out for validation with probability `--val-fraction`, drawn from (seed, unit, document): the same documents
 whatever the workers or parts. Rows are skipped by the rules of `data/rows.py` (empty, whitespace-only, undecodable
-or fieldless rows, counted), but none is cut at data.max_row_chars; an unreadable file or a truncated compressed one stops the prepare naming
-the file and line, or with `--on-error skip` is counted and skipped.
+or fieldless rows, counted), but none is cut at data.max_row_chars; an unreadable file or a truncated compressed one
+stops the prepare naming the file and line, or with `--on-error skip` is counted and skipped.
 """
 from __future__ import annotations
 

@@ -243,8 +243,10 @@ class TranslationTask:
         ids = [p[:keep] + [tok.eos_id] for p in pieces]
         model.eval()
         b = cfg.train.micro_batch_size
-        starts = range(0, len(ids), b)  # a bar on stderr where it takes more than one batch
-        shown = progress(starts, desc="translating", unit="batch", leave=False) if len(starts) > 1 else starts
+        starts = range(0, len(ids), b)  # a bar on stderr where it takes more than one batch and the translations go
+        # to a file or a pipe (in a terminal they show the progress themselves, and the bar's redraws would cut them)
+        shown = progress(starts, desc="translating", unit="batch", leave=False) \
+            if len(starts) > 1 and not sys.stdout.isatty() else starts
         for i in shown:
             yield from (tok.decode(h) for h in self._decode(model, _pad(ids[i:i + b], self.pad).to(dev), tok, cfg))
 
