@@ -7,6 +7,7 @@ import re
 import struct
 import subprocess
 
+import pytest
 from conftest import ROOT, _env, command, harness
 
 
@@ -208,3 +209,21 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     with (priced / "eval.jsonl").open("a") as f:
         f.write(json.dumps({"loss": 0.1}) + "\n")
     assert main(["plot", str(priced)]) == 0
+
+
+def test_a_record_that_cannot_be_written_says_whether_a_checkpoint_is_kept(tmp_path):
+    """The line had said "its last checkpoint kept" where the run had saved none (its resume starts at step 0)."""
+    from harness.config.run import LoggingSection, RunConfig, TrainingStopped
+    from harness.run.tracking import Tracker
+
+    (tmp_path / "metrics.jsonl").mkdir()  # a record that cannot be written
+    for saved in (False, True):
+        if saved:
+            (tmp_path / "checkpoints").mkdir()
+            (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
+        tracker = Tracker(RunConfig(logging=LoggingSection(backend="none")), tmp_path, enabled=True)
+        with pytest.raises(TrainingStopped) as stop:
+            tracker.log({"step": 3, "loss": 1.0})
+        assert str(stop.value).endswith(("the run stops its last checkpoint kept" if saved else
+                                         "the run stops with no checkpoint yet (a resume starts at step 0)") +
+                                        ": make room and continue with --resume auto"), stop.value

@@ -11,6 +11,7 @@ record. A run that stops with an exit code ends its W&B run with it (failed or p
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import netrc
 import os
@@ -160,9 +161,12 @@ class Tracker:
                 with contextlib.suppress(OSError):  # the record whole or not there (shrinking needs no room)
                     os.truncate(self.run_dir / file, whole)
             free = shutil.disk_usage(self.run_dir).free / 2**30
+            kept = "its last checkpoint kept" if (self.run_dir / "checkpoints" / "latest").is_file() else \
+                "with no checkpoint yet (a resume starts at step 0)"
+            fix = "raise the file-size limit (ulimit -f)" if e.errno == errno.EFBIG else "make room"
             raise TrainingStopped(f"{self.run_dir / file}: a record of step {record.get('step')} could not be "
-                                  f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops, its last "
-                                  f"checkpoint kept: make room and continue with --resume auto") from None
+                                  f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops {kept}: "
+                                  f"{fix} and continue with --resume auto") from None
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
             values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
