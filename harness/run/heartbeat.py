@@ -121,7 +121,8 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
         if lost:  # its file is up to every_s old: its step and age would mislead; the ranks were at `step` together
             return f"rank {r} ({where}{': its process is gone' if r in gone else ''})"
         state = "its process is gone; " if r in gone else ""
-        return f"rank {r} ({where}: {state}last finished step {b['step']}, last heard of {now - b['time']:.0f} s ago)"
+        # (its file is written every every_s: the rank may have finished steps after the one it names)
+        return f"rank {r} ({where}: {state}at step {b['step']} when last heard of, {now - b['time']:.0f} s ago)"
 
     from .checkpoint import resume_hint
 
