@@ -118,6 +118,12 @@ LAUNCHED_TWICE = """
 import os, sys
 import harness
 sets = {sets!r}
+try:  # rank 1 means another run: refused on every rank as the world starts, which is then closed for the next
+    harness.train(sets=[*sets, f"run.output_dir={{sys.argv[1]}}/run0",
+                        f"optimizer.lr={{0.01 if os.environ['RANK'] == '1' else 0.003}}"])
+except harness.ConfigError as e:
+    with open(f"{{sys.argv[1]}}/refused", "a") as f:
+        f.write(f"rank {{os.environ['RANK']}}: {{str(e).split(': ', 1)[1].split(';')[0]}}\\n")
 for i in (1, 2, 3):  # the ranks' second and later worlds meet in the launcher's store, which holds the first's keys
     r = harness.train(sets=[*sets, f"run.output_dir={{sys.argv[1]}}/run{{i}}"], ds="zero2")
     with open(f"{{sys.argv[1]}}/trained", "a") as f:
@@ -139,6 +145,8 @@ def test_the_api_trains_again_in_a_script_accelerate_launched(tmp_path, corpus):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted((tmp_path / "trained").read_text().splitlines()) == \
         [f"rank {r} run {i} step 2" for r in (0, 1) for i in (1, 2, 3)], proc.stdout[-2000:]
+    assert sorted((tmp_path / "refused").read_text().splitlines()) == [
+        f"rank {r}: optimizer.lr = 0.01 there, 0.003 on rank 0" for r in (0, 1)], proc.stdout[-2000:]
 
 
 LOCAL_TASK = FLOAT_TASK + """

@@ -104,6 +104,13 @@ def test_a_start_refused_after_writing_its_configs_is_replaced_by_the_next_witho
         with pytest.raises(ConfigError, match="run directory exists and is not empty"):
             harness.train(sets=[*folder_sets[folder], "data.val_fraction=0"])
         assert (folder / "data" / "train.txt").is_file()
+    # any file the run names, not its data alone: a plug-in task's file kept there
+    (started / "data" / "own_lm.py").write_text("from harness.tasks.lm import LanguageModelTask\n\n\n"
+                                                "class OwnLM(LanguageModelTask):\n    pass\n")
+    with pytest.raises(ConfigError, match="run directory exists and is not empty"):
+        harness.train(sets=[*folder_sets[started], f"data.path={json.dumps(str(tmp_path / 'one_line.txt'))}",
+                            "data.val_fraction=0", f"run.task={json.dumps(str(started / 'data' / 'own_lm.py') + ':OwnLM')}"])
+    assert (started / "data" / "own_lm.py").is_file()
 
 
 def test_an_evaluation_reading_many_times_what_its_steps_train_on_is_said_with_the_cap(tmp_path, corpus, capsys):
@@ -114,7 +121,7 @@ def test_an_evaluation_reading_many_times_what_its_steps_train_on_is_said_with_t
     harness.train(sets=sets)
     notes = [line for line in capsys.readouterr().out.splitlines() if "note: an evaluation reads" in line]
     assert len(notes) == 1 and "train.eval_batches = 1 would read 4" in notes[0] and \
-        "more than 3 times the 4 samples trained between two evaluations (1 steps)" in notes[0], notes
+        "more than 3 times the 4 samples trained between two evaluations (1 step)" in notes[0], notes
     harness.train(sets=[*sets, "train.eval_batches=3"], overwrite=True)
     assert "note: an evaluation reads" not in capsys.readouterr().out
 

@@ -294,9 +294,10 @@ def test_a_set_with_a_space_for_its_equals_sign_says_how_to_write_it(argv, capsy
         main([*argv, "--set", "train.max_steps", "30"])
     assert stop.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
         "harness: error: unrecognized arguments: 30 (--set takes KEY=VALUE as one word: --set train.max_steps=30)")
-    with pytest.raises(SystemExit):  # the value is what followed the key, not another unknown option
-        main(["train", "--bogus", "--set", "train.max_steps", "30"])
-    assert capsys.readouterr().err.splitlines()[-1].endswith("--set train.max_steps=30)")
+    for words, value in ((["--bogus", "--set", "train.max_steps", "30"], "30"), (["--set", "train.seed", "-1"], "-1")):
+        with pytest.raises(SystemExit):  # the value is the word after the key, not another unknown one
+            main(["train", *words])
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"--set {words[-2]}={value})")
 
 
 def test_harness_launch_names_the_accelerator_before_deepspeed_can_warn_of_guessing_it(monkeypatch, capsys):

@@ -194,8 +194,8 @@ def test_metrics_the_disk_cannot_hold_stop_the_run_with_exit_3_and_its_checkpoin
     line = full.stderr.strip().splitlines()[-1]
     assert re.match(rf"harness: error: {re.escape(str(out / 'metrics.jsonl'))}: a record of step [345] could not be "
                     rf"written \(File too large; [\d.]+ GiB free there\)", line), line
-    assert line.endswith("the run stops its last checkpoint kept: raise the file-size limit (ulimit -f) and continue "
-                         "with --resume auto"), line  # (a full disk's ENOSPC: "make room")
+    assert line.endswith("the run stops, its last checkpoint kept: raise the file-size limit (ulimit -f) and "
+                         "continue with --resume auto"), line  # (a full disk's ENOSPC: "make room")
     assert "Traceback" not in full.stderr
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     # the record is whole or not there (a half line had failed the resume's truncation and the plots): room made,

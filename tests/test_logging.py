@@ -224,6 +224,6 @@ def test_a_record_that_cannot_be_written_says_whether_a_checkpoint_is_kept(tmp_p
         tracker = Tracker(RunConfig(logging=LoggingSection(backend="none")), tmp_path, enabled=True)
         with pytest.raises(TrainingStopped) as stop:
             tracker.log({"step": 3, "loss": 1.0})
-        assert str(stop.value).endswith(("the run stops its last checkpoint kept" if saved else
-                                         "the run stops with no checkpoint yet (a resume starts at step 0)") +
-                                        ": make room and continue with --resume auto"), stop.value
+        assert str(stop.value).endswith(("the run stops, its last checkpoint kept" if saved else
+                                         "the run stops, no checkpoint saved yet (a resume starts at step 0)") +
+                                        ": fix that and continue with --resume auto"), stop.value  # (a directory)

@@ -198,7 +198,11 @@ def init_world(layout=None, timeout_s: float | None = None, agree: Callable[[], 
     if layout.world_size != world_size:
         raise RuntimeError(f"planned for a world of {layout.world_size}, launched {world_size}")
     if agree is not None and world_size > 1:
-        agree()
+        try:
+            agree()
+        except BaseException:  # refused: the process can start again (the API called again, its script fixed)
+            close_world()
+            raise
     if layout.sp_size > 1:  # DeepSpeed's Ulysses groups (distributed/sequence.py), handed to it as the mpu
         from deepspeed.runtime.sequence_parallel import parallel_state_sp
 

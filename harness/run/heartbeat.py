@@ -122,7 +122,8 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
             return f"rank {r} ({where}{': its process is gone' if r in gone else ''})"
         state = "its process is gone; " if r in gone else ""
         # (its file is written every every_s: the rank may have finished steps after the one it names)
-        return f"rank {r} ({where}: {state}at step {b['step']} when last heard of, {now - b['time']:.0f} s ago)"
+        return f"rank {r} ({where}: {state}had finished step {b['step']} when last heard of, " \
+               f"{now - b['time']:.0f} s ago)"
 
     from .checkpoint import resume_hint
 

@@ -118,8 +118,8 @@ def eval_cost_note(t, eval_steps: int, n_val: int, global_batch: int) -> str | N
     if not trained or reads <= EVAL_COST * trained:
         return None
     return (f"note: an evaluation reads {reads:,} validation samples, more than {EVAL_COST} times the {trained:,} "
-            f"samples trained between two evaluations ({eval_steps} steps): it takes longer than they do; "
-            f"train.eval_batches = {eval_steps} would read {trained:,}, spread over the split")
+            f"samples trained between two evaluations ({eval_steps} step{'s' if eval_steps > 1 else ''}): it takes "
+            f"longer than they do; train.eval_batches = {eval_steps} would read {trained:,}, spread over the split")
 
 
 def train(plan: Plan, world: World, resume_from: Path | None, overwrite: bool, stop_at: int | None) -> dict:

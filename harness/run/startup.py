@@ -7,6 +7,7 @@ in `harness/distributed/parallel.py`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -92,7 +93,6 @@ def extension_root() -> Path:
     by the Python and CUDA versions only (torch.utils.cpp_extension._get_build_directory), so two environments on
     one machine rebuild each other's ops in turn (their build.ninja names different include paths) and each start
     waits on the other's lock; nodes that share a home directory wait on locks they cannot see are alive."""
-    import hashlib
     import socket
     import sys
 
@@ -466,17 +466,28 @@ START_FILES = {"config.toml", "ds_config.json", "deepspeed.log", "launch.log", "
 
 def never_trained(plan: Plan) -> bool:
     """Whether the run directory holds a start that never trained a step and nothing else: the config.toml a start
-    writes first, naming this directory, beside start-up files alone, and none of the run's data under it. A new
-    start replaces it without --overwrite (a start refused by its data once its configs were written, say)."""
-    run_dir, d = plan.run_dir.resolve(), plan.run.cfg.data
+    writes first, naming this directory, beside start-up files alone, and nothing the run names (its data, a model,
+    a file of its own settings) under it. A new start replaces it without --overwrite (a start refused by its data
+    once its configs were written, say)."""
+    run_dir = plan.run_dir.resolve()
     try:
         named = Path(read_toml(run_dir / "config.toml")["run"]["output_dir"]).resolve()
     except (ConfigError, OSError, KeyError, TypeError):
         return False
-    data = [getattr(d, "path", ""), getattr(d, "val_path", ""), *(p for p, _ in getattr(d, "mix", None) or [])]
+
+    def strings(value) -> list[str]:
+        return [value] if isinstance(value, str) else [s for v in value for s in strings(v)] \
+            if isinstance(value, (list, tuple)) else []
+
+    given = [s for k, v in flatten(plan.run.cfg.to_dict()).items() if k != "run.output_dir" for s in strings(v)]
+    def under(text: str) -> bool:
+        try:
+            return run_dir in Path(text).resolve().parents
+        except (OSError, ValueError):  # not a path (a NUL in it)
+            return False
+
     return named == run_dir and all(p.name in START_FILES or p.name.startswith("launch_node")
-                                    for p in run_dir.iterdir()) and \
-        not any(run_dir in Path(path).resolve().parents for path in data if path)
+                                    for p in run_dir.iterdir()) and not any(under(s) for s in given if s)
 
 
 def _check_replaceable(plan: Plan, overwrite: bool) -> None:
@@ -681,26 +692,36 @@ def shared_wait_s() -> float:
     return value
 
 
-NODE_PATHS = ("data.path", "data.val_path", "data.mix")  # the data is compared by its content once read (loop._data)
+# May differ by node, a copy staged on each node's own disk: the data (compared by its content once read, loop._data),
+# the run directory (check_shared finds the nodes' tokens in it) and NVMe offload's folder
+NODE_PATHS = ("data.path", "data.val_path", "data.mix", "run.output_dir")
+
+
+def _meaning(key: str, value):
+    """What a setting means whichever node reads it: a local model.hf directory by its config.json, a plug-in task by
+    its file's name and class."""
+    if key == "model.hf" and isinstance(value, str) and (Path(value) / "config.json").is_file():
+        digest = hashlib.sha256((Path(value) / "config.json").read_bytes()).hexdigest()[:12]
+        return f"a model whose config.json is {digest}"
+    if key == "run.task" and isinstance(value, str) and ".py:" in value:
+        file, cls = value.rsplit(":", 1)
+        return f"{Path(file).name}:{cls}"
+    return value
 
 
 def check_same_plan(plan: Plan) -> None:
-    """Every rank resolved the same run and DeepSpeed config, paths aside (a node may read a copy staged on its own
-    disk). A node started with another --set, --ds or run file had trained its share of the weights with other
-    settings (an lr apart, said nowhere) or hung before the first step (ZeRO stages apart). Collective: called as the
-    process group starts, before its subgroups (`init_world`'s `agree`)."""
-    import hashlib
+    """Every rank resolved the same run and DeepSpeed config, paths aside (`NODE_PATHS`, `_meaning`). A node started
+    with another --set, --ds or run file had trained its share of the weights with other settings (an lr apart, said
+    nowhere) or hung before the first step (ZeRO stages apart). Collective: called as the process group starts, before
+    its subgroups (`init_world`'s `agree`)."""
     import json
     import socket
 
     from ..distributed.world import all_gather_objects
 
-    def compared(items: dict) -> dict:
-        return {k: v for k, v in items.items() if k not in NODE_PATHS and not (isinstance(v, str) and "/" in v)}
-
     mine = {"ZeRO stage": plan.ds.zero_stage, "precision": plan.ds.precision,  # said first: what --ds names
-            **compared(flatten(plan.run.cfg.to_dict())),
-            **{f"DeepSpeed {k}": v for k, v in compared(flatten(plan.ds.config)).items()}}
+            **{k: _meaning(k, v) for k, v in flatten(plan.run.cfg.to_dict()).items() if k not in NODE_PATHS},
+            **{f"DeepSpeed {k}": v for k, v in flatten(plan.ds.config).items() if not k.endswith("nvme_path")}}
     digests = all_gather_objects(hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest())
     if len(set(digests)) == 1:
         return
@@ -715,7 +736,7 @@ def check_same_plan(plan: Plan) -> None:
     said = "; ".join(f"{k} = {value(theirs, k)} there, {value(first, k)} on rank 0" for k in keys[:3]) + \
         ("; ..." if keys[3:] else "")
     raise ConfigError(f"rank {other} (on {host}) resolved another run than rank 0: {said}; start every node with the "
-                      f"same run file, --ds and --set (paths may differ)")
+                      f"same run file, --ds and --set (data paths and the run directory's may differ)")
 
 
 def check_shared(plan: Plan, world: World) -> None:

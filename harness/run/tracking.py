@@ -162,10 +162,11 @@ class Tracker:
                     os.truncate(self.run_dir / file, whole)
             free = shutil.disk_usage(self.run_dir).free / 2**30
             kept = "its last checkpoint kept" if (self.run_dir / "checkpoints" / "latest").is_file() else \
-                "with no checkpoint yet (a resume starts at step 0)"
-            fix = "raise the file-size limit (ulimit -f)" if e.errno == errno.EFBIG else "make room"
+                "no checkpoint saved yet (a resume starts at step 0)"
+            fix = {errno.ENOSPC: "make room", errno.EDQUOT: "make room",
+                   errno.EFBIG: "raise the file-size limit (ulimit -f)"}.get(e.errno, "fix that")
             raise TrainingStopped(f"{self.run_dir / file}: a record of step {record.get('step')} could not be "
-                                  f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops {kept}: "
+                                  f"written ({e.strerror or e}; {free:.2f} GiB free there); the run stops, {kept}: "
                                   f"{fix} and continue with --resume auto") from None
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
