@@ -479,13 +479,13 @@ def never_trained(plan: Plan) -> bool:
         return [value] if isinstance(value, str) else [s for v in value for s in strings(v)] \
             if isinstance(value, (list, tuple)) else []
 
-    given = [s for k, v in flatten(plan.run.cfg.to_dict()).items() if k != "run.output_dir" for s in strings(v)]
     def under(text: str) -> bool:
         try:
             return run_dir in Path(text).resolve().parents
         except (OSError, ValueError):  # not a path (a NUL in it)
             return False
 
+    given = [s for k, v in flatten(plan.run.cfg.to_dict()).items() if k != "run.output_dir" for s in strings(v)]
     return named == run_dir and all(p.name in START_FILES or p.name.startswith("launch_node")
                                     for p in run_dir.iterdir()) and not any(under(s) for s in given if s)
 
