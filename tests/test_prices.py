@@ -149,6 +149,23 @@ def test_malformed_rows_are_counted(tmp_path):
     assert meta["splits"]["train"]["first"].startswith("2019-12-31T23")
 
 
+def test_a_long_layout_or_stock_symbols_on_a_file_are_refused_and_a_sort_is_said(tmp_path, capsys):
+    """A file of one row per symbol and date had become its first symbol's series (the others' rows "duplicate"),
+    and prices.symbols on it was passed over; rows sorted by date are said at prepare, not in meta.json alone."""
+    lines = write_series(tmp_path / "wide.csv", n=200, channels=1).read_text().splitlines()
+    (tmp_path / "long.csv").write_text("date,ticker,close\n" + "".join(
+        f"{line.split(',')[0]},{t},{line.split(',')[1]}\n" for line in lines[1:] for t in ("AAA", "BBB")))
+    with pytest.raises(ConfigError, match=r"its 400 rows hold 200 dates: one row per series and date \(a long "
+                                          r"layout\)\? .* pivot it first"):
+        P.read_table(cfg_for(str(tmp_path / "long.csv"), 'prices.columns="close"'), "csv")
+    with pytest.raises(ConfigError, match="prices.symbols chooses among the embedded stocks"):
+        P.read_table(cfg_for(str(tmp_path / "wide.csv"), 'prices.symbols="AAA,BBB"'), "csv")
+    (tmp_path / "reversed.csv").write_text("\n".join([lines[0], *reversed(lines[1:])]) + "\n")
+    capsys.readouterr()
+    P.prepare(cfg_for(str(tmp_path / "reversed.csv")))
+    assert f"note: {tmp_path / 'reversed.csv'}: 199 row(s) out of date order, sorted by date" in capsys.readouterr().out
+
+
 def test_a_date_column_is_read_in_one_format(tmp_path):
     """Day-first dates read as one format (value by value, 01/02 was read month first and 13/02 day first, and the
     series reordered); offsets that change within the file (daylight saving) no traceback; a column of no dates is

@@ -140,6 +140,9 @@ def test_user_file_rules_are_counted(tmp_path):
         prep.prepare(cfg_for(str(train), "model.vocab_size=32"))  # fewer pieces than characters
     with pytest.raises(ConfigError, match="needs columns 'en' and 'de'"):
         prep.prepare(cfg_for(str(train), "translation.target_lang=\"de\"", "model.vocab_size=60"))
+    (tmp_path / "one.jsonl").write_text(json.dumps(rows[0]) + "\n")  # no pair to spare (a datasets traceback)
+    with pytest.raises(ConfigError, match=r"1 pair\(s\) read: too few to hold out a validation split"):
+        prep.prepare(cfg_for(str(tmp_path / "one.jsonl"), "model.vocab_size=60"))
 
 
 def test_nothing_to_translate_is_one_line_exit_2(tmp_path, monkeypatch, capsys):

@@ -153,6 +153,9 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
         raw, columns, unsorted = _from_long(df, [s.strip() for s in cfg.task.symbols.split(",") if s.strip()],
                                             names or ["Adj Close"], path or "embedded stocks")
         return _dates(raw), columns, unsorted
+    if cfg.task.symbols != type(cfg.task)().symbols:  # (it picks tickers of the embedded stocks' long table)
+        raise ConfigError(f"{path}: prices.symbols chooses among the embedded stocks; a file's series are its columns "
+                          f"(prices.columns), one row per date")
     date_col = cfg.task.date_column or next((c for c in ("date", "Date") if c in df.columns), df.columns[0])
     names = names or [c for c in df.columns if c != date_col]
     missing = [c for c in [date_col, *names] if c not in df.columns]
@@ -165,6 +168,11 @@ def read_table(cfg: RunConfig, kind: str, path: str | None = None) -> tuple[list
         raise ConfigError(f"{path}: column {date_col!r} (prices.date_column) holds no dates ("
                           f"{sum(d is not None for d in parsed)} of {len(dates)} values read as one; the first: "
                           f"{dates[0]!r}); name the column of dates with prices.date_column")
+    known = [d for d in parsed if d is not None]
+    if len(known) >= 4 and len(set(known)) <= len(known) / 2:  # a long layout: its first row of each date alone kept
+        raise ConfigError(f"{path}: its {len(known)} rows hold {len(set(known))} dates: one row per series and date (a "
+                          f"long layout)? The prices task reads one row per date and a column per series: pivot it "
+                          f"first, e.g. pandas df.pivot(index=DATE, columns=SYMBOL, values=PRICE).to_csv(...)")
     return parsed, {c: list(df[c]) for c in names}, _unsorted(parsed)
 
 
@@ -343,6 +351,8 @@ def build(tmp: Path, cfg: RunConfig, s: dict) -> dict:
         mean, std = train.mean(0), train.std(0)
     std = np.where(std > 0, std, 1.0)  # a constant channel stays centred instead of dividing by zero
     z = z_scores(values, mean, std, dates, list(columns), source)
+    if unsorted:
+        print(f"note: {source}: {unsorted} row(s) out of date order, sorted by date", flush=True)
     splits = {}
     for name in SPLITS:
         rows = np.flatnonzero(which == name)

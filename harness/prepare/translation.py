@@ -327,6 +327,9 @@ def build(cfg: RunConfig, out: Path) -> dict[str, Any]:
         elif kind == "hub" and _hub_has(d.path, "validation"):
             raw["validation"] = read_file(d.path, t.source_lang, t.target_lang, split="validation")
         else:
+            if len(raw["train"]) < 2:  # (datasets' split says so in a traceback)
+                raise ConfigError(f"{d.path}: {len(raw['train'])} pair(s) read: too few to hold out a validation "
+                                  f"split (data.val_fraction); use more pairs, or name them with data.val_path")
             parts = raw["train"].train_test_split(test_size=d.val_fraction or 0.05, shuffle=True, seed=SPLIT_SEED)
             raw["train"], raw["validation"] = parts["train"], parts["test"]
         if kind == "hub" and _hub_has(d.path, "test"):
