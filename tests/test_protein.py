@@ -256,10 +256,14 @@ def write_flip(directory):
     return directory
 
 
-def test_flip_archive_gives_three_splits_with_resolved_residues(tmp_path):
+def test_flip_archive_gives_three_splits_with_resolved_residues(tmp_path, capsys):
     cfg = config('protein.objective="residue"', "data.seq_len=64", path=str(write_flip(tmp_path / "flip")))
     ProteinTask().check(cfg)
+    capsys.readouterr()
     directory = prep.prepare(cfg)
+    # residues training never holds read as <unk>: counted and said (they had been silent)
+    assert "residues the training split never holds read as <unk>: validation 3 (S, W); test 6 (P, Q, R, S, T, Y)" \
+        in capsys.readouterr().out
     meta = read_meta(directory)
     assert meta["counts"] == {"train": {"ok": 2}, "validation": {"ok": 1}, "test": {"ok": 1, "leak": 1, "malformed": 1}}
     train = prep.load(directory, "train")

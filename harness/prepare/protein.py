@@ -349,6 +349,12 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
         values = {"mean": mean, "std": math.sqrt(sum((v - mean) ** 2 for v in train) / len(train)) or 1.0}
     tok = train_tokenizer((s for s, _ in kept["train"]), tmp / TOKENIZER, vocab_size=64, model_type="char",
                           user_symbols=USER_SYMBOLS)
+    seen = {c for q, _ in kept["train"] for c in q}  # the residues the tokenizer learned: the others read as <unk>
+    unseen = {split: Counter(c for q, _ in kept[split] for c in q if c not in seen) for split in SPLITS[1:]}
+    if any(unseen.values()):
+        print(f"note: {cfg.data.path or 'the default data'}: residues the training split never holds read as <unk>: "
+              + "; ".join(f"{split} {sum(n.values()):,} ({', '.join(sorted(n))})" for split, n in unseen.items() if n),
+              flush=True)
     for split in SPLITS:
         if kept[split]:  # `datasets` cannot load back a saved empty split; `load` makes one
             save_split(tmp, split, rows_of(tok, kept[split], kind, classes, sites))
