@@ -665,8 +665,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     args, extra = ap.parse_known_args(argv)
     if extra:  # a bench study's usage line names its own flags
         spaced = [s for s in getattr(args, "set", None) or [] if "=" not in s and not s.startswith(UNSET_PREFIX)]
-        value = next((argv[i + 2] for i, a in enumerate(argv[:-2]) if a == "--set" and spaced and
-                      argv[i + 1] == spaced[0] and argv[i + 2] in extra), None)  # the word after the key
+        value = next((argv[i + 2] for i, a in enumerate(argv[:-2]) if a == "--set" and argv[i + 1] == spaced[0]
+                      and argv[i + 2] in extra), None) if spaced else None  # the word after the key
         hint = f" (--set takes KEY=VALUE as one word: --set {spaced[0]}={value})" if value is not None else ""
         getattr(args, "command_parser", ap).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     args.launch = launch

@@ -161,12 +161,9 @@ def saved_schedule(path: Path) -> str | None:
     """`schedule_kind` of checkpoint `path`; for one saved before layout.json said it, its run's resolved DeepSpeed
     config's (the run's latest start's: an earlier checkpoint may have had another)."""
     kind = (saved_layout(path) or {}).get("schedule")
-    if kind is None:
-        try:
-            kind = (json.loads((path.parent.parent / "ds_config.json").read_text()).get("scheduler") or
-                    {}).get("type", "harness")
-        except (OSError, ValueError, AttributeError):
-            return None
+    if kind is None and (ds := _run_ds_config(path)) is not None:
+        section = ds.get("scheduler") or {}
+        kind = section.get("type", "harness") if isinstance(section, dict) else None
     return kind
 
 
@@ -193,11 +190,19 @@ def _weights(precision: str, autocast: bool) -> str:
     return "fp32" if precision == "fp32" or autocast else "16-bit + fp32 master"
 
 
-def _saved_weights(path: Path) -> str | None:
-    """`_weights` of a checkpoint saved before layout.json said it, from its run's resolved DeepSpeed config."""
+def _run_ds_config(path: Path) -> dict | None:
+    """The resolved DeepSpeed config of checkpoint `path`'s run (its latest start's), for what an older layout.json
+    does not say; None where it cannot be read."""
     try:
         ds = json.loads((path.parent.parent / "ds_config.json").read_text())
     except (OSError, ValueError):
+        return None
+    return ds if isinstance(ds, dict) else None
+
+
+def _saved_weights(path: Path) -> str | None:
+    """`_weights` of a checkpoint saved before layout.json said it, from its run's resolved DeepSpeed config."""
+    if (ds := _run_ds_config(path)) is None:
         return None
     sixteen = any(isinstance(ds.get(k), dict) and ds[k].get("enabled") is True for k in ("bf16", "fp16"))
     return _weights("bf16" if sixteen else "fp32", bool((ds.get("torch_autocast") or {}).get("enabled")))
