@@ -3,13 +3,15 @@
 not support are refused by `harness plan` before launch."""
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import subprocess
 
 import pytest
 import torch
 
-from conftest import DS, ROOT, _env, assert_losses_close, harness, python, rewind, val_loss_of_export
+from conftest import DS, ROOT, TINY, _env, assert_losses_close, harness, python, rewind, val_loss_of_export
 from harness.plan.render import bubble_fraction
 from test_plan import plan, write
 
@@ -68,9 +70,66 @@ def test_resume_continues_with_the_uninterrupted_losses(config, sets, tmp_path, 
     assert resumed.evals[-1]["loss"] == pytest.approx(full.evals[-1]["loss"], rel=1e-6)
 
 
-def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(tmp_path):
+def test_a_run_starts_from_the_weights_a_run_of_another_layout_exported(tmp_path, corpus, cached_run):
+    """model.init_from: the tensor-parallel run's export starts a 1-process ZeRO-0 run and a 2-stage pipeline (a
+    resume across those layouts is refused) with its weights: at lr 1e-9 their validation loss is the source's own,
+    and their first losses agree. A resume of such a run reads its checkpoint, not the source, which may be gone."""
+    tp = cached_run("tp2_zero1.json", nproc=2, ds="tp2_zero1.json", sets=[])
+    src = tmp_path / "src"
+    shutil.copytree(tp.dir, src, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    start = [f"model.init_from={json.dumps(str(src))}", "optimizer.lr=1e-9", "schedule.warmup_steps=0"]
+    one = harness(tmp_path / "one", corpus, ds="zero0.json", sets=[*start, "train.max_steps=2", "train.save_every=1"])
+    pipe = harness(tmp_path / "pipe", corpus, nproc=2, ds="pp2_zero1.json", sets=[*start, *PIPE, "train.max_steps=1"])
+    for run in (one, pipe):
+        assert (f"model.init_from: the weights of {src} (its step {tp.metrics[-1]['step']}) start this run; its "
+                f"optimizer state, lr schedule and place in the data start anew") in run.proc.stdout
+        assert run.evals[-1]["loss"] == pytest.approx(tp.evals[-1]["loss"], abs=1e-5)
+    assert_losses_close(pipe.losses, {1: one.losses[1]}, FP32_TOL)
+    shutil.rmtree(src)
+    resumed = harness(one.dir, corpus, ds="zero0.json", sets=[*start, "train.max_steps=3"], args=["--resume", "auto"])
+    assert "resumed from" in resumed.proc.stdout and "model.init_from" not in resumed.proc.stdout
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3]
+
+
+def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, corpus, cached_run, capsys):
+    from harness.cli import main
+
+    tp = cached_run("tp2_zero1.json", nproc=2, ds="tp2_zero1.json", sets=[])
+    unfinished, other_task = tmp_path / "unfinished", tmp_path / "prices"
+    for folder in (unfinished, other_task):
+        folder.mkdir()
+        shutil.copy(tp.dir / "config.toml", folder)
+    shutil.copy(tp.dir / "model.safetensors", other_task)
+    toml = (other_task / "config.toml").read_text()
+    (other_task / "config.toml").write_text(toml.replace('task = "lm"', 'task = "prices"', 1))
+    cases = [(tp.dir, ["model.d_model=64"], "its weights do not fit this run's model (model.d_model 32 there, 64 "
+                                            "here; blocks.0.attn.k_proj.bias [32] there, [64] here; "),
+             (tp.dir, ["data.seq_len=64"], "(data.seq_len 32 there, 64 here; pos_emb.weight [32, 32] there, [64, 32] "
+                                           "here): start from a run of the same model settings"),
+             (unfinished, [], "that run has not exported its weights (no model.safetensors"),
+             (other_task, [], "a run of task 'prices', but run.task = 'lm' (default)"),
+             (tmp_path, [], "not a run directory (it holds no config.toml)"),
+             (tmp_path / "run", [], "is this run's own directory, whose files a new run replaces"),
+             (tp.dir, ['model.hf="gpt2"'], "with model.hf = 'gpt2' (command line): start a Hugging Face model from a "
+                                           "run's weights with model.hf = that run's hf/ directory")]
+    for source, sets, said in cases:
+        args = ["train", "--set", f"data.path={json.dumps(str(corpus))}", "--set",
+                f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "--set",
+                f"model.init_from={json.dumps(str(source))}"]
+        for item in [*TINY, *sets] if not sets or "hf" not in sets[0] else sets:
+            args += ["--set", item]
+        assert main(args) == 2, said
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"harness: error: model.init_from = {str(source)!r} (command line)") and said in line, \
+            line
+    assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(tmp_path, monkeypatch, capsys):
     """Encoder-decoder stages pass (memory, source mask, token ids, ...) along, the one embedding matrix is used on
-    both stages, and activations are recomputed in backward: the losses and the BLEU are those of 1 process."""
+    both stages, and activations are recomputed in backward: the losses and the BLEU are those of 1 process. The
+    pipeline's export (its tied embedding saved once) starts a 1-process run at its own loss (model.init_from); on
+    text whose SentencePiece vocabulary is another, it is refused before launch."""
     from test_translation import write_toy_dir
 
     toy = write_toy_dir(tmp_path / "toy")
@@ -83,6 +142,26 @@ def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(t
     assert_losses_close(pp.losses, ref.losses, FP32_TOL)
     for key in ("loss", "nll", "bleu", "chrf"):
         assert pp.evals[-1][key] == pytest.approx(ref.evals[-1][key], rel=1e-5, abs=1e-6), key
+    start = ["train.max_steps=1", "optimizer.lr=1e-9", "schedule.warmup_steps=0",
+             f"model.init_from={json.dumps(str(pp.dir))}"]
+    again = harness(tmp_path / "again", str(toy), env=env, sets=sets + start)
+    assert again.evals[-1]["loss"] == pytest.approx(pp.evals[-1]["loss"], abs=1e-5)
+    from harness.cli import main
+
+    shouted = tmp_path / "shouted"  # the same pairs in capitals: another vocabulary
+    shutil.copytree(toy, shouted)
+    for f in shouted.glob("*.gz"):
+        f.write_bytes(gzip.compress(gzip.decompress(f.read_bytes()).upper()))
+    monkeypatch.setenv("HARNESS_CACHE", env["HARNESS_CACHE"])
+    args = ["train", "--set", f"data.path={json.dumps(str(shouted))}", "--set",
+            f"run.output_dir={json.dumps(str(tmp_path / 'other'))}"]
+    for item in [*TINY, *sets, *start]:
+        args += ["--set", item]
+    assert main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"harness: error: model.init_from = {str(pp.dir)!r} (command line): its tokenizer (spm.model in "
+                    f"{pp.dir / 'data'}) is not the one this run's data is prepared with: the ids its model learned "
+                    f"would mean other pieces"), line
 
 
 @pytest.mark.parametrize("center", ["mean", "last"])

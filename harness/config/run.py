@@ -93,6 +93,9 @@ class ModelSection:
     d_ff: int = setting(0, "feed-forward width; 0 means 4 * d_model", bound=">= 0")
     dropout: float = setting(0.0, "dropout probability in attention and feed-forward", bound="in [0, 1)")
     vocab_size: int = setting(0, "vocabulary size; 0 means the task decides (256 bytes for `lm`)", bound=">= 0")
+    init_from: str = setting("", "a finished run's directory whose exported weights (RUN/model.safetensors) start "
+                             "this run's model: the same task and model, trained on any layout (ZeRO stage, tensor "
+                             "or pipeline parallelism, precision); the optimizer, schedule and data start anew")
     hf: str = setting("", "a Hugging Face transformers model instead of the built-in one: a hub id or a local "
                       "directory (from_pretrained; its tokenizer comes from there too) or a local config.json (random "
                       "init); needs the [hf] extra")
@@ -542,6 +545,12 @@ def _check(r: Resolved) -> None:
     for key in ("model.hf_tokenizer", "model.trust_remote_code"):
         if not c.model.hf and getattr(c.model, key.split(".")[1]) != getattr(ModelSection, key.split(".")[1]):
             raise ConfigError(f"{r.describe(key)} applies to a Hugging Face model (model.hf)")
+    if c.model.init_from and c.model.hf:  # its export is a from_pretrained directory: what model.hf reads
+        raise ConfigError(f"{r.describe('model.init_from')} with {r.describe('model.hf')}: start a Hugging Face "
+                          f"model from a run's weights with model.hf = that run's hf/ directory (its export)")
+    if c.model.init_from and c.run.task == "protein":
+        raise ConfigError(f"{r.describe('model.init_from')}: a protein run starts from another's weights with "
+                          f"protein.init_from, which matches the residue vocabularies and starts a new head")
     if c.model.hf:  # the built-in model's sizes mean nothing to a Hugging Face model: its config has its own
         given = _chosen(r, [f"model.{k}" for k in BUILT_IN_MODEL_KEYS])
         if given:

@@ -30,9 +30,9 @@ from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
 
 
-def _build_model(plan, world: World):
-    """The task's plain model, checkpointed, compiled and cut into pipeline stages as the plan says, and what
-    building it took on this rank."""
+def _build_model(plan, world: World, weights: dict | None = None):
+    """The task's plain model (with `weights` loaded: model.init_from's, whole, under its names), checkpointed,
+    compiled and cut into pipeline stages as the plan says, and what building it took on this rank."""
     cfg = plan.run.cfg
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     partitioned = bool(cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init)
@@ -44,6 +44,8 @@ def _build_model(plan, world: World):
                 model = plan.task.build_model(cfg)
         else:
             model = plan.task.build_model(cfg)
+    if weights is not None:  # before any split, cast or wrapper: the plain model's names (model.hf is refused)
+        model.load_state_dict(weights, strict=False)  # (checked to fit; a module used twice is named once)
     if partitioned and world.is_main:
         loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py, distributed/zero3.py)
         print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
@@ -64,14 +66,14 @@ def _build_model(plan, world: World):
     return model, built
 
 
-def build_engine(plan, world: World, total_steps: int):
-    """The plain model, AdamW and the schedule, handed to DeepSpeed with the resolved config."""
+def build_engine(plan, world: World, total_steps: int, weights: dict | None = None):
+    """The plain model (`weights` loaded), AdamW and the schedule, handed to DeepSpeed with the resolved config."""
     import deepspeed
 
     from .optim import build_optimizer, make_schedule, param_groups
 
     cfg, layout = plan.run.cfg, plan.ds.layout
-    model, built = _build_model(plan, world)
+    model, built = _build_model(plan, world, weights)
     ds_patches.import_muon_lazily()
     sections = plan.ds.sections
     # Sequence parallel: DeepSpeed's Ulysses groups as the mpu (made by world.init_world), so ZeRO partitions and

@@ -150,21 +150,52 @@ def load_model(run_dir: str | Path, task=None) -> tuple[nn.Module, RunConfig]:
     except SafetensorError as e:
         raise ConfigError(f"{Path(run_dir) / MODEL_FILE}: not a whole safetensors file ({e}); remove it, and "
                           f"`harness train ... --resume auto` exports the run's last checkpoint again") from None
-    from ..distributed.parallel import state_names
-
-    expected = state_names(model)  # a module used twice is saved once
-    if state.keys() != expected:
-        only_run, only_model = sorted(state.keys() - expected), sorted(expected - state.keys())
+    only_run, only_model, differ = misfit({k: v.shape for k, v in state.items()}, model)
+    if only_run or only_model:
         raise ConfigError(f"{run_dir}: its weights do not fit the model this version of the harness builds from its "
                           f"config (only in the run: {', '.join(only_run[:4]) or 'none'}; only in the model: "
                           f"{', '.join(only_model[:4]) or 'none'}): it was trained by another version; train it again")
-    differ = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in state
-              if state[k].shape != mine[k].shape]
+    differ = [f"{k} {tuple(state[k].shape)} vs {tuple(mine[k].shape)}" for k in differ]
     if differ:  # e.g. its config.toml edited after training
         raise ConfigError(f"{run_dir}: its weights' shapes differ from the model its config.toml builds ("
                           f"{'; '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}): was config.toml changed?")
     model.load_state_dict(state, strict=False)  # (the keys checked above; the rest name the same modules again)
     return model.eval(), cfg
+
+
+def misfit(shapes: dict, model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """How weights (name -> shape, as an export holds them) fail to fit `model`: the names only they hold, those only
+    the model holds (a module used twice is exported once, under its first name) and those of other shapes."""
+    from ..distributed.parallel import state_names
+
+    expected, mine = state_names(model), model.state_dict()
+    return (sorted(shapes.keys() - expected), sorted(expected - shapes.keys()),
+            [k for k in sorted(shapes.keys() & expected) if tuple(shapes[k]) != tuple(mine[k].shape)])
+
+
+def exported_shapes(path: Path) -> tuple[dict[str, tuple], int]:
+    """An export's weights by name and shape, read from its header alone, and the step they are of (0: not said)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"{path}: not a whole safetensors file ({one_line(e)})") from None
+    return shapes, int(meta.get("weights_step", meta.get("step", 0)) or 0)
+
+
+def start_weights(run_dir: Path, model: nn.Module) -> tuple[dict, int]:
+    """model.init_from's weights for `model` (the run's model, or its meta-device twin), on every rank, checked to fit
+    it as they were before launch (the file may have been replaced since), and the step they are of."""
+    from safetensors.torch import load_file
+
+    shapes, step = exported_shapes(run_dir / MODEL_FILE)
+    if any(misfit(shapes, model)):
+        raise ConfigError(f"model.init_from = {str(run_dir)!r}: {run_dir / MODEL_FILE} changed since the start: its "
+                          f"weights no longer fit this run's model")
+    return load_file(str(run_dir / MODEL_FILE)), step
 
 
 def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:

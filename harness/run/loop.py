@@ -33,7 +33,7 @@ from ..distributed.parallel import (
     release,
 )
 from ..distributed.world import (World, all_gather_objects, all_reduce, cpu_threads, is_lost, is_timeout,
-                                 oversubscribed)
+                                 oversubscribed, under_launcher)
 from ..models import sequence
 from ..models.flops import ForwardFlops
 from ..plan.render import build_report, start_line
@@ -41,11 +41,11 @@ from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from ..tasks.interface import check_data, check_metrics, check_model, check_same_data, data_digest
 from . import checkpoint, profiling
-from .export import MODEL_FILE, export_model
+from .export import MODEL_FILE, export_model, start_weights
 from .heartbeat import Heartbeat, diagnose
 from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, cut_between, cut_if_signalled
 from .selection import Selection
-from .startup import check_free_space, data_identity, prepare_run_dir, write_configs
+from .startup import check_free_space, check_init_from, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
@@ -212,12 +212,20 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         meta_model = task.build_model(cfg)
     check_model(task, meta_model)
     n_params = sum(p.numel() for p in meta_model.parameters())
+    init_from = Path(cfg.model.init_from) if cfg.model.init_from and resume_from is None else None
     if world.world_size > 1:  # checked before launch where the launch is one process or `harness launch`
-        problem = all_gather_objects(check_free_space(plan, n_params, resume_from) if world.is_main else None)[0]
+        problem = all_gather_objects(_launch_problem(plan, n_params, resume_from, init_from) if world.is_main
+                                     else None)[0]
         if problem:
             raise ConfigError(problem)
     flops = ForwardFlops(meta_model)
-    engine, schedule = build_engine(plan, world, max_steps)  # seeds the weights itself: the meta model draws none
+    weights, weights_step = start_weights(init_from, meta_model) if init_from else (None, 0)
+    # seeds the weights itself (the meta model draws none), then takes model.init_from's
+    engine, schedule = build_engine(plan, world, max_steps, weights)
+    del weights
+    if init_from:
+        say(f"model.init_from: the weights of {init_from} (its step {weights_step}) start this run; its optimizer "
+            f"state, lr schedule and place in the data start anew")
     teardown.callback(release, engine)  # however the run ends (parallel.release)
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers)
     build_peaks = all_gather_objects(engine.harness_build_peak)
@@ -255,6 +263,16 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                state.get("samples_seen", 0), selection, tracker, flops,
                float(ds.config.get("fp16", {}).get("min_loss_scale", 1)), build_peaks,
                {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity, bool(state.get(OWED)))
+
+
+def _launch_problem(plan: Plan, n_params: int, resume_from: Path | None, init_from: Path | None) -> str | None:
+    """Rank 0's checks of ranks started without `harness launch`'s (which made them before launch)."""
+    try:
+        if init_from:
+            check_init_from(plan, say=not under_launcher())
+    except ConfigError as e:
+        return str(e)
+    return check_free_space(plan, n_params, resume_from)
 
 
 def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,

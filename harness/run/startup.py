@@ -446,6 +446,52 @@ def _check_same_data(plan: Plan, found: Path, changed_ok: bool) -> None:
                           f"--data-changed-ok to resume on the new data anyway")
 
 
+def check_init_from(plan: Plan, say: bool) -> None:
+    """model.init_from, before a run's first step: a run of this task that exported its weights, which fit this run's
+    model by name and shape (on the meta device: nothing loaded), with the tokenizer this run's data is prepared with
+    where the task keeps one (an embedding's rows mean its tokenizer's pieces). Its layout is not compared: the export
+    is whole, under the plain model's names, whatever the run was split into."""
+    from ..plan.render import meta_model
+    from ..prepare import differences, stored
+    from .export import MODEL_FILE, exported_shapes, misfit, trained_on_note
+
+    cfg, key = plan.run.cfg, plan.run.describe("model.init_from")
+    source = Path(cfg.model.init_from)
+    if source.resolve() == plan.run_dir.resolve():
+        raise ConfigError(f"{key} is this run's own directory, whose files a new run replaces: name another "
+                          f"run.output_dir, or continue that run with --resume auto")
+    if not (source / "config.toml").is_file():
+        raise ConfigError(f"{key}: not a run directory (it holds no config.toml): name a finished run's "
+                          f"run.output_dir")
+    if not (source / MODEL_FILE).is_file():
+        raise ConfigError(f"{key}: that run has not exported its weights (no {MODEL_FILE}; a run exports them as it "
+                          f"finishes): finish it on its own layout, `--resume auto` with --set train.max_steps=N for a "
+                          f"step N it has saved to end it there")
+    raw = read_toml(source / "config.toml")  # read, not resolved: resolving imports the task it names
+    task = raw.get("run", {}).get("task", "lm")
+    if task != cfg.run.task and not moved_plugin(task, cfg.run.task):
+        raise ConfigError(f"{key}: a run of task {task!r}, but {plan.run.describe('run.task')}")
+    shapes, _ = exported_shapes(source / MODEL_FILE)
+    only_there, only_here, differ = misfit(shapes, model := meta_model(plan))
+    if only_there or only_here or differ:
+        mine, old, new = model.state_dict(), flatten(raw), flatten(cfg.to_dict())
+        shaping = ("model.", f"{cfg.task_section}.", "data.seq_len", "data.vocab")
+        named = [*(f"{k} {old[k]!r} there, {new[k]!r} here" for k in new if k.startswith(shaping) and k in old
+                   and old[k] != new[k] and k not in ("model.init_from", "model.dropout")),
+                 *(f"{k} {list(shapes[k])} there, {list(mine[k].shape)} here" for k in differ),
+                 *(f"{k} only there" for k in only_there), *(f"{k} only here" for k in only_here)]
+        raise ConfigError(f"{key}: its weights do not fit this run's model ({'; '.join(named[:3])}"
+                          f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}): start from a run of the same "
+                          f"model settings")
+    kept, now = stored(source), _prepared(plan)
+    changed = [n for n in differences(kept, now) if not n.startswith(f"{META} ")] if kept and now else []
+    if changed:
+        raise ConfigError(f"{key}: its tokenizer ({', '.join(changed)} in {kept}) is not the one this run's data is "
+                          f"prepared with: the ids its model learned would mean other pieces")
+    if say and (note := trained_on_note(source)):
+        print(note, flush=True)
+
+
 # What a run writes in its directory: one holding nothing else is a run's, whatever state a crash left it in
 RUN_FILES = {"config.toml", "ds_config.json", "metrics.jsonl", "eval.jsonl", "eval.json", "best.json", "checkpoints",
              "model.safetensors", "hf", "data", "curves.png", "profile.json", "deepspeed.log", "launch.log", ".lock",
@@ -560,6 +606,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 
+        if found is None and plan.run.cfg.model.init_from:
+            check_init_from(plan, launched_rank() == 0 and not under_launcher())
         model = meta_model(plan)
         # the loop checks ranks started otherwise
         problem = check_free_space(plan, sum(p.numel() for p in model.parameters()), found)
