@@ -422,7 +422,7 @@ def _fill(ds, source, ds_key, value, origin, run_key, label):
         source[ds_key] = f"{'auto <- ' if ds_key in source else ''}{run_key} ({origin})"
     elif current != value:
         raise ConfigError(f"{ds_key} = {current!r} ({label}) contradicts {run_key} = {value!r} ({origin}); "
-                          f"set it to \"auto\" or make them agree")
+                          f"set it to \"auto\", or make them agree: --set {run_key}={json.dumps(current)}")
 
 
 # The types the harness and DeepSpeed must read alike. DeepSpeed's pydantic models coerce strings ("2" -> 2, "false"
