@@ -89,7 +89,7 @@ def test_the_core_config_stays_small_and_each_built_in_task_declares_its_own_sec
     from harness.tasks import task_class, task_sections
 
     assert list(SECTIONS) == ["run", "model", "data", "train", "optimizer", "schedule", "logging"]
-    assert len(all_keys()) <= 60  # a task's settings belong to the task
+    assert len(all_keys()) <= 61  # a task's settings belong to the task
     assert list(task_sections()) == ["translation", "protein", "prices"]
     for name in task_sections():
         cls = task_class(name)
@@ -140,6 +140,31 @@ def test_zero_memory_estimate_shrinks_with_stage():
     assert fp32 == {0: 16000, 1: 11000, 2: 8000, 3: 5000}
     offload = model_state_bytes(1000, resolve_ds(r, str(DS / "zero2_offload.json"), 4, "bf16"))
     assert offload == {"device": 2500, "cpu": 4000}  # the CPU's optimizer partition with its fp32 gradient
+    persistent = model_state_bytes(1000, resolve_ds(r, str(DS / "zero3.json"), 4, "bf16"), persistent=250)["device"]
+    assert persistent == 4000 + 250 * 2  # ZeRO-3's small tensors: their 16-bit weights whole on every rank as well
+
+
+def test_the_memory_on_paper_counts_the_optimizer_and_the_zero3_parameters_the_engines_hold(tmp_path):
+    """The plan's optimizer state a parameter and ZeRO-3's parameters held whole on every rank, against the engines
+    `harness train` builds (tests/state_probe.py): AdamW's m and v, SGD's momentum or none, a torch.optim class from
+    the DeepSpeed file (RMSprop with momentum and centring: three buffers); persistence by DeepSpeed's default
+    threshold and by a file's thresholds (the per-model cap too). AdamW's 8 bytes had been counted for all."""
+    rms = write(tmp_path, "rms.json", json.dumps({"optimizer": {"type": "RMSprop", "params": {
+        "lr": "auto", "momentum": 0.9, "centered": True}}, "zero_optimization": {"stage": 0}}))
+    small = write(tmp_path, "small.json", json.dumps({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1000, "stage3_model_persistence_threshold": 5000}}))
+    sgd = ['optimizer.name="sgd"', "optimizer.momentum="]
+    cases = [["zero0", []], ["zero0", [sgd[0], sgd[1] + "0.9"]], ["zero0", [sgd[0], sgd[1] + "0.0"]], ["zero2", []],
+             [rms, []], ["zero3", []], [small, []]]
+    done = subprocess.run([python(), str(ROOT / "tests" / "state_probe.py"), json.dumps(cases)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [f["state"] for f in found] == [8.0, 4.0, 0.0, 8.0, 12.0, 8.0, 8.0], found
+    assert all(f["planned"] == f["state"] and f["planned_persistent"] == f["persistent"] for f in found), found
+    assert found[5]["persistent"] > 0 and 0 < found[6]["persistent"] <= 5000, found
+    out = plan("--set", sgd[0], "--set", sgd[1] + "0.0", "--set", "train.max_steps=5")
+    assert "(weights, gradients, SGD state of 0 bytes a parameter; activations not included)" in out.stdout, out
 
 
 @pytest.mark.parametrize("args,ds,message", [

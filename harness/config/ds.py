@@ -14,12 +14,13 @@ import copy
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import accelerate
-from .ds_optim import Sections, resolve_sections
+from .ds_optim import Sections, resolve_sections, state_bytes
 from .layout import Layout, resolve_layout
 from .run import ConfigError, Resolved, closest, flatten, read_file
 
@@ -94,6 +95,7 @@ class DSResolved:
     autocast: bool = False      # bf16 as torch autocast over fp32 weights (`AUTOCAST`), not DeepSpeed's bf16 wrapper
     sections: Sections = dataclasses.field(default_factory=Sections)  # its optimizer and scheduler sections
     origin: str = "harness default"  # where the strategy came from: the --ds file, accelerate's config, the default
+    optimizer_state: tuple[float, str] = (8.0, "AdamW")  # its state's bytes per parameter, its name (state_bytes)
 
     @property
     def loop_norms(self) -> bool:
@@ -199,7 +201,8 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     _harness_defaults(ds, source, layout)
     autocast, precision = _autocast(ds, source, precision, stage, layout, label)
     resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
-                          micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label)
+                          micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label,
+                          optimizer_state=state_bytes(sections, run.cfg.optimizer))
     if resolved.loop_norms and ds["gradient_clipping"]:
         resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
         ds["gradient_clipping"] = 0.0
@@ -627,19 +630,20 @@ def _autocast(ds: dict, source: dict, precision: str, stage: int, layout: Layout
     return True, "bf16"
 
 
-def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:
-    """Bytes of model states (weights, gradients, AdamW states) per rank, after the ZeRO paper (Rajbhandari et al.
-    2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master, m, v) bytes per
-    parameter; in fp32 4 + 4 + 8, and 4 + 4 + 12 under ZeRO 1-3, whose optimizer steps an fp32 copy of its partition
-    beside the weights (DeepSpeed 0.19, stage_1_and_2.py and stage3.py; as `run.startup.checkpoint_bytes_per_param`
-    counts it). Stage 1 shards the optimizer part, 2 also the gradients, 3 also the weights. Offloaded parts move
-    from "device" to "cpu", where the offloaded optimizer also keeps an fp32 gradient of its partition.
-    Activations and buffers are not included."""
+def model_state_bytes(n_params: int, ds: DSResolved, persistent: int = 0) -> dict[str, int]:
+    """Bytes of model states (weights, gradients, optimizer state) per rank, after the ZeRO paper (Rajbhandari et al.
+    2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + the optimizer's
+    state (AdamW's m and v: 8) bytes per parameter; in fp32 4 + 4 + the state, and 4 more under ZeRO 1-3, whose
+    optimizer steps an fp32 copy of its partition beside the weights (DeepSpeed 0.19, stage_1_and_2.py and stage3.py;
+    as `run.startup.checkpoint_bytes_per_param` counts it). Stage 1 shards the optimizer part, 2 also the gradients, 3
+    also the weights, but for its `persistent` parameters (`persistent_params`), held whole on every rank beside
+    their shard. Offloaded parts move from "device" to "cpu", where the offloaded optimizer also keeps an fp32
+    gradient of its partition. Activations and buffers are not included."""
     # ZeRO partitions over the data x sequence ranks; autocast keeps fp32 weights and gradients
     n, mixed = ds.layout.dp_size * ds.layout.sp_size, ds.precision != "fp32" and not ds.autocast
-    s = ds.zero_stage
-    w, g, opt = (2, 2, 12) if mixed else (4, 4, 12 if s >= 1 else 8)
-    weights = w / n if s >= 3 else w
+    s, state = ds.zero_stage, ds.optimizer_state[0]
+    w, g, opt = (2, 2, 4 + state) if mixed else (4, 4, state + (4 if s >= 1 else 0))
+    weights = w / n + w * persistent / max(n_params, 1) if s >= 3 else w
     grads = g / n if s >= 2 else g
     optim = opt / n if s >= 1 else opt
     device, cpu = weights + grads + optim, 0.0
@@ -648,3 +652,20 @@ def model_state_bytes(n_params: int, ds: DSResolved) -> dict[str, int]:
     if ds.offload_params:
         device, cpu = device - weights, cpu + weights
     return {"device": int(device * n_params), "cpu": int(cpu * n_params)}
+
+
+def persistent_params(sizes: list[int], ds: DSResolved) -> int:
+    """ZeRO-3's parameters held whole on every rank (`sizes`: each tensor's elements, in the model's order): those of
+    at most zero_optimization.stage3_param_persistence_threshold elements (DeepSpeed's default 1e5), while their sum
+    stays within stage3_model_persistence_threshold (deepspeed/runtime/zero/parameter_offload.py,
+    `mark_persistent_parameters`, DeepSpeed 0.19)."""
+    zero = ds.config.get("zero_optimization", {})
+    below, cap = zero.get("stage3_param_persistence_threshold", 100_000), \
+        zero.get("stage3_model_persistence_threshold", sys.maxsize)
+    if ds.zero_stage < 3 or not isinstance(below, int) or not isinstance(cap, int):  # "auto": filled later
+        return 0
+    total = 0
+    for size in sizes:
+        if size <= below and total + size <= cap:
+            total += size
+    return total

@@ -195,6 +195,35 @@ def _deepspeed_builds(opt: dict, run: Resolved, label: str, out: Sections, offlo
     out.optimizer = {"type": name, "params": params}
 
 
+# bytes of state per parameter (fp32) of DeepSpeed's own optimizers: Adam's m and v, Lion's and Adagrad's one buffer
+DEEPSPEED_STATE = {"adagrad": 4, "lamb": 8, "muadam": 8, "muadamw": 8, "lion": 4}
+
+
+def state_bytes(sections: Sections, optimizer) -> tuple[float, str]:
+    """The optimizer's state in bytes per parameter and its name, for the memory on paper: AdamW's m and v, SGD's
+    momentum, DeepSpeed's own by kind; a torch.optim class stepped once on a small weight with the section's
+    parameters (RMSprop's momentum and centred buffers, Adafactor's factored rows and columns) and its state counted,
+    or AdamW's where it cannot be stepped so (LBFGS)."""
+    import torch
+
+    if sections.optimizer is None:  # the harness's own
+        return (8.0, "AdamW") if optimizer.name == "adamw" else (4.0 if optimizer.momentum else 0.0, "SGD")
+    name, params = sections.optimizer["type"], dict(sections.optimizer.get("params", {}))
+    if name.lower() == "musgd":
+        return 4.0 if params.get("momentum") else 0.0, name
+    if name.lower() in DEEPSPEED_STATE:
+        return float(DEEPSPEED_STATE[name.lower()]), name
+    weight = torch.nn.Parameter(torch.zeros(16, 16))
+    weight.grad = torch.full_like(weight, 0.1)
+    try:
+        stepped = getattr(torch.optim, name)([weight], **params)
+        stepped.step()
+    except (TypeError, ValueError, RuntimeError):
+        return 8.0, f"{name} (counted as AdamW's)"
+    held = sum(4 * t.numel() for t in stepped.state[weight].values() if torch.is_tensor(t) and t.numel() > 1)
+    return held / weight.numel(), name
+
+
 def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:
     """Why DeepSpeed cannot build its optimizer `kind` here (a kernel this machine cannot compile, a package not
     installed, a combination it fails on), or None."""

@@ -211,7 +211,9 @@ class OptimizerSection:
 class ScheduleSection:
     kind: str = setting("cosine", "decay after warmup", ("cosine", "linear", "inverse_sqrt", "constant"))
     warmup_steps: int = setting(0, "linear warmup from 0 to `optimizer.lr` over this many steps", bound=">= 0")
-    min_lr_ratio: float = setting(0.1, "cosine/linear decay ends at lr * min_lr_ratio", bound="in [0, 1]")
+    min_lr_ratio: float = setting(0.1, "cosine/linear decay falls to lr * min_lr_ratio at the run's total steps "
+                                  "(its last step takes the lr one step before, as transformers' schedules do)",
+                                  bound="in [0, 1]")
 
 
 @dataclass(frozen=True)

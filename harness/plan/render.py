@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from ..config.ds import model_state_bytes
+from ..config.ds import model_state_bytes, persistent_params
 from ..config.layout import layer_specs, tp_split_params
 from ..config.run import all_keys, flatten, warmup_note
 from ..distributed.parallel import pipeline_partition
@@ -116,8 +116,12 @@ def memory_on_paper(plan: Plan, model: torch.nn.Module) -> tuple[int, float, int
     if not described or ds.layout.tp_size > 1 or ds.layout.pp_size > 1 or c.model.hf:
         return None
     positions = sample_positions(plan)
-    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds)["device"]
+    states = model_state_bytes(sum(p.numel() for p in model.parameters()), ds, _persistent(model, ds))["device"]
     return states, activation_bytes(plan, model, positions, ds.layout.sp_size), positions
+
+
+def _persistent(model: torch.nn.Module, ds) -> int:
+    return persistent_params([p.numel() for p in model.parameters()], ds)
 
 
 def sample_positions(plan: Plan) -> int:
@@ -135,8 +139,8 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
                 f"Hugging Face models: its heads split {sp} ways); activations on paper are the built-in model's "
                 f"alone"]
     fixed = sample_positions(plan)
-    n_params = sum(p.numel() for p in model.parameters())
-    states = model_state_bytes(n_params, ds)["device"]
+    n_params, persistent = sum(p.numel() for p in model.parameters()), _persistent(model, ds)
+    states = model_state_bytes(n_params, ds, persistent)["device"]
     grows = _params_per_position(plan, n_params)  # a position table: the model grows with the sequence too
     sizes = [n for n in (1, 2, 4, 8) if c.model.n_heads % n == 0]
     lines = [f"sequence parallel: each sequence split over {sp} ranks by positions (DeepSpeed Ulysses: an all-to-all "
@@ -149,7 +153,8 @@ def sequence_lines(plan: Plan, model: torch.nn.Module) -> list[str]:
     for name, gib in GPU_MEMORY_GIB.items():
         # in steps of 64 x SP positions: the search `harness bench sweep --largest` runs with real tries
         def fits(t: int, n: int) -> bool:
-            at = model_state_bytes(n_params + grows * (t - c.data.seq_len), ds)["device"] if grows else states
+            at = model_state_bytes(n_params + grows * (t - c.data.seq_len), ds, persistent)["device"] if grows \
+                else states
             return at + activation_bytes(plan, model, t, n) <= gib * 2**30
 
         longest = {n: 64 * n * largest_fitting(lambda k, n=n: fits(64 * n * k, n), 1, 2**30) for n in sizes}
@@ -290,7 +295,11 @@ def render(plan: Plan) -> str:
     model = meta_model(plan)
     n = sum(p.numel() for p in model.parameters())
     layout_lines, per_rank = parallel_lines(plan, model)
-    mem = model_state_bytes(per_rank, ds)
+    persistent = _persistent(model, ds)
+    mem = model_state_bytes(per_rank, ds, persistent)
+    state, optimizer = ds.optimizer_state
+    whole = f"; ZeRO-3 holds {persistent:,} of them whole on every rank (stage3_param_persistence_threshold)" \
+        if persistent else ""
     lines += [
         "",
         f"world size {ds.layout.world_size} (data parallel {ds.layout.dp_size}"
@@ -302,8 +311,8 @@ def render(plan: Plan) -> str:
         f"global batch {ds.global_batch_size} = micro {run.cfg.train.micro_batch_size} x accumulation "
         f"{ds.grad_accum_steps} x data parallel {ds.layout.dp_size}",
         f"model: {n:,} parameters" + (f", at most {per_rank:,} on one rank" if per_rank != n else ""),
-        f"model states per rank (weights, gradients, AdamW; activations not included): "
-        f"device {size_text(mem['device'])}, CPU {size_text(mem['cpu'])}",
+        f"model states per rank (weights, gradients, {optimizer} state of {state:g} bytes a parameter; activations "
+        f"not included): device {size_text(mem['device'])}, CPU {size_text(mem['cpu'])}{whole}",
         *_memory_line(plan, model),
         f"run directory: {plan.run_dir}",
     ]
