@@ -302,9 +302,10 @@ def test_q3_scores_every_residue_of_chains_longer_than_seq_len(tmp_path):
     assert asked == [(0, 2)]
 
 
-def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir, tmp_path):
+def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir, tmp_path, capsys):
     """`harness evaluate --data`'s reader on a run's stored artefacts: a class the run does not know and a FLIP
-    directory's rows outside its test set are counted, not scored; residue ids are the stored vocabulary's."""
+    directory's rows outside its test set are counted, not scored; residue ids are the stored vocabulary's, and
+    residues it never learned (read as <unk>) are counted and said."""
     from harness.prepare import store
 
     cfg = config("data.val_fraction=0.1", "data.seq_len=200")
@@ -314,6 +315,13 @@ def test_scoring_data_is_read_with_the_stored_vocabulary_and_classes(default_dir
     rows, counts, files = prep.read_scoring(cfg, stored, tsv)
     assert counts == {"ok": 2, "unknown_class": 1, "malformed": 1} and files == [tsv]
     assert rows["label"] == [1, 0] and rows["ids"][0] == prep.encode(prep.tokenizer(default_dir), ["ACDKLW"])[0]
+    assert "read as <unk>" not in capsys.readouterr().out
+    unusual = tmp_path / "unusual.tsv"
+    unusual.write_text("sequence\tlabel\nACDXKLWX\t1\nMKVLAGB\t0\n")
+    rows, counts, _ = prep.read_scoring(cfg, stored, unusual)
+    assert counts == {"ok": 2} and rows["ids"][0][3] == prep.tokenizer(default_dir).unk_id
+    assert (f"note: --data {unusual}: residues the training split never holds read as <unk>: data 3 (B, X)"
+            in capsys.readouterr().out)
     fitness = tmp_path / "fitness.tsv"  # measurements, not classes: refused (it had scored the rows valued "0")
     fitness.write_text("sequence\tlabel\nACDKLW\t1.25\nMKVLAG\t0\nGGSSAW\t0.37\n")
     with pytest.raises(ConfigError, match=r"its labels are measurements \(e\.g\. 1\.25\), not this run's classes"):

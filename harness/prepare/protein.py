@@ -350,11 +350,7 @@ def build(tmp: Path, cfg: RunConfig) -> dict[str, Any]:
     tok = train_tokenizer((s for s, _ in kept["train"]), tmp / TOKENIZER, vocab_size=64, model_type="char",
                           user_symbols=USER_SYMBOLS)
     seen = {c for q, _ in kept["train"] for c in q}  # the residues the tokenizer learned: the others read as <unk>
-    unseen = {split: Counter(c for q, _ in kept[split] for c in q if c not in seen) for split in SPLITS[1:]}
-    if any(unseen.values()):
-        print(f"note: {cfg.data.path or 'the default data'}: residues the training split never holds read as <unk>: "
-              + "; ".join(f"{split} {sum(n.values()):,} ({', '.join(sorted(n))})" for split, n in unseen.items() if n),
-              flush=True)
+    _say_unseen(cfg.data.path or "the default data", {split: kept[split] for split in SPLITS[1:]}, seen)
     for split in SPLITS:
         if kept[split]:  # `datasets` cannot load back a saved empty split; `load` makes one
             save_split(tmp, split, rows_of(tok, kept[split], kind, classes, sites))
@@ -401,7 +397,19 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[st
     if sites:
         kept["test"] = on_sites(kept["test"], counts["test"], sites)
     counts = {**counts["test"], **({"not_test": others} if others else {})}
+    letters = sorted(ALPHABET)
+    known = {c for c, i in zip(letters, encode(tok, [letters])[0]) if i != tok.unk_id}
+    _say_unseen(f"--data {path}", {"data": kept["test"]}, known)
     return rows_of(tok, kept["test"], kind, classes, sites), counts, files
+
+
+def _say_unseen(where: str, splits: dict[str, list], seen: set[str]) -> None:
+    """A note counting the residues of each split that read as <unk>: letters the training split never held."""
+    unseen = {split: Counter(c for q, _ in rows for c in q if c not in seen) for split, rows in splits.items()}
+    if any(unseen.values()):
+        print(f"note: {where}: residues the training split never holds read as <unk>: "
+              + "; ".join(f"{split} {sum(n.values()):,} ({', '.join(sorted(n))})" for split, n in unseen.items() if n),
+              flush=True)
 
 
 def _check_classes(path: Path, labels: list, classes: list) -> None:
