@@ -83,6 +83,12 @@ def test_the_sbatch_script_stops_requeues_and_cancels_as_slurm_signals_it_and_th
     assert job(unread)["runs"][0]["code"] == 2 and said(unread) == [
         "harness: error: cannot read the job's GPUs per node from SLURM_GPUS_ON_NODE=a100:two SLURM_GPUS_PER_NODE=: "
         "set PROCS_PER_NODE"], log(unread)
+    # GPUs asked for in all (--gpus) on 2 nodes: Slurm may give them 2 and 1, and the script sees its node's alone
+    uneven = submitted(SLURM_GPUS="3", SLURM_GPUS_ON_NODE="2")
+    wait_for(lambda: len(job(uneven)["runs"]) == 1)
+    assert job(uneven)["runs"][0]["code"] == 2 and said(uneven) == [
+        "harness: error: the job asked for its GPUs in all (--gpus: SLURM_GPUS=3), which Slurm may spread unevenly "
+        "over its 2 nodes: ask for them with --gpus-per-node, or set PROCS_PER_NODE"], log(uneven)
     first = submitted()  # no GPUs asked for, no process count given: a CPU job, one process per node
     try:
         # 1. SIGUSR1 to the batch script (--signal=B:USR1@300): every node stops with a checkpoint, exits 75, and
