@@ -109,6 +109,8 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, corpus, cac
              (unfinished, [], "that run has not exported its weights (no model.safetensors"),
              (other_task, [], "a run of task 'prices', but run.task = 'lm' (default)"),
              (tmp_path, [], "not a run directory (it holds no config.toml)"),
+             (tmp_path / "nowhere", [], "no such run directory"),
+             (tp.dir, ["model.n_heads=4"], "its weights would be read as other heads (model.n_heads 2 there, 4 here)"),
              (tmp_path / "run", [], "is this run's own directory, whose files a new run replaces"),
              (tp.dir, ['model.hf="gpt2"'], "with model.hf = 'gpt2' (command line): start a Hugging Face model from a "
                                            "run's weights with model.hf = that run's hf/ directory")]
@@ -123,6 +125,14 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, corpus, cac
         assert line.startswith(f"harness: error: model.init_from = {str(source)!r} (command line)") and said in line, \
             line
     assert not (tmp_path / "run").exists()
+    # nodes compare the export by its content, not its path (a copy staged on each node's disk is the same)
+    from harness.run.startup import _meaning
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tp.dir, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    other = cached_run("ref-fp32", ds="zero0.json").dir
+    assert _meaning("model.init_from", str(copy)) == _meaning("model.init_from", str(tp.dir)) != \
+        _meaning("model.init_from", str(other))
 
 
 def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(tmp_path, monkeypatch, capsys):

@@ -171,8 +171,13 @@ def test_the_memory_on_paper_counts_the_optimizer_and_the_zero3_parameters_the_e
     (["--set", "train.global_batch_size=12", "--set", "train.grad_accum_steps=2", "--set", "train.micro_batch_size=2",
       "--world-size", "2"], None,
      "micro batch x accumulation x data-parallel size != global batch"),
-    (["--world-size", "2"], {"train_batch_size": 99}, "train_batch_size = 99"),
-    (["--world-size", "2"], {"gradient_accumulation_steps": 4}, "contradicts train.grad_accum_steps"),
+    (["--world-size", "2"], {"train_batch_size": 99}, "set it to \"auto\", or make them agree"),  # no --set: 99/16
+    (["--world-size", "2"], {"train_batch_size": 64}, "make them agree: --set train.global_batch_size=64"),
+    (["--world-size", "2"], {"gradient_accumulation_steps": 4},
+     "contradicts train.grad_accum_steps = 1 (default); set it to \"auto\", or make them agree: --set "
+     "train.grad_accum_steps=4"),
+    (["--world-size", "2"], {"gradient_accumulation_steps": 2, "pipeline": {"stages": 2, "micro_batches": 4}},
+     "(pipeline.micro_batches (ds file"),  # no --set below: the pipeline sets it
     ([], {"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
     (["--mixed-precision", "fp16"], {"bf16": {"enabled": True}}, "accelerate mixed_precision = 'fp16'"),
     (["--set", "train.max_stepz=3"], None, "did you mean `train.max_steps`"),
@@ -202,7 +207,9 @@ def test_plan_rejects_contradictions_naming_the_key(args, ds, message, tmp_path)
     extra = ["--ds", write(tmp_path, "ds.json", json.dumps(ds))] if ds is not None else []
     out = plan("--set", "train.max_steps=3", *args, *extra)
     assert out.returncode == 2, out.stdout
-    assert message in out.stderr
+    assert message in out.stderr, out.stderr
+    if ("or make them agree" in message or "pipeline.micro_batches" in message) and "--set" not in message:
+        assert "--set" not in out.stderr, out.stderr
     assert out.stderr.startswith("harness: error:") and len(out.stderr.strip().splitlines()) == 1
 
 

@@ -365,8 +365,8 @@ def test_resume_onto_another_size_stage_or_offload_continues_with_the_uninterrup
     assert "was saved as data 1 x tensor 1 x pipeline 1, ZeRO-0" in line, line
     assert "this run is data 1 x tensor 1 x pipeline 1, ZeRO-2" in line, line
     assert line.endswith("Resume it as it was saved: 1 process with a DeepSpeed file of zero_optimization.stage 0; "
-                         "or start a run on this layout from its exported weights (a run exports as it finishes): "
-                         "model.init_from = its run directory"), line
+                         "or start a new run on this layout from its exported weights (a run exports as it "
+                         "finishes): model.init_from = its run directory, with another run.output_dir"), line
     # rank 1's optimizer file cut short: found by its checksum before anything is read, on 2 processes (each checks
     # its share of the files: the same line on both) and on 1 (before the conversion); saved before checksums were
     # recorded, rank 1's line (before, rank 0 lost it in a collective and its exit 4 "--resume auto" won), and on 1

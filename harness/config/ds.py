@@ -183,8 +183,9 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
         "train_batch_size": (micro * accum * layout.dp_size, "derived: micro x accumulation x data-parallel size"),
         "gradient_clipping": (c.train.grad_clip, run.source["train.grad_clip"]),
     }
-    for ds_key, (value, origin) in run_values.items():
-        _fill(ds, source, ds_key, value, origin, RUN_OWNED[ds_key], label)
+    for ds_key, (value, origin) in run_values.items():  # (a global batch is some number of micro x data-parallel)
+        _fill(ds, source, ds_key, value, origin, RUN_OWNED[ds_key], label,
+              micro * layout.dp_size if ds_key == "train_batch_size" else 1)
 
     from_accelerate = [(f"accelerate {name}", value, key, accelerate.describe(given))
                        for name, (key, value) in accelerate.run_values(given).items()]
@@ -202,7 +203,7 @@ def resolve_ds(run: Resolved, ds_file: str | None, world_size: int, accel_precis
     autocast, precision = _autocast(ds, source, precision, stage, layout, label)
     resolved = DSResolved(ds, source, layout, precision, stage, offload_opt, offload_par, accum,
                           micro * accum * layout.dp_size, autocast=autocast, sections=sections, origin=label,
-                          optimizer_state=state_bytes(sections, run.cfg.optimizer))
+                          optimizer_state=state_bytes(sections, run.cfg.optimizer, stage))
     if resolved.loop_norms and ds["gradient_clipping"]:
         resolved = dataclasses.replace(resolved, loop_clips=ds["gradient_clipping"])
         ds["gradient_clipping"] = 0.0
@@ -418,14 +419,18 @@ def fill_zero_auto(ds: DSResolved, hidden: int) -> None:
                           f"{', '.join(ZERO_AUTO)}); give a value or remove the key")
 
 
-def _fill(ds, source, ds_key, value, origin, run_key, label):
+def _fill(ds, source, ds_key, value, origin, run_key, label, unit=1):
     current = ds.get(ds_key, "auto")
     if current == "auto":
         ds[ds_key] = value
         source[ds_key] = f"{'auto <- ' if ds_key in source else ''}{run_key} ({origin})"
     elif current != value:
+        # the --set that makes them agree, where one does: not where a pipeline's micro-batches set the value, or
+        # for a global batch that is no multiple of micro x data-parallel size
+        fix = f": --set {run_key}={json.dumps(current)}" if not origin.startswith("pipeline") and \
+            isinstance(current, (int, float)) and current % unit == 0 else ""
         raise ConfigError(f"{ds_key} = {current!r} ({label}) contradicts {run_key} = {value!r} ({origin}); "
-                          f"set it to \"auto\", or make them agree: --set {run_key}={json.dumps(current)}")
+                          f"set it to \"auto\", or make them agree{fix}")
 
 
 # The types the harness and DeepSpeed must read alike. DeepSpeed's pydantic models coerce strings ("2" -> 2, "false"
@@ -643,10 +648,11 @@ def model_state_bytes(n_params: int, ds: DSResolved, persistent: int = 0) -> dic
     n, mixed = ds.layout.dp_size * ds.layout.sp_size, ds.precision != "fp32" and not ds.autocast
     s, state = ds.zero_stage, ds.optimizer_state[0]
     w, g, opt = (2, 2, 4 + state) if mixed else (4, 4, state + (4 if s >= 1 else 0))
-    weights = w / n + w * persistent / max(n_params, 1) if s >= 3 else w
+    weights = w / n if s >= 3 else w
+    whole = w * persistent / max(n_params, 1) if s >= 3 else 0.0  # on the device, offloaded parameters or not
     grads = g / n if s >= 2 else g
     optim = opt / n if s >= 1 else opt
-    device, cpu = weights + grads + optim, 0.0
+    device, cpu = weights + whole + grads + optim, 0.0
     if ds.offload_optimizer:
         device, cpu = device - optim, cpu + optim + 4 / n
     if ds.offload_params:
@@ -660,10 +666,10 @@ def persistent_params(sizes: list[int], ds: DSResolved) -> int:
     stays within stage3_model_persistence_threshold (deepspeed/runtime/zero/parameter_offload.py,
     `mark_persistent_parameters`, DeepSpeed 0.19)."""
     zero = ds.config.get("zero_optimization", {})
-    below, cap = zero.get("stage3_param_persistence_threshold", 100_000), \
-        zero.get("stage3_model_persistence_threshold", sys.maxsize)
-    if ds.zero_stage < 3 or not isinstance(below, int) or not isinstance(cap, int):  # "auto": filled later
-        return 0
+    below, cap = (zero.get(f"stage3_{k}_persistence_threshold", default) for k, default in
+                  (("param", 100_000), ("model", sys.maxsize)))
+    if ds.zero_stage < 3 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (below, cap)):
+        return 0  # "auto": filled from the model's width once it is known (fill_zero_auto); 1e5 reads as 100000
     total = 0
     for size in sizes:
         if size <= below and total + size <= cap:

@@ -199,11 +199,12 @@ def _deepspeed_builds(opt: dict, run: Resolved, label: str, out: Sections, offlo
 DEEPSPEED_STATE = {"adagrad": 4, "lamb": 8, "muadam": 8, "muadamw": 8, "lion": 4}
 
 
-def state_bytes(sections: Sections, optimizer) -> tuple[float, str]:
+def state_bytes(sections: Sections, optimizer, stage: int) -> tuple[float, str]:
     """The optimizer's state in bytes per parameter and its name, for the memory on paper: AdamW's m and v, SGD's
-    momentum, DeepSpeed's own by kind; a torch.optim class stepped once on a small weight with the section's
-    parameters (RMSprop's momentum and centred buffers, Adafactor's factored rows and columns) and its state counted,
-    or AdamW's where it cannot be stepped so (LBFGS)."""
+    momentum, DeepSpeed's own by kind; a torch.optim class stepped once with the section's parameters (RMSprop's
+    momentum and centred buffers) on a flat weight, as ZeRO 1-3 hand it their partitions, and its state counted: at
+    ZeRO-0 an upper bound for one that factors 2-D weights (Adafactor); AdamW's where it cannot be stepped so
+    (LBFGS)."""
     import torch
 
     if sections.optimizer is None:  # the harness's own
@@ -213,7 +214,7 @@ def state_bytes(sections: Sections, optimizer) -> tuple[float, str]:
         return 4.0 if params.get("momentum") else 0.0, name
     if name.lower() in DEEPSPEED_STATE:
         return float(DEEPSPEED_STATE[name.lower()]), name
-    weight = torch.nn.Parameter(torch.zeros(16, 16))
+    weight = torch.nn.Parameter(torch.zeros(256))
     weight.grad = torch.full_like(weight, 0.1)
     try:
         stepped = getattr(torch.optim, name)([weight], **params)
@@ -221,7 +222,8 @@ def state_bytes(sections: Sections, optimizer) -> tuple[float, str]:
     except (TypeError, ValueError, RuntimeError):
         return 8.0, f"{name} (counted as AdamW's)"
     held = sum(4 * t.numel() for t in stepped.state[weight].values() if torch.is_tensor(t) and t.numel() > 1)
-    return held / weight.numel(), name
+    factored = stage == 0 and name.lower() == "adafactor"
+    return held / weight.numel(), f"{name} (at most: it factors 2-D weights)" if factored else name
 
 
 def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:

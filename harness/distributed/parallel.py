@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import io
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,9 +31,9 @@ from .sequence import hf_ulysses, ulysses
 from .world import World, all_gather_objects, barrier
 
 
-def _build_model(plan, world: World, weights: dict | None = None):
-    """The task's plain model (with `weights` loaded: model.init_from's, whole, under its names), checkpointed,
-    compiled and cut into pipeline stages as the plan says, and what building it took on this rank."""
+def _build_model(plan, world: World, weights: Path | None = None):
+    """The task's plain model (with `weights` loaded: model.init_from's safetensors file, whole, under its names),
+    checkpointed, compiled and cut into pipeline stages as the plan says, and what building it took on this rank."""
     cfg = plan.run.cfg
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     partitioned = bool(cfg.model.hf and plan.ds.zero_stage == 3 and cfg.model.zero_init)
@@ -44,8 +45,8 @@ def _build_model(plan, world: World, weights: dict | None = None):
                 model = plan.task.build_model(cfg)
         else:
             model = plan.task.build_model(cfg)
-    if weights is not None:  # before any split, cast or wrapper: the plain model's names (model.hf is refused)
-        model.load_state_dict(weights, strict=False)  # (checked to fit; a module used twice is named once)
+        if weights is not None:  # before any split, cast or wrapper: the plain model's names (model.hf is refused)
+            _load(model, weights)
     if partitioned and world.is_main:
         loading = getattr(model, "harness_loading", None)  # pretrained weights: how they came in (models/hf.py, distributed/zero3.py)
         print(f"{type(model).__name__} built partitioned over the ranks (ZeRO-3: deepspeed.zero.Init through "
@@ -66,7 +67,19 @@ def _build_model(plan, world: World, weights: dict | None = None):
     return model, built
 
 
-def build_engine(plan, world: World, total_steps: int, weights: dict | None = None):
+def _load(model: nn.Module, path: Path) -> None:
+    """Copy a safetensors file's tensors into the model's of the same names, one at a time: no second copy of the
+    model in memory (checked to fit before; a module used twice is saved under one name, and takes it)."""
+    from safetensors import safe_open
+
+    with torch.no_grad(), safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        for name, tensor in model.state_dict().items():
+            if name in names:
+                tensor.copy_(f.get_tensor(name))
+
+
+def build_engine(plan, world: World, total_steps: int, weights: Path | None = None):
     """The plain model (`weights` loaded), AdamW and the schedule, handed to DeepSpeed with the resolved config."""
     import deepspeed
 

@@ -124,6 +124,11 @@ def _persistent(model: torch.nn.Module, ds) -> int:
     return persistent_params([p.numel() for p in model.parameters()], ds)
 
 
+def persistent_count(plan: Plan) -> int:
+    """The parameters ZeRO-3 holds whole on every rank (`config.ds.persistent_params`), from the model's shapes."""
+    return _persistent(meta_model(plan), plan.ds) if plan.ds.zero_stage >= 3 else 0
+
+
 def sample_positions(plan: Plan) -> int:
     """The positions of a sample: the task's `sequence_length` where it has one, else data.seq_len."""
     c = plan.run.cfg

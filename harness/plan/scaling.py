@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from ..config.ds import DSResolved, model_state_bytes
 from ..config.layout import Layout
 from ..config.run import ConfigError, parse_override, read_file
-from .render import GPU_MEMORY_GIB
+from .render import GPU_MEMORY_GIB, persistent_count
 
 if TYPE_CHECKING:
     from .resolve import Plan
@@ -214,9 +214,9 @@ def _placement(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     return {kind: any(len(v) > 1 for k, v in nodes.items() if k[0] == kind) for kind in ("dp", "tp", "pp")}
 
 
-def _states(n_params: float, ds: DSResolved, layout: Layout, **change) -> dict[str, int]:
+def _states(n_params: float, ds: DSResolved, layout: Layout, persistent: float = 0, **change) -> dict[str, int]:
     """model_state_bytes for `layout`'s data-parallel size (it shards over ds.layout.dp_size)."""
-    return model_state_bytes(int(n_params), dataclasses.replace(ds, layout=layout, **change))
+    return model_state_bytes(int(n_params), dataclasses.replace(ds, layout=layout, **change), int(persistent))
 
 
 def target_precision(ds: DSResolved, gpu: str | None) -> tuple[str, str]:
@@ -405,6 +405,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     b = 4 if b_act == 4 or ds.config.get("communication_data_type") == "fp32" else 2   # gradients, parameters
     peak = (GPUS[gpu].flops_fp32 if b_act == 4 else GPUS[gpu].flops_16bit) if gpu else 0.0
     share = n_params / (tp * pp)                    # parameters per model-parallel rank
+    whole = persistent_count(plan)                  # ZeRO-3's held whole on every rank (taken as evenly split)
     act_bytes = B * seq * h * b_act                 # one (B, seq, d_model) activation
     A = [f"world {world} = {G} GPUs per node x {nodes} nodes; the plan's micro batch {B} and accumulation {m} are "
          f"kept, so the global batch grows with data parallelism to {B * m * dp}",
@@ -431,8 +432,8 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     host_bw = LINKS[HOST_LINK].bytes_per_s * EFFICIENCY
     one_gpu_s = compute_s(1) + offload_bytes(n_params, b, m, ds.offload_optimizer, ds.offload_params) / host_bw
     return Scaling(layout, spans, volume, seconds, compute, rest + max(0.0, seconds["data parallel"] - window),
-                   rest + seconds["data parallel"], _states(share, ds, layout), one_act * split, gpu, one_gpu_s,
-                   _states(n_params, ds, Layout(1, 1))["device"] + one_act, A)
+                   rest + seconds["data parallel"], _states(share, ds, layout, whole * share / n_params),
+                   one_act * split, gpu, one_gpu_s, _states(n_params, ds, Layout(1, 1), whole)["device"] + one_act, A)
 
 
 def _fmt(x: float, unit: str) -> str:

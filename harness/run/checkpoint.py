@@ -303,8 +303,8 @@ def reshape(path: Path, ds) -> bool:
                           f"harness resumes a checkpoint on another data- or sequence-parallel size or ZeRO stage 1-3 "
                           f"(and any offload), and ZeRO-0 on any data-parallel size; not on another tensor- or pipeline-"
                           f"parallel size, or between ZeRO-0 and ZeRO. Resume it as it was saved: {_how(saved)}; or "
-                          f"start a run on this layout from its exported weights (a run exports as it finishes): "
-                          f"model.init_from = its run directory")
+                          f"start a new run on this layout from its exported weights (a run exports as it finishes): "
+                          f"model.init_from = its run directory, with another run.output_dir")
     return convert
 
 

@@ -186,16 +186,19 @@ def exported_shapes(path: Path) -> tuple[dict[str, tuple], int]:
     return shapes, int(meta.get("weights_step", meta.get("step", 0)) or 0)
 
 
-def start_weights(run_dir: Path, model: nn.Module) -> tuple[dict, int]:
-    """model.init_from's weights for `model` (the run's model, or its meta-device twin), on every rank, checked to fit
-    it as they were before launch (the file may have been replaced since), and the step they are of."""
-    from safetensors.torch import load_file
-
-    shapes, step = exported_shapes(run_dir / MODEL_FILE)
+def start_weights(run_dir: Path, model: nn.Module) -> int:
+    """The step of model.init_from's export, checked to fit `model` (the run's meta-device twin) as it was before
+    launch: the file may have been replaced or removed since."""
+    path = run_dir / MODEL_FILE
+    try:
+        shapes, step = exported_shapes(path)
+    except ConfigError as e:
+        raise ConfigError(f"model.init_from = {str(run_dir)!r}: {path} is gone or changed since the start: {e}") \
+            from None
     if any(misfit(shapes, model)):
-        raise ConfigError(f"model.init_from = {str(run_dir)!r}: {run_dir / MODEL_FILE} changed since the start: its "
-                          f"weights no longer fit this run's model")
-    return load_file(str(run_dir / MODEL_FILE)), step
+        raise ConfigError(f"model.init_from = {str(run_dir)!r}: {path} changed since the start: its weights no longer "
+                          f"fit this run's model")
+    return step
 
 
 def export_hf(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:

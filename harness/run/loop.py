@@ -212,20 +212,10 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         meta_model = task.build_model(cfg)
     check_model(task, meta_model)
     n_params = sum(p.numel() for p in meta_model.parameters())
-    init_from = Path(cfg.model.init_from) if cfg.model.init_from and resume_from is None else None
-    if world.world_size > 1:  # checked before launch where the launch is one process or `harness launch`
-        problem = all_gather_objects(_launch_problem(plan, n_params, resume_from, init_from) if world.is_main
-                                     else None)[0]
-        if problem:
-            raise ConfigError(problem)
+    weights = _checked_start(plan, world, resume_from, meta_model, n_params, say)
     flops = ForwardFlops(meta_model)
-    weights, weights_step = start_weights(init_from, meta_model) if init_from else (None, 0)
     # seeds the weights itself (the meta model draws none), then takes model.init_from's
     engine, schedule = build_engine(plan, world, max_steps, weights)
-    del weights
-    if init_from:
-        say(f"model.init_from: the weights of {init_from} (its step {weights_step}) start this run; its optimizer "
-            f"state, lr schedule and place in the data start anew")
     teardown.callback(release, engine)  # however the run ends (parallel.release)
     # What building and loading the model took at its peak on each rank (before DeepSpeed's own buffers)
     build_peaks = all_gather_objects(engine.harness_build_peak)
@@ -265,14 +255,29 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
                {n: list(p.shape) for n, p in meta_model.named_parameters()}, identity, bool(state.get(OWED)))
 
 
-def _launch_problem(plan: Plan, n_params: int, resume_from: Path | None, init_from: Path | None) -> str | None:
-    """Rank 0's checks of ranks started without `harness launch`'s (which made them before launch)."""
-    try:
-        if init_from:
-            check_init_from(plan, say=not under_launcher())
-    except ConfigError as e:
-        return str(e)
-    return check_free_space(plan, n_params, resume_from)
+def _checked_start(plan: Plan, world: World, resume_from: Path | None, meta_model, n_params: int,
+                   say) -> Path | None:
+    """The checks of ranks started without `harness launch`'s (which made them before launch), and the export
+    model.init_from starts a new run from (checked to fit, and said), or None."""
+    init_from = Path(plan.run.cfg.model.init_from) if plan.run.cfg.model.init_from and resume_from is None else None
+    if world.world_size > 1:
+        problem = None
+        if world.is_main:
+            try:
+                if init_from:
+                    check_init_from(plan, say=not under_launcher())
+                problem = check_free_space(plan, n_params, resume_from)
+            except ConfigError as e:
+                problem = str(e)
+        problem = all_gather_objects(problem)[0]
+        if problem:
+            raise ConfigError(problem)
+    if init_from is None:
+        return None
+    step = start_weights(init_from, meta_model)
+    say(f"model.init_from: the weights of {init_from} (its step {step}) start this run; its optimizer state, lr "
+        f"schedule and place in the data start anew")
+    return init_from / MODEL_FILE
 
 
 def _records(plan: Plan, world: World, start_step: int, max_steps: int, selection: Selection | None,

@@ -426,20 +426,27 @@ def _prepared(plan: Plan) -> Path | None:
     return Path(now) if isinstance(now, (str, Path)) and (Path(now) / META).is_file() else None
 
 
+def _stored_changes(plan: Plan, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The artefacts run `run_dir` stored (RUN/data/: tokenizer, statistics) and what differs in those this run's data
+    is prepared with now (`prepare.differences`); (None, []) where either has none."""
+    from ..prepare import differences, stored
+
+    kept = stored(run_dir)
+    now = _prepared(plan) if kept is not None else None
+    return kept, differences(kept, now) if now is not None else []
+
+
 def _check_same_data(plan: Plan, found: Path, changed_ok: bool) -> None:
     """Before a resume: the data prepared now is what checkpoint `found` trained on (its `data.json`). A checkpoint
     saved before checkpoints recorded their data: the tokenizer and statistics its run stored (RUN/data/) against
     those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused too (preparation
     rules and draws change between versions)."""
-    from ..prepare import differences, stored
     from . import checkpoint
 
     if checkpoint.saved_data(found) is not None:
         checkpoint.check_same_data(found, data_identity(plan), changed_ok)
         return
-    kept = stored(found.parent.parent)  # the checkpoint's own run's
-    now = _prepared(plan) if kept is not None else None
-    changed = differences(kept, now) if now is not None else []
+    kept, changed = _stored_changes(plan, found.parent.parent)  # the checkpoint's own run's
     if changed and not changed_ok:
         raise ConfigError(f"--resume {found}: the data prepared now differs from what its run trained with (kept in "
                           f"{kept}) in {', '.join(changed)}: the ids its model learned would mean other pieces; pass "
@@ -448,18 +455,18 @@ def _check_same_data(plan: Plan, found: Path, changed_ok: bool) -> None:
 
 def check_init_from(plan: Plan, say: bool) -> None:
     """model.init_from, before a run's first step: a run of this task that exported its weights, which fit this run's
-    model by name and shape (on the meta device: nothing loaded), with the tokenizer this run's data is prepared with
-    where the task keeps one (an embedding's rows mean its tokenizer's pieces). Its layout is not compared: the export
-    is whole, under the plain model's names, whatever the run was split into."""
-    from ..plan.render import meta_model
-    from ..prepare import differences, stored
-    from .export import MODEL_FILE, exported_shapes, misfit, trained_on_note
+    model (`_check_fits`), with the tokenizer this run's data is prepared with where the task keeps one (an
+    embedding's rows mean its tokenizer's pieces). Its layout is not compared: the export is whole, under the plain
+    model's names, whatever the run was split into."""
+    from .export import MODEL_FILE, trained_on_note
 
     cfg, key = plan.run.cfg, plan.run.describe("model.init_from")
     source = Path(cfg.model.init_from)
     if source.resolve() == plan.run_dir.resolve():
         raise ConfigError(f"{key} is this run's own directory, whose files a new run replaces: name another "
                           f"run.output_dir, or continue that run with --resume auto")
+    if not source.is_dir():
+        raise ConfigError(f"{key}: {'a file, not a' if source.exists() else 'no such'} run directory")
     if not (source / "config.toml").is_file():
         raise ConfigError(f"{key}: not a run directory (it holds no config.toml): name a finished run's "
                           f"run.output_dir")
@@ -471,25 +478,41 @@ def check_init_from(plan: Plan, say: bool) -> None:
     task = raw.get("run", {}).get("task", "lm")
     if task != cfg.run.task and not moved_plugin(task, cfg.run.task):
         raise ConfigError(f"{key}: a run of task {task!r}, but {plan.run.describe('run.task')}")
-    shapes, _ = exported_shapes(source / MODEL_FILE)
-    only_there, only_here, differ = misfit(shapes, model := meta_model(plan))
-    if only_there or only_here or differ:
-        mine, old, new = model.state_dict(), flatten(raw), flatten(cfg.to_dict())
-        shaping = ("model.", f"{cfg.task_section}.", "data.seq_len", "data.vocab")
-        named = [*(f"{k} {old[k]!r} there, {new[k]!r} here" for k in new if k.startswith(shaping) and k in old
-                   and old[k] != new[k] and k not in ("model.init_from", "model.dropout")),
-                 *(f"{k} {list(shapes[k])} there, {list(mine[k].shape)} here" for k in differ),
-                 *(f"{k} only there" for k in only_there), *(f"{k} only here" for k in only_here)]
-        raise ConfigError(f"{key}: its weights do not fit this run's model ({'; '.join(named[:3])}"
-                          f"{f' and {len(named) - 3} more' if len(named) > 3 else ''}): start from a run of the same "
-                          f"model settings")
-    kept, now = stored(source), _prepared(plan)
-    changed = [n for n in differences(kept, now) if not n.startswith(f"{META} ")] if kept and now else []
+    _check_fits(plan, key, source, raw)
+    kept, changed = _stored_changes(plan, source)
+    changed = [n for n in changed if not n.startswith(f"{META} ")]  # its statistics may differ: new data
     if changed:
         raise ConfigError(f"{key}: its tokenizer ({', '.join(changed)} in {kept}) is not the one this run's data is "
                           f"prepared with: the ids its model learned would mean other pieces")
     if say and (note := trained_on_note(source)):
         print(note, flush=True)
+
+
+def _check_fits(plan: Plan, key: str, source: Path, raw: dict) -> None:
+    """model.init_from's export fits this run's model by name and shape (on the meta device: nothing loaded), and
+    a built-in model reads it with the heads it was trained with."""
+    from ..plan.render import meta_model
+    from .export import MODEL_FILE, exported_shapes, misfit
+
+    cfg = plan.run.cfg
+    shapes, _ = exported_shapes(source / MODEL_FILE)
+    only_there, only_here, differ = misfit(shapes, model := meta_model(plan))
+    old, new = flatten(raw), flatten(cfg.to_dict())
+    settings = [f"{k} {old[k]!r} there, {new[k]!r} here" for k in new if k in old and old[k] != new[k] and (
+        k.startswith("model.") and k not in ("model.init_from", "model.dropout", "model.zero_init")
+        or k == "data.seq_len")]
+    built_in = type(plan.task).__module__.startswith("harness.tasks.")  # (a plug-in's model may not read n_heads)
+    regrouped = [k for k in REGROUPING if built_in and old.get(k, new[k]) != new[k]]
+    if not (only_there or only_here or differ or regrouped):
+        return
+    mine, task_keys = model.state_dict(), [f"{k} {old[k]!r} there, {new[k]!r} here" for k in new
+                                           if k.startswith(f"{cfg.task_section}.") and k in old and old[k] != new[k]]
+    named = [*settings, *(f"{k} {list(shapes[k])} there, {list(mine[k].shape)} here" for k in differ),
+             *(f"{k} only there" for k in only_there), *(f"{k} only here" for k in only_here), *task_keys]
+    what = "its weights do not fit this run's model" if only_there or only_here or differ else \
+        "its weights would be read as other heads"
+    raise ConfigError(f"{key}: {what} ({'; '.join(named[:3])}{f' and {len(named) - 3} more' if len(named) > 3 else ''}"
+                      f"): start from a run of the same model settings")
 
 
 # What a run writes in its directory: one holding nothing else is a run's, whatever state a crash left it in
@@ -743,14 +766,21 @@ def shared_wait_s() -> float:
 # May differ by node, a copy staged on each node's own disk: the data (compared by its content once read, loop._data),
 # the run directory (check_shared finds the nodes' tokens in it) and NVMe offload's folder
 NODE_PATHS = ("data.path", "data.val_path", "data.mix", "run.output_dir")
+SAMPLED = 2**20  # bytes of an export read from each end to tell its weights (model.init_from) on each node
 
 
 def _meaning(key: str, value):
-    """What a setting means whichever node reads it: a local model.hf directory by its config.json, a plug-in task by
-    its file's name and class."""
+    """What a setting means whichever node reads it: a local model.hf directory by its config.json, model.init_from's
+    export by its header and first and last MiB, a plug-in task by its file's name and class."""
     if key == "model.hf" and isinstance(value, str) and (Path(value) / "config.json").is_file():
         digest = hashlib.sha256((Path(value) / "config.json").read_bytes()).hexdigest()[:12]
         return f"a model whose config.json is {digest}"
+    if key == "model.init_from" and value and (Path(value) / "model.safetensors").is_file():
+        with open(Path(value) / "model.safetensors", "rb") as f:  # its header (names, shapes, step) and both ends
+            head = f.read(int.from_bytes(f.read(8), "little") + SAMPLED)
+            f.seek(max(8 + len(head), f.seek(0, 2) - SAMPLED))
+            digest = hashlib.sha256(head + f.read()).hexdigest()[:12]
+        return f"an export whose weights are {digest}"
     if key == "run.task" and isinstance(value, str) and ".py:" in value:
         file, cls = value.rsplit(":", 1)
         return f"{Path(file).name}:{cls}"
