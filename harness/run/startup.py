@@ -575,6 +575,26 @@ def _check_replaceable(plan: Plan, overwrite: bool) -> None:
                           f"was left as it is; set run.output_dir to a new directory or a run's")
 
 
+def _resume_target(resume: str, run_dir: Path, say: bool) -> Path | None:
+    """The checkpoint --resume names: `auto`'s (None where the run saved none yet: it starts from step 0), or the
+    latest of a run directory or its checkpoints/ folder, or a step_* checkpoint given."""
+    from . import checkpoint
+
+    if resume == "auto":
+        found = checkpoint.resume_target(run_dir / "checkpoints", say)
+        if found is None and (run_dir / "metrics.jsonl").is_file() and say:
+            print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
+                  f"starting from step 0", flush=True)
+        return found
+    path = Path(resume)
+    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
+        path if path.is_dir() and checkpoint.is_complete(path) else None)
+    if found is None:
+        raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its checkpoints/ "
+                          f"folder, or a step_* checkpoint)")
+    return found
+
+
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False,
               machine_rank: int = 0) -> Path | None:
     """Checks of this machine that need no process group (`machine_rank`: the node's, for `harness launch` on each
@@ -598,22 +618,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     note = lock.check(run_dir) if launched_world_size() == 1 and machine_rank == 0 else None
     if note:
         print(note, flush=True)
-    found = None
     if resume and overwrite:
         raise ConfigError(f"--resume {resume} and --overwrite: continue the run or replace it; name one")
-    if resume and resume != "auto":
-        path = Path(resume)
-        found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
-            path if path.is_dir() and checkpoint.is_complete(path) else None)
-        if found is None:
-            raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its "
-                              f"checkpoints/ folder, or a step_* checkpoint)")
-    elif resume == "auto":
-        say = launched_rank() == 0 and not under_launcher()
-        found = checkpoint.resume_target(run_dir / "checkpoints", say)
-        if found is None and (run_dir / "metrics.jsonl").is_file() and say:
-            print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
-                  f"starting from step 0", flush=True)
+    found = _resume_target(resume, run_dir, launched_rank() == 0 and not under_launcher()) if resume else None
     if resume:
         if found is not None:
             checkpoint.check_records(found)  # what the checks below read: as it was saved
