@@ -14,6 +14,7 @@ from conftest import LAUNCH, ROOT, TINY, _env, cli, command, harness
 
 from harness.config.ds import resolve_ds
 from harness.config.run import ConfigError
+from harness.api import plan_text
 from harness.plan.resolve import make_plan
 from harness.tasks import resolve
 
@@ -277,8 +278,16 @@ def test_deepspeed_builds_its_other_optimizers_where_it_can(tmp_path, corpus):
     assert written["optimizer"] == {"type": "Adagrad", "params": {"lr": 0.002, "weight_decay": 0.1, "eps": 1e-8}}
     assert run.metrics[0]["lr"] == pytest.approx(0.002 / 3)  # the run's lr, through the run's warmup
     assert run.losses[8] < run.losses[1]
+    # a kernel this machine cannot build: the plan notes it (it may be for other machines), a run here is refused
+    lamb = write(tmp_path, "lamb", {"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 0}})
+    assert "# note: DeepSpeed cannot train it on this machine: its kernel (FusedLambBuilder) has no build for the " \
+           "cpu accelerator" in plan_text(make_plan(None, BASE, lamb, 1))
+    refused = harness(tmp_path / "lamb", corpus, ds=lamb, sets=SETS, check=False)
+    assert refused.proc.returncode == 2 and refused.proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: optimizer.type = 'Lamb' (ds file {lamb}): DeepSpeed cannot train it here: its kernel "
+        f"(FusedLambBuilder) has no build for the cpu accelerator (the fused ones need a GPU)")
+    assert not (tmp_path / "lamb").exists()
     for optimizer, zero, message in (
-            ({"type": "Lamb"}, {"stage": 0}, "its kernel (FusedLambBuilder) has no build for the cpu accelerator"),
             (adagrad, {"stage": 2}, "torch's Adagrad under ZeRO-2 fails inside DeepSpeed"),
             ({"type": "Rprop", "params": {"weight_decay": 0.1}}, {"stage": 0}, "not a parameter of torch.optim.Rprop"),
             ({"type": "Muon"}, {"stage": 0}, "one of DeepSpeed's optimizers the harness does not build")):

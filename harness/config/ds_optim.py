@@ -227,8 +227,8 @@ def state_bytes(sections: Sections, optimizer, stage: int) -> tuple[float, str]:
 
 
 def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:
-    """Why DeepSpeed cannot build its optimizer `kind` here (a kernel this machine cannot compile, a package not
-    installed, a combination it fails on), or None."""
+    """Why DeepSpeed cannot build its optimizer `kind` (a package not installed, a combination it fails on), or None;
+    a kernel this machine cannot build: `kernel_missing`."""
     import importlib.util
 
     if kind == "adagrad" and stage in (1, 2, 3) and not offload:
@@ -238,10 +238,18 @@ def _cannot_build(kind: str, offload: bool, stage: int) -> str | None:
                f"zero_optimization.offload_optimizer (DeepSpeed's CPU Adagrad)"
     if kind.startswith("mu") and importlib.util.find_spec("mup") is None:
         return "its mu-P optimizers need the `mup` package (pip install mup)"
-    builders = {("lamb", False): "FusedLambBuilder", ("lamb", True): "FusedLambBuilder",
-                ("lion", False): "FusedLionBuilder", ("lion", True): "CPULionBuilder",
-                ("adagrad", True): "CPUAdagradBuilder"}
-    builder = builders.get((kind, offload))
+    return None
+
+
+BUILDERS = {("lamb", False): "FusedLambBuilder", ("lamb", True): "FusedLambBuilder",
+            ("lion", False): "FusedLionBuilder", ("lion", True): "CPULionBuilder",
+            ("adagrad", True): "CPUAdagradBuilder"}  # DeepSpeed's kernels its optimizers run, by (kind, offload)
+
+
+def kernel_missing(section: dict | None, offload: bool) -> str | None:
+    """Why this machine's accelerator cannot build the kernel the optimizer DeepSpeed builds from `section` runs, or
+    None: a fact of this machine, checked where a run starts (a plan may be for other machines)."""
+    builder = BUILDERS.get((section["type"].lower(), offload)) if section else None
     if builder is None:
         return None
     from deepspeed.accelerator import get_accelerator

@@ -6,6 +6,7 @@ import json
 import torch
 
 from ..config.ds import model_state_bytes, persistent_params
+from ..config.ds_optim import kernel_missing
 from ..config.layout import layer_specs, tp_split_params
 from ..config.run import all_keys, flatten, warmup_note
 from ..distributed.parallel import pipeline_partition
@@ -292,6 +293,8 @@ def render(plan: Plan) -> str:
     schedule = f"DeepSpeed {sched['type']}" if sched else \
         f"the harness's schedule.kind = {run.cfg.schedule.kind!r} ({run.source['schedule.kind']})"
     lines.append(f"# optimizer and schedule: {optimizer_section(plan)['type']} (built by {builder}), {schedule}")
+    if why := kernel_missing(ds.sections.optimizer, ds.offload_optimizer):
+        lines.append(f"# note: DeepSpeed cannot train it on this machine: {why}; a run started here is refused")
     for key, value in flatten({"scheduler": sched} if sched else {}).items():
         lines.append(f"{key:48} = {json.dumps(value):14} # {ds.sections.source.get(key, 'ds file')}")
     lines += [f"# {note}" for note in ds.sections.notes()]

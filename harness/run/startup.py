@@ -65,6 +65,16 @@ def check_nvme(ds) -> None:
 ZEROPP_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 
 
+def check_kernel(ds) -> None:
+    """The optimizer DeepSpeed builds from the file's section runs a kernel this machine can build (`harness plan`
+    only notes it: a plan may be for other machines)."""
+    from ..config.ds_optim import kernel_missing
+
+    if why := kernel_missing(ds.sections.optimizer, ds.offload_optimizer):
+        raise ConfigError(f"optimizer.type = {ds.sections.optimizer['type']!r} ({ds.origin}): DeepSpeed cannot train "
+                          f"it here: {why}")
+
+
 def check_zeropp(ds) -> None:
     """ZeRO++'s quantized weights and gradients (ZeRO-3) on an accelerator without a build of DeepSpeed's quantizer
     kernel (the CPU's): every rank fails as the engine is built or at the first backward, each with its traceback."""
@@ -604,6 +614,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     check_precision(plan.ds.precision)
     check_nvme(plan.ds)
     check_zeropp(plan.ds)
+    check_kernel(plan.ds)
     shared_wait_s()
     from ..distributed.world import launched_rank, under_launcher
     from . import checkpoint, lock
