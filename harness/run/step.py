@@ -422,7 +422,7 @@ def _micro_steps(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]
     task, accum, grad_norm, scale = plan.task, len(micro_batches), None, None
     loss_sum = torch.zeros((), dtype=torch.float64, device=world.device)
     for i, batch in enumerate(micro_batches):
-        with mark("engine"), saved_bytes(saved if i == 0 else None):
+        with mark("engine"), saved_bytes(saved if i == 0 else None, engine.module.parameters()):
             loss = task.loss(engine, batch)
         check_loss(task, loss)
         scale = loss_scale() if scale is None else scale
@@ -442,26 +442,50 @@ def _micro_steps(engine, plan: Plan, micro_batches: list[dict[str, torch.Tensor]
 
 
 @contextlib.contextmanager
-def saved_bytes(out: dict | None):
+def saved_bytes(out: dict | None, params=()):
     """With a dict: the bytes of the tensors autograd keeps for backward during the block, set as out["bytes"] (each
-    storage once, parameters not counted): the activation memory of a forward pass, measured (not estimated), the
-    same on a CPU as on a GPU. Without one: nothing."""
+    storage once): the activation memory of a forward pass, measured (not estimated), the same on a CPU as on a GPU.
+    The weights, `params`, are not counted: a saved tensor on a parameter's storage (autograd saves `weight.t()`, a
+    view, not the Parameter), on the storage ZeRO-3 gathers one into, or autocast's 16-bit copy of one. Without a
+    dict: nothing."""
     if out is None:
         yield
         return
+    params = list(params)
+    gathered = any(hasattr(p, "ds_id") for p in params)  # ZeRO-3: a layer's forward gathers weights into new storages
+    # under ZeRO-3 a storage at the start is a partition, whose address an activation may take: compared when saved
+    ids, weights = {id(p) for p in params}, set() if gathered else {p.untyped_storage().data_ptr() for p in params}
     seen: set[int] = set()
     out["bytes"] = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                out["bytes"] += storage.nbytes()
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in seen or ptr in weights:
+            return t
+        if gathered and ptr in {p.untyped_storage().data_ptr() for p in params}:  # gathered for this layer
+            weights.add(ptr)  # kept for backward, so the address stays this weight's
+            return t
+        seen.add(ptr)
+        if not _weight_copy(t, ids):
+            out["bytes"] += storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def _weight_copy(t: torch.Tensor, ids: set[int]) -> bool:
+    """Whether `t` is (a view of) autocast's cast of a parameter, whose id is in `ids`. Not counted as an activation:
+    its size is the weight's whatever the batch and length (`plan/scaling.py` scales activations by both), and it
+    would set ZeRO-0's bf16 (autocast over fp32 weights) apart from ZeRO 1-3's, whose 16-bit weights are not cast."""
+    fn = (t._base if t._is_view() else t).grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return id(getattr(source, "variable", None)) in ids
 
 
 def _figures(world: World, grad_norm, loss_sum: torch.Tensor) -> torch.Tensor:
