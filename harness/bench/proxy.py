@@ -96,20 +96,30 @@ class HostWork:
 
 @contextlib.contextmanager
 def counting(host: HostWork | None = None):
-    """An OpCounter over the block that counts DeepSpeed's accelerator synchronizations too and leaves `host` out."""
+    """An OpCounter over the block that counts DeepSpeed's accelerator synchronizations too and the loop's read of a
+    span's rows (`to_host_later`), and leaves `host` out."""
     from deepspeed.accelerator import get_accelerator
 
     counter = OpCounter()
     if host is not None:
         host.counter = counter
     accelerator = type(get_accelerator())
-    real = accelerator.synchronize
+    real, real_later = accelerator.synchronize, step_module.to_host_later
 
     def synchronize(self, device_index=None):
         counter.syncs += 1
         return real(self, device_index)
 
-    with mock.patch.object(accelerator, "synchronize", synchronize), counter:
+    def to_host_later(t: torch.Tensor):
+        read = real_later(t)
+
+        def wait() -> torch.Tensor:  # a GPU's host waits here for the rows' copy; a CPU's reads `t` through no op
+            counter.syncs += 1
+            return read()
+        return wait
+
+    with mock.patch.object(accelerator, "synchronize", synchronize), \
+            mock.patch.object(step_module, "to_host_later", to_host_later), counter:
         yield counter
 
 
