@@ -48,6 +48,9 @@ def _lines():
         """Each refresh one plain line. At the end the last line, unless one at the same count was just written; a
         bar that leaves nothing behind (leave=False) says where it ended too if it said where it began."""
         shown: int | None = None  # the count of the last line written
+        # no monitor thread: it redraws a bar every 10 s, and an iterable's count moves only when the bar draws
+        # itself, so its lines repeated a stale count with a later time
+        monitor_interval = 0
 
         def display(self, msg=None, pos=None):
             if msg == "":  # tqdm's "clear the line": nothing to clear in a log (False: no "\r" either)

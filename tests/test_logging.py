@@ -117,6 +117,23 @@ def test_a_log_s_progress_lines_say_where_a_bar_ended_once(monkeypatch, capsys):
     assert [line.split("|")[0] for line in lines] == ["train:   0%", "train: 100%", "scoring:   0%", "scoring: 100%"]
 
 
+def test_a_log_s_lines_of_a_loop_give_its_count_at_their_time(monkeypatch, capsys):
+    """A bar over an iterable (an evaluation's batches) in a log: each line its count then, not tqdm's monitor
+    thread's redraw of the count last drawn with a later time (the same count twice, 10 s apart)."""
+    import time
+
+    from tqdm import tqdm
+
+    from harness import console
+
+    monkeypatch.delenv(console.STDERR_TTY_ENV, raising=False)
+    monkeypatch.setattr(tqdm, "monitor_interval", 0.05)  # tqdm's 10 s, and its bar's 10 s maxinterval, made short
+    for _ in console.progress(range(60), desc="scoring", every=0.3, maxinterval=0.1):
+        time.sleep(0.01)
+    counts = [line.split("|")[2].split("/")[0].strip() for line in capsys.readouterr().err.splitlines()]
+    assert len(counts) > 2 and len(set(counts)) == len(counts), counts
+
+
 def test_lines_go_where_the_bar_goes(monkeypatch, capsys):
     """Under `harness launch` the bar reaches the terminal through the relay of stderr: an evaluation's line on stdout
     landed in the middle of it. Elsewhere lines stay on stdout."""
