@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
+from harness import console
 from harness.launcher import _is_rank, descendants
 from harness.run.preemption import EXIT_PREEMPTED
 
@@ -114,9 +115,9 @@ def test_a_signal_in_an_evaluation_cuts_it_short_on_every_rank_and_the_resumed_r
         return subprocess.Popen(cmd, cwd=ROOT, env=_env({"SLOW_EVAL_S": "0.01"}, cold=True), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def resumed(*args: str) -> Run:
-        return harness(out, tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, args=[*SLOW_EVAL, "--resume", "auto",
-                                                                                   *args])
+    def resumed(*args: str, env: dict | None = None) -> Run:
+        return harness(out, tmp_path, nproc=2, ds="zero2.json", sets=EVAL_AT, env=env,
+                       args=[*SLOW_EVAL, "--resume", "auto", *args])
 
     first, _ = signal_mid_run(start(), Run(out, None), signal.SIGTERM, "rank1", at=10)
     assert first.proc.returncode == EXIT_PREEMPTED, first.proc.stderr[-3000:]
@@ -126,8 +127,10 @@ def test_a_signal_in_an_evaluation_cuts_it_short_on_every_rank_and_the_resumed_r
         "harness: stopped by SIGTERM after step 10 of 20, its evaluation left to the resumed run, which makes it "
         "first; latest checkpoint: step_00000010; continue with --resume auto")
     assert not (out / "eval.jsonl").exists() and latest(first) == 10
-    owed = resumed("--stop-at", "10")
-    assert "eval step 10: " in owed.proc.stdout and "stopped at step 10 of 20 (--stop-at)" in owed.proc.stdout
+    # (its evaluation slow, and stderr taken for a terminal's: one that takes seconds draws a bar of its own)
+    owed = resumed("--stop-at", "10", env={"SLOW_EVAL_S": "0.01", console.STDERR_TTY_ENV: "1"})
+    assert "eval step 10: " in owed.proc.stderr and "stopped at step 10 of 20 (--stop-at)" in owed.proc.stdout
+    assert re.search(r"evaluating: +\d+%\|", owed.proc.stderr), owed.proc.stderr[-3000:]  # (lines go where it goes)
     second, _ = signal_mid_run(start("--resume", "auto"), owed, signal.SIGINT, "top", at=20)
     assert second.proc.returncode == EXIT_PREEMPTED, second.proc.stderr[-3000:]
     assert second.proc.stderr.strip().splitlines()[-1] == (

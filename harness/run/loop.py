@@ -54,6 +54,9 @@ OWED = "evaluation_owed"  # in a checkpoint's state: a stop signal came before i
 OWED_NOTE = ", its evaluation left to the resumed run, which makes it first"
 
 
+EVAL_BAR_DELAY_S = 2.0
+
+
 @torch.no_grad()
 def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, desc: str | None = None,
              signalled: Callable[[], int | None] | None = None) -> tuple[float, int]:
@@ -65,7 +68,9 @@ def loss_sum(engine, task, samples, world: World, micro: int, limit: int = 0, de
     totals = torch.zeros(2, dtype=torch.float64, device=world.device)
     was_training = engine.training
     engine.eval()
-    shown = progress(range(steps), desc=desc, leave=False, disable=not world.is_main) if desc else range(steps)
+    # drawn once it has taken EVAL_BAR_DELAY_S: a short evaluation draws nothing between the training bar's lines
+    shown = progress(range(steps), desc=desc, leave=False, disable=not world.is_main, delay=EVAL_BAR_DELAY_S) \
+        if desc else range(steps)
     with contextlib.ExitStack() as restore:
         restore.callback(engine.train, was_training)
         for i in shown:
@@ -100,7 +105,8 @@ def evaluate(engine, plan: Plan, val, world: World, signalled: Callable[[], int 
     """Mean loss over the whole validation set (each sample once, whatever the world size) and task metrics."""
     t = plan.run.cfg.train
     limit = t.eval_batches * plan.ds.global_batch_size  # the same samples on every layout of that batch
-    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, limit, signalled=signalled)
+    total, count = loss_sum(engine, plan.task, val, world, t.micro_batch_size, limit, desc="evaluating",
+                            signalled=signalled)
     metrics = plan.task.metrics(total / count) if count else {}
     check_metrics(plan.task, metrics)
     return {**metrics, "loss": total / count} if count else {}  # the loss whatever the task reports as its own "loss":
