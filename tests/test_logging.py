@@ -172,6 +172,19 @@ def test_tensorboard_backend_writes_event_files(tmp_path, corpus):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 
 
+def test_a_record_s_loss_avg_is_the_mean_of_the_steps_it_stands_for(tmp_path, corpus):
+    """train.log_every = 5: each record's `loss` is its step's own (comparable with any run's at that step), its
+    `loss_avg` the loss of the 5 steps since the record before (the progress bar's, and curves.png's): a record had
+    shown 1 step of 5."""
+    every = harness(tmp_path / "every", corpus, sets=["train.max_steps=10", "train.log_every=1"])
+    fifth = harness(tmp_path / "fifth", corpus, sets=["train.max_steps=10", "train.log_every=5"])
+    assert [m["step"] for m in fifth.metrics] == [5, 10]
+    for m in fifth.metrics:
+        steps = [e["loss"] for e in every.metrics if m["step"] - 5 < e["step"] <= m["step"]]
+        assert m["loss"] == pytest.approx(steps[-1], rel=1e-6)
+        assert m["loss_avg"] == pytest.approx(sum(steps) / 5, rel=1e-6) != pytest.approx(m["loss"], rel=1e-6)
+
+
 def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus, capsys):
     import shutil
 
@@ -184,11 +197,12 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert f"curves {png}" in run.proc.stdout
     panels = {p["title"]: p["lines"]["run"] for p in curves([run.dir])}
     assert list(panels) == ["training loss", "learning rate", "validation loss", "validation perplexity"]
-    assert panels["training loss"] == [(m["step"], m["loss"]) for m in run.metrics]  # every logged step
+    assert panels["training loss"] == [(m["step"], m["loss_avg"]) for m in run.metrics]  # every logged step
     assert [s for s, _ in panels["validation loss"]] == [3, 6]
     other = tmp_path / "other"  # a second run to overlay: the same one, its losses doubled
     shutil.copytree(run.dir, other)
-    (other / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss": 2 * m["loss"]}) + "\n" for m in run.metrics)
+    (other / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss_avg": 2 * m["loss_avg"]}) + "\n"
+                                                 for m in run.metrics)
                                          + '{"step": 7, "lo')  # and a line a killed writer cut short: left out
     out = tmp_path / "both.png"
     assert main(["plot", str(run.dir), str(other), "--out", str(out)]) == 0

@@ -181,6 +181,7 @@ class Ledger:
         # forward itself gave a non-finite loss (weights damaged before it: a checkpoint's bytes, a bad update)
         self.bad_weights = False
         self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0, 0), 0, time.perf_counter()
+        self.window_loss = 0.0  # the summed losses of the steps since the last record, each times its items
         self.data_hash = 0.0  # the last step's `batch_hash`
 
     def carry(self) -> torch.Tensor:
@@ -246,6 +247,7 @@ class Ledger:
         self.step, self.result = step, r
         self.window_work = self.window_work + work
         self.window_steps += 1
+        self.window_loss += r.loss * work.items if work.items else 0.0
         self.data_hash = work.data_hash  # the logged step's own: comparable with any other run's at that step
         # A skipped update (DeepSpeed found the gradient non-finite) is a bad step in fp32 and bf16; in fp16 only once
         # the loss scale can fall no further (before that, skipping is how dynamic loss scaling finds its scale).
@@ -270,7 +272,10 @@ class Ledger:
             compiling = min(seconds, self.compiled.update(step, until=time.time() - (time.perf_counter() - ended)))
             seconds = max(seconds - compiling, 1e-9)
         w = self.window_work
-        record = {"step": step, "loss": r.loss, "lr": lr, "grad_norm": r.grad_norm, "samples_seen": samples_seen,
+        # over every step since the last record (weighted by their items: the loss of them all)
+        mean = r.loss if self.window_steps == 1 else self.window_loss / w.items if w.items else math.nan
+        record = {"step": step, "loss": r.loss, "loss_avg": mean, "lr": lr, "grad_norm": r.grad_norm,
+                  "samples_seen": samples_seen,
                   "tokens_per_s": w.items / seconds, "step_s": seconds / self.window_steps,
                   "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
                   "peak_mem_bytes": r.peak_mem, "epoch": self.epoch_at(step),
@@ -285,9 +290,9 @@ class Ledger:
             self.progress.write(f"note: FLOPs {self.flops.method}: model_flops_per_s and MFU from here rest on it")
             self.said_estimate = True
         self.tracker.log(record)
-        self.progress.set_postfix({"loss": f"{r.loss:.4f}", "lr": f"{lr:.2e}",
+        self.progress.set_postfix({"loss": f"{mean:.4f}", "lr": f"{lr:.2e}",
                                    f"{self.items}/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
-        self.window_start, self.window_work, self.window_steps = ended, Work(0, 0, 0, 0, 0), 0
+        self.window_start, self.window_work, self.window_steps, self.window_loss = ended, Work(0, 0, 0, 0, 0), 0, 0.0
 
 
 class Steps:
