@@ -32,7 +32,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -570,9 +569,20 @@ class Relay:
         with path.open("ab") as out, self.path.open("rb") as kept:
             out.write(f"=== harness launch on {socket.gethostname()}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}"
                       f" ===\n".encode())
-            shutil.copyfileobj(kept, out)
+            for line in kept:  # (a terminal's: a bar redrawn after each \r, its frames on one line)
+                out.write(_last_frames(line) if b"\r" in line else line)
         self.path.unlink()
         return path
+
+
+def _last_frames(line: bytes) -> bytes:
+    """A line of carriage-return frames (a progress bar redrawn each second: a day's run one line of 86,400) as the
+    log keeps it: each bar's last frame before it was cleared or written over, one a line."""
+    frames = [f for f in line.rstrip(b"\n").split(b"\r") if f]
+    kept = [f for i, f in enumerate(frames) if f.strip() and (
+        i + 1 == len(frames) or not frames[i + 1].strip() or
+        frames[i + 1].split(b":", 1)[0] != f.split(b":", 1)[0])]  # the next is no frame of the same bar
+    return b"".join(f + b"\n" for f in kept)
 
 
 def _failing(segment: bytes) -> bool:
