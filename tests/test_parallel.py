@@ -85,6 +85,7 @@ def test_a_run_starts_from_the_weights_a_run_of_another_layout_exported(tmp_path
                 f"optimizer state, lr schedule and place in the data start anew") in run.proc.stdout
         assert run.evals[-1]["loss"] == pytest.approx(tp.evals[-1]["loss"], abs=1e-5)
     assert_losses_close(pipe.losses, {1: one.losses[1]}, FP32_TOL)
+    assert f"checkpoint {one.dir / 'checkpoints' / 'step_00000002'} saved in " in one.proc.stdout  # each save said
     shutil.rmtree(src)
     resumed = harness(one.dir, corpus, ds="zero0.json", sets=[*start, "train.max_steps=3"], args=["--resume", "auto"])
     assert "resumed from" in resumed.proc.stdout and "model.init_from" not in resumed.proc.stdout

@@ -7,6 +7,7 @@ import contextlib
 import math
 import signal
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -518,11 +519,15 @@ def _save(run: Run, step: int, finite: bool, progress, checksums: bool = True, o
         selection = run.selection
         extra = {**({"selection": selection.state()} if selection else {}), **({OWED: True} if owed else {})}
         best = selection.step if selection and selection.value is not None else None
+        began = time.perf_counter()
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, "data_position": list(run.sampler.place(step)),
                          **extra}, run.world,
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
                         data=run.identity, shapes=run.shapes, checksums=checksums)
+        if run.world.is_main:  # (a large one holds the bar still for a while: said, with where it is)
+            progress.write(f"checkpoint {run.checkpoints / f'step_{step:08d}'} saved in "
+                           f"{time.perf_counter() - began:.1f} s")
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
 
