@@ -6,6 +6,7 @@ import json
 import re
 import struct
 import subprocess
+import time
 
 import pytest
 from conftest import ROOT, _env, command, harness
@@ -179,6 +180,10 @@ def test_a_record_s_loss_avg_is_the_mean_of_the_steps_it_stands_for(tmp_path, co
     every = harness(tmp_path / "every", corpus, sets=["train.max_steps=10", "train.log_every=1"])
     fifth = harness(tmp_path / "fifth", corpus, sets=["train.max_steps=10", "train.log_every=5"])
     assert [m["step"] for m in fifth.metrics] == [5, 10]
+    # each record's wall-clock time (a loss against time, records against launch.log's lines)
+    assert every.metrics[0]["time"] <= every.metrics[-1]["time"] <= fifth.metrics[0]["time"] <= time.time()
+    # what DeepSpeed printed as the world started: each start's under a line with its date
+    assert re.match(r"=== \d{4}-\d\d-\d\d \d\d:\d\d:\d\d ===\n", (fifth.dir / "deepspeed.log").read_text())
     for m in fifth.metrics:
         steps = [e["loss"] for e in every.metrics if m["step"] - 5 < e["step"] <= m["step"]]
         assert m["loss"] == pytest.approx(steps[-1], rel=1e-6)

@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from ..config.run import ConfigError, flatten, read_toml, to_toml
@@ -735,8 +736,8 @@ def prepare_run_dir(plan: Plan, world: World, resume_from: Path | None, overwrit
         if resume_from is None:  # first: what tells a run directory (`is_run_dir`, `harness launch`'s launch.log)
             write_configs(plan, world, None)
         if world.is_main and world.library_output:  # DeepSpeed's own lines at start-up: kept, out of the terminal
-            with open(plan.run_dir / "deepspeed.log", "a") as f:
-                f.write(world.library_output)
+            with open(plan.run_dir / "deepspeed.log", "a") as f:  # each start's under a line saying when
+                f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n{world.library_output}")
         check_shared(plan, world)
     except BaseException:
         if held:

@@ -170,7 +170,8 @@ class Tracker:
                                   f"{fix} and continue with --resume auto") from None
         if self.backend is not None:
             prefix = "eval/" if file == "eval.jsonl" else "train/"
-            values = {prefix + k: v for k, v in record.items() if k != "step" and v is not None}
+            # (its wall-clock time: the tracker keeps its own)
+            values = {prefix + k: v for k, v in record.items() if k not in ("step", "time") and v is not None}
             self._call("log", values, step=record["step"])
 
     def close(self, exit_code: int = 0) -> None:
