@@ -217,6 +217,8 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert both["training loss"][str(other)][0][1] == 2 * both["training loss"][str(run.dir)][0][1]
     assert main(["plot", str(tmp_path / "none"), "--out", str(out)]) == 2  # nothing to draw: one line, exit 2
     assert main(["plot", str(run.dir), str(tmp_path / "typo"), "--out", str(out)]) == 2  # not one of two, silently
+    assert main(["plot", str(run.dir), str(run.dir / ".." / "run"), "--out", str(out)]) == 2  # one run, two names
+    assert "is named twice: name each run once" in capsys.readouterr().err
     png.unlink()
     assert main(["plot", str(run.dir)]) == 0 and png.read_bytes()[:4] == b"\x89PNG"  # no --out: the run's own
     assert main(["plot", str(run.dir), str(other)]) == 0  # several: beside the first

@@ -73,6 +73,10 @@ def _check(run_dirs: list[str | Path], out: Path) -> None:
     missing = [str(d) for d in run_dirs if not Path(d).is_dir()]
     if missing:  # one run drawn without the other, silently, had looked like a comparison
         raise ConfigError(f"no such run directory: {', '.join(missing)}")
+    resolved = [Path(d).resolve() for d in run_dirs]
+    twice = next((str(d) for d, r in zip(run_dirs, resolved) if resolved.count(r) > 1), None)
+    if twice is not None:  # drawn once, under one name: it had looked like two runs that agree
+        raise ConfigError(f"{twice} is named twice: name each run once")
     tasks: dict[str, list[str]] = {}
     for d in run_dirs:
         with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):  # no readable config: not judged
@@ -108,6 +112,7 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(out)
     _check(run_dirs, out)
@@ -129,6 +134,7 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax.axhline(value, linestyle="--", linewidth=1, color="black", alpha=0.6, label=f"{label}: {value:.4g}")
         ax.set_title(panel["title"])
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (a run of few steps had ticks at 0.96, 1.04)
         ax.set_ylabel(panel["key"] if panel["key"] != "lr" else "learning rate")
         ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(panels):]:
