@@ -569,20 +569,39 @@ class Relay:
         with path.open("ab") as out, self.path.open("rb") as kept:
             out.write(f"=== harness launch on {socket.gethostname()}, ended {time.strftime('%Y-%m-%d %H:%M:%S')}"
                       f" ===\n".encode())
-            for line in kept:  # (a terminal's: a bar redrawn after each \r, its frames on one line)
-                out.write(_last_frames(line) if b"\r" in line else line)
+            out.writelines(kept_lines(kept))
         self.path.unlink()
         return path
 
 
-def _last_frames(line: bytes) -> bytes:
-    """A line of carriage-return frames (a progress bar redrawn each second: a day's run one line of 86,400) as the
-    log keeps it: each bar's last frame before it was cleared or written over, one a line."""
-    frames = [f for f in line.rstrip(b"\n").split(b"\r") if f]
-    kept = [f for i, f in enumerate(frames) if f.strip() and (
-        i + 1 == len(frames) or not frames[i + 1].strip() or
-        frames[i + 1].split(b":", 1)[0] != f.split(b":", 1)[0])]  # the next is no frame of the same bar
-    return b"".join(f + b"\n" for f in kept)
+ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")  # a terminal's cursor moves (a second bar's redraws go up and down)
+BAR = re.compile(rb"^(.*?)\s*\d+%\|")  # a tqdm frame: its description, before the percentage
+
+
+def kept_lines(lines):
+    """What launch.log keeps of the job's stderr: its lines as written, but of a terminal's progress bars (redrawn
+    after each \\r, each second; an evaluation's below the training bar's, each redraw on a line of its own) each
+    bar's last frame before something else was written, one a line: a day's run had kept 86,400 frames."""
+    pending = None  # (its description, the frame): the bar's frame last drawn, not yet written
+    for line in lines:
+        body = ANSI.sub(b"", line).rstrip(b"\r\n")
+        if b"\r" not in body:
+            if pending:
+                yield pending[1] + b"\n"
+                pending = None
+            yield line
+            continue
+        for frame in filter(bytes.strip, body.split(b"\r")):  # (a blank frame: a bar cleared)
+            bar = BAR.match(frame)
+            if pending and (bar is None or bar[1] != pending[0]):
+                yield pending[1] + b"\n"
+                pending = None
+            if bar is None:
+                yield frame + b"\n"
+            else:
+                pending = (bar[1], frame)
+    if pending:
+        yield pending[1] + b"\n"
 
 
 def _failing(segment: bytes) -> bool:

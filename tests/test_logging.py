@@ -2,6 +2,7 @@
 run writes when its output is a log, not a terminal."""
 from __future__ import annotations
 
+import io
 import json
 import re
 import struct
@@ -133,6 +134,21 @@ def test_a_log_s_lines_of_a_loop_give_its_count_at_their_time(monkeypatch, capsy
         time.sleep(0.01)
     counts = [line.split("|")[2].split("/")[0].strip() for line in capsys.readouterr().err.splitlines()]
     assert len(counts) > 2 and len(set(counts)) == len(counts), counts
+
+
+def test_launch_log_keeps_each_bar_s_last_frame_before_other_output():
+    """A terminal's bars in the job's stderr (redrawn after each \\r; an evaluation's below the training bar's, each
+    redraw on its own line between cursor moves; one without a description): launch.log keeps each bar's last frame
+    before other output, one a line, and every other line as written (a log's own progress lines too)."""
+    from harness.launcher import kept_lines
+
+    stderr = (b"harness: task lm\n\rtrain:   1%|  | 1/100\rtrain:   2%|  | 2/100\n\r  0%|x| 0/10 [00:00<?]\x1b[A"
+              b"\n\r 50%|x| 5/10 [00:01<00:01]\x1b[A\rtrain:   3%|  | 3/100\r     \reval step 3: loss 1\r\n\r\n"
+              b"train: 10%|x| 10/100 [00:30]\ntrain: 20%|x| 20/100 [01:00]\n\rtrain: 100%|  | 100/100")
+    assert b"".join(kept_lines(io.BytesIO(stderr))) == (
+        b"harness: task lm\ntrain:   2%|  | 2/100\n 50%|x| 5/10 [00:01<00:01]\ntrain:   3%|  | 3/100\n"
+        b"eval step 3: loss 1\n\r\ntrain: 10%|x| 10/100 [00:30]\ntrain: 20%|x| 20/100 [01:00]\n"
+        b"train: 100%|  | 100/100\n")
 
 
 def test_lines_go_where_the_bar_goes(monkeypatch, capsys):

@@ -134,6 +134,9 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, corpus, cac
     other = cached_run("ref-fp32", ds="zero0.json").dir
     assert _meaning("model.init_from", str(copy)) == _meaning("model.init_from", str(tp.dir)) != \
         _meaning("model.init_from", str(other))
+    (copy / "model.safetensors").write_bytes(b"\xff" * 64)  # not a safetensors file: said, not a MemoryError
+    assert _meaning("model.init_from", str(copy)) == "no safetensors file (64 bytes)"
+    assert _meaning("model.init_from", str(tmp_path / "gone")) == "no readable export"  # (a resume reads none)
 
 
 def test_pipeline_passes_the_translation_model_s_tuples_and_ties_its_embedding(tmp_path, monkeypatch, capsys):

@@ -173,6 +173,7 @@ def test_the_memory_on_paper_counts_the_optimizer_and_the_zero3_parameters_the_e
      "micro batch x accumulation x data-parallel size != global batch"),
     (["--world-size", "2"], {"train_batch_size": 99}, "set it to \"auto\", or make them agree"),  # no --set: 99/16
     (["--world-size", "2"], {"train_batch_size": 64}, "make them agree: --set train.global_batch_size=64"),
+    ([], {"gradient_clipping": 0.5}, "make them agree: --set train.grad_clip=0.5"),
     (["--world-size", "2"], {"gradient_accumulation_steps": 4},
      "contradicts train.grad_accum_steps = 1 (default); set it to \"auto\", or make them agree: --set "
      "train.grad_accum_steps=4"),

@@ -18,7 +18,7 @@ from ..config.run import ConfigError
 from ..distributed.world import close_world, init_world
 from ..plan.resolve import make_plan
 from ..run import step as step_module
-from ..run.startup import CPU_FP16_ENV, check_precision, check_zeropp
+from ..run.startup import CPU_FP16_ENV, check_kernel, check_precision, check_zeropp
 from .catalog import SPEED
 from .plain import HarnessSteps, PlainLoop
 from .report import save
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = make_plan(args.run, args.set, args.ds, 1, "no")
     check_precision(plan.ds.precision)
     check_zeropp(plan.ds)
+    check_kernel(plan.ds)
     total = args.warmup + args.steps
     world = init_world(plan.ds.layout)
     host = HostWork()

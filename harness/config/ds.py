@@ -428,7 +428,7 @@ def _fill(ds, source, ds_key, value, origin, run_key, label, unit=1):
         # the --set that makes them agree, where one does: not where a pipeline's micro-batches set the value, or
         # for a global batch that is no multiple of micro x data-parallel size
         fix = f": --set {run_key}={json.dumps(current)}" if not origin.startswith("pipeline") and \
-            isinstance(current, (int, float)) and current % unit == 0 else ""
+            isinstance(current, (int, float)) and (unit == 1 or current % unit == 0) else ""
         raise ConfigError(f"{ds_key} = {current!r} ({label}) contradicts {run_key} = {value!r} ({origin}); "
                           f"set it to \"auto\", or make them agree{fix}")
 

@@ -216,12 +216,15 @@ def state_bytes(sections: Sections, optimizer, stage: int) -> tuple[float, str]:
         return float(DEEPSPEED_STATE[name.lower()]), name
     weight = torch.nn.Parameter(torch.zeros(256))
     weight.grad = torch.full_like(weight, 0.1)
+    # stepped here on the CPU: a GPU's implementation switches (capturable, fused, ...) change no state it keeps
+    params = {k: v for k, v in params.items() if k not in ("capturable", "fused", "foreach", "differentiable")}
     try:
         stepped = getattr(torch.optim, name)([weight], **params)
         stepped.step()
-    except (TypeError, ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 - whatever the class refuses in this probe, the plan still stands on paper
         return 8.0, f"{name} (counted as AdamW's)"
-    held = sum(4 * t.numel() for t in stepped.state[weight].values() if torch.is_tensor(t) and t.numel() > 1)
+    held = sum(t.element_size() * t.numel() for t in stepped.state[weight].values()
+               if torch.is_tensor(t) and t.numel() > 1)
     factored = stage == 0 and name.lower() == "adafactor"
     return held / weight.numel(), f"{name} (at most: it factors 2-D weights)" if factored else name
 

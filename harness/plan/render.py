@@ -122,7 +122,10 @@ def memory_on_paper(plan: Plan, model: torch.nn.Module) -> tuple[int, float, int
 
 
 def _persistent(model: torch.nn.Module, ds) -> int:
-    return persistent_params([p.numel() for p in model.parameters()], ds)
+    """ZeRO-3's whole-held parameters on one rank, by each tensor's size there (a tensor-parallel rank's slice)."""
+    tp = ds.layout.tp_size
+    split = tp_split_params([n for n, _ in model.named_parameters()], ds.config) if tp > 1 else {}
+    return persistent_params([p.numel() // tp if n in split else p.numel() for n, p in model.named_parameters()], ds)
 
 
 def persistent_count(plan: Plan) -> int:

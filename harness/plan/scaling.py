@@ -405,7 +405,8 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     b = 4 if b_act == 4 or ds.config.get("communication_data_type") == "fp32" else 2   # gradients, parameters
     peak = (GPUS[gpu].flops_fp32 if b_act == 4 else GPUS[gpu].flops_16bit) if gpu else 0.0
     share = n_params / (tp * pp)                    # parameters per model-parallel rank
-    whole = persistent_count(plan)                  # ZeRO-3's held whole on every rank (taken as evenly split)
+    whole = persistent_count(plan)                  # ZeRO-3's held whole on a tensor-parallel rank (its stages'
+    # taken as holding equal shares)
     act_bytes = B * seq * h * b_act                 # one (B, seq, d_model) activation
     A = [f"world {world} = {G} GPUs per node x {nodes} nodes; the plan's micro batch {B} and accumulation {m} are "
          f"kept, so the global batch grows with data parallelism to {B * m * dp}",
@@ -432,7 +433,7 @@ def estimate(plan: Plan, n_params: int, gpus_per_node: int, nodes: int, intercon
     host_bw = LINKS[HOST_LINK].bytes_per_s * EFFICIENCY
     one_gpu_s = compute_s(1) + offload_bytes(n_params, b, m, ds.offload_optimizer, ds.offload_params) / host_bw
     return Scaling(layout, spans, volume, seconds, compute, rest + max(0.0, seconds["data parallel"] - window),
-                   rest + seconds["data parallel"], _states(share, ds, layout, whole * share / n_params),
+                   rest + seconds["data parallel"], _states(share, ds, layout, whole / pp),
                    one_act * split, gpu, one_gpu_s, _states(n_params, ds, Layout(1, 1), whole)["device"] + one_act, A)
 
 

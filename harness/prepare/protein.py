@@ -155,15 +155,21 @@ def tokenizer(directory: Path) -> Tokenizer:
     return Tokenizer.load(directory / TOKENIZER)
 
 
+def letter_ids(tok: Tokenizer) -> dict[str, int]:
+    """Each residue letter's id: <unk>'s for a letter the training split never held."""
+    ids = {}
+    for letter in ALPHABET:
+        try:
+            ids[letter] = tok.piece_id(letter)
+        except KeyError:
+            ids[letter] = tok.unk_id
+    return ids
+
+
 def encode(tok: Tokenizer, sequences: list[str]) -> list[list[int]]:
     """One id per residue, looked up residue by residue: SentencePiece itself would fold a run of unknown
     residues (absent from the training split) into a single <unk>, shifting per-residue labels."""
-    known = {}
-    for letter in ALPHABET:
-        try:
-            known[letter] = tok.piece_id(letter)
-        except KeyError:
-            known[letter] = tok.unk_id
+    known = letter_ids(tok)
     return [[known[c] for c in s] for s in sequences]
 
 
@@ -397,9 +403,7 @@ def read_scoring(cfg: RunConfig, stored: Path, path: Path) -> tuple[Any, dict[st
     if sites:
         kept["test"] = on_sites(kept["test"], counts["test"], sites)
     counts = {**counts["test"], **({"not_test": others} if others else {})}
-    letters = sorted(ALPHABET)
-    known = {c for c, i in zip(letters, encode(tok, [letters])[0]) if i != tok.unk_id}
-    _say_unseen(f"--data {path}", {"data": kept["test"]}, known)
+    _say_unseen(f"--data {path}", {"data": kept["test"]}, {c for c, i in letter_ids(tok).items() if i != tok.unk_id})
     return rows_of(tok, kept["test"], kind, classes, sites), counts, files
 
 

@@ -526,7 +526,7 @@ def _save(run: Run, step: int, finite: bool, progress, checksums: bool = True, o
                         run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
                         data=run.identity, shapes=run.shapes, checksums=checksums)
         if run.world.is_main:  # (a large one holds the bar still for a while: said, with where it is)
-            progress.write(f"checkpoint {run.checkpoints / f'step_{step:08d}'} saved in "
+            progress.write(f"checkpoint {run.checkpoints / checkpoint.step_name(step)} saved in "
                            f"{time.perf_counter() - began:.1f} s")
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")

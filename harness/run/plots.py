@@ -41,10 +41,12 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
         for run_dir, metrics, evals in runs:
             name = run_dir.name if len(runs) == 1 else str(run_dir)
             rows = metrics if source == 1 else evals
-            # the training loss: the mean over the steps each record stands for, where the run logged it
-            field = "loss_avg" if title == "training loss" and any("loss_avg" in r for r in rows) else key
-            points = [(r["step"], r[field]) for r in rows
-                      if isinstance(r.get(field), (int, float)) and isinstance(r.get("step"), (int, float))]
+            # the training loss: the mean over the steps each record stands for (a record written before records
+            # had one: its step's own)
+            value = (lambda r: r.get("loss_avg", r.get("loss"))) if title == "training loss" else \
+                (lambda r: r.get(key))
+            points = [(r["step"], value(r)) for r in rows
+                      if isinstance(value(r), (int, float)) and isinstance(r.get("step"), (int, float))]
             if points:
                 lines[name] = points
             chosen = _best(run_dir) if source == 2 else {}

@@ -192,7 +192,6 @@ class BuildLocks:
 
     def look(self, now: float | None = None) -> list[Path]:
         """One look at every lock under the root (and the one this process waits on): the stale ones removed."""
-        import time
 
         now = time.time() if now is None else now
         locks = {p for p in (*self.root.glob("*/lock"), *self.root.glob("*/*/lock")) if p.is_file()}
@@ -257,7 +256,6 @@ def _waited_lock() -> Path | None:
 
 def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
     """Before starting: the locks proven stale now (two looks `confirm_s` apart where one is found), removed."""
-    import time
 
     locks = BuildLocks(root)
     cleared = locks.look()
@@ -788,18 +786,31 @@ NODE_PATHS = ("data.path", "data.val_path", "data.mix", "run.output_dir")
 SAMPLED = 2**20  # bytes of an export read from each end to tell its weights (model.init_from) on each node
 
 
+def _export_digest(path: Path) -> str:
+    """An export told by its header (names, shapes, step) and its first and last MiB of weights, read alike on every
+    node; one that is not there or cannot be read (a resume no longer reads it) is said to be so."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            header = int.from_bytes(f.read(8), "little")
+            if header > size - 8:
+                return f"no safetensors file ({size} bytes)"
+            head = f.read(header + SAMPLED)
+            f.seek(max(8 + len(head), size - SAMPLED))
+            return f"an export whose weights are {hashlib.sha256(head + f.read()).hexdigest()[:12]}"
+    except OSError:
+        return "no readable export"
+
+
 def _meaning(key: str, value):
     """What a setting means whichever node reads it: a local model.hf directory by its config.json, model.init_from's
     export by its header and first and last MiB, a plug-in task by its file's name and class."""
     if key == "model.hf" and isinstance(value, str) and (Path(value) / "config.json").is_file():
         digest = hashlib.sha256((Path(value) / "config.json").read_bytes()).hexdigest()[:12]
         return f"a model whose config.json is {digest}"
-    if key == "model.init_from" and value and (Path(value) / "model.safetensors").is_file():
-        with open(Path(value) / "model.safetensors", "rb") as f:  # its header (names, shapes, step) and both ends
-            head = f.read(int.from_bytes(f.read(8), "little") + SAMPLED)
-            f.seek(max(8 + len(head), f.seek(0, 2) - SAMPLED))
-            digest = hashlib.sha256(head + f.read()).hexdigest()[:12]
-        return f"an export whose weights are {digest}"
+    if key == "model.init_from" and value:
+        return _export_digest(Path(value) / "model.safetensors")
     if key == "run.task" and isinstance(value, str) and ".py:" in value:
         file, cls = value.rsplit(":", 1)
         return f"{Path(file).name}:{cls}"
@@ -844,7 +855,6 @@ def check_shared(plan: Plan, world: World) -> None:
     only where torchrun says the world spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE)."""
     import secrets
     import socket
-    import time
 
     from ..distributed.world import all_gather_objects, barrier
 
