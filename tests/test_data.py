@@ -142,3 +142,17 @@ def test_the_held_out_rows_are_the_same_for_every_train_seed(corpus, monkeypatch
     assert len(val[0]) == len(val[1]) > 0
     assert all(torch.equal(torch.as_tensor(a["ids"] if isinstance(a, dict) else a),
                            torch.as_tensor(b["ids"] if isinstance(b, dict) else b)) for a, b in zip(val[0], val[1]))
+
+
+def test_a_large_raw_file_is_said_before_it_is_tokenized(corpus, monkeypatch, tmp_path, capsys):
+    """A raw text file of tens of MB takes seconds to tokenize at every start, before the start line: said as it
+    starts (it had said nothing until 100 MB, and then only once done); a small one is not."""
+    from harness.tasks import get_task, lm, resolve
+
+    monkeypatch.setenv("HARNESS_CACHE", str(tmp_path / "cache"))
+    cfg = resolve(None, ["train.max_steps=1", f"data.path={json.dumps(str(corpus))}"]).cfg
+    get_task("lm").build_data(cfg)
+    assert "data: tokenizing" not in capsys.readouterr().out
+    monkeypatch.setattr(lm, "SAID_RAW_BYTES", corpus.stat().st_size - 1)  # the corpus made "large"
+    get_task("lm").build_data(cfg)
+    assert f"data: tokenizing 0 MB of {corpus} (at every start of a raw file)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..config.run import ConfigError, DataSection, RunConfig, run_steps, setting
 from ..data.corpus import BLEND_PERIOD, MANIFEST, Corpus, Mixture, Windows, blend, is_corpus
 from ..data.rows import DataSummary, check_paths, check_split, data_format, keep, load_rows
+from ..distributed.world import launched_rank
 from ..models import hf, sequence
 from ..models.transformer import TransformerConfig, TransformerLM, document_positions
 from ..prepare import cache_dir
@@ -27,6 +28,7 @@ from .interface import ReadData, TaskData
 
 BYTE_VOCAB = 256  # tokens are the UTF-8 bytes; rows are joined by "\n"
 LARGE_RAW_BYTES = 100 << 20  # a raw file this big is tokenized at every start: say how to do it once
+SAID_RAW_BYTES = 10 << 20  # one this big takes seconds to tokenize: said as it starts
 MAX_REPEATS = 4  # a mixture source read more often than this is named at the start
 
 
@@ -254,9 +256,12 @@ class LanguageModelTask:
         if d.mix or is_corpus(d.path):
             return self._corpus_data(cfg)
         started = time.monotonic()
-        data = self._raw_data(cfg)
         path = d.path or default_corpus()
-        if os.path.isfile(path) and os.path.getsize(path) > LARGE_RAW_BYTES:
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        if size > SAID_RAW_BYTES and launched_rank() == 0:  # (before the start line: seconds with no word)
+            print(f"data: tokenizing {size / 2**20:,.0f} MB of {path} (at every start of a raw file)", flush=True)
+        data = self._raw_data(cfg)
+        if size > LARGE_RAW_BYTES:
             print(f"data: tokenizing {os.path.getsize(path) / 2**20:,.0f} MB of {path} took "
                   f"{time.monotonic() - started:.0f} s; `harness prepare lm --input {path} --out DIR` does it once "
                   f"(then data.path = DIR starts in seconds)", flush=True)
