@@ -281,3 +281,14 @@ def test_a_record_that_cannot_be_written_says_whether_a_checkpoint_is_kept(tmp_p
         assert str(stop.value).endswith(("the run stops, its last checkpoint kept" if saved else
                                          "the run stops, no checkpoint saved yet (a resume starts at step 0)") +
                                         ": fix that and continue with --resume auto"), stop.value  # (a directory)
+
+
+def test_the_evaluations_between_records_are_left_out_of_their_step_time(tmp_path, corpus):
+    """An evaluation between two records (100 micro-batches of at least 10 ms each here) is given as the next record's
+    paused_s and left out of its step_s, tokens_per_s and tflops: a run's throughput had dipped at each evaluation."""
+    slow = ["--run", "examples/digits.toml", "--set", 'run.task="tests.slow_eval_task:SlowEvalDigits"']
+    run = harness(tmp_path / "run", corpus, env={"SLOW_EVAL_S": "0.01"}, args=slow,
+                  sets=["task.test_samples=1600", "train.micro_batch_size=16", "train.max_steps=10",
+                        "train.eval_every=5", "train.log_every=5"])
+    first, second = run.metrics
+    assert "paused_s" not in first and second["paused_s"] >= 100 * 0.01, run.metrics

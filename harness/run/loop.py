@@ -410,7 +410,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
         improved, cut, evaluated = False, False, False
         if evaluating and not ledger.signal:
             try:
-                metrics, improved = _evaluation(run, watch, step, math.isfinite(result.loss))
+                with ledger.paused():
+                    metrics, improved = _evaluation(run, watch, step, math.isfinite(result.loss))
                 evaluated, ledger.signal = True, agreed(watch.signal, world)  # one late in it: stop here, not later
             except Cut as e:
                 ledger.signal, cut = e.signum, True
@@ -423,7 +424,8 @@ def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStac
                            f"{' (in its evaluation)' * cut}; saving a checkpoint, then exiting ({EXIT_PREEMPTED})",
                            file=sys.stderr)
         if saving or step == run.stop or improved or run.stopped_early or ledger.signal:
-            _save(run, step, math.isfinite(result.loss), progress, checksums=not ledger.signal, owed=owed)
+            with ledger.paused():
+                _save(run, step, math.isfinite(result.loss), progress, checksums=not ledger.signal, owed=owed)
         if ledger.signal:
             _preempted(run, ledger.signal, step, progress, OWED_NOTE if owed else "")
     progress.close()

@@ -182,6 +182,7 @@ class Ledger:
         self.bad_weights = False
         self.window_work, self.window_steps, self.window_start = Work(0, 0, 0, 0, 0), 0, time.perf_counter()
         self.window_loss = 0.0  # the summed losses of the steps since the last record, each times its items
+        self.pauses: list[tuple[float, float]] = []  # (start, seconds): the loop's evaluations and saves (`paused`)
         self.data_hash = 0.0  # the last step's `batch_hash`
 
     def carry(self) -> torch.Tensor:
@@ -259,6 +260,16 @@ class Ledger:
             with mark("logging"):
                 self.log_last()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """The loop's evaluation or checkpoint save after the steps read so far (`settle`): its seconds are left out of
+        the next record's step_s, tokens_per_s and tflops (given as paused_s), as a compile's are."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.pauses.append((began, time.perf_counter() - began))
+
     def log_last(self) -> None:
         """The last step read gets its record if it has none: the loop stops after it (a stop it found later)."""
         if self.unlogged is not None:
@@ -266,7 +277,10 @@ class Ledger:
             self.unlogged = None
 
     def _log(self, step: int, r: StepResult, lr: float, samples_seen: int, ended: float) -> None:
-        seconds = ended - self.window_start
+        # the pauses before the record's step ended (one after it, before a record logged late, is the next one's)
+        paused = min(sum(s for began, s in self.pauses if began < ended), ended - self.window_start)
+        self.pauses = [(began, s) for began, s in self.pauses if began >= ended]
+        seconds = max(ended - self.window_start - paused, 1e-9)
         compiling = 0.0
         if self.compiled:  # the window's compiles, ended by its end: not step time (a perf_counter end, as wall time)
             compiling = min(seconds, self.compiled.update(step, until=time.time() - (time.perf_counter() - ended)))
@@ -285,6 +299,8 @@ class Ledger:
             record["loss_scale"] = r.loss_scale
         if self.compiled:
             record["compile_s"] = compiling
+        if paused:
+            record["paused_s"] = paused
         # the start line said "counted": what model_flops_per_s and MFU rest on changed, said once
         if self.flops.method.startswith("estimated") and not self.said_estimate and self.world.is_main:
             self.progress.write(f"note: FLOPs {self.flops.method}: model_flops_per_s and MFU from here rest on it")
