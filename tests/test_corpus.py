@@ -53,7 +53,7 @@ def documents(directory) -> list[bytes]:
     return docs
 
 
-def test_prepare_reads_every_kind_cleans_by_the_rows_rules_and_is_read_back_whole(inputs, tmp_path):
+def test_prepare_reads_every_kind_cleans_by_the_rows_rules_and_is_read_back_whole(inputs, tmp_path, capsys):
     out = tmp_path / "corpus"
     m = prepare_corpus([str(inputs)], str(out), workers=2, val_fraction=0.1, unit_bytes=4096)
     assert m["dtype"] == "uint8" and m["tokenizer"]["kind"] == "bytes" and m["units"] > 4  # a.txt in ranges
@@ -75,7 +75,11 @@ def test_prepare_reads_every_kind_cleans_by_the_rows_rules_and_is_read_back_whol
     (out / "units" / "000001.json").unlink()
     for f in out.glob("*-000001.bin"):
         f.unlink()
+    capsys.readouterr()
     assert prepare_corpus([str(inputs)], str(out), workers=1, val_fraction=0.1, unit_bytes=4096) == m
+    units = len(list((out / "units").glob("[0-9]*.json")))  # (said: what it picks up)
+    assert f"prepare {out.name}: {units - 1} of {units} unit(s) prepared before, kept; preparing the other 1\n" in \
+        capsys.readouterr().out
     assert {n: t for n, t in before.items() if "000001" not in n} == \
         {f.name: f.stat().st_mtime_ns for f in out.glob("*.bin") if "000001" not in f.name}
 
@@ -372,14 +376,15 @@ def test_prepare_s_command_line_takes_every_input_and_passes_over_its_own_output
             "--val-fraction", "0"]
     first = cli(*args)
     assert first.returncode == 0 and "in 150 documents" in first.stdout, first.stderr[-2000:]
-    again = cli(*args)
-    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
+    again = cli(*args)  # it says so, and nothing else changes
+    assert again.returncode == 0 and again.stdout == "prepare prep: 2 of 2 unit(s) prepared before, kept; nothing " \
+        "left to prepare\n" + first.stdout, again.stdout + again.stderr[-2000:]
     glob_args = ["prepare", "lm", "--input", str(src / "**" / "*.*"), "--out", str(src / "globbed"),
                  "--val-fraction", "0"]  # a glob over the input folder, its corpora included
     globbed = cli(*glob_args)
     assert globbed.returncode == 0 and "in 100 documents" in globbed.stdout, globbed.stderr[-2000:]
     again = cli(*glob_args)
-    assert again.returncode == 0 and again.stdout == globbed.stdout, again.stderr[-2000:]
+    assert again.returncode == 0 and again.stdout.split("\n", 1)[1] == globbed.stdout, again.stderr[-2000:]
     (tmp_path / "r.jsonl").write_text('{"id": 1}\n{"body": "x y"}\n{"body": "z"}\n')
     wrong = cli("prepare", "lm", "--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "r"))
     # the fields of every row read, the commonest first (the first row's alone had been named)

@@ -740,6 +740,9 @@ def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str
         fresh = {}
         done = done_records(root, mine, np.dtype(dtype), read_stamps(root), fresh)
         todo = [u for u in mine if u.id not in done]
+        if done:  # the same command again (after Ctrl-C, a lost worker, a finished prepare): what it picks up
+            print(f"prepare {root.name}: {len(done)} of {len(mine)} unit(s) prepared before, kept; "
+                  + (f"preparing the other {len(todo)}" if todo else "nothing left to prepare"), flush=True)
         _work(todo, root, tok, text_field, val_fraction, seed, on_error, workers, done)
         for unit in todo:  # checksums taken while writing: a run need not read these shards again
             fresh.update(done[unit.id]["stamps"])
