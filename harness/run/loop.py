@@ -264,15 +264,15 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
 
 def _checked_start(plan: Plan, world: World, resume_from: Path | None, meta_model, n_params: int,
                    say) -> Path | None:
-    """The checks of ranks started without `harness launch`'s (which made them before launch), and the export
-    model.init_from starts a new run from (checked to fit, and said), or None."""
+    """The checks of ranks started without `harness launch` (which made them before launch, as one process does), and
+    the export model.init_from starts a new run from (checked to fit, and said), or None."""
     init_from = Path(plan.run.cfg.model.init_from) if plan.run.cfg.model.init_from and resume_from is None else None
-    if world.world_size > 1:
+    if world.world_size > 1 and not under_launcher():
         problem = None
         if world.is_main:
             try:
                 if init_from:
-                    check_init_from(plan, say=not under_launcher())
+                    check_init_from(plan, say=True)
                 problem = check_free_space(plan, n_params, resume_from)
             except ConfigError as e:
                 problem = str(e)
