@@ -260,6 +260,26 @@ def test_an_owner_name_hub_id_beside_a_folder_of_that_owner_is_still_looked_up(t
     assert last.endswith("; no folder owner/model-b here either; did you mean 'owner/model-a'?"), last
 
 
+def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(tiny_llama, tmp_path):
+    """A node with no way to the Hub (nothing listens at HF_ENDPOINT here) reads a cached hub id from its snapshot,
+    saying so: transformers had asked the Hub five times, with back-off, for every optional tokenizer file the
+    snapshot lacks (minutes a load); `prepare lm --tokenizer` too."""
+    repo = tmp_path / "hf" / "hub" / "models--harness-tests--tiny-llama"
+    shutil.copytree(tiny_llama, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    env = _env({"PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9",
+                "HF_HUB_OFFLINE": None})
+    for args in (["plan", "--set", 'model.hf="harness-tests/tiny-llama"', "--set", "train.max_steps=1"],
+                 ["prepare", "lm", "--input", "text.txt", "--out", "corpus", "--tokenizer", "harness-tests/tiny-llama"]):
+        proc = subprocess.run([python(), "-m", "harness", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)  # (the Hub's retries: over two minutes)
+        assert proc.returncode == 0 and "Retrying" not in proc.stderr, proc.stderr[-2000:]
+        assert "note: the Hugging Face Hub (http://127.0.0.1:9) does not answer from here" in proc.stderr
+        assert f"'harness-tests/tiny-llama' is read from its snapshot in the cache, {repo}" in proc.stderr
+
+
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
     from harness.config.run import ConfigError
     from harness.tasks import get_task, resolve

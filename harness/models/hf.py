@@ -14,8 +14,10 @@ rank for its own share (the loader that module sets in `PARTITIONED_LOADER`), an
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -55,7 +57,47 @@ def _config_source(ref: str) -> tuple[str, bool]:
         return str(path), True
     if ref.startswith((".", "/", "~")) or len(path.parts) > 2:  # a hub id is NAME or OWNER/NAME
         raise ConfigError(f"model.hf = {ref!r}: no such directory (a hub id is NAME or OWNER/NAME){_near(path)}")
-    return ref, True
+    return hub_source(ref), True
+
+
+@functools.cache
+def hub_source(ref: str, named: str = "model.hf") -> str:
+    """What `from_pretrained` should read for the hub id `ref`: the id itself where the Hub answers, else its snapshot
+    in the Hugging Face cache, a local directory (said once). A compute node with no way out is common; there, for
+    every file a snapshot lacks (a tokenizer's optional files, which a download of the model's own files never
+    fetched), transformers asked the Hub five times, with back-off: 2 min 23 s to load a cached tokenizer.
+    Under HF_HUB_OFFLINE=1, or where nothing is cached, the id is left to `from_pretrained`."""
+    from huggingface_hub import constants, snapshot_download
+
+    if constants.HF_HUB_OFFLINE:
+        return ref
+    try:
+        cached = snapshot_download(ref, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or no id the cache can hold): from_pretrained fetches it or says why
+        return ref
+    why = _hub_unreachable(constants.ENDPOINT)
+    if why is None:
+        return ref
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: the Hugging Face Hub ({constants.ENDPOINT}) does not answer from here ({why}): {named} = "
+              f"{ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 says so at once)",
+              file=sys.stderr)
+    return cached
+
+
+@functools.cache
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the Hub does not answer (one request, through huggingface_hub's own session: its proxies), or None."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=HUB_TIMEOUT_S)  # any answer, an error status too, is an answer
+    except Exception as e:  # noqa: BLE001 - refused, unresolved, timed out, a proxy's failure: no Hub from here
+        return one_line(e, 100) or type(e).__name__
+    return None
+
+
+HUB_TIMEOUT_S = 5.0
 
 
 def _near(path: Path) -> str:

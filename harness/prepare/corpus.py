@@ -517,8 +517,11 @@ class HFTokenizer:
     def _load(self) -> None:
         from transformers import AutoTokenizer
 
+        from ..models.hf import hub_source
+
+        where = self.name if Path(self.name).exists() else hub_source(self.name, "--tokenizer")
         try:
-            self.tok = AutoTokenizer.from_pretrained(self.name)
+            self.tok = AutoTokenizer.from_pretrained(where)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--tokenizer {self.name}: no tokenizer there ({str(e).splitlines()[0]})") from None
         if self.tok.eos_token_id is None:
