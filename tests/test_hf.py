@@ -280,6 +280,18 @@ def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(t
         assert f"'harness-tests/tiny-llama' is read from its snapshot in the cache, {repo}" in proc.stderr
 
 
+def test_the_lm_packing_with_a_hugging_face_tokenizer_is_found_in_the_cache_at_the_next_start(tiny_llama, corpus):
+    """datasets finds a packing it made before by a hash of the function that made it: the tokenizer's function had
+    hashed the harness's module (a ContextVar in it), so datasets drew a random hash, said so, and packed the rows
+    again at every start, in a new cache file each time."""
+    from harness.tasks import get_task, resolve
+
+    cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                         f"data.path={json.dumps(str(corpus))}"]).cfg
+    first, again = (get_task("lm")._raw_data(cfg) for _ in range(2))
+    assert first.train.cache_files and first.train.cache_files == again.train.cache_files
+
+
 def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
     from harness.config.run import ConfigError
     from harness.tasks import get_task, resolve

@@ -342,8 +342,10 @@ class LanguageModelTask:
         tok = hf.tokenizer(cfg)
         if tok.eos_token_id is None:
             raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no EOS token to separate the rows")
-        return lambda texts: [i for ids in tok(list(texts), **hf.AS_TEXT)["input_ids"]
-                              for i in (*ids, tok.eos_token_id)]
+        # what the function holds, not a module's globals: datasets hashes it to find its cache of the packing, and a
+        # module's dict (a ContextVar in it) cannot be hashed: a random hash, said, and the rows packed at every start
+        as_text, eos = hf.AS_TEXT, tok.eos_token_id
+        return lambda texts: [i for ids in tok(list(texts), **as_text)["input_ids"] for i in (*ids, eos)]
 
     def data_identity(self, cfg: RunConfig) -> dict | None:
         """What a checkpoint records of the data, so that a resume on other data is refused: the corpora's
