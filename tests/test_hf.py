@@ -263,7 +263,7 @@ def test_an_owner_name_hub_id_beside_a_folder_of_that_owner_is_still_looked_up(t
 def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(tiny_llama, tmp_path):
     """A node with no way to the Hub (nothing listens at HF_ENDPOINT here) reads a cached hub id from its snapshot,
     saying so: transformers had asked the Hub five times, with back-off, for every optional tokenizer file the
-    snapshot lacks (minutes a load); `prepare lm --tokenizer` too."""
+    snapshot lacks (minutes a load); `prepare lm --tokenizer` too. An id not cached is refused in one line."""
     repo = tmp_path / "hf" / "hub" / "models--harness-tests--tiny-llama"
     shutil.copytree(tiny_llama, repo / "snapshots" / ("0" * 40))
     (repo / "refs").mkdir()
@@ -276,8 +276,19 @@ def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(t
         proc = subprocess.run([python(), "-m", "harness", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)  # (the Hub's retries: over two minutes)
         assert proc.returncode == 0 and "Retrying" not in proc.stderr, proc.stderr[-2000:]
-        assert "note: the Hugging Face Hub (http://127.0.0.1:9) does not answer from here" in proc.stderr
+        why = re.search(r"note: the Hugging Face Hub \(http://127.0.0.1:9\) does not answer from here \((.+?)\): ",
+                        proc.stderr)
+        assert why, proc.stderr[-2000:]
+        why = why.group(1)
         assert f"'harness-tests/tiny-llama' is read from its snapshot in the cache, {repo}" in proc.stderr
+    proc = subprocess.run([python(), "-m", "harness", "plan", "--set", 'model.hf="harness-tests/absent"', "--set",
+                           "train.max_steps=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Retrying" not in proc.stderr, proc.stderr[-2000:]  # (27 s of them)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: model.hf = 'harness-tests/absent': the Hugging Face Hub (http://127.0.0.1:9) does not answer "
+        f"from here ({why}), and its cache here ({tmp_path / 'hf' / 'hub'}) does not hold it; download it where the "
+        f"network allows (hf download harness-tests/absent) into the cache this machine reads, or name a local "
+        f"directory")
 
 
 def test_the_lm_packing_with_a_hugging_face_tokenizer_is_found_in_the_cache_at_the_next_start(tiny_llama, corpus):

@@ -65,23 +65,28 @@ def hub_source(ref: str, named: str = "model.hf") -> str:
     """What `from_pretrained` should read for the hub id `ref`: the id itself where the Hub answers, else its snapshot
     in the Hugging Face cache, a local directory (said once). A compute node with no way out is common; there, for
     every file a snapshot lacks (a tokenizer's optional files, which a download of the model's own files never
-    fetched), transformers asked the Hub five times, with back-off: 2 min 23 s to load a cached tokenizer.
-    Under HF_HUB_OFFLINE=1, or where nothing is cached, the id is left to `from_pretrained`."""
+    fetched), transformers asked the Hub five times, with back-off: 2 min 23 s to load a cached tokenizer. An id
+    not cached is refused at once (it took 27 s of retries to say so). Under HF_HUB_OFFLINE=1 the id is left to
+    `from_pretrained`."""
     from huggingface_hub import constants, snapshot_download
 
     if constants.HF_HUB_OFFLINE:
         return ref
     try:
         cached = snapshot_download(ref, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not cached (or no id the cache can hold): from_pretrained fetches it or says why
-        return ref
+    except Exception:  # noqa: BLE001 - not cached, or no id the cache can hold
+        cached = None
     why = _hub_unreachable(constants.ENDPOINT)
     if why is None:
         return ref
+    where = f"the Hugging Face Hub ({constants.ENDPOINT}) does not answer from here ({why})"
+    if cached is None:
+        raise ConfigError(f"{named} = {ref!r}: {where}, and its cache here ({constants.HF_HUB_CACHE}) does not "
+                          f"hold it; download it where the network allows (hf download {ref}) into the "
+                          f"cache this machine reads, or name a local directory")
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: the Hugging Face Hub ({constants.ENDPOINT}) does not answer from here ({why}): {named} = "
-              f"{ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 says so at once)",
-              file=sys.stderr)
+        print(f"note: {where}: {named} = {ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 "
+              f"says so at once)", file=sys.stderr)
     return cached
 
 
