@@ -142,8 +142,9 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
 
 def _train(p, resume_from, overwrite: bool, stop_at: int | None, trust_checkpoint: bool) -> dict[str, Any]:
     from .distributed.world import barrier, close_world, init_world
+    from .run.builds import watching_build_locks
     from .run.loop import train as run_training
-    from .run.startup import check_same_plan, watching_build_locks
+    from .run.nodes import check_same_plan
     from .run.trust import trusting
 
     with watching_build_locks():  # DeepSpeed JIT-builds its ops in the process group's start and the engine's

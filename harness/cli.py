@@ -441,7 +441,7 @@ def _prepare_corpus(args) -> int:
 
 def _prepare(args) -> int:
     if getattr(args, "out", None):  # a file, or under one, or a folder it cannot write in: one line, not a traceback
-        from .run.startup import check_writable
+        from .run.directory import check_writable
 
         check_writable(Path(args.out), f"--out {args.out}")
     if getattr(args, "release", None):  # a benchmark set from its authors' release

@@ -287,7 +287,7 @@ def check(train_args: list[str], settings: dict, parse):
 def check_gpus_per_process(settings: dict) -> None:
     """A GPU for each process this machine starts, where it has GPUs: without, the ranks past the last GPU end in
     CUDA's "invalid device ordinal" (and two ranks on one GPU in NCCL's "Duplicate GPU detected")."""
-    from .run.startup import device_memory_bytes
+    from .run.machine import device_memory_bytes
 
     gpus = len(device_memory_bytes())
     if not gpus:

@@ -18,7 +18,7 @@ from harness.distributed import ds_patches
 from harness.distributed.ds_patches import fewer_step_syncs
 from harness.distributed.parallel import _fp32
 from harness.distributed.world import close_world, init_world
-from harness.run.startup import check_precision
+from harness.run.machine import check_precision
 
 STEPS, ALL_BAD, ONE_BAD = 6, 2, 4
 

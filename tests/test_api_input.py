@@ -59,7 +59,7 @@ def test_api_arguments_of_a_wrong_type_or_range_are_refused_naming_them(fn, kwar
 
 def test_a_train_that_fails_after_taking_the_run_directory_lets_go_of_it(tmp_path, corpus, monkeypatch):
     """A notebook trains again after a failure: the lock had been kept ("in use by another run (pid <its own>)")."""
-    from harness.run import startup
+    from harness.run import directory
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
@@ -67,7 +67,7 @@ def test_a_train_that_fails_after_taking_the_run_directory_lets_go_of_it(tmp_pat
     sets = [*TINY, "train.max_steps=1", f"data.path={json.dumps(str(corpus))}",
             f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"]
     with monkeypatch.context() as m:
-        m.setattr(startup, "write_configs", full_disk)
+        m.setattr(directory, "write_configs", full_disk)
         with pytest.raises(OSError, match="No space left"):
             harness.train(sets=sets)
     assert not (tmp_path / "run" / ".lock").exists()

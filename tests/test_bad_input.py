@@ -253,7 +253,7 @@ def test_the_table_is_wide_and_its_trap_is_real(tmp_path, corpus, no_process_gro
 
 
 def test_sizes_in_messages_are_in_the_unit_that_shows_them():
-    from harness.run.startup import size
+    from harness.run.directory import size
 
     assert (size(512), size(3 * 2**20), size(5.5 * 2**30)) == ("512 bytes", "3.0 MiB", "5.5 GiB")  # not "0.0 GiB"
 
@@ -344,7 +344,7 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     one hidden by CUDA_VISIBLE_DEVICES); the model states and one micro-batch's activations on paper against it."""
     from harness.api import plan
     from harness.plan.render import meta_model
-    from harness.run.startup import check_fits, device_memory_bytes
+    from harness.run.machine import check_fits, device_memory_bytes
 
     def fits(p, capacity: int) -> str | None:
         return check_fits(p, meta_model(p), capacity)
@@ -386,7 +386,7 @@ def test_a_batch_that_does_not_fit_one_gpu_on_paper_is_refused_before_launch(tmp
     assert "does not fit one GPU of 16.00 GiB" in fits(small, device_memory_bytes()[0])
     # a bench measures what fits for real (--largest tries sizes until one runs out of memory): no refusal on paper
     from harness.bench.sweep import env_for
-    from harness.run.startup import FIT_CHECK_ENV
+    from harness.run.machine import FIT_CHECK_ENV
 
     monkeypatch.setenv(FIT_CHECK_ENV, env_for(SimpleNamespace(mixed_precision="no", nproc=1))[FIT_CHECK_ENV])
     monkeypatch.setattr(world, "init_world", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("past the checks")))

@@ -331,7 +331,7 @@ def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, mo
     disk must hold that too, CONVERSION_FACTOR x the checkpoint, unless the conversion is already there."""
     from collections import namedtuple
 
-    from harness.run import startup
+    from harness.run import directory
     from harness.api import plan
 
     p = plan(str(ROOT / "configs/runs/lm_demo.toml"), [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}"],
@@ -341,12 +341,12 @@ def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, mo
     (step / checkpoint.LAYOUT).write_text(json.dumps({**checkpoint.layout_of(p.ds), "dp_size": 2}))
     with open(step / "mp_rank_00_model_states.pt", "wb") as f:  # 10 GiB by its size, sparse on disk
         f.truncate(10 * 2 ** 30)
-    monkeypatch.setattr(startup.shutil, "disk_usage", lambda path: namedtuple("usage", "free")(5 * 2 ** 30))
-    assert startup.check_free_space(p, 400_000) is None  # the run's own checkpoints are small
-    problem = startup.check_free_space(p, 400_000, step)
+    monkeypatch.setattr(directory.shutil, "disk_usage", lambda path: namedtuple("usage", "free")(5 * 2 ** 30))
+    assert directory.check_free_space(p, 400_000) is None  # the run's own checkpoints are small
+    problem = directory.check_free_space(p, 400_000, step)
     assert problem and "5.0 GiB free" in problem and "15.0 GiB to convert step_00000003 for the new layout" in problem
     (step.parent / (step.name + checkpoint.UNIVERSAL)).mkdir()  # converted by an earlier resume: reused
-    assert startup.check_free_space(p, 400_000, step) is None
+    assert directory.check_free_space(p, 400_000, step) is None
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus):

@@ -201,9 +201,9 @@ def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(m
     """SLURM's --gpus-per-task=1 with 8 ranks a node, 16 processes over 2 machines of 4 GPUs: the ranks past the last
     GPU would end in CUDA's "invalid device ordinal"."""
     from harness.launcher import check_gpus_per_process
-    from harness.run import startup
+    from harness.run import machine
 
-    monkeypatch.setattr(startup, "device_memory_bytes", lambda: [80 * 2**30] * 4)
+    monkeypatch.setattr(machine, "device_memory_bytes", lambda: [80 * 2**30] * 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     node = ["--config_file", str(LAUNCH / "multi_node.yaml"), "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
             "--num_machines", "2"]
@@ -218,7 +218,7 @@ def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(m
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # 8 listed, 4 of them there (nvidia-smi's count)
     with pytest.raises(ConfigError, match=r"8 processes on this machine and 4 GPUs for them \(CUDA_VISIBLE_DEVICES"):
         check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
-    monkeypatch.setattr(startup, "device_memory_bytes", lambda: [])  # no GPU: CPU processes, as many as asked
+    monkeypatch.setattr(machine, "device_memory_bytes", lambda: [])  # no GPU: CPU processes, as many as asked
     check_gpus_per_process(launch_settings([*node, "--num_processes", "16"]))
 
 
@@ -291,7 +291,7 @@ def test_a_lock_names_its_process_and_overwrite_clears_only_a_directory_it_holds
     from harness.plan.resolve import make_plan
     from harness.run.heartbeat import started
     from harness.run.lock import LOCK, alive, holder
-    from harness.run.startup import prepare_run_dir
+    from harness.run.directory import prepare_run_dir
 
     other = subprocess.Popen(["sleep", "60"])
     try:

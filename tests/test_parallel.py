@@ -127,7 +127,7 @@ def test_weights_that_do_not_fit_are_refused_before_launch(tmp_path, corpus, cac
             line
     assert not (tmp_path / "run").exists()
     # nodes compare the export by its content, not its path (a copy staged on each node's disk is the same)
-    from harness.run.startup import _meaning
+    from harness.run.nodes import _meaning
 
     copy = tmp_path / "copy"
     shutil.copytree(tp.dir, copy, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
@@ -340,7 +340,7 @@ def test_the_cpu_fp16_opt_in_steps_aside_on_a_deepspeed_it_was_not_checked_on(mo
 
     from harness.config.run import ConfigError
     from harness.distributed import ds_patches
-    from harness.run.startup import check_precision
+    from harness.run.machine import check_precision
 
     acc = get_accelerator()
     monkeypatch.setattr(acc, "is_fp16_supported", lambda: False)  # a CPU without native fp16, as DeepSpeed sees it

@@ -285,18 +285,18 @@ def test_a_jit_build_lock_left_by_a_killed_build_is_removed_at_start_or_while_wa
 
     from torch.utils.file_baton import FileBaton
 
-    from harness.run import startup
-    from harness.run.startup import BuildLocks, clear_stale_build_locks, watching_build_locks
+    from harness.run import builds
+    from harness.run.builds import BuildLocks, clear_stale_build_locks, watching_build_locks
 
     # the extensions folder is this environment's and host's unless TORCH_EXTENSIONS_DIR names one
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    ours = startup.extension_root()
+    ours = builds.extension_root()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(ours) and ours.name.startswith("env-")
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     monkeypatch.setattr(sys, "prefix", "/another/venv")
-    assert startup.extension_root().parent == ours.parent and startup.extension_root() != ours
+    assert builds.extension_root().parent == ours.parent and builds.extension_root() != ours
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    assert startup.extension_root() == tmp_path / "ext"
+    assert builds.extension_root() == tmp_path / "ext"
 
     lock = tmp_path / "ext" / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
@@ -351,11 +351,11 @@ def test_a_jit_build_lock_left_by_a_killed_build_is_removed_at_start_or_while_wa
     assert not lock.exists()
     # a folder the nodes share (NFS, Lustre): another host's build cannot be seen from here, so its lock stays
     mounts = f"server:/home /home nfs4 rw 0 0\n/dev/sda1 / ext4 rw 0 0\nfs {tmp_path / 'ext'} lustre rw 0 0\n"
-    assert startup.network_fs(tmp_path / "ext" / "deepspeed_shm_comm", mounts) == "lustre"
-    assert startup.network_fs(tmp_path, mounts) is None and startup.network_fs(Path("/home/u"), mounts) == "nfs4"
+    assert builds.network_fs(tmp_path / "ext" / "deepspeed_shm_comm", mounts) == "lustre"
+    assert builds.network_fs(tmp_path, mounts) is None and builds.network_fs(Path("/home/u"), mounts) == "nfs4"
     stacked = "auto /shared autofs rw 0 0\nserver:/shared /shared nfs4 rw 0 0\n"  # the last mounted is the one seen
-    assert startup.network_fs(Path("/shared/ext"), stacked) == "nfs4"
-    monkeypatch.setattr(startup, "network_fs", lambda path: "lustre")
+    assert builds.network_fs(Path("/shared/ext"), stacked) == "nfs4"
+    monkeypatch.setattr(builds, "network_fs", lambda path: "lustre")
     lock.touch()
     os.utime(lock, (old, old))
     assert clear_stale_build_locks(tmp_path / "ext") == [] and lock.exists()

@@ -211,7 +211,7 @@ def test_a_resume_on_other_pairs_is_refused_and_on_the_same_ones_goes_on(toy_dir
     import shutil
 
     from harness.plan.resolve import make_plan
-    from harness.run.startup import _check_same_data, data_identity
+    from harness.run.continuity import _check_same_data, data_identity
 
     src = shutil.copytree(toy_dir, tmp_path / "pairs")
     identity = lambda path: data_identity(make_plan(None, [  # noqa: E731

@@ -18,7 +18,7 @@ from ..config.run import ConfigError
 from ..distributed.world import close_world, init_world
 from ..plan.resolve import make_plan
 from ..run import step as step_module
-from ..run.startup import CPU_FP16_ENV, check_kernel, check_precision, check_zeropp
+from ..run.machine import CPU_FP16_ENV, check_kernel, check_precision, check_zeropp
 from .catalog import SPEED
 from .plain import HarnessSteps, PlainLoop
 from .report import save

@@ -21,7 +21,7 @@ from ..config.run import ConfigError, run_steps
 from ..distributed.optim import deepspeed_arch_list
 from ..eval.evaluate import evaluate_run
 from ..plan.render import count_params
-from ..run.startup import clear_stale_build_locks
+from ..run.builds import clear_stale_build_locks
 from ..tasks import resolve
 from . import overhead, report
 from .catalog import LARGEST_TARGET, OVERHEAD_TARGET, RECIPES, SPEED, TOY, Recipe

@@ -25,8 +25,9 @@ from ..distributed.parallel import DTYPES
 from ..plan.render import count_params, largest_fitting
 from ..plan.resolve import Plan, make_plan
 from ..plan.scaling import PEAK_TFLOPS
+from ..run.builds import clear_stale_build_locks
+from ..run.machine import FIT_CHECK_ENV
 from ..run.profiling import PROFILE_FILE
-from ..run.startup import FIT_CHECK_ENV, clear_stale_build_locks
 from ..run.tracking import read_jsonl
 from . import report
 

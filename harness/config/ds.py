@@ -640,7 +640,7 @@ def model_state_bytes(n_params: int, ds: DSResolved, persistent: int = 0) -> dic
     2020, section 3): with mixed precision 2 (16-bit weights) + 2 (16-bit grads) + 4 (fp32 master) + the optimizer's
     state (AdamW's m and v: 8) bytes per parameter; in fp32 4 + 4 + the state, and 4 more under ZeRO 1-3, whose
     optimizer steps an fp32 copy of its partition beside the weights (DeepSpeed 0.19, stage_1_and_2.py and stage3.py;
-    as `run.startup.checkpoint_bytes_per_param` counts it). Stage 1 shards the optimizer part, 2 also the gradients, 3
+    as `run.directory.checkpoint_bytes_per_param` counts it). Stage 1 shards the optimizer part, 2 also the gradients, 3
     also the weights, but for its `persistent` parameters (`persistent_params`), held whole on every rank beside
     their shard. Offloaded parts move from "device" to "cpu", where the offloaded optimizer also keeps an fp32
     gradient of its partition. Activations and buffers are not included."""

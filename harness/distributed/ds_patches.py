@@ -359,7 +359,7 @@ def forget_groups() -> None:
 # --- fp16 on a CPU -------------------------------------------------------------------------------------------------
 
 def claim_cpu_fp16(accelerator) -> bool:
-    """DeepSpeed's CPU accelerator answers that fp16 is supported, as the user asked (`run.startup.CPU_FP16_ENV`):
+    """DeepSpeed's CPU accelerator answers that fp16 is supported, as the user asked (`run.machine.CPU_FP16_ENV`):
     fp16 math runs on any CPU, only slowly, where DeepSpeed refuses it without native fp16 kernels. Whether it did."""
     if not fence("claim_cpu_fp16", lambda: _lacks(type(accelerator), "is_fp16_supported", ("self",))):
         return False

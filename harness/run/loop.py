@@ -42,11 +42,12 @@ from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from ..tasks.interface import check_data, check_metrics, check_model, check_same_data, data_digest
 from . import checkpoint, profiling
+from .continuity import check_init_from, data_identity
+from .directory import check_free_space, prepare_run_dir, write_configs
 from .export import MODEL_FILE, export_model, start_weights
 from .heartbeat import Heartbeat, diagnose
 from .preemption import EXIT_PREEMPTED, Cut, Watch, agreed, cut_between, cut_if_signalled
 from .selection import Selection
-from .startup import check_free_space, check_init_from, data_identity, prepare_run_dir, write_configs
 from .step import Ledger, Steps, to_device
 from .tracking import Tracker, truncate_jsonl
 from .trust import TRUST
