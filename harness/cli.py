@@ -460,7 +460,7 @@ def _prepare(args) -> int:
                               "case study's data), not both")
         if not args.out:
             raise ConfigError("harness prepare protein --input needs --out DIR")
-        from .prepare.corpus import RESIDUES
+        from .prepare.tokenizers import RESIDUES
 
         args.tokenizer = RESIDUES
     elif getattr(args, "out", None) and args.task != "lm":

@@ -89,7 +89,7 @@ def test_a_full_shard_is_closed_and_the_unit_goes_on_in_the_next(inputs, tmp_pat
     a limit of 500 tokens), each document whole in one."""
     whole = documents(prepare_corpus([str(inputs / "a.txt")], str(tmp_path / "one"), unit_bytes=1 << 20) and
                       tmp_path / "one")
-    monkeypatch.setattr("harness.prepare.corpus.MAX_SHARD_TOKENS", 500)
+    monkeypatch.setattr("harness.prepare.shards.MAX_SHARD_TOKENS", 500)
     m = prepare_corpus([str(inputs / "a.txt")], str(tmp_path / "many"), unit_bytes=1 << 20)
     assert len(m["shards"]) > 20 and all(s["tokens"] <= 500 for s in m["shards"])
     assert {s["unit"] for s in m["shards"]} == {0} and documents(tmp_path / "many") == whole
@@ -414,7 +414,7 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
     nothing is refused, naming it."""
     import datasets
 
-    from harness.prepare.corpus import expand
+    from harness.prepare.inputs import expand
 
     src, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
     for folder in (src, elsewhere):
@@ -440,7 +440,7 @@ def test_a_directory_is_searched_through_its_linked_folders_as_a_glob_is(tmp_pat
 def test_the_files_of_a_folder_that_no_reader_takes_are_said_not_passed_over_silently(tmp_path, capsys):
     """A folder of .txt and .md notes: one line counts what is not read (the .md), by suffix; a corpus prepared inside
     it (shards, records) and hidden files are not counted."""
-    from harness.prepare.corpus import KNOWN, expand
+    from harness.prepare.inputs import KNOWN, expand
 
     src = tmp_path / "in"
     src.mkdir()
@@ -577,7 +577,7 @@ def test_special_tokens_written_in_the_text_are_text(tiny_llama):
     from transformers import AutoTokenizer
 
     from harness.models.hf import TextTokenizer
-    from harness.prepare.corpus import HFTokenizer
+    from harness.prepare.tokenizers import HFTokenizer
 
     tok = HFTokenizer(str(tiny_llama))
     ids, ends = tok.encode(["the [EOS] cat", "[PAD] dog"])

@@ -96,7 +96,7 @@ def _check_tokens(cfg: RunConfig, key: str, path: str, corpus: Corpus) -> None:
     made = "bytes" if kind == "bytes" else "protein residues (harness prepare protein)" if kind == "residues" else \
         f"the tokenizer {spec.get('name', kind)} (vocabulary {spec.get('vocab_size')})"
     if hf.own_tokenizer(cfg):
-        from ..prepare.corpus import fingerprint
+        from ..prepare.tokenizers import fingerprint
 
         if kind != "hf" or spec.get("fingerprint") != fingerprint(hf.tokenizer(cfg)):
             raise ConfigError(f"{key} = {path}: prepared with {made}, but {cfg.model.hf} has its own tokenizer; "
