@@ -211,7 +211,7 @@ def test_a_resume_on_other_pairs_is_refused_and_on_the_same_ones_goes_on(toy_dir
     import shutil
 
     from harness.plan.resolve import make_plan
-    from harness.run.continuity import _check_same_data, data_identity
+    from harness.run.continuity import check_data_unchanged, data_identity
 
     src = shutil.copytree(toy_dir, tmp_path / "pairs")
     identity = lambda path: data_identity(make_plan(None, [  # noqa: E731
@@ -229,7 +229,7 @@ def test_a_resume_on_other_pairs_is_refused_and_on_the_same_ones_goes_on(toy_dir
     plan.task.store(plan.run.cfg, run / "data")  # RUN/data/, as a run stores it when it starts
     old = run / "checkpoints" / "step_00000002"  # saved before checkpoints recorded their data (no data.json)
     old.mkdir(parents=True)
-    _check_same_data(plan, old, False)  # the same data: resumed
+    check_data_unchanged(plan, old, False)  # the same data: resumed
     pairs = [toy_pair(random.Random(1)) for _ in range(1200)]
     for lang, side in (("en", 0), ("fr", 1)):
         with gzip.open(moved / f"train.{lang}.gz", "wt") as f:
@@ -237,8 +237,8 @@ def test_a_resume_on_other_pairs_is_refused_and_on_the_same_ones_goes_on(toy_dir
     assert identity(moved)["fingerprint"] != first["fingerprint"]
     with pytest.raises(ConfigError, match=r"step_00000002: the data prepared now differs from what its run trained "
                                           r"with .* in spm.model.*--data-changed-ok"):
-        _check_same_data(plan, old, False)
-    _check_same_data(plan, old, True)
+        check_data_unchanged(plan, old, False)
+    check_data_unchanged(plan, old, True)
 
 
 # --- model and loss ----------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ import numpy as np
 
 from ..config.run import ConfigError
 from ..data.corpus import FORMAT, MANIFEST, TMP, VERIFIED, VERSION, Shard, dtype_for, read_stamps
-from .inputs import PARQUET, UNIT_BYTES, Unit, _read_json, _stat, expand, parse_part, plan_units
-from .readers import BLOCK, _fields
-from .shards import _write_changed, done_records, prepare_unit
+from .inputs import PARQUET, UNIT_BYTES, Unit, expand, parse_part, plan_units, record_or_empty, size_and_mtime
+from .readers import BLOCK, first_fields
+from .shards import done_records, prepare_unit, write_changed
 from .tokenizers import RESIDUES, Bytes, HFTokenizer, Residues
 
 
@@ -52,7 +52,7 @@ def prepare_corpus(inputs: list[str], out: str, workers: int = 1, tokenizer: str
     units = plan_units(files, unit_bytes)
     mine = [u for u in units if which is None or u.id % which[1] == which[0] - 1]
     tok = Residues() if tokenizer == RESIDUES else HFTokenizer(tokenizer) if tokenizer else Bytes()
-    settings = {"inputs": [{"path": f, "size": _stat(f)[0]} for f in files], "tokenizer": tok.spec,
+    settings = {"inputs": [{"path": f, "size": size_and_mtime(f)[0]} for f in files], "tokenizer": tok.spec,
                 "text_field": text_field, "val_fraction": val_fraction, "seed": seed, "unit_bytes": unit_bytes,
                 "units": len(units), "part": part}
     dtype = dtype_for(tok.spec["vocab_size"])
@@ -86,8 +86,8 @@ def _claim(root: Path, settings: dict):
         try:
             _remove_partial(root)
             if settings_file.is_file():
-                _check_settings(root, _read_json(settings_file), settings)
-            _write_changed(settings_file, settings, root, indent=1)
+                _check_settings(root, record_or_empty(settings_file), settings)
+            write_changed(settings_file, settings, root, indent=1)
             yield
         finally:
             _remove_partial(root)
@@ -118,7 +118,7 @@ def _check_settings(root: Path, before: dict, settings: dict) -> None:
     if not changed:
         return
     records = sorted((root / "units").glob("[0-9]*.json"))
-    made = (root / MANIFEST).is_file() or any(_read_json(r).get("shards") for r in records)
+    made = (root / MANIFEST).is_file() or any(record_or_empty(r).get("shards") for r in records)
     if made:
         was, now = ({i["path"]: i["size"] for i in x} for x in (before.get("inputs") or [], settings["inputs"]))
         grown = was.items() < now.items() and not changed[1:]  # files added, none gone or changed, no other setting
@@ -235,7 +235,7 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
     shards = [s for r in records for s in r["shards"]]
     if not any(s["split"] == "train" for s in shards) and not settings.get("part"):
         if counts["malformed"] and not counts["ok"]:
-            found = _fields([i["path"] for i in settings["inputs"]])
+            found = first_fields([i["path"] for i in settings["inputs"]])
             raise ConfigError(f"{root}: no row has the field {settings['text_field']!r} (--text-field) as text "
                               f"({counts['malformed']} rows without it)" + (f"; fields found: {', '.join(found)}"
                                                                            if found else ""))
@@ -246,14 +246,14 @@ def _write_manifest(root: Path, settings: dict, records: list[dict], dtype: str,
                     "documents": sum(s["documents"] for s in shards if s["split"] == split)}
                     for split in ("train", "validation")}},
                 "shards": shards}
-    _write_changed(root / MANIFEST, manifest, root, indent=1)
-    _write_changed(root / VERIFIED, stamps, root)
+    write_changed(root / MANIFEST, manifest, root, indent=1)
+    write_changed(root / VERIFIED, stamps, root)
     if settings["tokenizer"]["kind"] == RESIDUES:  # what the protein task reads of a prepared directory
         from . import META
 
         Residues().write_vocabulary(root)
         split_counts = {split: {"ok": manifest["counts"][split]["documents"]} for split in ("train", "validation")}
-        _write_changed(root / META, {"task": "protein", "corpus": True, "labels": "none", "classes": [], "values": {},
+        write_changed(root / META, {"task": "protein", "corpus": True, "labels": "none", "classes": [], "values": {},
                                  "vocab_size": settings["tokenizer"]["vocab_size"], "sites": None,
                                  "counts": {**split_counts, "test": {}}}, root, indent=1)
     return manifest
@@ -274,7 +274,7 @@ def merge(parts: list[str], out: str) -> dict:
                 raise ConfigError(f"--merge {p}: its manifest's {key!r} differs from {parts[0]}'s: parts of one "
                                   f"corpus only")
     _check_cover(parts, manifests, first["units"])
-    if root.exists() and any(root.iterdir()) and "merged" not in _read_json(root / MANIFEST):
+    if root.exists() and any(root.iterdir()) and "merged" not in record_or_empty(root / MANIFEST):
         raise ConfigError(f"--out {out}: exists and is not a merge of parts (it would be overwritten); use another "
                           f"--out")
     root.mkdir(parents=True, exist_ok=True)
@@ -292,7 +292,7 @@ def _part_manifest(part: str, root: Path) -> dict:
     path = Path(part) / MANIFEST
     if Path(part).resolve() == root.resolve():
         raise ConfigError(f"--merge {part}: --out is this part itself; merge into a directory of its own")
-    manifest = _read_json(path)
+    manifest = record_or_empty(path)
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"--merge {part}: no readable {MANIFEST}: not a prepared part (or not finished)")
     return manifest

@@ -42,19 +42,19 @@ class Unit:
         return f"{self.path}[{self.start}:{self.end}]" if self.end >= 0 else self.path
 
 
-def _compression(path: str) -> str:
+def compression_of(path: str) -> str:
     suffix = Path(path).suffix.lower()
     return suffix if suffix in OPENERS else ""
 
 
-def _suffix(path: str) -> str:
+def kind_suffix(path: str) -> str:
     """The suffix that names a file's kind: `.csv` of `rows.csv.gz`."""
     p = Path(path.lower())
-    return (p.with_suffix("") if _compression(path) else p).suffix
+    return (p.with_suffix("") if compression_of(path) else p).suffix
 
 
 def kind_of(path: str) -> str | None:
-    return KINDS.get(_suffix(path))
+    return KINDS.get(kind_suffix(path))
 
 
 def expand(inputs: list[str], exclude: Path | None = None) -> list[str]:
@@ -100,7 +100,7 @@ def _say_unread(folder: str, unread: list[Path]) -> None:
     (hidden ones and those in hidden folders, `.git/`, left out): they are not read."""
     if not unread:
         return
-    kinds = Counter(("".join(f.suffixes[-2:]) if _compression(str(f)) else f.suffix).lower() or "no suffix"
+    kinds = Counter(("".join(f.suffixes[-2:]) if compression_of(str(f)) else f.suffix).lower() or "no suffix"
                     for f in unread)
     listed = ", ".join(f"{k} {n}" for k, n in kinds.most_common(4)) + (", ..." if len(kinds) > 4 else "")
     print(f"note: --input {folder}: {len(unread)} file(s) of no kind it reads, not read ({listed}; e.g. {unread[0]}); "
@@ -138,13 +138,13 @@ def _corpora(exclude: Path | None):
     def corpus(d: Path) -> bool:
         if d not in seen:
             seen[d] = d == skip or (d / "units" / "settings.json").is_file() or \
-                _read_json(d / MANIFEST).get("format") == FORMAT
+                record_or_empty(d / MANIFEST).get("format") == FORMAT
         return seen[d]
 
     return lambda f: any(corpus(d) for d in Path(f).resolve().parents)
 
 
-def _stat(path: str) -> tuple[int, int]:
+def size_and_mtime(path: str) -> tuple[int, int]:
     """(size, mtime_ns) of an input file; (0, 0) for a hub data set."""
     if path.startswith("hub:"):
         return 0, 0
@@ -156,14 +156,14 @@ def plan_units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Every unit of the inputs, numbered in order: what `--part` divides and a record names."""
     units: list[Unit] = []
     for path in files:
-        (size, mtime), kind = _stat(path), HUB if path.startswith("hub:") else kind_of(path)
+        (size, mtime), kind = size_and_mtime(path), HUB if path.startswith("hub:") else kind_of(path)
         ranges: list[tuple[int, int]] = [(0, -1)]
-        if kind in (TEXT, JSON, FASTA) and not _compression(path) and size > unit_bytes:
+        if kind in (TEXT, JSON, FASTA) and not compression_of(path) and size > unit_bytes:
             ranges = [(s, min(s + unit_bytes, size)) for s in range(0, size, unit_bytes)]
         elif kind == PARQUET:
             import pyarrow.parquet as pq
 
-            if _compression(path):
+            if compression_of(path):
                 raise ConfigError(f"--input {path}: a parquet file compresses inside itself; decompress it to "
                                   f"{path[:path.rindex('.')]}")
             try:
@@ -185,7 +185,7 @@ def parse_part(text: str | None) -> tuple[int, int] | None:
     return int(i), int(n)
 
 
-def _read_json(path: Path) -> dict:
+def record_or_empty(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -14,14 +14,14 @@ import zlib
 from collections import Counter
 
 from ..config.run import ConfigError
-from .inputs import CSV, FASTA, HUB, JSON, OPENERS, PARQUET, TEXT, Unit, _compression, _suffix, kind_of
+from .inputs import CSV, FASTA, HUB, JSON, OPENERS, PARQUET, TEXT, Unit, compression_of, kind_of, kind_suffix
 
 BLOCK = 16 << 20  # bytes of text tokenized at a time
 BOM = b"\xef\xbb\xbf"
 
 
 def _open(path: str):
-    comp = _compression(path)
+    comp = compression_of(path)
     if comp == ".zst":
         try:
             import zstandard
@@ -76,7 +76,7 @@ def text_blocks(unit: Unit):
             f.seek(unit.start - 1)
             f.readline()  # the line under way belongs to the unit before
             pos = f.tell()
-        compressed = bool(_compression(unit.path))
+        compressed = bool(compression_of(unit.path))
         block = BLOCK if not compressed else 1 << 18
         while end < 0 or pos < end:
             try:
@@ -194,7 +194,7 @@ def _csv_texts(unit: Unit, text_field: str, counts: Counter):
     csv.field_size_limit(2**31 - 1)  # a document of any length (the default stops at 128 KiB)
     with _open(unit.path) as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
-        reader = csv.reader(text, delimiter="\t" if _suffix(unit.path) == ".tsv" else ",")
+        reader = csv.reader(text, delimiter="\t" if kind_suffix(unit.path) == ".tsv" else ",")
         header = next(reader, None)
         if header is None:
             raise ConfigError(f"--input {unit.path}: empty: no header line naming the column {text_field!r}")
@@ -264,7 +264,7 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _zstd_errors() -> tuple:
+def zstd_errors() -> tuple:
     try:
         import zstandard
     except ImportError:
@@ -272,7 +272,7 @@ def _zstd_errors() -> tuple:
     return (zstandard.ZstdError,)
 
 
-def _fields(paths: list[str]) -> list[str]:
+def first_fields(paths: list[str]) -> list[str]:
     """The fields of the first JSON-lines or parquet input (for the line that says none has --text-field): every key
     among its first 100 JSON objects, most common first, or its parquet columns; [] where there are none."""
     path = next((p for p in paths if kind_of(p) in (JSON, PARQUET)), None)
@@ -292,6 +292,6 @@ def _fields(paths: list[str]) -> list[str]:
                     continue
                 if isinstance(row, dict):
                     keys.update(row.keys())  # (a dict itself would add its values)
-    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, ConfigError, *_zstd_errors()):
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, ConfigError, *zstd_errors()):
         pass  # unreadable (pyarrow's errors are ValueError and OSError): the line goes without the fields
     return [k for k, _ in keys.most_common()]

@@ -22,8 +22,8 @@ import numpy as np
 
 from ..config.run import ConfigError, one_line
 from ..data.corpus import INDEX, Shard, dtype_for, partial, write_whole
-from .inputs import Unit, _read_json
-from .readers import _zstd_errors, documents
+from .inputs import Unit, record_or_empty
+from .readers import documents, zstd_errors
 
 MAX_SHARD_TOKENS = (1 << 32) - 1  # a document's end in its shard is a uint32
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -124,10 +124,10 @@ def _stamps(root: Path, shards: list[dict]) -> dict:
     return {str(f): [(st := f.stat()).st_size, st.st_mtime_ns] for f in files}
 
 
-def _write_changed(path: Path, value: dict, out: Path, indent: int | None = None) -> None:
+def write_changed(path: Path, value: dict, out: Path, indent: int | None = None) -> None:
     """`write_json`, unless the file holds `value` already: a rerun that does nothing writes nothing (a full disk
     does not stop it)."""
-    if _read_json(path) != value:
+    if record_or_empty(path) != value:
         write_json(path, value, out, indent)
 
 
@@ -151,7 +151,7 @@ def _guarded(blocks, unit: Unit, on_error: str, counts: Counter):
     the file, or with `--on-error skip` ends the unit there, counted."""
     try:
         yield from blocks
-    except (OSError, EOFError, UnicodeDecodeError, ValueError, lzma.LZMAError, csv.Error, *_zstd_errors()) as e:
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, lzma.LZMAError, csv.Error, *zstd_errors()) as e:
         if isinstance(e, OSError) and e.errno in FULL:
             raise
         row = sum(counts.values()) + 1

@@ -1,6 +1,6 @@
 """What a run continues from, checked before anything is loaded or written: the checkpoint --resume names
-(`_resume_target`) resumes only into the model it was saved from (`check_same_model`) and onto the data it trained on
-(`data_identity`, `_check_same_data`); model.init_from's export fits this run's model and tokenizer
+(`resume_checkpoint`) resumes only into the model it was saved from (`check_same_model`) and onto the data it trained on
+(`data_identity`, `check_data_unchanged`); model.init_from's export fits this run's model and tokenizer
 (`check_init_from`). The checkpoints themselves are `checkpoint.py`'s, the export `export.py`'s.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _stored_changes(plan: Plan, run_dir: Path) -> tuple[Path | None, list[str]]:
     return kept, differences(kept, now) if now is not None else []
 
 
-def _check_same_data(plan: Plan, found: Path, changed_ok: bool) -> None:
+def check_data_unchanged(plan: Plan, found: Path, changed_ok: bool) -> None:
     """Before a resume: the data prepared now is what checkpoint `found` trained on (its `data.json`). A checkpoint
     saved before checkpoints recorded their data: the tokenizer and statistics its run stored (RUN/data/) against
     those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused too (preparation
@@ -171,7 +171,7 @@ def _check_fits(plan: Plan, key: str, source: Path, raw: dict) -> None:
                       f"): start from a run of the same model settings")
 
 
-def _resume_target(resume: str, run_dir: Path, say: bool) -> Path | None:
+def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
     """The checkpoint --resume names: `auto`'s (None where the run saved none yet: it starts from step 0), or the
     latest of a run directory or its checkpoints/ folder, or a step_* checkpoint given."""
     from . import checkpoint

@@ -136,7 +136,7 @@ def never_trained(plan: Plan) -> bool:
                                     for p in run_dir.iterdir()) and not any(under(s) for s in given if s)
 
 
-def _check_replaceable(plan: Plan, overwrite: bool) -> None:
+def check_replaceable(plan: Plan, overwrite: bool) -> None:
     """A run directory that holds something, started anew: only with --overwrite, which deletes it, so only a run's
     own, never a folder named by mistake."""
     run_dir = plan.run_dir

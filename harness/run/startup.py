@@ -16,8 +16,8 @@ from ..config.run import ConfigError
 from ..distributed.world import launched_world_size
 from ..plan.resolve import Plan
 from .builds import clear_stale_build_locks
-from .continuity import _check_same_data, _resume_target, check_init_from, check_same_model
-from .directory import _check_replaceable, check_free_space, check_writable, never_trained
+from .continuity import check_data_unchanged, check_init_from, check_same_model, resume_checkpoint
+from .directory import check_free_space, check_replaceable, check_writable, never_trained
 from .machine import (FIT_CHECK_ENV, check_fits, check_kernel, check_nvme, check_precision, check_zeropp,
                       device_memory_bytes)
 from .nodes import shared_wait_s
@@ -49,16 +49,16 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         print(note, flush=True)
     if resume and overwrite:
         raise ConfigError(f"--resume {resume} and --overwrite: continue the run or replace it; name one")
-    found = _resume_target(resume, run_dir, launched_rank() == 0 and not under_launcher()) if resume else None
+    found = resume_checkpoint(resume, run_dir, launched_rank() == 0 and not under_launcher()) if resume else None
     if resume:
         if found is not None:
             checkpoint.check_records(found)  # what the checks below read: as it was saved
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
-            _check_same_data(plan, found, data_changed_ok)
+            check_data_unchanged(plan, found, data_changed_ok)
     elif run_dir.exists() and any(run_dir.iterdir()):
         if overwrite or not never_trained(plan):
-            _check_replaceable(plan, overwrite)
+            check_replaceable(plan, overwrite)
         elif launched_rank() == 0 and not under_launcher():
             print(f"note: {run_dir} holds only the start-up files of a run that never trained a step: replaced",
                   flush=True)
