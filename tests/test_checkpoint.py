@@ -608,6 +608,37 @@ def test_a_learning_rate_changed_on_resume_takes_effect_from_the_resumed_step(tm
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_optimizer_settings_changed_on_resume_take_effect_and_another_optimizer_is_refused(tmp_path, corpus):
+    """torch's load_state_dict takes the groups' settings from the checkpoint: a weight decay or beta changed on resume
+    had been silently the saved one (while config.toml said the new one). Resumed with them changed, a ZeRO-2 run
+    says so, trains apart from one resumed as saved, and saves the new settings; SGD over AdamW's state is refused
+    before launch in one line (it had stopped at its first step: KeyError 'momentum')."""
+    from safetensors.torch import load_file
+
+    flat = ["schedule.kind=\"constant\"", "schedule.warmup_steps=0", "train.eval_every=0", "train.max_steps=4",
+            "optimizer.weight_decay=0.5"]
+    harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--stop-at", "2"])
+    for name in ("changed", "sgd"):
+        shutil.copytree(tmp_path / "same", tmp_path / name)
+    same = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto"])
+    changed = harness(tmp_path / "changed", corpus, ds="zero2.json",
+                      sets=[*flat, "optimizer.weight_decay=0.0", "optimizer.beta2=0.9"], args=["--resume", "auto"])
+    assert "the optimizer's settings are this run's from step 3: weight_decay 0 (the checkpoint's run had 0.5); " \
+           "betas (0.9, 0.9) (the checkpoint's run had (0.9, 0.95))" in changed.proc.stdout
+    assert "optimizer's settings" not in same.proc.stdout
+    before, after = load_file(str(same.dir / "model.safetensors")), load_file(str(changed.dir / "model.safetensors"))
+    assert not all(torch.equal(before[k], after[k]) for k in before)
+    saved = torch.load(next((changed.dir / "checkpoints" / "step_00000004").glob("*optim_states.pt")),
+                       weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert {g["weight_decay"] for g in saved} <= {0.0} and {tuple(g["betas"]) for g in saved} == {(0.9, 0.9)}
+    sgd = harness(tmp_path / "sgd", corpus, ds="zero2.json", sets=[*flat, "optimizer.name=\"sgd\""],
+                  args=["--resume", "auto"], check=False)
+    assert sgd.proc.returncode == 2, sgd.proc.stderr[-2000:]
+    assert sgd.proc.stderr.strip().splitlines()[-1].startswith(
+        f"harness: error: --resume {tmp_path / 'sgd' / 'checkpoints' / 'step_00000002'}: holds the state of AdamW; "
+        f"this run's optimizer is SGD, from optimizer.name = 'sgd' (command line), which cannot take it up.")
+
+
 def test_checksums_split_the_bytes_evenly_and_name_the_piece_that_changed(tmp_path, monkeypatch):
     """The ranks hash shares of equal bytes, a file far larger than the rest in pieces (one ZeRO-0 file holds every
     weight and optimizer state: one rank had hashed it alone while the others waited); a changed byte is found in

@@ -98,6 +98,12 @@ class DSResolved:
     optimizer_state: tuple[float, str] = (8.0, "AdamW")  # its state's bytes per parameter, its name (state_bytes)
 
     @property
+    def optimizer_kind(self) -> str:
+        """The optimizer whose state a checkpoint holds: the type DeepSpeed builds from the file's section, else the
+        harness's AdamW or SGD. A state loads only into its own kind (`checkpoint.reshape`)."""
+        return self.sections.optimizer["type"] if self.sections.optimizer else self.optimizer_state[1]
+
+    @property
     def loop_norms(self) -> bool:
         """ZeRO-0 in fp32 (or bf16 by autocast, which keeps fp32 weights and gradients) without model parallelism
         keeps no gradient norm: the loop computes it (and clips), once, instead of DeepSpeed's own clipping pass plus

@@ -121,6 +121,33 @@ def place_schedule(schedule, step: int) -> None:
         schedule.last_batch_iteration = step - 1  # DeepSpeed's: -1 when built
 
 
+def group_settings(optimizer) -> list[dict]:
+    """The settings of `optimizer`'s groups as this run built them, all but their parameters and the lr (the
+    schedule's): what `follow_config_settings` sets again once a checkpoint is loaded."""
+    return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+
+
+def follow_config_settings(optimizer, built: list[dict]) -> list[str]:
+    """After a resume: the optimizer's settings of the run config (weight decay, betas, eps, momentum), not the
+    checkpoint's: torch's load_state_dict takes every group's settings from the checkpoint, so a weight decay or a
+    beta changed on resume was silently the saved one. `built`: `group_settings` before the load. Returns "KEY NOW
+    (the checkpoint's run had THEN)" for each that changed (before `follow_config_lr`, whose DeepSpeed scheduler
+    may set momentum or betas at the step)."""
+    changed: dict[str, tuple] = {}
+    for group, mine in zip(optimizer.param_groups, built):
+        for key, value in mine.items():
+            if key in group and group[key] != value:
+                changed.setdefault(key, (value, group[key]))
+            group[key] = value
+    return [f"{key} {_plain(now)} (the checkpoint's run had {_plain(then)})" for key, (now, then) in changed.items()]
+
+
+def _plain(value):
+    """A setting as a note says it: 0.1, (0.9, 0.95)."""
+    return f"({', '.join(f'{v:g}' for v in value)})" if isinstance(value, (tuple, list)) else \
+        f"{value:g}" if isinstance(value, float) else repr(value)
+
+
 def follow_config_lr(schedule, lr: float) -> tuple[float, float] | None:
     """After a resume: the learning rate of the run config, not the checkpoint's. DeepSpeed restores the schedule's
     state, whose base lr is the saved run's (the schedule's shape, a function of the run config, is not saved), and

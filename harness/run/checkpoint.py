@@ -149,7 +149,7 @@ def layout_of(ds) -> dict[str, Any]:
             "sp_size": ds.layout.sp_size, "zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer,
             "offload_params": ds.offload_params,
             "weights": _weights(ds.precision, ds.autocast), "global_batch": ds.global_batch_size,
-            "schedule": schedule_kind(ds)}
+            "schedule": schedule_kind(ds), "optimizer": ds.optimizer_kind}
 
 
 def schedule_kind(ds) -> str:

@@ -1,7 +1,8 @@
 """What a run continues from, checked before anything is loaded or written: the checkpoint --resume names
-(`resume_checkpoint`) resumes only into the model it was saved from (`check_same_model`) and onto the data it trained on
-(`data_identity`, `check_data_unchanged`); model.init_from's export fits this run's model and tokenizer
-(`check_init_from`). The checkpoints themselves are `checkpoint.py`'s, the export `export.py`'s.
+(`resume_checkpoint`) resumes only into the model and the optimizer it was saved from (`check_same_model`,
+`check_same_optimizer`) and onto the data it trained on (`data_identity`, `check_data_unchanged`); model.init_from's
+export fits this run's model and tokenizer (`check_init_from`). The checkpoints themselves are `checkpoint.py`'s,
+the export `export.py`'s.
 """
 from __future__ import annotations
 
@@ -61,6 +62,23 @@ def check_same_model(plan: Plan, found: Path) -> None:
     raise ConfigError(f"--resume {found}: its model is not this run's ({'; '.join(keys) or 'the data it was built for'}"
                       f"; {params}): resume with the settings and code it was saved with, or start a new run "
                       f"(--overwrite, or another run.output_dir)")
+
+
+def check_same_optimizer(plan: Plan, found: Path) -> None:
+    """A checkpoint's optimizer state loads only into the optimizer that saved it (its groups' settings and state by
+    name: another one had stopped at its first step, e.g. KeyError 'momentum' for SGD after AdamW). Refused in one
+    line; a checkpoint saved before layout.json named its optimizer is left to DeepSpeed's load."""
+    from . import checkpoint
+
+    saved, ds = (checkpoint.saved_layout(found) or {}).get("optimizer"), plan.ds
+    if not isinstance(saved, str) or saved.lower() == ds.optimizer_kind.lower():
+        return
+    where = f"DeepSpeed's optimizer section, {ds.origin}" if ds.sections.optimizer else \
+        plan.run.describe("optimizer.name")
+    raise ConfigError(f"--resume {found}: holds the state of {saved}; this run's optimizer is {ds.optimizer_kind}, "
+                      f"from {where}, which cannot take it up. Resume with the optimizer it was saved with, or start a "
+                      f"new run with this one from its exported weights (a run exports as it finishes): "
+                      f"model.init_from = its run directory, with another run.output_dir")
 
 
 def data_identity(plan: Plan) -> dict | None:

@@ -26,7 +26,7 @@ from .. import console
 from ..console import progress
 from ..data.corpus import is_corpus
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
-from ..distributed.optim import follow_config_lr
+from ..distributed.optim import follow_config_lr, follow_config_settings, group_settings
 from ..distributed.parallel import (
     build_engine,
     full_state_dict,
@@ -368,10 +368,13 @@ def _data(plan: Plan, world: World, resume_from: Path | None) -> tuple:
 def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) -> tuple[dict, list[str]]:
     """The checkpoint loaded (converted once to DeepSpeed's universal format for another data-parallel size or ZeRO
     stage); its client state."""
+    built = group_settings(schedule.optimizer)
     state = checkpoint.load_onto(engine, resume_from, plan.run_dir, plan.ds, world)
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
     notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds, "data_position" in state)) else []
+    if changed := follow_config_settings(schedule.optimizer, built):
+        notes.append(f"the optimizer's settings are this run's from step {state['step'] + 1}: {'; '.join(changed)}")
     was, kind = checkpoint.saved_schedule(resume_from), checkpoint.schedule_kind(plan.ds)
     if was and was != kind:  # (its state is its step: checkpoint.load)
         notes.append(f"the lr schedule is {kind} from step {state['step'] + 1} (the checkpoint's run had {was})")

@@ -16,7 +16,8 @@ from ..config.run import ConfigError
 from ..distributed.world import launched_world_size
 from ..plan.resolve import Plan
 from .builds import clear_stale_build_locks
-from .continuity import check_data_unchanged, check_init_from, check_same_model, resume_checkpoint
+from .continuity import (check_data_unchanged, check_init_from, check_same_model, check_same_optimizer,
+                         resume_checkpoint)
 from .directory import check_free_space, check_replaceable, check_writable, never_trained
 from .machine import (FIT_CHECK_ENV, check_fits, check_kernel, check_nvme, check_precision, check_zeropp,
                       device_memory_bytes)
@@ -55,6 +56,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
             checkpoint.check_records(found)  # what the checks below read: as it was saved
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
+            check_same_optimizer(plan, found)
             check_data_unchanged(plan, found, data_changed_ok)
     elif run_dir.exists() and any(run_dir.iterdir()):
         if overwrite or not never_trained(plan):
