@@ -137,6 +137,10 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])
     assert "holds no checkpoint (its run stopped before it saved one); starting from step 0" in again.proc.stdout
     assert [m["step"] for m in again.metrics] == [1, 2, 3]
+    # and where no run is (a mistyped run.output_dir had started a new run without a word)
+    fresh = harness(tmp_path / "typo", corpus, sets=["train.max_steps=1"], args=["--resume", "auto"])
+    assert f"note: --resume auto: no run in {tmp_path / 'typo'} yet (it does not exist); starting from step 0" \
+        in fresh.proc.stdout
 
 
 def test_zero3_export_loads_into_a_plain_model_with_the_same_outputs(cached_run, tmp_path):

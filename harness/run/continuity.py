@@ -196,9 +196,11 @@ def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
 
     if resume == "auto":
         found = checkpoint.resume_target(run_dir / "checkpoints", say)
-        if found is None and (run_dir / "metrics.jsonl").is_file() and say:
-            print(f"note: --resume auto: {run_dir} holds no checkpoint (its run stopped before it saved one); "
-                  f"starting from step 0", flush=True)
+        if found is None and say:  # (a mistyped run.output_dir had started a new run without a word)
+            why = f"{run_dir} holds no checkpoint (its run stopped before it saved one)" if \
+                (run_dir / "metrics.jsonl").is_file() else f"no run in {run_dir} yet" + \
+                ("" if run_dir.exists() else " (it does not exist)")
+            print(f"note: --resume auto: {why}; starting from step 0", flush=True)
         return found
     path = Path(resume)
     found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
