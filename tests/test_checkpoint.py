@@ -78,7 +78,7 @@ def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_bes
     assert abs(val_loss_of_export(alone.dir) - best["loss"]) < 1e-5
 
 
-def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
+def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus, capsys):
     first = harness(tmp_path / "run", corpus, sets=["train.max_steps=2"])
     before = (first.dir / "metrics.jsonl").read_text()
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=2"], check=False)
@@ -132,6 +132,19 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus):
     with pytest.raises(ConfigError, match=r"scored or the new data read \(this run's are data.format, "
                                           r"data.text_field\); data.seq_len is what the run trained with"):
         evaluate_data(first.dir, tmp_path / "held.txt", sets=["data.seq_len=64"])
+    # a file of the same name elsewhere replaces its entry, said; a run directory that cannot take eval.json (a
+    # colleague's, read-only) keeps the scores given (it had ended in a traceback once they were made)
+    (tmp_path / "d2").mkdir()
+    shutil.copy(tmp_path / "held.txt", tmp_path / "d2" / "held.txt")
+    evaluate_data(first.dir, tmp_path / "held.txt")
+    capsys.readouterr()
+    evaluate_data(first.dir, tmp_path / "d2" / "held.txt")
+    assert f"note: {first.dir / 'eval.json'}: the entry 'held.txt' held the scores of {tmp_path / 'held.txt'}; now " \
+           f"{tmp_path / 'd2' / 'held.txt'}'s (--name NAME keeps both)" in capsys.readouterr().err
+    (first.dir / ".eval.json.tmp").mkdir()  # (a write that fails: root writes through a read-only mode)
+    assert evaluate_run(first.dir, "validation") == scored
+    assert f"note: the scores are not recorded in {first.dir / 'eval.json'}: " in capsys.readouterr().err
+    (first.dir / ".eval.json.tmp").rmdir()
     # --resume auto where the run saved nothing (its checkpoints gone here): said, and trained from step 0
     shutil.rmtree(first.dir / "checkpoints")
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])

@@ -97,12 +97,23 @@ def _model(run_dir: Path, task) -> torch.nn.Module:
 
 
 def _record(run_dir: Path, entries: dict[str, dict]) -> None:
+    """The entries added to RUN/eval.json, replacing those of their names; an entry of other data under the same name
+    (a file of the same name elsewhere) is said. A run directory that cannot be written (a colleague's, read-only)
+    keeps its eval.json, said: the scores are still given."""
     path = run_dir / RESULTS
     results = json.loads(path.read_text()) if path.is_file() else {}
+    for key, entry in entries.items():
+        before = results.get(key)
+        if isinstance(before, dict) and before.get("data") not in (None, entry.get("data")):
+            print(f"note: {path}: the entry {key!r} held the scores of {before['data']}; now {entry['data']}'s "
+                  f"(--name NAME keeps both)", file=sys.stderr, flush=True)
     results.update(entries)
     tmp = path.with_name(f".{RESULTS}.tmp")
-    tmp.write_text(json.dumps(_strict(results), indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(_strict(results), indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        print(f"note: the scores are not recorded in {path}: {e.strerror or e}", file=sys.stderr, flush=True)
 
 
 def _strict(value):
