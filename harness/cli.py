@@ -284,6 +284,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png for one run; for several, "
                     "compare.png beside the first run directory")
+    pl.add_argument("--x", choices=("step", "samples"), default="step", help="draw against the optimizer step, or the "
+                    "samples read by then (runs of other global batches compared by the data they read)")
     r = sub.add_parser("results", help="regenerate the tables of docs/benchmarks.md from their files under results/")
     r.add_argument("--check", action="store_true", help="only check that docs/benchmarks.md matches the result files")
     dc = sub.add_parser("docs", help="re-measure the figures the README and docs state, each by the command stated "
@@ -625,7 +627,7 @@ def _export(args) -> int:
 def _plot(args) -> int:
     from .run.plots import default_out, plot
 
-    print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs))}")
+    print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs), args.x)}")
     return 0
 
 

@@ -229,10 +229,22 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     assert main(["plot", str(run.dir), str(other), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     both = {p["title"]: p["lines"] for p in curves([run.dir, other])}
-    assert list(both["training loss"]) == [str(run.dir), str(other)]
-    assert both["training loss"][str(other)][0][1] == 2 * both["training loss"][str(run.dir)][0][1]
+    assert list(both["training loss"]) == ["run", "other"]  # named by what tells them apart (not their whole paths)
+    assert both["training loss"]["other"][0][1] == 2 * both["training loss"]["run"][0][1]
+    (tmp_path / "b").mkdir()
+    shutil.copytree(run.dir, tmp_path / "b" / "run")
+    assert list(curves([run.dir, tmp_path / "b" / "run"])[0]["lines"]) == [f"{tmp_path.name}/run", "b/run"]
+    # against the samples read: each record's samples_seen, an evaluation's from the records around its step
+    by_samples = {p["title"]: p["lines"]["run"] for p in curves([run.dir], x="samples")}
+    batch = run.metrics[0]["samples_seen"] // run.metrics[0]["step"]
+    assert by_samples["training loss"] == [(m["samples_seen"], m["loss_avg"]) for m in run.metrics]
+    assert [n for n, _ in by_samples["validation loss"]] == [3 * batch, 6 * batch]
+    assert main(["plot", str(run.dir), str(other), "--x", "samples", "--out", str(out)]) == 0
     assert main(["plot", str(tmp_path / "none"), "--out", str(out)]) == 2  # nothing to draw: one line, exit 2
     assert main(["plot", str(run.dir), str(tmp_path / "typo"), "--out", str(out)]) == 2  # not one of two, silently
+    assert main(["plot", str(run.dir), str(tmp_path / "b"), "--out", str(out)]) == 2  # a folder that is no run
+    assert f"{tmp_path / 'b'}: no run directory (none of config.toml, metrics.jsonl, eval.jsonl there)" in \
+        capsys.readouterr().err
     assert main(["plot", str(run.dir), str(run.dir / ".." / "run"), "--out", str(out)]) == 2  # one run, two names
     assert "is named twice: name each run once" in capsys.readouterr().err
     png.unlink()

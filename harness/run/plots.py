@@ -1,10 +1,11 @@
 """A run's curves as a picture: `RUN/curves.png` at the end of every run (rank 0, `logging.plots`), and
 `harness plot RUN... --out FILE.png` to overlay several runs.
 
-Four panels against the optimizer step: the training loss and the learning rate (`metrics.jsonl`), the validation
-loss and the task's own metric (`eval.jsonl`: BLEU, Q3, accuracy, MSE... whichever the run's evaluations hold,
-the first of `METRICS` found, else the first other figure). An evaluation made only at the end is one marked point.
-Every line is in the legend, a single run's too. The validation panels mark the step `train.select_best` chose
+Four panels against the optimizer step (or the samples read, `--x samples`): the training loss and the learning rate
+(`metrics.jsonl`), the validation loss and the task's own metric (`eval.jsonl`: BLEU, Q3, accuracy, MSE... whichever
+the run's evaluations hold, the first of `METRICS` found, else the first other figure). An evaluation made only at
+the end is one marked point. Every line is in the legend, a single run's too, named by its directory (and the
+folders above it that tell the runs apart). The validation panels mark the step `train.select_best` chose
 (RUN/best.json) with a dotted line; the metric's panel draws the baselines the evaluations report beside it (the
 figure `NAME_METRIC`, e.g. persistence_mse, copy_source_bleu) as dashed lines at their last value.
 """
@@ -20,6 +21,7 @@ from .tracking import read_jsonl
 PLOT_FILE = "curves.png"
 METRICS = ("bleu", "q3", "spearman", "auroc", "accuracy", "masked_accuracy", "mse", "perplexity", "bits_per_byte")
 _SKIP = {"step", "loss", "epoch"}
+RUN_RECORDS = ("config.toml", "metrics.jsonl", "eval.jsonl")
 
 
 def task_metric(evals: list[dict]) -> str | None:
@@ -28,9 +30,15 @@ def task_metric(evals: list[dict]) -> str | None:
     return next((m for m in METRICS if m in keys), keys[0] if keys else None)
 
 
-def curves(run_dirs: list[str | Path]) -> list[dict]:
-    """Per panel: its title and, per run, the (steps, values) to draw; a panel no run has data for is left out."""
+AXES = {"step": "step", "samples": "samples seen"}  # --x: what the curves are drawn against
+
+
+def curves(run_dirs: list[str | Path], x: str = "step") -> list[dict]:
+    """Per panel: its title and, per run, the (x, values) to draw; a panel no run has data for is left out. `x`:
+    "step", or "samples" (the samples read by then: runs of other global batches compared by the data they read; an
+    evaluation's from the records around its step)."""
     runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
+    names = run_names([d for d, _, _ in runs])
     metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
     panels = [("training loss", "loss", 1), ("learning rate", "lr", 1), ("validation loss", "loss", 2)]
     if metric:
@@ -38,26 +46,52 @@ def curves(run_dirs: list[str | Path]) -> list[dict]:
     out = []
     for title, key, source in panels:
         lines, best, baselines = {}, {}, {}
-        for run_dir, metrics, evals in runs:
-            name = run_dir.name if len(runs) == 1 else str(run_dir)
+        for (run_dir, metrics, evals), name in zip(runs, names):
             rows = metrics if source == 1 else evals
+            at = _samples_at(metrics) if x == "samples" else lambda step: step
             # the training loss: the mean over the steps each record stands for (a record written before records
             # had one: its step's own)
             value = (lambda r: r.get("loss_avg", r.get("loss"))) if title == "training loss" else \
                 (lambda r: r.get(key))
-            points = [(r["step"], value(r)) for r in rows
+            points = [(at(r["step"]), value(r)) for r in rows
                       if isinstance(value(r), (int, float)) and isinstance(r.get("step"), (int, float))]
+            points = [(where, v) for where, v in points if where is not None]
             if points:
                 lines[name] = points
             chosen = _best(run_dir) if source == 2 else {}
-            if isinstance(chosen.get("step"), int):
-                best[name] = chosen["step"]
+            if isinstance(chosen.get("step"), int) and at(chosen["step"]) is not None:
+                best[name] = at(chosen["step"])
             if source == 2 and key == metric:
                 for b, v in baselines_of(evals[-1] if evals else {}, metric).items():
                     baselines[f"{b}{'' if len(runs) == 1 else f' ({name})'}"] = v
         if lines:
             out.append({"title": title, "key": key, "lines": lines, "best": best, "baselines": baselines})
     return out
+
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in a legend: its directory's name, with as many folders above it as tell the runs apart."""
+    parts = [Path(d).resolve().parts for d in run_dirs]
+    for n in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(p[-n:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in run_dirs]
+
+
+def _samples_at(metrics: list[dict]):
+    """step -> the samples read by its end, from the records' samples_seen: exact at a record's step, else along the
+    line between the records around it (the global batch between them); None outside the records."""
+    known = sorted({r["step"]: r["samples_seen"] for r in metrics if isinstance(r.get("step"), (int, float))
+                    and isinstance(r.get("samples_seen"), (int, float))}.items())
+
+    def at(step):
+        after = next((i for i, (s, _) in enumerate(known) if s >= step), None)
+        if after is None:
+            return None
+        (s1, n1), (s0, n0) = known[after], known[after - 1] if after else (0, 0)
+        return n1 if s1 == step else n0 + (n1 - n0) * (step - s0) / (s1 - s0)
+    return at
 
 
 def _best(run_dir: Path) -> dict:
@@ -75,6 +109,9 @@ def _check(run_dirs: list[str | Path], out: Path) -> None:
     missing = [str(d) for d in run_dirs if not Path(d).is_dir()]
     if missing:  # one run drawn without the other, silently, had looked like a comparison
         raise ConfigError(f"no such run directory: {', '.join(missing)}")
+    stray = [str(d) for d in run_dirs if not any((Path(d) / f).is_file() for f in RUN_RECORDS)]
+    if stray and len(run_dirs) > 1:  # (alone: "nothing to draw")
+        raise ConfigError(f"{', '.join(stray)}: no run directory (none of {', '.join(RUN_RECORDS)} there)")
     resolved = [Path(d).resolve() for d in run_dirs]
     twice = next((str(d) for d, r in zip(run_dirs, resolved) if resolved.count(r) > 1), None)
     if twice is not None:  # drawn once, under one name: it had looked like two runs that agree
@@ -108,8 +145,8 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return first / PLOT_FILE if len(run_dirs) == 1 else first.parent / "compare.png"
 
 
-def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """Draw the runs' curves into a PNG; returns its path."""
+def plot(run_dirs: list[str | Path], out: str | Path, x: str = "step") -> Path:
+    """Draw the runs' curves into a PNG, against `x` (`curves`); returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +155,7 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
 
     out = Path(out)
     _check(run_dirs, out)
-    panels = curves(run_dirs)
+    panels = curves(run_dirs, x)
     if not panels:
         raise ConfigError(f"nothing to draw: no metrics.jsonl or eval.jsonl with figures in "
                           f"{', '.join(map(str, run_dirs))}")
@@ -130,12 +167,12 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
             steps, values = zip(*points)
             ax.plot(steps, values, marker="o" if len(points) < 3 else None, label=label)
         for label, step in panel["best"].items():
-            ax.axvline(step, linestyle=":", color="gray", label=f"best, step {step}" + (
-                f" ({label})" if len(panel["best"]) > 1 else ""))
+            ax.axvline(step, linestyle=":", color="gray", label=f"best, {x} {step:,.0f}" + (
+                f" ({label})" if len(panel["lines"]) > 1 else ""))
         for label, value in panel["baselines"].items():
             ax.axhline(value, linestyle="--", linewidth=1, color="black", alpha=0.6, label=f"{label}: {value:.4g}")
         ax.set_title(panel["title"])
-        ax.set_xlabel("step")
+        ax.set_xlabel(AXES[x])
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (a run of few steps had ticks at 0.96, 1.04)
         ax.set_ylabel(panel["key"] if panel["key"] != "lr" else "learning rate")
         ax.legend(fontsize="small")
