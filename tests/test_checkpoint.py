@@ -418,6 +418,16 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert "at step 3" in other.proc.stdout
     assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
     assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
+    # again into that directory, which holds a run of its own now: refused (the two runs' records had mixed)
+    before = (other.dir / "metrics.jsonl").read_text()
+    again = harness(tmp_path / "b", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.save_every=3"],
+                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")], check=False)
+    assert again.proc.returncode == 2 and again.proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: --resume {run.dir / 'checkpoints' / 'step_00000003'}: another run's checkpoint, into "
+        f"{other.dir}, which holds a run of its own (metrics.jsonl, eval.jsonl, checkpoints up to step_{steps:08d}): "
+        f"the two runs' records would mix. --resume auto continues its own run; to go on from step_00000003, name a "
+        f"new run.output_dir"), again.proc.stderr[-2000:]
+    assert (other.dir / "metrics.jsonl").read_text() == before
     assert "| CPU threads 1 (OMP_NUM_THREADS) |" in run.proc.stdout  # the tests' launcher environment sets it
     # --resume auto on the finished run: said, and nothing evaluated, exported, logged or written again (other
     # settings on the command line included: config.toml stays the record of the run that made the weights)

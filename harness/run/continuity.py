@@ -81,6 +81,26 @@ def check_same_optimizer(plan: Plan, found: Path) -> None:
                       f"model.init_from = its run directory, with another run.output_dir")
 
 
+def check_history(plan: Plan, found: Path) -> None:
+    """Another run's checkpoint resumes only into a run directory with no history of its own: its records and
+    checkpoints had been kept, and the resumed run's added to them (one run's curves over two runs' steps, its
+    checkpoints beside the other's). Refused in one line; this run's own checkpoints resume (an earlier one too)."""
+    from . import checkpoint
+
+    run_dir, own = plan.run_dir, plan.run_dir / "checkpoints"
+    if found.parent.resolve() == own.resolve():
+        return
+    held = [name for name in ("metrics.jsonl", "eval.jsonl") if (run_dir / name).is_file()]
+    latest = checkpoint.latest(own)
+    if latest is not None:
+        held.append(f"checkpoints up to {latest.name}")
+    if held:
+        resume = "--resume auto continues its own run; " if latest is not None else ""
+        raise ConfigError(f"--resume {found}: another run's checkpoint, into {run_dir}, which holds a run of its own "
+                          f"({', '.join(held)}): the two runs' records would mix. {resume}to go on from {found.name}, "
+                          f"name a new run.output_dir")
+
+
 def data_identity(plan: Plan) -> dict | None:
     """What a checkpoint records of the data, so that a resume on other data is refused: a prepared corpus's path and
     fingerprint (the task's `data_identity`), else the content of the directory its `prepare` gives (a case study's

@@ -16,8 +16,8 @@ from ..config.run import ConfigError
 from ..distributed.world import launched_world_size
 from ..plan.resolve import Plan
 from .builds import clear_stale_build_locks
-from .continuity import (check_data_unchanged, check_init_from, check_same_model, check_same_optimizer,
-                         resume_checkpoint)
+from .continuity import (check_data_unchanged, check_history, check_init_from, check_same_model,
+                         check_same_optimizer, resume_checkpoint)
 from .directory import check_free_space, check_replaceable, check_writable, never_trained
 from .machine import (FIT_CHECK_ENV, check_fits, check_kernel, check_nvme, check_precision, check_zeropp,
                       device_memory_bytes)
@@ -54,6 +54,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     if resume:
         if found is not None:
             checkpoint.check_records(found)  # what the checks below read: as it was saved
+            check_history(plan, found)
             checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             check_same_optimizer(plan, found)
