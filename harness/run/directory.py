@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,10 @@ def check_writable(run_dir: Path, described: str) -> None:
         raise ConfigError(f"{described}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{described}: cannot write in {existing}")
+    try:  # a folder made and removed: what access() grants root is not what /proc, /sys or a full quota allow
+        os.rmdir(tempfile.mkdtemp(prefix=".harness-probe-", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"{described}: cannot write in {existing} ({e.strerror or e})") from None
 
 
 def checkpoint_bytes_per_param(plan: Plan) -> tuple[float, str]:
