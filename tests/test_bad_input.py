@@ -402,10 +402,11 @@ def test_overwrite_clears_only_a_run_directory(tmp_path, corpus, no_process_grou
     folder = tmp_path / "project"
     (folder / "src").mkdir(parents=True)
     (folder / "notes.md").write_text("mine\n")
+    (folder / "eval.json").write_text("{}")  # a run's name among them: not said to be what a run does not write
     args = ["train", S, f"data.path={json.dumps(str(corpus))}", *TWO_STEPS, "--overwrite"]
     assert main([*args, S, f"run.output_dir={json.dumps(str(folder))}"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--overwrite replaces a run directory" in line and "it holds notes.md, src" in line, line
+    assert "--overwrite replaces a run directory" in line and "it holds notes.md, src, which a run" in line, line
     assert (folder / "notes.md").read_text() == "mine\n" and (folder / "src").is_dir()
     for left in (["config.toml", ".lock"], ["checkpoints/", "metrics.jsonl", ".ranks/"]):  # what a crash may leave
         run = tmp_path / f"run{len(left)}"  # (the second: an --overwrite interrupted after its config.toml went)

@@ -150,7 +150,7 @@ def check_replaceable(plan: Plan, overwrite: bool) -> None:
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
                           f"run.output_dir")
     if not is_run_dir(run_dir):
-        names = sorted(p.name for p in run_dir.iterdir())
+        names = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)  # (a run's own: not named)
         held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
                           f"{run_dir} is not one (no config.toml, and it holds {held}, which a run does not write): it "
