@@ -404,7 +404,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
     assert (stopped.dir / "checkpoints" / "latest").read_text().strip() == f"step_{first_bad - 2:08d}"
 
 
-def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
+def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus, capsys):
     run = harness(tmp_path / "a", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.eval_every=2",
                                                 "train.eval_batches=1", "train.save_every=3"])
     per_epoch = int(run.proc.stdout.split(" per epoch;")[0].rsplit("(", 1)[1])
@@ -412,6 +412,15 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus):
     assert steps > 3, per_epoch  # room for a checkpoint at 3 and steps after it
     assert f"steps 0->{steps} " in run.proc.stdout and len(run.metrics) == steps
     assert [e["step"] for e in run.evals] == list(range(2, steps, 2)) + [steps]
+    # `harness evaluate` scores the whole split its evaluations in training read one global batch of: said
+    from harness.eval.evaluate import evaluate_run
+
+    capsys.readouterr()
+    whole = evaluate_run(run.dir, "validation")
+    assert whole["loss"] != pytest.approx(run.evals[-1]["loss"], rel=1e-6)
+    assert re.search(r"note: the run's evaluations in training read 4 of the [\d,]+ validation samples \("
+                     r"train.eval_batches = 1 global batches of 4\); this scores all of them, so its figures differ "
+                     r"from eval.jsonl's and best.json's", capsys.readouterr().err)
     # --resume DIR: start a new run directory from another run's checkpoint
     other = harness(tmp_path / "b", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.save_every=3"],
                     args=["--resume", str(run.dir / "checkpoints" / "step_00000003")])

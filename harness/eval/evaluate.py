@@ -168,9 +168,24 @@ def score_run(run_dir: str | Path, split: str | None, periods: int | None = None
         if samples is None:
             raise ConfigError(f"{run_dir}: task {cfg.run.task!r} builds no test split (its build_data gives training "
                               f"and validation data): score --split validation, or new data with --data")
+        _note_cap(run_dir, cfg, split, len(samples))
         metrics = loss_metrics(task, model, cfg, samples, world)
     _record(run_dir, {split: metrics})
     return split, metrics
+
+
+def _note_cap(run_dir: Path, cfg: RunConfig, split: str, n: int) -> None:
+    """A line where the run's evaluations in training read part of the split (train.eval_batches): this scores all
+    of it, so its figures differ from eval.jsonl's and best.json's."""
+    try:
+        batch = json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    read = cfg.train.eval_batches * batch if isinstance(batch, int) else 0
+    if split == "validation" and 0 < read < n:
+        print(f"note: the run's evaluations in training read {read:,} of the {n:,} validation samples "
+              f"(train.eval_batches = {cfg.train.eval_batches} global batches of {batch}); this scores all of them, "
+              f"so its figures differ from eval.jsonl's and best.json's", file=sys.stderr, flush=True)
 
 
 def loss_metrics(task, model, cfg: RunConfig, samples, world) -> dict[str, float]:
