@@ -548,6 +548,11 @@ def test_best_checkpoint_is_exported_and_early_stopping_stops_the_same_after_a_r
     more = harness(tmp_path / "run", corpus, sets=[*BEST, "train.max_steps=40"], args=["--resume", "auto"])
     assert f"the run stopped early at step {stop} (no improvement of validation loss" in more.proc.stdout
     assert "of 40 and exported" in more.proc.stdout and "raise train.early_stopping_patience" in more.proc.stdout
+    # resumed selecting the other way: its best is left behind, said (it had started over without a word)
+    other = harness(tmp_path / "other", corpus, sets=[*BEST, "train.select_mode=\"min\""],
+                    args=["--resume", str(ckpts / names[1])])
+    assert f"note: train.select_best selects by loss (min) here, where the checkpoint's run selected by loss (max; " \
+           f"best {best:.6g} at step {best_step}): the best is tracked anew from step {stop}" in other.proc.stdout
 
 
 def test_select_mode_auto_minimises_errors_and_maximises_scores():

@@ -230,6 +230,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     state, notes = _resume(plan, world, engine, schedule, resume_from, say) if resume_from is not None else ({}, [])
     start_step = state.get("step", 0)
     selection = Selection.start(cfg.train, every.patience, state.get("selection"))  # train.select_best, or None
+    notes += [note] if (note := Selection.resumed_note(cfg.train, state.get("selection"), start_step)) else []
     if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
         early = selection.why_stopped() if selection and selection.stopped_at and start_step < max_steps else None
         finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps, early)

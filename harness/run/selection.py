@@ -57,6 +57,23 @@ class Selection:
         s.stopped_at = saved["stopped_at"] if s.patience and s.since >= s.patience else 0  # more patience: go on
         return s
 
+    @staticmethod
+    def resumed_note(t: TrainSection, saved: dict | None, step: int) -> str | None:
+        """A line where a resume selects by another metric or direction than the checkpoint's run (its best is then
+        left behind), or selects nothing now; None where it goes on with the same."""
+        if not saved:
+            return None
+        then = f"{saved['metric']} ({saved['mode']}; best {saved['value']:.6g} at step {saved['step']})" \
+            if saved.get("value") is not None else f"{saved['metric']} ({saved['mode']})"
+        if not t.select_best:
+            return f"note: train.select_best is off here, where the checkpoint's run selected by {then}: the export " \
+                   f"is the last step's"
+        now = (metric_key(t.select_best), direction(t.select_best, t.select_mode))
+        if now == (saved["metric"], saved["mode"]):
+            return None
+        return f"note: train.select_best selects by {now[0]} ({now[1]}) here, where the checkpoint's run selected by " \
+               f"{then}: the best is tracked anew from step {step + 1}"
+
     def state(self) -> dict:
         return asdict(self)
 
