@@ -184,6 +184,8 @@ CASES = [
     ("data-whitespace", [S, "data.path=@blank.jsonl"], None, None, "blank.jsonl: the file holds only whitespace"),
     ("data-header-only", [S, "data.path=@header.csv"], None, None, "header.csv: only a header (text, label)"),
     ("data-no-column", [S, "data.path=@columns.csv"], None, None, "columns.csv: no column 'text'"),
+    ("text-field-on-plain-text", [S, "data.path=@one.txt", S, 'data.text_field="body"'], None, None,
+     "data.text_field = 'body' names a field of json or csv rows, and "),
     ("data-no-json-field", [S, "data.path=@body.jsonl"], None, None, "has a text 'text' field (data.text_field); "
      "fields found: body"),
     ("data-one-row", [S, "data.path=@one.txt"], None, None, "one.txt: data.path holds 1 row: holding out"),

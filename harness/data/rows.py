@@ -69,6 +69,11 @@ def data_format(path: str, fmt: str) -> str:
 
 def check_paths(d: DataSection) -> None:
     """Preflight: local data files exist and are readable (hub names are checked when loaded)."""
+    files = [p for p in (d.path, d.val_path) if p and Path(p).is_file()]
+    if files and d.text_field != "text" and all(data_format(p, d.format) == "text" for p in files):
+        raise ConfigError(f"data.text_field = {d.text_field!r} names a field of json or csv rows, and {files[0]} is "
+                          f"read as plain text (each line a row); drop it, or set data.format if the file is json or "
+                          f"csv")
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
         if path and not path.startswith("hub:"):
             p = Path(path)
