@@ -643,7 +643,7 @@ def ending(code: int, reported: dict, held: str, run_dir: Path, log: Path, signa
 
 
 def _ending(code: int, reported: dict, held: str, run_dir: Path, log: Path) -> tuple[int, str | None, str]:
-    from .run.checkpoint import resume_hint
+    from .run.resume import resume_hint
     from .run.heartbeat import EXIT_HUNG
 
     cause = root_cause(held)

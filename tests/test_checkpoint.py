@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, rewind, val_loss_of_export
-from harness.run import checkpoint
+from harness.run import checksums, reshape, resume
 from harness.config.run import ConfigError
 from harness.tasks import get_task as resolve_task
 
@@ -60,7 +60,7 @@ def test_resume_auto_continues_with_the_uninterrupted_losses_and_exports_the_bes
     # its best checkpoint damaged: said before any step trains (it was found after the run, at the export)
     damaged = tmp_path / "damaged"
     shutil.copytree(part.dir, damaged)
-    kept = damaged / "checkpoints" / checkpoint.step_name(best["step"])
+    kept = damaged / "checkpoints" / resume.step_name(best["step"])
     states = max(kept.glob("*.pt"), key=lambda f: f.stat().st_size)
     raw = bytearray(states.read_bytes())
     raw[_inside_largest_tensor(states)] ^= 1
@@ -301,21 +301,21 @@ def test_a_zero_checkpoint_under_another_offload_or_precision_is_converted(tmp_p
 
     step = tmp_path / "step_00000003"
     step.mkdir()
-    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(ds("zero2.json"))))
-    assert not checkpoint.reshape(step, ds("zero2.json"))
-    assert checkpoint.reshape(step, ds("zero2_offload.json")) and checkpoint.reshape(step, ds("bf16.json"))
-    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(ds("zero2_offload.json"))))
-    assert checkpoint.reshape(step, ds("zero2.json"))
+    (step / resume.LAYOUT).write_text(json.dumps(reshape.layout_of(ds("zero2.json"))))
+    assert not reshape.reshape(step, ds("zero2.json"))
+    assert reshape.reshape(step, ds("zero2_offload.json")) and reshape.reshape(step, ds("bf16.json"))
+    (step / resume.LAYOUT).write_text(json.dumps(reshape.layout_of(ds("zero2_offload.json"))))
+    assert reshape.reshape(step, ds("zero2.json"))
     # tensor parallel: DeepSpeed's config has no train_batch_size (it derives it), the layout still records the batch
     from harness.plan.resolve import make_plan
 
     tp = make_plan(str(ROOT / "configs/runs/lm_demo.toml"), [], str(ROOT / "configs/ds/tp2_zero1.json"), 2).ds
-    assert "train_batch_size" not in tp.config and checkpoint.layout_of(tp)["global_batch"] == 8
+    assert "train_batch_size" not in tp.config and reshape.layout_of(tp)["global_batch"] == 8
     # an emptied layout.json is a damaged checkpoint, not one saved before layout.json (DeepSpeed's traceback followed)
-    (step / checkpoint.LAYOUT).write_text("")
+    (step / resume.LAYOUT).write_text("")
     with pytest.raises(ConfigError, match=r"step_00000003 cannot be read \(layout.json: JSONDecodeError: .*there is "
                                           r"none before it to resume from"):
-        checkpoint.reshape(step, ds("zero2.json"))
+        reshape.reshape(step, ds("zero2.json"))
 
 
 def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_conversion(tmp_path, corpus):
@@ -344,7 +344,7 @@ def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_convers
 
 
 def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, monkeypatch):
-    """Resuming onto another data-parallel size converts the checkpoint (`checkpoint.to_universal`): before launch the
+    """Resuming onto another data-parallel size converts the checkpoint (`reshape.to_universal`): before launch the
     disk must hold that too, CONVERSION_FACTOR x the checkpoint, unless the conversion is already there."""
     from collections import namedtuple
 
@@ -355,14 +355,14 @@ def test_the_free_space_check_counts_a_conversion_to_another_layout(tmp_path, mo
              str(ROOT / "configs/ds/zero2.json"))
     step = tmp_path / "run" / "checkpoints" / "step_00000003"
     step.mkdir(parents=True)
-    (step / checkpoint.LAYOUT).write_text(json.dumps({**checkpoint.layout_of(p.ds), "dp_size": 2}))
+    (step / resume.LAYOUT).write_text(json.dumps({**reshape.layout_of(p.ds), "dp_size": 2}))
     with open(step / "mp_rank_00_model_states.pt", "wb") as f:  # 10 GiB by its size, sparse on disk
         f.truncate(10 * 2 ** 30)
     monkeypatch.setattr(directory.shutil, "disk_usage", lambda path: namedtuple("usage", "free")(5 * 2 ** 30))
     assert directory.check_free_space(p, 400_000) is None  # the run's own checkpoints are small
     problem = directory.check_free_space(p, 400_000, step)
     assert problem and "5.0 GiB free" in problem and "15.0 GiB to convert step_00000003 for the new layout" in problem
-    (step.parent / (step.name + checkpoint.UNIVERSAL)).mkdir()  # converted by an earlier resume: reused
+    (step.parent / (step.name + resume.UNIVERSAL)).mkdir()  # converted by an earlier resume: reused
     assert directory.check_free_space(p, 400_000, step) is None
 
 
@@ -386,7 +386,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpu
     latest = (run.dir / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{first_bad - 2:08d}"
     assert (run.dir / "checkpoints" / f"step_{first_bad - 1:08d}.bad").is_dir()  # kept, never resumed from
-    assert checkpoint.resume_target(run.dir / "checkpoints").name == latest
+    assert resume.resume_target(run.dir / "checkpoints").name == latest
     assert not (run.dir / "model.safetensors").exists()
     # resumed with a sane learning rate: once a good checkpoint reaches the bad one's step, the bad one goes (the
     # run ends there: its weights, from the huge lr's steps, may not stay finite for long)
@@ -566,35 +566,35 @@ def test_select_mode_auto_minimises_errors_and_maximises_scores():
 
 def test_resume_auto_takes_the_newest_complete_checkpoint_or_refuses_never_restarts(tmp_path, capsys):
     root = tmp_path / "checkpoints"
-    assert checkpoint.resume_target(root) is None  # a run that saved nothing yet starts from step 0
+    assert resume.resume_target(root) is None  # a run that saved nothing yet starts from step 0
     for step in (4, 8):
-        (root / checkpoint.step_name(step)).mkdir(parents=True)
+        (root / resume.step_name(step)).mkdir(parents=True)
     (root / "step_00000012.partial").mkdir()  # a write a crash cut short
-    assert checkpoint.resume_target(root).name == "step_00000008"  # `latest` missing
+    assert resume.resume_target(root).name == "step_00000008"  # `latest` missing
     assert "`latest` is missing" in capsys.readouterr().out
     (root / "latest").write_text("step_00000012\n")  # dangling: the checkpoint it names is gone
-    assert checkpoint.resume_target(root).name == "step_00000008"
+    assert resume.resume_target(root).name == "step_00000008"
     assert "names step_00000012, which is gone" in capsys.readouterr().out
     for damaged in ("", "..", ".", "step_00000012.partial", str(root / "step_00000004")):  # `latest` emptied: the
         (root / "latest").write_text(damaged)  # run's checkpoints folder itself was taken, and failed to load
-        assert checkpoint.resume_target(root).name == "step_00000008"
+        assert resume.resume_target(root).name == "step_00000008"
     assert "`latest` is empty" in capsys.readouterr().out
     (root / "latest").write_text("step_00000004\n")
-    assert checkpoint.resume_target(root).name == "step_00000004"  # `latest` wins when it is there
+    assert resume.resume_target(root).name == "step_00000004"  # `latest` wins when it is there
     # a non-finite stop rewinds past weights gone bad: the newer checkpoints are set aside, not resumed from
-    assert checkpoint.rewind_latest(root, 5).name == "step_00000004"
-    assert (root / "step_00000008.bad").is_dir() and checkpoint.resume_target(root).name == "step_00000004"
-    assert checkpoint.rewind_latest(root, 2) is None and not (root / "latest").exists()
+    assert resume.rewind_latest(root, 5).name == "step_00000004"
+    assert (root / "step_00000008.bad").is_dir() and resume.resume_target(root).name == "step_00000004"
+    assert resume.rewind_latest(root, 2) is None and not (root / "latest").exists()
     with pytest.raises(ConfigError, match=r"step_00000004.bad, step_00000008.bad .*weights gone bad.*--overwrite"):
-        checkpoint.resume_target(root)
-    (root / checkpoint.step_name(8)).mkdir()  # a second non-finite stop past step 8: its copy replaces the first
-    (root / checkpoint.step_name(8) / "second").touch()
-    assert checkpoint.rewind_latest(root, 2) is None and (root / "step_00000008.bad" / "second").is_file()
+        resume.resume_target(root)
+    (root / resume.step_name(8)).mkdir()  # a second non-finite stop past step 8: its copy replaces the first
+    (root / resume.step_name(8) / "second").touch()
+    assert resume.rewind_latest(root, 2) is None and (root / "step_00000008.bad" / "second").is_file()
     for bad in root.glob("*.bad"):
         shutil.rmtree(bad)
     (root / "latest").write_text("step_00000020\n")
     with pytest.raises(ConfigError, match="names step_00000020; found: no complete checkpoint"):
-        checkpoint.resume_target(root)
+        resume.resume_target(root)
 
 
 def test_a_run_resumed_shorter_on_fewer_processes_follows_its_own_schedule_and_says_the_batch_changed(tmp_path,
@@ -686,33 +686,33 @@ def test_checksums_split_the_bytes_evenly_and_name_the_piece_that_changed(tmp_pa
     its piece, a record that is not sizes and digests is said as such, and a name outside the checkpoint too."""
     from harness.distributed.world import single_world
 
-    monkeypatch.setattr(checkpoint, "CHUNK", 1000)
+    monkeypatch.setattr(checksums, "CHUNK", 1000)
     ckpt = tmp_path / "step_00000004"
     (ckpt / "sub").mkdir(parents=True)
     (ckpt / "model_states.pt").write_bytes(bytes(range(256)) * 30)  # 7,680 bytes: 8 pieces
     for i in range(3):
         (ckpt / "sub" / f"rng_rank{i}.pt").write_bytes(b"x" * (100 + i))
-    sizes = checkpoint._listing(ckpt)
-    shares = checkpoint._shares(sizes, 3)
+    sizes = checksums._listing(ckpt)
+    shares = checksums._shares(sizes, 3)
     loads = [sum(min(1000, sizes[n] - i * 1000) for n, i in share) for share in shares]
     assert sorted(p for share in shares for p in share) == sorted(
         [("model_states.pt", i) for i in range(8)] + [(f"sub/rng_rank{i}.pt", 0) for i in range(3)])
     assert max(loads) - min(loads) <= 1000, loads
-    checkpoint.write_sums(ckpt)
+    checksums.write_sums(ckpt)
     world = single_world()
-    checkpoint.verify(ckpt, world)  # whole: nothing said
+    checksums.verify(ckpt, world)  # whole: nothing said
     raw = bytearray((ckpt / "model_states.pt").read_bytes())
     raw[5432] ^= 1
     (ckpt / "model_states.pt").write_bytes(bytes(raw))
     with pytest.raises(ConfigError, match=r"model_states.pt has changed since it was saved \(another SHA-256 in "
                                           r"its GiB number 6"):
-        checkpoint.verify(ckpt, world)
+        checksums.verify(ckpt, world)
     for record in ({"model_states.pt": {"size": "many", "sha256": []}}, {"../x": {"size": 0, "sha256": ["0"]}}, []):
         (ckpt / "checksums.json").write_text(json.dumps(record))
         with pytest.raises(ConfigError, match="its checksums.json cannot be read .*remove it to read the checkpoint"):
-            checkpoint.verify(ckpt, world)
+            checksums.verify(ckpt, world)
     (ckpt / "checksums.json").unlink()
-    checkpoint.verify(ckpt, world)  # saved before checksums were recorded: read as it is
+    checksums.verify(ckpt, world)  # saved before checksums were recorded: read as it is
 
 def _inside_largest_tensor(states: Path) -> int:
     """The offset of a byte in the middle of the largest tensor's data in a torch.save file (a zip)."""

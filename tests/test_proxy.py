@@ -140,7 +140,7 @@ def test_a_zero0_checkpoint_resumes_only_with_the_weights_it_was_saved_with(tmp_
     as autocast, whose layout.json did not say) does not load into an autocast run, nor the reverse: refused before
     launch, saying how to resume it."""
     from harness.plan.resolve import make_plan
-    from harness.run import checkpoint
+    from harness.run import reshape, resume
 
     base = json.loads((ROOT / "configs/ds/zero0.json").read_text())
     for name, extra in (("auto", {}), ("wrapper", {"torch_autocast": {"enabled": False}})):
@@ -149,13 +149,13 @@ def test_a_zero0_checkpoint_resumes_only_with_the_weights_it_was_saved_with(tmp_
                      for n in ("auto", "wrapper"))
     step = tmp_path / "run" / "checkpoints" / "step_00000010"
     step.mkdir(parents=True)
-    old = {k: v for k, v in checkpoint.layout_of(wrapper).items() if k != "weights"}  # before it said the weights
-    (step / checkpoint.LAYOUT).write_text(json.dumps(old))
+    old = {k: v for k, v in reshape.layout_of(wrapper).items() if k != "weights"}  # before it said the weights
+    (step / resume.LAYOUT).write_text(json.dumps(old))
     (tmp_path / "run" / "ds_config.json").write_text(json.dumps(wrapper.config))
-    assert checkpoint.reshape(step, wrapper) is False  # as it was saved
+    assert reshape.reshape(step, wrapper) is False  # as it was saved
     with pytest.raises(ConfigError, match='holds its ZeRO-0 weights as 16-bit \\+ fp32 master.*"torch_autocast"'):
-        checkpoint.reshape(step, auto)
-    (step / checkpoint.LAYOUT).write_text(json.dumps(checkpoint.layout_of(auto)))
-    assert checkpoint.reshape(step, auto) is False
+        reshape.reshape(step, auto)
+    (step / resume.LAYOUT).write_text(json.dumps(reshape.layout_of(auto)))
+    assert reshape.reshape(step, auto) is False
     with pytest.raises(ConfigError, match="holds its ZeRO-0 weights as fp32; this run as 16-bit"):
-        checkpoint.reshape(step, wrapper)
+        reshape.reshape(step, wrapper)

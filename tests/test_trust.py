@@ -28,7 +28,7 @@ class WritesMarker:
 def poison(run_dir: Path, marker: Path) -> list[Path]:
     """Every checkpoint file of the run replaced by one that writes `marker` when unpickled, with checksums to match
     (a hostile checkpoint comes with its own)."""
-    from harness.run.checkpoint import SUMS, write_sums
+    from harness.run.checksums import SUMS, write_sums
 
     files = sorted((run_dir / "checkpoints").rglob("*.pt"))
     for f in files:

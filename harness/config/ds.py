@@ -100,7 +100,7 @@ class DSResolved:
     @property
     def optimizer_kind(self) -> str:
         """The optimizer whose state a checkpoint holds: the type DeepSpeed builds from the file's section, else the
-        harness's AdamW or SGD. A state loads only into its own kind (`checkpoint.reshape`)."""
+        harness's AdamW or SGD. A state loads only into its own kind (`run.continuity.check_same_optimizer`)."""
         return self.sections.optimizer["type"] if self.sections.optimizer else self.optimizer_state[1]
 
     @property

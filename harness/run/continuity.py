@@ -1,8 +1,8 @@
 """What a run continues from, checked before anything is loaded or written: the checkpoint --resume names
 (`resume_checkpoint`) resumes only into the model and the optimizer it was saved from (`check_same_model`,
 `check_same_optimizer`) and onto the data it trained on (`data_identity`, `check_data_unchanged`); model.init_from's
-export fits this run's model and tokenizer (`check_init_from`). The checkpoints themselves are `checkpoint.py`'s,
-the export `export.py`'s.
+export fits this run's model and tokenizer (`check_init_from`). The checkpoints themselves are `checkpoint.py`'s
+(their folder and records `resume.py`'s), the export `export.py`'s.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def check_same_model(plan: Plan, found: Path) -> None:
     anything is loaded or written. Refused in one line naming the settings that differ."""
     import torch
 
-    from . import checkpoint
+    from . import resume
     from .export import run_config
     from .trust import TRUST, trusting
 
@@ -43,7 +43,7 @@ def check_same_model(plan: Plan, found: Path) -> None:
         theirs = run_config(source)
     with torch.device("meta"):
         shapes = [{n: list(p.shape) for n, p in plan.task.build_model(c).named_parameters()} for c in (theirs, ours)]
-    saved = checkpoint.saved_shapes(found)
+    saved = resume.saved_shapes(found)
     old, new = flatten(theirs.to_dict()), flatten(ours.to_dict())
     built_in = type(plan.task).__module__.startswith("harness.tasks.")  # (a plug-in's model may not read n_heads)
     regrouped = [k for k in REGROUPING if built_in and not ours.model.hf and old.get(k) != new.get(k)]
@@ -68,9 +68,9 @@ def check_same_optimizer(plan: Plan, found: Path) -> None:
     """A checkpoint's optimizer state loads only into the optimizer that saved it (its groups' settings and state by
     name: another one had stopped at its first step, e.g. KeyError 'momentum' for SGD after AdamW). Refused in one
     line; a checkpoint saved before layout.json named its optimizer is left to DeepSpeed's load."""
-    from . import checkpoint
+    from .resume import saved_layout
 
-    saved, ds = (checkpoint.saved_layout(found) or {}).get("optimizer"), plan.ds
+    saved, ds = (saved_layout(found) or {}).get("optimizer"), plan.ds
     if not isinstance(saved, str) or saved.lower() == ds.optimizer_kind.lower():
         return
     where = f"DeepSpeed's optimizer section, {ds.origin}" if ds.sections.optimizer else \
@@ -85,13 +85,13 @@ def check_history(plan: Plan, found: Path) -> None:
     """Another run's checkpoint resumes only into a run directory with no history of its own: its records and
     checkpoints had been kept, and the resumed run's added to them (one run's curves over two runs' steps, its
     checkpoints beside the other's). Refused in one line; this run's own checkpoints resume (an earlier one too)."""
-    from . import checkpoint
+    from .resume import latest as latest_of
 
     run_dir, own = plan.run_dir, plan.run_dir / "checkpoints"
     if found.parent.resolve() == own.resolve():
         return
     held = [name for name in ("metrics.jsonl", "eval.jsonl") if (run_dir / name).is_file()]
-    latest = checkpoint.latest(own)
+    latest = latest_of(own)
     if latest is not None:
         held.append(f"checkpoints up to {latest.name}")
     if held:
@@ -135,10 +135,10 @@ def check_data_unchanged(plan: Plan, found: Path, changed_ok: bool) -> None:
     saved before checkpoints recorded their data: the tokenizer and statistics its run stored (RUN/data/) against
     those prepared now, so a resume onto a new tokenizer whose ids mean other pieces is refused too (preparation
     rules and draws change between versions)."""
-    from . import checkpoint
+    from . import resume
 
-    if checkpoint.saved_data(found) is not None:
-        checkpoint.check_same_data(found, data_identity(plan), changed_ok)
+    if resume.saved_data(found) is not None:
+        resume.check_same_data(found, data_identity(plan), changed_ok)
         return
     kept, changed = _stored_changes(plan, found.parent.parent)  # the checkpoint's own run's
     if changed and not changed_ok:
@@ -212,10 +212,10 @@ def _check_fits(plan: Plan, key: str, source: Path, raw: dict) -> None:
 def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
     """The checkpoint --resume names: `auto`'s (None where the run saved none yet: it starts from step 0), or the
     latest of a run directory or its checkpoints/ folder, or a step_* checkpoint given."""
-    from . import checkpoint
+    from .resume import is_complete, latest, resume_target
 
     if resume == "auto":
-        found = checkpoint.resume_target(run_dir / "checkpoints", say)
+        found = resume_target(run_dir / "checkpoints", say)
         if found is None and say:  # (a mistyped run.output_dir had started a new run without a word)
             why = f"{run_dir} holds no checkpoint (its run stopped before it saved one)" if \
                 (run_dir / "metrics.jsonl").is_file() else f"no run in {run_dir} yet" + \
@@ -223,8 +223,8 @@ def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
             print(f"note: --resume auto: {why}; starting from step 0", flush=True)
         return found
     path = Path(resume)
-    found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path) or (
-        path if path.is_dir() and checkpoint.is_complete(path) else None)
+    found = latest(path / "checkpoints") or latest(path) or (
+        path if path.is_dir() and is_complete(path) else None)
     if found is None:
         raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its checkpoints/ "
                           f"folder, or a step_* checkpoint)")

@@ -70,9 +70,9 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     it keeps (train.keep_checkpoints, one more while the next is written, the best with select_best) less the
     complete ones already there that it will keep (not set-aside `.bad` ones or `.universal` conversions), at least
     the next one, and the fp32 model.safetensors; and, for a resume onto another layout whose checkpoint is not
-    converted yet, the universal conversion (`checkpoint.to_universal`: CONVERSION_FACTOR x that checkpoint while it
+    converted yet, the universal conversion (`reshape.to_universal`: CONVERSION_FACTOR x that checkpoint while it
     is written, 1.05x once done, in this run's checkpoints)."""
-    from . import checkpoint
+    from . import reshape
 
     t = plan.run.cfg.train
     per, parts = checkpoint_bytes_per_param(plan)
@@ -82,8 +82,8 @@ def check_free_space(plan: Plan, n_params: int, resume_from: Path | None = None)
     held = sum(map(_bytes_on_disk, kept))
     need = n_params * 4 + max(n_params * per, n_params * per * count - held)  # the next one is written in any case
     convert = 0
-    if resume_from is not None and checkpoint.reshape(resume_from, plan.ds) and \
-            not checkpoint.conversion_of(resume_from, plan.run_dir).is_dir():
+    if resume_from is not None and reshape.reshape(resume_from, plan.ds) and \
+            not reshape.conversion_of(resume_from, plan.run_dir).is_dir():
         convert = CONVERSION_FACTOR * _bytes_on_disk(resume_from)
     free = shutil.disk_usage(_nearest_existing(plan.run_dir)).free
     if free >= need + convert:

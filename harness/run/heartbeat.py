@@ -125,7 +125,7 @@ def diagnose(run_dir: Path, world_size: int, me: int, timeout_s: float, every_s:
         return f"rank {r} ({where}: {state}had finished step {b['step']} when last heard of, " \
                f"{now - b['time']:.0f} s ago)"
 
-    from .checkpoint import resume_hint
+    from .resume import resume_hint
 
     then = f"Ending the job; {resume_hint(Path(run_dir) / 'checkpoints')}"
     if lost:

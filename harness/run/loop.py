@@ -41,7 +41,7 @@ from ..plan.render import build_report, start_line
 from ..plan.resolve import Plan
 from ..prepare import store_run_data
 from ..tasks.interface import check_data, check_metrics, check_model, check_same_data, data_digest
-from . import checkpoint, profiling
+from . import checkpoint, profiling, reshape, resume
 from .continuity import check_init_from, data_identity
 from .directory import check_free_space, prepare_run_dir, write_configs
 from .export import MODEL_FILE, export_model, start_weights
@@ -172,8 +172,8 @@ class Run:
     flops: ForwardFlops
     min_loss_scale: float
     build_peaks: list[dict]
-    shapes: dict[str, list[int]]  # the whole model's parameters (checkpoint.SHAPES)
-    identity: dict | None         # what the run trains on (checkpoint.DATA): taken once, as the data was read
+    shapes: dict[str, list[int]]  # the whole model's parameters (resume.SHAPES)
+    identity: dict | None         # what the run trains on (resume.DATA): taken once, as the data was read
     owed: bool = False            # the resumed checkpoint's evaluation, which a signal stopped: made first (OWED)
 
     @property
@@ -233,7 +233,7 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
     notes += [note] if (note := Selection.resumed_note(cfg.train, state.get("selection"), start_step)) else []
     if resume_from is not None and (start_step >= max_steps or bool(selection and selection.stopped_at)):
         early = selection.why_stopped() if selection and selection.stopped_at and start_step < max_steps else None
-        finished = checkpoint.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps, early)
+        finished = resume.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps, early)
         if finished is not None:  # nothing written: the run directory stays the finished run's record
             return {**finished, **({"best": selection.state()} if selection else {})}
     for note in notes:
@@ -355,7 +355,7 @@ def _data(plan: Plan, world: World, resume_from: Path | None) -> tuple:
                         order=task.sample_order(cfg) if hasattr(task, "sample_order") else "held")
     steps_per_epoch = StepSampler(**sampler_args, start_step=0, max_steps=0).steps_per_epoch
     max_steps = run_steps(t, steps_per_epoch)
-    place = checkpoint.saved_place(resume_from) if resume_from is not None and not t.max_steps else None
+    place = resume.saved_place(resume_from) if resume_from is not None and not t.max_steps else None
     if place:  # the steps before it count at their own batch, where the resume changes it
         max_steps = StepSampler(**sampler_args, start_step=place["step"], max_steps=0,
                                 position=tuple(place["data_position"])).steps_to(t.epochs)
@@ -373,10 +373,10 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     state = checkpoint.load_onto(engine, resume_from, plan.run_dir, plan.ds, world)
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
-    notes = [note] if (note := checkpoint.batch_note(resume_from, plan.ds, "data_position" in state)) else []
+    notes = [note] if (note := reshape.batch_note(resume_from, plan.ds, "data_position" in state)) else []
     if changed := follow_config_settings(schedule.optimizer, built):
         notes.append(f"the optimizer's settings are this run's from step {state['step'] + 1}: {'; '.join(changed)}")
-    was, kind = checkpoint.saved_schedule(resume_from), checkpoint.schedule_kind(plan.ds)
+    was, kind = reshape.saved_schedule(resume_from), reshape.schedule_kind(plan.ds)
     if was and was != kind:  # (its state is its step: checkpoint.load)
         notes.append(f"the lr schedule is {kind} from step {state['step'] + 1} (the checkpoint's run had {was})")
     lr = plan.run.cfg.optimizer.lr
@@ -471,7 +471,7 @@ def _preempted(run: Run, signum: int, step: int, progress=None, how: str = "") -
     run.tracker.close(EXIT_PREEMPTED)  # no curves: a scheduler's kill follows its signal, and the exit code must come
     # first
     raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step} of {run.max_steps}{how}; "
-                    f"{checkpoint.resume_hint(run.checkpoints)}")
+                    f"{resume.resume_hint(run.checkpoints)}")
 
 
 def _stepper(run: Run, teardown: contextlib.ExitStack) -> tuple:
@@ -501,8 +501,8 @@ def _give_up(run: Run, ledger: Ledger, progress) -> None:
     """Too many non-finite steps in a row: stop, naming the last good checkpoint (the weights that produced the first
     non-finite loss were saved, if at all, one step before it)."""
     first_bad = ledger.step - ledger.nonfinite + 1
-    saved = run.world.is_main and any(checkpoint.complete(run.checkpoints))
-    good = checkpoint.rewind_latest(run.checkpoints, first_bad - 2) if run.world.is_main else None
+    saved = run.world.is_main and any(resume.complete(run.checkpoints))
+    good = resume.rewind_latest(run.checkpoints, first_bad - 2) if run.world.is_main else None
     run.tracker.close(exit_code=3)
     progress.close()  # the bar's last line before the curves' and the error's
     _draw_curves(run)  # where the loss went, when it matters most
@@ -530,10 +530,10 @@ def _save(run: Run, step: int, finite: bool, progress, checksums: bool = True, o
         checkpoint.save(run.engine, run.checkpoints, step,
                         {"step": step, "samples_seen": run.samples_seen, "data_position": list(run.sampler.place(step)),
                          **extra}, run.world,
-                        run.plan.run.cfg.train.keep_checkpoints, best=best, layout=checkpoint.layout_of(run.plan.ds),
+                        run.plan.run.cfg.train.keep_checkpoints, best=best, layout=reshape.layout_of(run.plan.ds),
                         data=run.identity, shapes=run.shapes, checksums=checksums)
         if run.world.is_main:  # (a large one holds the bar still for a while: said, with where it is)
-            progress.write(f"checkpoint {run.checkpoints / checkpoint.step_name(step)} saved in "
+            progress.write(f"checkpoint {run.checkpoints / resume.step_name(step)} saved in "
                            f"{time.perf_counter() - began:.1f} s")
     elif run.world.is_main:
         progress.write(f"step {step}: loss is not finite, checkpoint skipped")
@@ -560,7 +560,7 @@ def _finish(run: Run, watch: Watch, step: int, metrics: dict) -> dict:
                     f"value on weights a checkpoint kept); exporting the last step's weights")
         elif selection and selection.step != step:
             # the best weights, converted where they were saved in another layout (a resume onto other ranks)
-            checkpoint.load_onto(run.engine, ckpts / checkpoint.step_name(selection.step), plan.run_dir, plan.ds, world)
+            checkpoint.load_onto(run.engine, ckpts / resume.step_name(selection.step), plan.run_dir, plan.ds, world)
             run.say(f"best: validation {selection.metric} {selection.value:.6g} at step {selection.step} "
                     f"(train.select_best); exporting its checkpoint")
             weights = selection.step

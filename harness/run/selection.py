@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config.run import ConfigError, TrainSection
 from ..plan.resolve import metric_key
-from .checkpoint import step_name
+from .resume import step_name
 
 BEST_FILE = "best.json"
 # `auto` minimises a metric named (or ending, or starting) with one of these, and maximises any other.

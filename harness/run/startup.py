@@ -36,7 +36,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     check_kernel(plan.ds)
     shared_wait_s()
     from ..distributed.world import launched_rank, under_launcher
-    from . import checkpoint, lock
+    from . import checksums, lock, reshape
 
     run_dir = plan.run_dir
     check_writable(run_dir, plan.run.describe("run.output_dir"))
@@ -53,9 +53,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     found = resume_checkpoint(resume, run_dir, launched_rank() == 0 and not under_launcher()) if resume else None
     if resume:
         if found is not None:
-            checkpoint.check_records(found)  # what the checks below read: as it was saved
+            checksums.check_records(found)  # what the checks below read: as it was saved
             check_history(plan, found)
-            checkpoint.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
+            reshape.reshape(found, plan.ds)  # a layout it cannot convert to: refused here
             check_same_model(plan, found)
             check_same_optimizer(plan, found)
             check_data_unchanged(plan, found, data_changed_ok)
