@@ -354,7 +354,8 @@ def _docs_options(p: argparse.ArgumentParser) -> None:
 
 
 def _plan_options(p: argparse.ArgumentParser) -> None:
-    """`harness plan`'s own options (the others it is given are accelerate launch's: `launcher.launch_options`)."""
+    """`harness plan`'s own options (the others it is given are accelerate launch's:
+    `launcher.settings.launch_options`)."""
     _common(p)
     p.add_argument("--world-size", type=int, help="processes to plan for (default: $WORLD_SIZE or 1)")
     p.add_argument("--ds-json", action="store_true", help="print only the resolved DeepSpeed config in full (\"auto\" "
@@ -577,7 +578,8 @@ def _plan(args) -> int:
         if not args.launch:  # the plan is of the world the estimate is of
             args.world_size = world
     if args.launch:  # accelerate launch's options: the world and settings that launch gives
-        from .launcher import launch_settings, plan_launch
+        from .launcher.command import plan_launch
+        from .launcher.settings import launch_settings
 
         if args.world_size or args.mixed_precision:
             raise ConfigError("harness plan: --world-size and --mixed-precision, or accelerate launch's options "
@@ -657,7 +659,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     """The subcommand's arguments; `plan` first takes accelerate launch's options as `harness launch` does."""
     ap, launch = parser(), []
     if argv[:1] == ["plan"]:
-        from .launcher import launch_options
+        from .launcher.settings import launch_options
 
         own = {o for a in ap.plan._actions for o in a.option_strings}
         launch, rest = launch_options(argv[1:], own)
@@ -682,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank=")]
     quiet_deepspeed()
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(argv[1:2]):  # accelerate's options are not ours to parse
-        from .launcher import main as launch
+        from .launcher.command import main as launch
 
         try:
             return launch(argv[1:], _parse)
@@ -701,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ConfigError, TrainingStopped, Preempted, RankHung) as e:
         from .distributed.world import under_launcher
-        from .launcher import report
+        from .launcher.supervise import report
         from .run.preemption import EXIT_PREEMPTED
 
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingStopped) else \

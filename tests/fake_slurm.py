@@ -202,7 +202,7 @@ def squeue(argv: list[str]) -> int:
 def kill_tree(pid: int, sig: int) -> None:
     """`sig` to `pid` and every process below it, as SLURM's cgroup of a job or step reaches them (launchers that
     start sessions of their own included)."""
-    from harness.launcher import descendants
+    from harness.launcher.supervise import descendants
 
     for p in [pid, *descendants(pid)]:
         try:

@@ -267,7 +267,7 @@ def test_an_accelerate_config_with_no_processes_is_one_line_before_launch(count,
     from conftest import LAUNCH
 
     from harness.config.run import ConfigError
-    from harness.launcher import launch_settings
+    from harness.launcher.settings import launch_settings
 
     yaml = tmp_path / "accelerate.yaml"
     yaml.write_text((LAUNCH / "cpu_2proc.yaml").read_text().replace("num_processes: 2", f"num_processes: {count}"))

@@ -788,7 +788,8 @@ def test_the_rank_that_cannot_read_its_file_is_the_one_reported_not_the_peers_it
     """Rank 1's optimizer file cut short: rank 1 stops with the line naming the checkpoint before (exit 2), and rank
     0, waiting for it in a collective, with "lost its connection to another rank" (exit 4). Local rank 0 reported
     last and won, so `harness launch` ended 4, advising --resume auto, which took the same checkpoint again."""
-    from harness.launcher import STATUS_ENV, report
+    from harness.distributed.world import STATUS_ENV
+    from harness.launcher.supervise import report
     from harness.run.heartbeat import EXIT_HUNG
 
     status = tmp_path / "status.json"

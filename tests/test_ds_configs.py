@@ -256,7 +256,7 @@ def test_an_accelerate_config_and_its_flags_train_what_the_ds_file_trains(tmp_pa
     losses = [json.loads(line)["loss"] for line in (tmp_path / "file" / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(list(ref.losses.values()), rel=1e-5)
     # the flags give each rank what the file gives it (accelerate's own code computes both): the same training
-    from harness.launcher import launch_settings
+    from harness.launcher.settings import launch_settings
 
     def strategy(env):  # what each rank reads (config/accelerate.py); CONFIG_DS_FIELDS only lists the file's keys
         return {k: v for k, v in env.items() if k != "ACCELERATE_CONFIG_DS_FIELDS"}

@@ -10,8 +10,8 @@ from conftest import DS, LAUNCH, ROOT
 
 from harness.cli import main
 from harness.config.run import ConfigError
-from harness.launcher import launch_settings
-from harness.launcher import main as launcher_main
+from harness.launcher.command import main as launcher_main
+from harness.launcher.settings import launch_settings
 
 RUN = str(ROOT / "configs" / "runs" / "lm_demo.toml")
 CPU = (LAUNCH / "cpu_2proc.yaml").read_text()
@@ -200,7 +200,7 @@ def test_a_runs_lock_is_judged_on_the_first_node_alone(tmp_path, monkeypatch):
 def test_a_machine_with_fewer_gpus_than_its_processes_is_refused_before_launch(monkeypatch):
     """SLURM's --gpus-per-task=1 with 8 ranks a node, 16 processes over 2 machines of 4 GPUs: the ranks past the last
     GPU would end in CUDA's "invalid device ordinal"."""
-    from harness.launcher import check_gpus_per_process
+    from harness.launcher.command import check_gpus_per_process
     from harness.run import machine
 
     monkeypatch.setattr(machine, "device_memory_bytes", lambda: [80 * 2**30] * 4)
@@ -270,7 +270,7 @@ def test_sequence_parallel_forms_accelerate_refuses_or_ignores_are_one_line(sect
 def test_train_is_split_off_where_it_is_no_option_s_value():
     """`--role train` is torchrun's role name, not the start of harness train's arguments (split there, accelerate
     refused `--role` without its value)."""
-    from harness.launcher import split_argv
+    from harness.launcher.settings import split_argv
 
     assert split_argv(["--config_file", "x.yaml", "--role", "train", "--use_deepspeed", "train", "--run", "R"]) == (
         ["--config_file", "x.yaml", "--role", "train", "--use_deepspeed"], ["train", "--run", "R"])

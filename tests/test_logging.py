@@ -140,7 +140,7 @@ def test_launch_log_keeps_each_bar_s_last_frame_before_other_output():
     """A terminal's bars in the job's stderr (redrawn after each \\r; an evaluation's below the training bar's, each
     redraw on its own line between cursor moves; one without a description): launch.log keeps each bar's last frame
     before other output, one a line, and every other line as written (a log's own progress lines too)."""
-    from harness.launcher import kept_lines
+    from harness.launcher.relay import kept_lines
 
     stderr = (b"harness: task lm\n\rtrain:   1%|  | 1/100\rtrain:   2%|  | 2/100\n\r  0%|x| 0/10 [00:00<?]\x1b[A"
               b"\n\r 50%|x| 5/10 [00:01<00:01]\x1b[A\rtrain:   3%|  | 3/100\r     \reval step 3: loss 1\r\n\r\n"

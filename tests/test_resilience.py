@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT, Run, _env, assert_losses_close, command, harness, rewind
 from harness import console
-from harness.launcher import _is_rank, descendants
+from harness.launcher.supervise import _is_rank, descendants
 from harness.run.preemption import EXIT_PREEMPTED
 
 LONG = ["train.max_steps=3000", "train.global_batch_size=8"]  # 4 x 1 x 2 on two processes, 4 x 2 x 1 on one
@@ -526,7 +526,8 @@ def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_trace
     the real streams are the fault tests' above."""
     import io
 
-    from harness.launcher import Relay, ending
+    from harness.launcher.ending import ending
+    from harness.launcher.relay import Relay
 
     bar = b"\rtrain:   1%|  | 1/100\rtrain:   2%|  | 2/100"
     failing = (b"\rW1127 02:42:23.955000 20312 site-packages/torch/distributed/elastic/multiprocessing/api.py:1028]"

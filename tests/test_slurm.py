@@ -198,7 +198,7 @@ def test_a_rank_lost_while_the_job_stops_is_named_at_the_ranks_step_and_the_stop
     tracker was dropped instead). The peer's line gives the step the ranks were at, not the lost rank's heartbeat
     (written every 30 s: "last finished step 166" when the job was past 280), and the launcher's line says the job
     was stopping."""
-    from harness.launcher import ending
+    from harness.launcher.ending import ending
     from harness.run.heartbeat import DIR, diagnose
 
     dead = subprocess.Popen(["true"])

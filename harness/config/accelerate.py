@@ -3,7 +3,7 @@
 `accelerate config` with DeepSpeed writes `deepspeed_config: {zero_stage: 3, offload_optimizer_device: cpu, ...}`
 and `accelerate launch --use_deepspeed --zero_stage 3 ...` says the same with flags; either way each rank gets
 ACCELERATE_* variables (accelerate/utils/launch.py, `prepare_deepspeed_cmd_env`), which `harness launch` also
-computes before it starts anything (`launcher.launch_settings`). Without `--ds` they are the strategy; with `--ds`
+computes before it starts anything (`launcher/settings.py`). Without `--ds` they are the strategy; with `--ds`
 they must agree with it. `deepspeed_config_file` names the DeepSpeed file itself (`plan/resolve.py`, `ds_file_arg`).
 `read_config` reads accelerate's config file for `harness launch` and refuses what accelerate would fail on with a
 traceback or ignore without a word.

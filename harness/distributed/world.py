@@ -35,7 +35,8 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-STATUS_ENV = "HARNESS_STATUS_FILE"  # the file the ranks of `harness launch` report how they ended to (launcher.py)
+STATUS_ENV = "HARNESS_STATUS_FILE"  # the file the ranks of `harness launch` report how they ended to
+# (launcher/supervise.py)
 
 
 def under_launcher() -> bool:

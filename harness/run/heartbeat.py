@@ -58,7 +58,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
-        try:  # the step it stopped at, for the launcher's last line (`launcher._last_step`)
+        try:  # the step it stopped at, for the launcher's last line (`launcher.ending._last_step`)
             self._write()
         except OSError:
             pass
