@@ -104,7 +104,8 @@ def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_i
     """mlm and per-residue heads on the same encoder; the samples carry ESM's ids (<cls> residues <eos>), masks
     with its <mask>, and pad with its <pad> (id 1, not the harness's 0)."""
     from harness.tasks import resolve
-    from harness.tasks.protein import IGNORE, ProteinTask
+    from harness.tasks.protein import ProteinTask
+    from harness.tasks.protein_samples import IGNORE
 
     from test_protein import write_flip
 
@@ -147,7 +148,7 @@ def test_hf_protein_objectives_take_the_encoder_their_auto_class_and_its_token_i
     model = task.build_model(cfg)
     assert type(model).__name__ == "EsmForSequenceClassification" and model.config.num_labels == 1
     from harness.prepare import read_meta
-    from harness.tasks.protein import scale
+    from harness.tasks.protein_samples import scale
 
     model.config.save_pretrained(tmp_path / "regress")  # what the export's config.json says of its outputs
     saved = json.loads((tmp_path / "regress" / "config.json").read_text())

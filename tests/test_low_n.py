@@ -18,7 +18,9 @@ from harness.distributed.world import single_world
 from harness.prepare import protein as prep
 from harness.prepare import read_meta
 from harness.tasks import resolve
-from harness.tasks.protein import ProteinTask, choose_mix, ridge_fit, scale
+from harness.tasks.protein import ProteinTask
+from harness.tasks.protein_samples import scale
+from harness.tasks.protein_scoring import choose_mix, ridge_fit
 
 
 def config(path, *sets: str):

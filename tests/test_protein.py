@@ -16,7 +16,8 @@ from harness.models.encoder import Encoder
 from harness.models.transformer import TransformerConfig
 from harness.prepare import read_meta
 from harness.prepare import protein as prep
-from harness.tasks.protein import IGNORE, ProteinTask
+from harness.tasks.protein import ProteinTask
+from harness.tasks.protein_samples import IGNORE
 
 from conftest import Stopped, harness, stop_after
 
@@ -429,7 +430,7 @@ def test_two_process_zero2_classification_learns(tmp_path):
     test = evaluate_run(out, "test")  # one process, the exported model
     assert test["sequences"] == 462 and test["auroc"] > 0.6
     # the trained encoder starts an mlm model: shared weights by name, the new head fresh
-    from harness.tasks.protein import init_from
+    from harness.tasks.protein_init_from import init_from
 
     cfg = config('protein.objective="mlm"', "data.val_fraction=0.1", "data.seq_len=200", "model.d_model=32",
                  "model.n_heads=2")

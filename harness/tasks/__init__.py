@@ -1,5 +1,6 @@
 """Tasks: what a task provides (`interface.py`: the model, the data, the loss, the metrics), the built-in ones
-(`lm`, `translation`, `protein`, `prices`), the fields' metrics (`metrics.py`) and the registry that finds a task by
+(`lm`, `translation`, `protein`, whose samples, scoring and init_from are `protein_samples.py`, `protein_scoring.py`
+and `protein_init_from.py`, and `prices`), the fields' metrics (`metrics.py`) and the registry that finds a task by
 name (`registry.py`). A plug-in task imports `Task`, `TaskData`, `DataSummary` and `ReadData` from here.
 
 May import: config, data, models, prepare, dist (a rank's place; collectives in a task's evaluation). Never the run,

@@ -1,33 +1,23 @@
 """Protein sequences: masked-LM pre-training, sequence classification, per-residue secondary structure.
 
-Every sample is "<cls> r1 r2 ... rL" (residue ids from the prepared residue vocabulary); batches are padded
-with id 0 and carry a bool mask (True = real token) that the encoder uses to ignore padding.
+Every sample is "<cls> r1 r2 ... rL" (residue ids from the prepared residue vocabulary: `protein_samples.py`); batches
+are padded with id 0 and carry a bool mask (True = real token) that the encoder uses to ignore padding.
 
-- mlm: the BERT rule. max(1, round(mask_prob * L)) residues are chosen; of those 80% become <mask>, 10% a
-  random standard amino acid, 10% stay as they are; the loss is summed over the chosen residues (count =
-  chosen residues). The choice is a pure function of (train.seed, sample index) where the training set holds
-  `protein.mask_variants` copies of each sequence, copy k at index k * n + i with its own mask: resumed runs and
-  any number of processes see the same masks, and a sequence meets a new mask in each of its copies.
-  Validation and test use one fixed masking (independent of the seed), so perplexities compare across runs.
-- classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences); evaluated by
-  accuracy and, for two classes, AUROC of the second class's probability (label 1 = AMP on the default data).
-- residue: cross-entropy over resolved residues only (count = resolved residues); evaluated by Q3.
+- mlm: the BERT rule (`protein_samples.py`); the loss is summed over the chosen residues (count = chosen residues).
+- classify: cross-entropy per sequence on the mean-pooled encoder output (count = sequences).
+- residue: cross-entropy over resolved residues only (count = resolved residues).
 - regress: squared error per sequence (count = sequences) of one value from the pooled encoder output, on
-  targets z-scored with the training split's mean and standard deviation (prepared with the data); evaluated on
-  the data's own scale by Spearman's rho (the field's figure for fitness, e.g. FLIP GB1), Pearson's r, MSE and
-  MAE, beside a ridge regression on one-hot residues fitted on the same training split (`ridge_*`; its penalty
-  picked by validation MSE) to show what the Transformer adds. The baseline is computed by `harness evaluate`,
-  not during training.
-With `protein.sites = "varying"` (classify, regress) a sample is <cls> and the residues at the sites where the training
-sequences differ (`prepare.protein`: e.g. FLIP GB1's four), and the model's positions are those sites.
+  targets z-scored with the training split's mean and standard deviation (prepared with the data).
+What each is evaluated by, and the ridge baseline beside regress, is `protein_scoring.py`'s.
+With `protein.sites = "varying"` (classify, regress) a sample is <cls> and the residues at the sites where the
+training sequences differ (`prepare.protein`: e.g. FLIP GB1's four), and the model's positions are those sites.
 With a Hugging Face encoder (`model.hf`, e.g. the ESM-2 family) the objective picks its auto class (masked LM,
 sequence or token classification, `num_labels` set from the data); its tokenizer's ids replace the prepared ones
 residue by residue, the sample gains the tokenizer's end token (ESM's "<cls> ... <eos>", never a target), and the
 model is called as `model(input_ids, attention_mask)`. To start from an earlier run, name its exported `hf/`
 directory as `model.hf` (`from_pretrained` keeps the encoder and starts a new head).
-`protein.init_from = RUN_DIR` starts the built-in model from another protein run's exported weights (e.g. an mlm run): parameters
-are taken by name and shape (embedding rows matched by residue, position rows up to the shorter length); the
-others, e.g. a new head, keep their fresh initialisation; rank 0 prints which were loaded.
+`protein.init_from = RUN_DIR` starts the built-in model from another protein run's exported weights
+(`protein_init_from.py`).
 `read` takes new sequences for `harness evaluate --data` (`prepare.protein.read_scoring`) as evaluation samples with
 the run's stored vocabulary, classes and value statistics; `evaluate(..., data=...)` scores them as it scores a split
 (without the ridge baseline, which is fitted on the training split).
@@ -41,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config.run import ConfigError, RunConfig, read_toml, run_steps, setting
+from ..config.run import ConfigError, RunConfig, run_steps, setting
 from ..console import progress
 from ..data.batches import eval_batches
-from ..data.corpus import Corpus, Documents, is_corpus
+from ..data.corpus import Corpus, is_corpus
 from ..data.tokenizer import PAD
 from ..distributed.world import launched_rank
 from ..models import hf
@@ -53,183 +43,13 @@ from ..models.transformer import TransformerConfig
 from ..prepare import protein as prep
 from ..prepare import read_meta, store, summary
 from .interface import ReadData, TaskData
-from .metrics import accuracy, auroc, pearson, q3, regression, ridge, spearman
-from .registry import resolve
+from .protein_init_from import init_from, source_config
+from .protein_samples import EVAL_MASK_SEED, IGNORE, CorpusRows, Samples, Vocab, check_corpus, hf_tokenizer, scale
+from .protein_scoring import choose_mix, field_metrics, load_ridge, per_sample, regression_metrics, ridge_baseline
 
-IGNORE = prep.IGNORE
-EVAL_MASK_SEED = 1_234_567  # validation/test masks do not depend on train.seed
 N_STATES = len(prep.STATES)
 HF_CLASSES = {"mlm": "AutoModelForMaskedLM", "classify": "AutoModelForSequenceClassification",
               "residue": "AutoModelForTokenClassification", "regress": "AutoModelForSequenceClassification"}
-RIDGE_ALPHAS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
-RIDGE_MIX = (0.0, 0.25, 0.5, 0.75)  # protein.blend's choices: the encoder keeps a share (1.0 is the baseline alone)
-RIDGE_MAX_SIZE = 8000  # the ridge baseline solves a min(rows, features)-square system; beyond this it is skipped
-
-
-@dataclass
-class Vocab:
-    """The model's token ids: the prepared vocabulary's own, or a Hugging Face tokenizer's for the same residues."""
-    cls_id: int
-    mask_id: int | None
-    pad_id: int
-    eos_id: int | None                   # appended after the residues (never a target); None: nothing
-    residue_ids: torch.Tensor            # the standard amino acids, for mlm's random replacements
-    remap: torch.Tensor | None = None    # prepared id -> model id; None: the same
-
-    @classmethod
-    def of(cls, cfg: RunConfig, tok) -> "Vocab":
-        standard = torch.tensor([tok.piece_id(a) for a in prep.AMINO_ACIDS if _known(tok, a)])
-        if not hf.own_tokenizer(cfg):
-            return cls(tok.piece_id("<cls>"), tok.piece_id("<mask>"), PAD, None, standard)
-        theirs = hf_tokenizer(cfg)
-        pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
-        ids = [theirs.convert_tokens_to_ids(p) for p in pieces]
-        remap = [theirs.unk_token_id if i is None else i for i in ids]
-        if None in remap:
-            lost = [p for p, i in zip(pieces, remap) if i is None]
-            raise ConfigError(f"model.hf = {cfg.model.hf!r}: its tokenizer has no {', '.join(lost[:8])} and no "
-                              f"unknown token to stand for them")
-        remap = torch.tensor(remap)
-        return cls(theirs.cls_token_id, theirs.mask_token_id, theirs.pad_token_id, theirs.eos_token_id,
-                   remap[standard], remap)
-
-
-def hf_tokenizer(cfg: RunConfig):
-    """A Hugging Face model's tokenizer, with the special tokens the objective needs."""
-    tok = hf.tokenizer(cfg)
-    hf.need_tokens(cfg, tok, "protein", "cls_token", "pad_token", *(["mask_token"] if cfg.task.objective == "mlm"
-                                                                      else []))
-    return tok
-
-
-class Samples(torch.utils.data.Dataset):
-    """One split's samples for an objective: {"ids": (n,), and "label" (), "value" () (z-scored by `scale`, the
-    training values' (mean, std)) or "targets" (n,)}, n = L + 1 (<cls>, residues) or L + 2 (and the end token of a
-    Hugging Face tokenizer that has one).
-
-    With `window` (evaluation splits of per-residue objectives), a chain longer than `window` residues gives several
-    samples: overlapping windows of `window` residues (see `windows`), each with its own <cls> and end token, whose
-    targets keep only the residues that window owns. Every residue is then scored exactly once, in the window
-    where it has the most context."""
-
-    def __init__(self, rows, objective: str, vocab: Vocab, mask_prob: float = 0.15, seed: int = 0,
-                 variants: int = 1, scale: tuple[float, float] = (0.0, 1.0), window: int = 0):
-        self.rows, self.objective, self.n = rows.with_format("torch"), objective, len(rows)
-        self.mask_prob, self.seed, self.variants, self.vocab = mask_prob, seed, variants, vocab
-        self.scale = scale
-        self.specials = 1 + (vocab.eos_id is not None)  # positions besides the residues
-        self.spans = None  # sample -> (row, first residue, owned residues from, to)
-        if window and objective in ("residue", "mlm"):
-            lengths = [len(ids) for ids in rows.with_format(None)["ids"]]
-            if max(lengths, default=0) > window:
-                self.spans = [(i, *span) for i, n in enumerate(lengths) for span in windows(n, window)]
-                self.window, self.windowed = window, sum(n > window for n in lengths)
-
-    def __len__(self) -> int:
-        return len(self.spans) if self.spans else self.n * self.variants
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not self.spans:
-            return self.whole(index)
-        i, start, lo, hi = self.spans[index]
-        sample = self.whole(i)
-        end = len(sample["ids"]) - self.specials + 1  # where the end token (if any) sits
-        keep = torch.cat([torch.tensor([0]), torch.arange(1 + start, 1 + min(start + self.window, end - 1)),
-                          torch.arange(end, len(sample["ids"]))])
-        targets = torch.full_like(sample["targets"], IGNORE)
-        targets[1 + lo:1 + hi] = sample["targets"][1 + lo:1 + hi]  # only the residues this window owns
-        return {"ids": sample["ids"][keep], "targets": targets[keep]}
-
-    def whole(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.rows.at(index) if hasattr(self.rows, "at") else self.rows[index % self.n]
-        v = self.vocab
-        residues = row["ids"].long() if v.remap is None else v.remap[row["ids"].long()]
-        end = [] if v.eos_id is None else [v.eos_id]
-        ids = torch.tensor([v.cls_id, *residues.tolist(), *end])  # (n,)
-        if self.objective == "classify":
-            return {"ids": ids, "label": row["label"]}
-        if self.objective == "regress":
-            return {"ids": ids, "value": ((row["value"] - self.scale[0]) / self.scale[1]).float()}
-        if self.objective == "residue":
-            return {"ids": ids, "targets": torch.tensor([IGNORE, *row["states"].tolist(), *[IGNORE] * len(end)])}
-        return {"ids": ids, **self.mask(ids, index, len(residues))}
-
-    def mask(self, ids: torch.Tensor, index: int, L: int) -> dict[str, torch.Tensor]:
-        """BERT masking of the L residues at positions 1..L, a pure function of (seed, index)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        v = self.vocab
-        chosen = torch.randperm(L, generator=g)[:max(1, round(self.mask_prob * L))] + 1  # skip <cls>
-        rule = torch.rand(len(chosen), generator=g)
-        random_ids = v.residue_ids[torch.randint(len(v.residue_ids), (len(chosen),), generator=g)]
-        targets = torch.full_like(ids, IGNORE)
-        targets[chosen] = ids[chosen]
-        masked = ids.clone()
-        masked[chosen] = torch.where(rule < 0.8, v.mask_id, torch.where(rule < 0.9, random_ids, ids[chosen]))
-        return {"ids": masked, "targets": targets}
-
-
-class CorpusRows:
-    """A prepared corpus's sequences (`harness prepare protein --input`) as the rows `Samples` reads: {"ids": residue
-    ids}, one longer than `residues` cropped to a window of them at an offset drawn from (seed, sample): each mask
-    variant of a long sequence sees another part of it; its start where `seed` is None (evaluation). Nothing is read
-    before a row is asked for."""
-
-    def __init__(self, corpus: Corpus, split: str, residues: int, seed: int | None):
-        self.docs = Documents(corpus, split) if split in corpus.shards else None
-        self.residues, self.seed = residues, seed
-
-    def with_format(self, _):
-        return self
-
-    def __len__(self) -> int:
-        return len(self.docs) if self.docs is not None else 0
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.at(i)
-
-    def at(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample `index`'s row: sequence index % len, cropped as (seed, index) draws."""
-        ids = self.docs[index % len(self)]
-        start = 0
-        if len(ids) > self.residues and self.seed is not None:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-            start = int(torch.randint(len(ids) - self.residues + 1, (), generator=g))
-        return {"ids": torch.from_numpy(ids[start:start + self.residues].astype("int64"))}
-
-
-def check_corpus(cfg: RunConfig) -> None:
-    """A prepared corpus of sequences: residue ids for masked-LM pre-training, its shards whole."""
-    corpus, p = Corpus(cfg.data.path), cfg.task
-    corpus.check()
-    if corpus.tokenizer["kind"] != "residues":
-        raise ConfigError(f"data.path = {cfg.data.path}: a corpus of {corpus.tokenizer['kind']} tokens; the protein "
-                          f"task reads residues: `harness prepare protein --input FASTA... --out DIR`")
-    if p.objective != "mlm":
-        raise ConfigError(f"protein.objective = {p.objective!r}: a prepared corpus of sequences has no labels; "
-                          f"pre-train with 'mlm' on it (then start from that run: protein.init_from)")
-    if cfg.data.val_path or cfg.data.bucket:
-        key = "data.val_path" if cfg.data.val_path else "data.bucket"
-        raise ConfigError(f"{key}: with a prepared corpus, validation is its held-out sequences (--val-fraction) "
-                          f"and samples are not bucketed; leave it out")
-
-
-def windows(length: int, window: int) -> list[tuple[int, int, int]]:
-    """(first residue, owned from, owned to) of windows of `window` residues over a chain of `length`: starts every
-    window // 2 residues, the last aligned to the chain's end; where two overlap, each owns the half nearer its own
-    centre, so the owned ranges tile the chain. A chain that fits is one window owning everything."""
-    if length <= window:
-        return [(0, 0, length)]
-    starts = [*range(0, length - window, max(1, window // 2)), length - window]
-    cuts = [0, *((b + a + window) // 2 for a, b in zip(starts, starts[1:])), length]
-    return [(s, lo, hi) for s, lo, hi in zip(starts, cuts, cuts[1:])]
-
-
-def _known(tok, piece: str) -> bool:
-    try:
-        tok.piece_id(piece)
-        return True
-    except KeyError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -492,7 +312,7 @@ class ProteinTask:
             batch = {k: v.to(world.device) for k, v in self.collate([samples[j] for j in index]).items()}
             logits = hf.logits(model(batch["ids"], batch["mask"])).float()  # every rank calls the model `steps` times
             if real:
-                mine += _per_sample(logits, batch)
+                mine += per_sample(logits, batch)
                 if blended is not None:  # the linear model's prediction beside the encoder's
                     linear = blended.ridge(batch["ids"], batch["mask"]).squeeze(-1).tolist()
                     mine[-len(linear):] = [(p, y, r) for (p, y), r in zip(mine[-len(linear):], linear)]
@@ -532,193 +352,8 @@ class ProteinTask:
             extra = {"loss": sum((p - y) ** 2 for p, y in outputs) / len(outputs), "ridge_mix": w}
         if cfg.task.objective != "regress":
             windowed = {"chains_in_windows": float(samples.windowed)} if samples.spans else {}
-            return {**_field_metrics(cfg.task.objective, outputs), **windowed}
+            return {**field_metrics(cfg.task.objective, outputs), **windowed}
         mean, std = samples.scale
         metrics = regression_metrics([mean + std * p for p, _ in outputs], [mean + std * y for _, y in outputs])
         metrics |= extra or ({"ridge_mix": blended.ridge_mix.item()} if hasattr(blended, "ridge_mix") else {})
         return metrics if in_training or data is not None else {**metrics, **ridge_baseline(self.prepare(cfg), split)}
-
-
-def _per_sample(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[tuple]:
-    """Per-sample results as plain Python, cheap to gather: (probabilities, label) or (predictions, targets, nll)."""
-    if "values" in batch:
-        return list(zip(logits.squeeze(-1).tolist(), batch["values"].tolist()))
-    if "labels" in batch:
-        probs = logits.softmax(-1).cpu()
-        return [(p.tolist(), int(y)) for p, y in zip(probs, batch["labels"].cpu())]
-    out = []
-    nll = F.cross_entropy(logits.transpose(1, 2), batch["targets"], ignore_index=IGNORE, reduction="none")  # (B, T)
-    for lg, t, n in zip(logits.cpu(), batch["targets"].cpu(), nll.cpu()):
-        keep = t != IGNORE
-        out.append((lg[keep].argmax(-1).tolist(), t[keep].tolist(), n[keep].sum().item()))
-    return out
-
-
-def _field_metrics(objective: str, outputs: list[tuple]) -> dict[str, float]:
-    if objective == "classify":
-        probs, labels = [p for p, _ in outputs], [y for _, y in outputs]
-        pred = [max(range(len(p)), key=p.__getitem__) for p in probs]
-        nll = -sum(math.log(max(p[y], 1e-12)) for p, y in outputs) / len(outputs)
-        result = {"accuracy": accuracy(pred, labels), "sequences": float(len(outputs)), "loss": nll}
-        if len(probs[0]) == 2 and 0 < sum(labels) < len(labels):
-            result["auroc"] = auroc([p[1] for p in probs], labels)
-        return result
-    pred = [a for p, _, _ in outputs for a in p]
-    target = [a for _, t, _ in outputs for a in t]
-    n = len(target)
-    if objective == "residue":
-        return {"q3": q3(pred, target, [1] * n), "residues": float(n)}
-    mean_nll = sum(x for _, _, x in outputs) / n
-    return {"masked_accuracy": accuracy(pred, target), "perplexity": math.exp(min(mean_nll, 50.0)),
-            "masked_residues": float(n)}
-
-
-def scale(meta: dict) -> tuple[float, float]:
-    """The training values' (mean, std) that regression targets are z-scored with; (0, 1) for other labels."""
-    values = meta.get("values") or {}
-    return values.get("mean", 0.0), values.get("std", 1.0)
-
-
-def regression_metrics(pred: list[float], target: list[float]) -> dict[str, float]:
-    return {"spearman": spearman(pred, target), "pearson": pearson(pred, target), **regression(pred, target),
-            "sequences": float(len(target))}
-
-
-def one_hot(rows, length: int, vocab_size: int) -> torch.Tensor:
-    """(n, length * vocab_size) indicators of each position's residue id; positions past a sequence's end stay 0."""
-    ids = torch.full((len(rows), length), -1)
-    for i, r in enumerate(rows["ids"]):
-        r = r[:length]
-        ids[i, :len(r)] = torch.as_tensor(r)
-    out = torch.zeros(len(rows), length, vocab_size)
-    out.scatter_(2, ids.clamp(min=0).unsqueeze(-1), (ids >= 0).float().unsqueeze(-1))
-    return out.flatten(1)
-
-
-@dataclass
-class RidgeFit:
-    """Ridge regression on one-hot residues: `weights` (length, vocab) per position and residue id (0 for a residue
-    constant in training), `intercept`, on the data's own scale; the penalty `alpha` picked by validation MSE."""
-    weights: torch.Tensor
-    intercept: float
-    alpha: float
-
-    def predict(self, rows) -> torch.Tensor:
-        length, vocab = self.weights.shape
-        return one_hot(rows, length, vocab).double() @ self.weights.flatten() + self.intercept
-
-
-def ridge_fit(directory: Path) -> RidgeFit | str:
-    """The ridge baseline fitted on the training split, its penalty picked from RIDGE_ALPHAS by validation MSE
-    (train's own when there is none); a sentence instead when the system is too large to solve."""
-    train, val = prep.load(directory, "train"), prep.load(directory, "validation")
-    length, vocab = max(len(r) for r in train["ids"]), read_meta(directory)["vocab_size"]
-    x = one_hot(train, length, vocab)
-    keep = x.std(0) > 0  # a column constant in training carries nothing the intercept does not
-    x = x[:, keep]
-    if min(x.shape) > RIDGE_MAX_SIZE:
-        return f"skipped: {x.shape[0]} rows x {x.shape[1]} features is too large to solve"
-    y = torch.tensor(train["value"])
-    vx, vy = (one_hot(val, length, vocab)[:, keep], torch.tensor(val["value"])) if len(val) else (x, y)
-
-    fits = dict(zip(RIDGE_ALPHAS, ridge(x, y, RIDGE_ALPHAS)))  # weights of the kept columns, intercept last
-    alpha = min(fits, key=lambda a: (vx.double() @ fits[a][:-1] + fits[a][-1] - vy).pow(2).mean().item())
-    weights = torch.zeros(length * vocab, dtype=torch.float64)
-    weights[keep] = fits[alpha][:-1]
-    return RidgeFit(weights.view(length, vocab), fits[alpha][-1].item(), alpha)
-
-
-@torch.no_grad()
-def load_ridge(model: Encoder, directory: Path, stats: tuple[float, float], cls_id: int) -> None:
-    """protein.blend = "ridge": the ridge fit on the z-scored targets the model learns, as the model's `ridge_table`
-    (residue positions 0.. are the model's 1.., after <cls>, which carries the intercept). A finished run's stored
-    data (`harness evaluate --data`) has no training split: its exported weights hold the table."""
-    if not len(prep.load(directory, "train")):
-        return
-    if not len(prep.load(directory, "validation")):
-        raise ConfigError("protein.blend = 'ridge' chooses its share (and the ridge penalty) on the validation split, "
-                          "which is empty here: give the data validation rows (data.val_fraction, data.val_path)")
-    fitted = ridge_fit(directory)
-    if isinstance(fitted, str):
-        raise ConfigError(f"protein.blend = 'ridge': the ridge fit is {fitted}")
-    mean, std = stats
-    vocab = model.cfg.vocab_size
-    table = torch.zeros(model.cfg.max_seq_len, vocab, dtype=torch.float64)
-    length, width = fitted.weights.shape
-    table[1:1 + length, :width] = fitted.weights / std
-    table[0, cls_id] = (fitted.intercept - mean) / std
-    model.ridge_table.copy_(table.flatten())
-
-
-def choose_mix(net: list[float], linear: list[float], target: list[float]) -> float:
-    """The ridge share of RIDGE_MIX whose mix has the highest Spearman on these (validation) rows; ties: the smaller."""
-    def score(w: float) -> float:  # a constant prediction has no rank correlation (nan): the worst, not a tie
-        rho = spearman([n + w * (r - n) for n, r in zip(net, linear)], target)
-        return rho if math.isfinite(rho) else -math.inf
-
-    return max(RIDGE_MIX, key=lambda w: (score(w), -w))
-
-
-def ridge_baseline(directory: Path, split: str) -> dict[str, float | str]:
-    """The ridge fit (`ridge_fit`) scored on `split`: ridge_spearman, ridge_mse, ... and ridge_alpha."""
-    fitted = ridge_fit(directory)
-    if isinstance(fitted, str):
-        return {"ridge_baseline": fitted}
-    test = prep.load(directory, split)
-    pred = fitted.predict(test)
-    return {f"ridge_{k}": v for k, v in regression_metrics(pred.tolist(), test["value"]).items()
-            if k != "sequences"} | {"ridge_alpha": fitted.alpha}
-
-
-def source_config(run_dir: Path) -> RunConfig:
-    """protein.init_from's run config, checked to be a protein run before it is resolved (resolving imports the task
-    it names: a run directory from elsewhere must not run code)."""
-    task = read_toml(run_dir / "config.toml").get("run", {}).get("task", "lm")
-    if task != "protein":
-        raise ConfigError(f"protein.init_from = {str(run_dir)!r} is a {task!r} run, not a protein run")
-    return resolve(str(run_dir / "config.toml")).cfg
-
-
-def init_from(model: Encoder, cfg: RunConfig, run_dir: Path) -> tuple[list[str], list[str]]:
-    """Copy another protein run's exported weights into `model` where names match; returns (loaded, fresh)."""
-    from safetensors.torch import load_file
-
-    source_cfg = source_config(run_dir)
-    theirs = load_file(str(run_dir / "model.safetensors"))
-    # Residue ids depend on the vocabulary each run prepared: match embedding (and mlm output) rows by piece.
-    ours_tok, their_tok = prep.tokenizer(prep.prepare(cfg)), prep.tokenizer(prep.prepare(source_cfg))
-    pieces = {their_tok.sp.id_to_piece(i): i for i in range(their_tok.vocab_size)}
-    state, loaded, fresh = model.state_dict(), [], []
-    for name, own in state.items():
-        src = theirs.get(name)
-        if name.startswith("ridge_"):  # protein.blend: this run's own fit, on its own rows and ids
-            continue
-        if src is None or src.dim() != own.dim() or src.shape[1:] != own.shape[1:]:
-            fresh.append(name)
-        elif name in ("tok_emb.weight", "mlm_head.weight", "mlm_head.bias"):
-            for i in range(min(own.shape[0], ours_tok.vocab_size)):
-                j = pieces.get(ours_tok.sp.id_to_piece(i))
-                if j is not None and j < src.shape[0]:
-                    own[i] = src[j]
-            loaded.append(name)
-        elif name == "pos_emb.weight":  # a different seq_len: the positions both have
-            n = min(own.shape[0], src.shape[0])
-            own[:n] = src[:n]
-            loaded.append(name)
-        elif src.shape == own.shape:
-            own.copy_(src)
-            loaded.append(name)
-        else:
-            fresh.append(name)
-    model.load_state_dict(state)
-    return _short(loaded), _short(fresh)
-
-
-def _short(names: list[str]) -> list[str]:
-    """Parameter names grouped by module: blocks.0.attn.q_proj.weight -> blocks.*, cls_head.weight -> cls_head."""
-    out = []
-    for name in names:
-        top = "blocks.*" if name.startswith("blocks.") else name.rsplit(".", 1)[0]
-        if top not in out:
-            out.append(top)
-    return out
