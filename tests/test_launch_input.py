@@ -318,3 +318,21 @@ def test_a_lock_names_its_process_and_overwrite_clears_only_a_directory_it_holds
             held.release()
     finally:
         other.kill()
+
+
+def test_several_processes_where_accelerate_would_start_one_are_refused_by_launch_not_plan(capsys):
+    """accelerate launch picks a launcher of several processes by itself only for 2 GPUs or more: `--num_processes 2`
+    alone (or with --cpu) trained one process here while `harness plan` planned two."""
+    import torch
+
+    if torch.cuda.device_count() > 1:
+        pytest.skip("accelerate launches several processes on 2 GPUs or more")
+    train = ["train", "--run", RUN, "--set", "train.max_steps=1"]
+    for options, why in ((["--num_processes", "2"], "no launch type is set (--use_deepspeed, --multi_gpu, ...)"),
+                         (["--cpu", "--num_processes", "2"], "--cpu sends it to its one-process")):
+        assert main(["launch", *options, *train]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("harness: error: harness launch: --num_processes = 2, but accelerate launch would start "
+                              f"one process: {why}") and "add --use_deepspeed" in err, err
+    assert main(["plan", "--num_processes", "2", "--run", RUN]) == 0  # a plan may be for GPUs elsewhere
+    assert "world size 2" in capsys.readouterr().out

@@ -69,6 +69,8 @@ def launch_settings(accelerate_args: list[str], who: str = LAUNCH) -> dict:
         raise ConfigError(f"{who}: {where('mixed_precision')} = {precision!r}: the harness runs DeepSpeed in no, fp16 "
                           f"or bf16; use no and choose the precision in the DeepSpeed file")
     args, defaults = _validated(args, who)
+    if who == LAUNCH:  # (a plan may be for GPUs elsewhere)
+        _check_launch_type(args, processes, where, who)
     _check_machines(args, processes, where, who)
     asked = [f"--{k}" for k in sorted(PARALLELISM_KEYS) if given.get(k) != parser.get_default(k)] + \
         [f"parallelism_config in {file}"] * bool(raw.get("parallelism_config"))
@@ -108,6 +110,19 @@ def _validated(args, who: str):
         hint = f" With DeepSpeed, write {SP_FORM}." if "--use_parallelism_config" in str(e) else ""
         raise ConfigError(f"{who}: accelerate launch refuses its settings: {str(e).strip()}{hint}") from None
     return args, defaults
+
+
+def _check_launch_type(args, processes: int, where, who: str) -> None:
+    """Several processes asked for, where accelerate launch would start one: without a launch type it picks the
+    multi-GPU launcher for 2 GPUs or more only, and with --cpu none (accelerate/commands/launch.py `launch_command`:
+    any other case is its `simple_launcher`, one process). `harness plan` had planned the processes asked for."""
+    several = any(getattr(args, k, False) for k in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "multi_gpu", "tpu"))
+    if processes > 1 and (args.cpu or not several) and not getattr(args, "mpirun_hostfile", None):
+        why = "--cpu sends it to its one-process launcher" if args.cpu else \
+            "no launch type is set (--use_deepspeed, --multi_gpu, ...) and it picks one itself only for 2 GPUs or more"
+        raise ConfigError(f"{who}: {where('num_processes')} = {processes}, but accelerate launch would start one "
+                          f"process: {why}; add --use_deepspeed (as launch/cpu_2proc.yaml does), without --cpu: the "
+                          f"harness runs on the CPU where there is no GPU")
 
 
 def _check_machines(args, processes: int, where, who: str) -> None:
