@@ -136,7 +136,8 @@ def train(run=None, sets: list[str] = (), ds: str | None = None, task=None, resu
     with given(task):
         p = _plan("train", run, sets, ds, task)
         _note_main_task(p)
-        resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok)
+        resume_from = preflight(p, None if resume is None else str(resume), overwrite, data_changed_ok,
+                                stop_at=stop_at)
         return _train(p, resume_from, overwrite, stop_at, trust_checkpoint)
 
 

@@ -653,7 +653,8 @@ def test_optimizer_settings_changed_on_resume_take_effect_and_another_optimizer_
     """torch's load_state_dict takes the groups' settings from the checkpoint: a weight decay or beta changed on resume
     had been silently the saved one (while config.toml said the new one). Resumed with them changed, a ZeRO-2 run
     says so, trains apart from one resumed as saved, and saves the new settings; SGD over AdamW's state is refused
-    before launch in one line (it had stopped at its first step: KeyError 'momentum')."""
+    before launch in one line (it had stopped at its first step: KeyError 'momentum'). --stop-at at the step resumed
+    is refused, and past the run's end said."""
     from safetensors.torch import load_file
 
     flat = ["schedule.kind=\"constant\"", "schedule.warmup_steps=0", "train.eval_every=0", "train.max_steps=4",
@@ -661,7 +662,15 @@ def test_optimizer_settings_changed_on_resume_take_effect_and_another_optimizer_
     harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--stop-at", "2"])
     for name in ("changed", "sgd"):
         shutil.copytree(tmp_path / "same", tmp_path / name)
-    same = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto"])
+    early = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "2"],
+                    check=False)  # (it had started in full to stop at once)
+    assert early.proc.returncode == 2 and early.proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: --stop-at 2: the run resumes at step 2 ({tmp_path / 'same' / 'checkpoints' / 'step_00000002'}"
+        f"), past it; name a later step, or resume an earlier checkpoint (--resume "
+        f"{tmp_path / 'same' / 'checkpoints'}/step_N)"), early.proc.stderr[-2000:]
+    same = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "9"])
+    assert "note: --stop-at 9 is past the run's end, train.max_steps = 4 (command line): it ends there" in \
+        same.proc.stdout
     changed = harness(tmp_path / "changed", corpus, ds="zero2.json",
                       sets=[*flat, "optimizer.weight_decay=0.0", "optimizer.beta2=0.9"], args=["--resume", "auto"])
     assert "the optimizer's settings are this run's from step 3: weight_decay 0 (the checkpoint's run had 0.5); " \

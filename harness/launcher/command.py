@@ -46,7 +46,7 @@ def check(train_args: list[str], settings: dict, parse):
     plan = plan_launch(args.run, args.set, args.ds, settings)
     if args.stop_at is not None and args.stop_at <= 0:
         raise ConfigError(f"--stop-at must be a positive step, got {args.stop_at}")
-    preflight(plan, args.resume, args.overwrite, args.data_changed_ok, settings["machine_rank"])
+    preflight(plan, args.resume, args.overwrite, args.data_changed_ok, settings["machine_rank"], args.stop_at)
     return plan
 
 

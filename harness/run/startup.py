@@ -25,7 +25,7 @@ from .nodes import shared_wait_s
 
 
 def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: bool = False,
-              machine_rank: int = 0) -> Path | None:
+              machine_rank: int = 0, stop_at: int | None = None) -> Path | None:
     """Checks of this machine that need no process group (`machine_rank`: the node's, for `harness launch` on each
     node). Returns the checkpoint to resume from, if any. The notes about what is resumed are said by the first rank,
     or by `harness launch`'s own check where it started the ranks."""
@@ -65,6 +65,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         elif launched_rank() == 0 and not under_launcher():
             print(f"note: {run_dir} holds only the start-up files of a run that never trained a step: replaced",
                   flush=True)
+    check_stop_at(plan, stop_at, found, launched_rank() == 0 and not under_launcher())
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 
@@ -78,3 +79,19 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         if problem:
             raise ConfigError(problem)
     return found
+
+
+def check_stop_at(plan: Plan, stop_at: int | None, found: Path | None, say: bool) -> None:
+    """--stop-at at or before the step resumed is refused (the run had started in full to stop at once, saying
+    "stopped at step 40"); past train.max_steps it is said (it ends there)."""
+    from .resume import step_of
+
+    if stop_at is None:
+        return
+    if found is not None and stop_at <= (step := step_of(found)):
+        raise ConfigError(f"--stop-at {stop_at}: the run resumes at step {step} ({found}), past it; name a later "
+                          f"step, or resume an earlier checkpoint (--resume {found.parent}/step_N)")
+    steps = plan.run.cfg.train.max_steps
+    if say and steps and stop_at > steps:
+        print(f"note: --stop-at {stop_at} is past the run's end, {plan.run.describe('train.max_steps')}: it ends "
+              f"there", flush=True)
