@@ -463,6 +463,10 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus, capsys)
     assert heads.proc.returncode == 2 and "(model.n_heads 2 there, 1 here (command line); the same parameters, read " \
         "as other heads)" in line, line
     assert (run.dir / "config.toml").read_text() == saved and (run.dir / "eval.jsonl").read_text() == evals
+    shorter = harness(tmp_path / "a", corpus, sets=[*sets, "train.max_steps=2", "train.epochs=0.0"],
+                      args=["--resume", "auto"])  # (it had said "finished at step N of 2")
+    assert f"the run finished at step {steps} (past the 2 steps this run asks for) and exported" in \
+        shorter.proc.stdout
     # its export gone, resumed with fewer steps than it trained: evaluated and exported again (it had said "stopped
     # at step N of M (--stop-at)" and exported nothing, at every resume)
     (run.dir / "model.safetensors").unlink()

@@ -173,8 +173,9 @@ def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int
     if world.is_main:
         more = "raise train.early_stopping_patience to train on" if early else \
             "raise train.max_steps or train.epochs to train on"
+        of = f" of {max_steps}" if step <= max_steps else f" (past the {max_steps} steps this run asks for)"
         print(f"{run_dir}: the run {f'stopped early at step {step} ({early})' if early else f'finished at step {step}'}"
-              f" of {max_steps} and exported {model}; nothing to do ({more}, --overwrite to train again)")
+              f"{of} and exported {model}; nothing to do ({more}, --overwrite to train again)")
     return {"step": step, **(last[0] if last else {})}
 
 
