@@ -51,6 +51,20 @@ def test_hf_causal_lm_matches_one_process_under_zero2_resumed_and_partitioned_ze
     assert built["build_peak_device_bytes"] == [None, None] and "model built: at its peak it took" in two3.proc.stdout
 
 
+def test_an_lm_resumed_on_windows_of_another_length_is_refused_unless_meant(tiny_llama, corpus, tmp_path):
+    """A rotary model takes any data.seq_len, and the checkpoint's place in the data counts windows: resumed on
+    windows of another length it had read text again (its epoch went backwards), with only the config's note."""
+    harness(tmp_path / "run", corpus, sets=hf_sets(tiny_llama), base=TINY_RUN, args=["--stop-at", "2"])
+    longer = [*hf_sets(tiny_llama), "data.seq_len=32"]
+    refused = harness(tmp_path / "run", corpus, sets=longer, base=TINY_RUN, args=["--resume", "auto"], check=False)
+    assert refused.proc.returncode == 2 and refused.proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: --resume {tmp_path / 'run' / 'checkpoints' / 'step_00000002'}: trained on windows of 17 "
+        f"tokens (data.seq_len 16), now 33 (data.seq_len 32): its place in the data, a count of windows, falls "
+        f"elsewhere in the text, which would be read twice or skipped; pass --data-changed-ok to resume anyway")
+    meant = harness(tmp_path / "run", corpus, sets=longer, base=TINY_RUN, args=["--resume", "auto", "--data-changed-ok"])
+    assert "resumed from" in meant.proc.stdout
+
+
 def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_llama_shards, tmp_path):
     import torch
 

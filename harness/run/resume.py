@@ -158,6 +158,11 @@ def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
         raise ConfigError(f"--resume {path}: trained on {saved['path']} (fingerprint {saved['fingerprint']}), now "
                           f"{now}: the steps after it would not read what the uninterrupted run read; pass "
                           f"--data-changed-ok to resume on the new data anyway")
+    then, now = saved.get("windows"), (data or {}).get("windows")
+    if then and now and then != now and not changed_ok:  # (recorded by the lm, whose place counts windows)
+        raise ConfigError(f"--resume {path}: trained on windows of {then} tokens (data.seq_len {then - 1}), now "
+                          f"{now} (data.seq_len {now - 1}): its place in the data, a count of windows, falls elsewhere "
+                          f"in the text, which would be read twice or skipped; pass --data-changed-ok to resume anyway")
 
 
 def finished(run_dir: Path, model: Path, world: World, step: int, max_steps: int,

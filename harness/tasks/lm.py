@@ -350,7 +350,12 @@ class LanguageModelTask:
     def data_identity(self, cfg: RunConfig) -> dict | None:
         """What a checkpoint records of the data, so that a resume on other data is refused: the corpora's
         fingerprints (and a mixture's weights), or a text file's bytes with the settings that choose its rows and
-        its split (none for a Hub data set: its revision is not known without the network)."""
+        its split (none for a Hub data set: its revision is not known without the network); and the windows' length,
+        by which the place in the data is counted."""
+        found = self._data_identity(cfg)
+        return found and {**found, "windows": cfg.data.seq_len + 1}
+
+    def _data_identity(self, cfg: RunConfig) -> dict | None:
         d = cfg.data
         if d.mix:
             total = sum(w for _, w in d.mix)  # {web = 7, books = 3} is {web = 0.7, books = 0.3}
