@@ -301,6 +301,8 @@ def test_a_resume_on_other_data_is_refused_unless_the_user_says_so(tmp_path, cor
     harness(raw, text, sets=["train.save_every=2"], args=["--stop-at", "2"])
     refused = harness(raw, text, sets=["data.val_fraction=0.2"], args=["--resume", "auto"], check=False)
     assert refused.proc.returncode == 2 and "--data-changed-ok" in refused.proc.stderr, refused.proc.stderr[-2000:]
+    assert "(the data settings that differ: data.val_fraction 0.1 there, 0.2 here)" in refused.proc.stderr  # (the
+    # fingerprints alone had not said what changed)
     text.write_text(text.read_text().replace("model", "models"))
     refused = harness(raw, text, args=["--resume", "auto"], check=False)
     last = refused.proc.stderr.strip().splitlines()[-1]

@@ -138,13 +138,26 @@ def check_data_unchanged(plan: Plan, found: Path, changed_ok: bool) -> None:
     from . import resume
 
     if resume.saved_data(found) is not None:
-        resume.check_same_data(found, data_identity(plan), changed_ok)
+        resume.check_same_data(found, data_identity(plan), changed_ok, lambda: _data_settings_changed(plan, found))
         return
     kept, changed = _stored_changes(plan, found.parent.parent)  # the checkpoint's own run's
     if changed and not changed_ok:
         raise ConfigError(f"--resume {found}: the data prepared now differs from what its run trained with (kept in "
                           f"{kept}) in {', '.join(changed)}: the ids its model learned would mean other pieces; pass "
                           f"--data-changed-ok to resume on the new data anyway")
+
+
+def _data_settings_changed(plan: Plan, found: Path) -> str:
+    """The data settings of checkpoint `found`'s run (its config.toml, as its latest start wrote it) that differ now,
+    for a refusal whose digests alone do not say what changed; "" where none or none can be read."""
+    try:
+        old = flatten(read_toml(found.parent.parent / "config.toml"))
+    except (OSError, ValueError, ConfigError):
+        return ""
+    new = flatten(plan.run.cfg.to_dict())
+    keys = [f"{k} {old[k]!r} there, {new[k]!r} here" for k in new if k.startswith("data.") and k in old
+            and old[k] != new[k]]
+    return f" (the data settings that differ: {'; '.join(keys)})" if keys else ""
 
 
 def check_init_from(plan: Plan, say: bool) -> None:

@@ -147,17 +147,18 @@ def saved_shapes(path: Path) -> dict[str, list[int]] | None:
     return _saved(path, SHAPES)
 
 
-def check_same_data(path: Path, data: dict | None, changed_ok: bool) -> None:
+def check_same_data(path: Path, data: dict | None, changed_ok: bool, settings=lambda: "") -> None:
     """Before launch: a checkpoint trained on a prepared corpus resumes on that corpus (its fingerprint), else the
-    samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it."""
+    samples after it are not the uninterrupted run's; `changed_ok` (--data-changed-ok) says the user means it.
+    `settings()`: the data settings that changed, said after the fingerprints (which alone do not say what)."""
     saved = saved_data(path)
     if saved is None:
         return  # saved without a prepared corpus (or before data.json existed)
     if (data or {}).get("fingerprint") != saved.get("fingerprint") and not changed_ok:  # moved is the same data
         now = f"{data['path']} (fingerprint {data['fingerprint']})" if data else "data that is no prepared corpus"
         raise ConfigError(f"--resume {path}: trained on {saved['path']} (fingerprint {saved['fingerprint']}), now "
-                          f"{now}: the steps after it would not read what the uninterrupted run read; pass "
-                          f"--data-changed-ok to resume on the new data anyway")
+                          f"{now}{settings()}: the steps after it would not read what the uninterrupted run read; "
+                          f"pass --data-changed-ok to resume on the new data anyway")
     then, now = saved.get("windows"), (data or {}).get("windows")
     if then and now and then != now and not changed_ok:  # (recorded by the lm, whose place counts windows)
         raise ConfigError(f"--resume {path}: trained on windows of {then} tokens (data.seq_len {then - 1}), now "
