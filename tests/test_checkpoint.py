@@ -330,9 +330,15 @@ def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_convers
     old = ckpts / "step_00000004.universal"
     shutil.copytree(old, tmp_path / "old")
     frozen = [*flat, "optimizer.lr=0.0"]
-    harness(run, corpus, ds="zero1.json", sets=frozen,
-            args=["--resume", str(ckpts / "step_00000002"), "--stop-at", "4"])
+    rewound = harness(run, corpus, ds="zero1.json", sets=frozen,
+                      args=["--resume", str(ckpts / "step_00000002"), "--stop-at", "4"])
     assert not old.exists()
+    # the checkpoints after step 2 are a branch the run left: set aside, the one it has passed removed (the rotation
+    # had kept them as the newest, and a resume without `latest` took the newest)
+    assert "its later checkpoints (step_00000004, step_00000005) are set aside as step_N.past, removed once it saves " \
+           "at or past their steps" in rewound.proc.stdout
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == [
+        "step_00000002", "step_00000004", "step_00000005.past"]
     reference = harness(rewind(run, tmp_path / "reference", 4), corpus, ds="zero1.json", sets=frozen,
                         args=["--resume", "auto", "--stop-at", "5"])
     shutil.copytree(tmp_path / "old", old)

@@ -33,6 +33,7 @@ from .resume import (
     DATA,
     LATEST,
     LAYOUT,
+    PAST,
     PLACE,
     SHAPES,
     UNIVERSAL,
@@ -112,9 +113,10 @@ def save(engine, root: Path, step: int, client_state: dict[str, Any], world: Wor
             if best is None or old.name != step_name(best):
                 shutil.rmtree(old, ignore_errors=True)
                 shutil.rmtree(old.with_name(old.name + UNIVERSAL), ignore_errors=True)
-        for bad in root.glob(f"step_*{BAD}"):  # weights gone bad at a step this run has now passed with good ones
-            if step_of(bad) <= step:
-                shutil.rmtree(bad, ignore_errors=True)
+        # weights gone bad, or a branch left, at a step this run has now passed with good ones
+        for aside in [*root.glob(f"step_*{BAD}"), *root.glob(f"step_*{PAST}")]:
+            if step_of(aside) <= step:
+                shutil.rmtree(aside, ignore_errors=True)
     barrier()
     if checksums:  # once the checkpoint is whole and named: a kill while hashing leaves it, read unchecked
         failed = record_sums(final, world)

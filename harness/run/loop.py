@@ -374,6 +374,10 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
     notes = [note] if (note := reshape.batch_note(resume_from, plan.ds, "data_position" in state)) else []
+    if world.is_main and resume_from.parent.resolve() == (plan.run_dir / "checkpoints").resolve() and \
+            (left := resume.set_aside_later(resume_from.parent, state["step"])):
+        notes.append(f"note: this run goes on from {resume_from.name}; its later checkpoints ({', '.join(left)}) are "
+                     f"set aside as step_N{resume.PAST}, removed once it saves at or past their steps")
     if changed := follow_config_settings(schedule.optimizer, built):
         notes.append(f"the optimizer's settings are this run's from step {state['step'] + 1}: {'; '.join(changed)}")
     was, kind = reshape.saved_schedule(resume_from), reshape.schedule_kind(plan.ds)

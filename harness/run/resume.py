@@ -25,6 +25,8 @@ BEST = "best"
 BAD = ".bad"  # suffix of a checkpoint whose weights went bad (a non-finite stop): never resumed from, removed once a
 # good checkpoint at a later step is saved
 UNIVERSAL = ".universal"  # suffix of a checkpoint converted for another partitioning (`reshape`)
+PAST = ".past"  # suffix of a checkpoint after the one its run went on from in its own directory (a branch it left):
+# never resumed from, removed once the run saves at or past its step
 LAYOUT = "layout.json"
 DATA = "data.json"  # what the run trained on (a prepared corpus's fingerprint): a resume on other data is refused
 PLACE = "place.json"  # the step and its place in the data (StepSampler.place): a resume's train.epochs counts from it
@@ -42,7 +44,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return path.name.startswith("step_") and not path.name.endswith((".partial", BAD, UNIVERSAL))
+    return path.name.startswith("step_") and not path.name.endswith((".partial", BAD, UNIVERSAL, PAST))
 
 
 def latest(root: Path) -> Path | None:
@@ -82,6 +84,20 @@ def rewind_latest(root: Path, max_step: int) -> Path | None:
     elif (root / LATEST).exists():
         (root / LATEST).unlink()
     return good[-1] if good else None
+
+
+def set_aside_later(root: Path, step: int) -> list[str]:
+    """The complete checkpoints after `step` in `root`, renamed `step_N.past` (rank 0): a run resumed from an earlier
+    checkpoint of its own leaves them (its records past `step` are dropped too). They had stayed beside the new ones,
+    kept by the rotation as the newest, and the newest complete one is what a resume takes where `latest` is gone."""
+    later = [p for p in complete(root) if step_of(p) > step]
+    for path in later:
+        aside = path.with_name(path.name + PAST)
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(path, aside)
+        shutil.rmtree(path.with_name(path.name + UNIVERSAL), ignore_errors=True)
+    return [p.name for p in later]
 
 
 def step_of(path: Path) -> int:
