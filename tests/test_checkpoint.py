@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, _env, assert_losses_close, command, ds_variant, harness, rewind, val_loss_of_export
+from conftest import ROOT, _env, assert_losses_close, cli, command, ds_variant, harness, rewind, val_loss_of_export
 from harness.run import checksums, reshape, resume
 from harness.config.run import ConfigError
 from harness.tasks import get_task as resolve_task
@@ -150,6 +150,11 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus, cap
     again = harness(tmp_path / "run", corpus, sets=["train.max_steps=3"], args=["--resume", "auto"])
     assert "holds no checkpoint (its run stopped before it saved one); starting from step 0" in again.proc.stdout
     assert [m["step"] for m in again.metrics] == [1, 2, 3]
+    # a copy of the run, named by its config.toml: the run it names is the original, said (it had resumed it silently)
+    shutil.copytree(first.dir, tmp_path / "copy")
+    copied = cli("train", "--run", str(tmp_path / "copy" / "config.toml"), "--resume", "auto")
+    assert f"note: the run file {tmp_path / 'copy' / 'config.toml'} is a run directory's record, and names " \
+           f"run.output_dir = {first.dir}: this run is there, not in {tmp_path / 'copy'}" in copied.stdout, copied.stderr
     # and where no run is (a mistyped run.output_dir had started a new run without a word)
     fresh = harness(tmp_path / "typo", corpus, sets=["train.max_steps=1"], args=["--resume", "auto"])
     assert f"note: --resume auto: no run in {tmp_path / 'typo'} yet (it does not exist); starting from step 0" \

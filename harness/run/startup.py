@@ -40,6 +40,8 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
 
     run_dir = plan.run_dir
     check_writable(run_dir, plan.run.describe("run.output_dir"))
+    if launched_rank() == 0 and not under_launcher() and (note := _record_elsewhere(plan)):
+        print(note, flush=True)
     # A live run in this directory: refused, whatever the flags say. Judged here by one process alone, before any
     # rank starts: `harness train`, or `harness launch` on the first node. A lock's holder is told by its pid on its
     # own host but by the lock's age elsewhere, and a rank or node refusing alone would leave the others waiting at
@@ -95,3 +97,15 @@ def check_stop_at(plan: Plan, stop_at: int | None, found: Path | None, say: bool
     if say and steps and stop_at > steps:
         print(f"note: --stop-at {stop_at} is past the run's end, {plan.run.describe('train.max_steps')}: it ends "
               f"there", flush=True)
+
+
+def _record_elsewhere(plan: Plan) -> str | None:
+    """A line where the run file is a run directory's config.toml (a copied or moved run) whose run.output_dir is
+    another directory: the run trains there, not beside the file (a copy had resumed the run it was copied from)."""
+    source = plan.run.source.get("run.output_dir", "")
+    file = Path(source.removeprefix("run file ")) if source.startswith("run file ") else None
+    if file is None or file.name != "config.toml" or file.parent.resolve() == plan.run_dir.resolve() or not (
+            (file.parent / "metrics.jsonl").is_file() or (file.parent / "checkpoints").is_dir()):  # a run's records
+        return None
+    return (f"note: the run file {file} is a run directory's record, and names run.output_dir = {plan.run_dir}: "
+            f"this run is there, not in {file.parent} (--set run.output_dir=\"{file.parent}\" to train there)")
