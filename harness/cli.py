@@ -280,7 +280,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true", help="replace OUT where it holds a Hugging Face model "
                     "(an earlier export)")
     pl = sub.add_parser("plot", help="draw runs' curves into one PNG (training loss, learning rate, validation loss, "
-                        "the task's metric), each run a line")
+                        "the task's metric), each run a line, and print each run's last figures")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("--out", metavar="FILE.png", help="default: RUN_DIR/curves.png for one run; for several, "
                     "compare.png beside the first run directory")
@@ -627,9 +627,10 @@ def _export(args) -> int:
 
 
 def _plot(args) -> int:
-    from .run.plots import default_out, plot
+    from .run.plots import default_out, plot, summary
 
     print(f"wrote {plot(args.run_dirs, args.out or default_out(args.run_dirs), args.x)}")
+    print(summary(args.run_dirs))
     return 0
 
 

@@ -239,7 +239,15 @@ def test_a_finished_run_draws_its_curves_and_plot_overlays_runs(tmp_path, corpus
     batch = run.metrics[0]["samples_seen"] // run.metrics[0]["step"]
     assert by_samples["training loss"] == [(m["samples_seen"], m["loss_avg"]) for m in run.metrics]
     assert [n for n, _ in by_samples["validation loss"]] == [3 * batch, 6 * batch]
+    capsys.readouterr()
     assert main(["plot", str(run.dir), str(other), "--x", "samples", "--out", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()[1:]  # each run's last figures, beside the picture
+    last, final = run.metrics[-1], run.evals[-1]
+    assert table[0].split() == ["run", "step", "training", "loss", "validation", "loss", "validation", "perplexity",
+                                "best"]
+    assert table[1].split() == ["run", str(last["step"]), f"{last['loss_avg']:.6g}", f"{final['loss']:.6g}",
+                                f"{final['perplexity']:.6g}", "-"]
+    assert table[2].split()[:3] == ["other", str(last["step"]), f"{2 * last['loss_avg']:.6g}"]
     assert main(["plot", str(tmp_path / "none"), "--out", str(out)]) == 2  # nothing to draw: one line, exit 2
     assert main(["plot", str(run.dir), str(tmp_path / "typo"), "--out", str(out)]) == 2  # not one of two, silently
     assert main(["plot", str(run.dir), str(tmp_path / "b"), "--out", str(out)]) == 2  # a folder that is no run

@@ -138,6 +138,29 @@ def baselines_of(row: dict, metric: str) -> dict[str, float]:
     return {b: v for b, v in found.items() if b not in scales and not any(b.endswith(f"_{q}") for q in scales)}
 
 
+def summary(run_dirs: list[str | Path]) -> str:
+    """Each run's last figures, one row a run, beside the picture: its last step, training loss (`loss_avg`), last
+    validation loss and task metric, and the evaluation train.select_best chose (a sweep had been read from the
+    jsonl files by hand)."""
+    runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
+    metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
+    header = ["run", "step", "training loss", "validation loss", *([f"validation {metric}"] if metric else []), "best"]
+    rows = [header]
+    for (run_dir, metrics, evals), name in zip(runs, run_names([d for d, _, _ in runs])):
+        last, evaluated, chosen = (metrics or [{}])[-1], (evals or [{}])[-1], _best(run_dir)
+        best = f"{chosen['metric']} {_figure(chosen.get('value'))} at step {chosen['step']}" \
+            if isinstance(chosen.get("step"), int) and "metric" in chosen else "-"
+        rows.append([name, _figure(last.get("step")), _figure(last.get("loss_avg", last.get("loss"))),
+                     _figure(evaluated.get("loss")), *([_figure(evaluated.get(metric))] if metric else []), best])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip() for r in rows)
+
+
+def _figure(value) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:,}" if isinstance(value, int) else f"{value:.6g}"
+
+
 def default_out(run_dirs: list[str | Path]) -> Path:
     """Where `harness plot` draws without --out: one run's own curves.png (what the run drew at its end), or
     compare.png beside the first of several."""
