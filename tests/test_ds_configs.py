@@ -89,7 +89,7 @@ def lrs_of(scheduler_cls, params: dict, steps: int, lr: float) -> list[float]:
 
 
 @pytest.mark.parametrize("section", [
-    DECAY,
+    {**DECAY, "params": {**DECAY["params"], "warmup_min_lr": 0}},  # an integer, as HF's examples write it
     {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto",
                                           "cos_min_ratio": "auto", "warmup_type": "linear"}},
     {"type": "OneCycle", "params": {"cycle_min_lr": 0.0005, "cycle_max_lr": "auto", "cycle_first_step_size": 3,
@@ -98,7 +98,8 @@ def lrs_of(scheduler_cls, params: dict, steps: int, lr: float) -> list[float]:
 def test_deepspeed_schedulers_train_their_own_curve_step_by_step(section, tmp_path, corpus):
     from deepspeed.runtime import lr_schedules
 
-    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": OFFLOAD} if section is DECAY else {"stage": 0},
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": OFFLOAD} if section["type"] == DECAY["type"] else
+          {"stage": 0},
           "optimizer": ADAMW_AUTO, "scheduler": section}
     run = harness(tmp_path / "run", corpus, ds=write(tmp_path, "ds", ds), sets=SETS)
     filled = {**section["params"]}
@@ -108,6 +109,7 @@ def test_deepspeed_schedulers_train_their_own_curve_step_by_step(section, tmp_pa
                            "cos_min_ratio": 0.1, "cycle_max_lr": 0.002}[key]
     expected = lrs_of(getattr(lr_schedules, section["type"]), filled, 8, 0.002)
     assert [m["lr"] for m in run.metrics] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert all(type(m["lr"]) is float for m in run.metrics)  # (DeepSpeed's first steps had logged the integer 0)
     assert run.losses[8] < run.losses[1]
 
 

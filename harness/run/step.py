@@ -288,7 +288,7 @@ class Ledger:
         w = self.window_work
         # over every step since the last record (weighted by their items: the loss of them all)
         mean = r.loss if self.window_steps == 1 else self.window_loss / w.items if w.items else math.nan
-        record = {"step": step, "time": round(time.time(), 3), "loss": r.loss, "loss_avg": mean, "lr": lr,
+        record = {"step": step, "time": round(time.time(), 3), "loss": r.loss, "loss_avg": mean, "lr": float(lr),
                   "grad_norm": r.grad_norm, "samples_seen": samples_seen,
                   "tokens_per_s": w.items / seconds, "step_s": seconds / self.window_steps,
                   "tflops": w.flops / seconds / 1e12, "padding": 1 - w.real / w.padded if w.padded else 0.0,
