@@ -142,47 +142,76 @@ def _work(todo: list[Unit], root: Path, tok, text_field: str, val_fraction: floa
 
     bar = progress(total=sum(map(_weight, todo)), unit="B", unit_scale=True, desc=f"prepare {root.name}",
                    disable=not todo)
-    started, tokens, docs = time.monotonic(), 0, 0
+    started, tokens, docs, finished_bytes = time.monotonic(), 0, 0, 0
     jobs = [(u, root, tok, text_field, val_fraction, seed, on_error) for u in todo]
 
+    def show(under_way: int) -> None:  # the units finished, and the bytes the units under way have read
+        bar.update(max(0, min(bar.total, finished_bytes + under_way) - bar.n))
+
     def finished(unit: Unit, record: dict) -> None:
-        nonlocal tokens, docs
+        nonlocal tokens, docs, finished_bytes
         done[unit.id] = record
         tokens += sum(s["tokens"] for s in record["shards"])
         docs += sum(s["documents"] for s in record["shards"])
+        finished_bytes += _weight(unit)
         bar.set_postfix_str(f"{docs:,} docs, {tokens / max(1e-9, time.monotonic() - started):,.0f} tokens/s")
-        bar.update(_weight(unit))
+        show(0)
 
     try:
         if workers == 1 or len(jobs) <= 1:
             for job in jobs:
-                finished(job[0], prepare_unit(*job))
+                read = 0
+
+                def moved(n: int, weight: int = _weight(job[0])) -> None:
+                    nonlocal read
+                    read = min(weight, read + n)  # (a unit's last line runs past its range)
+                    show(read)
+                finished(job[0], prepare_unit(*job, moved=moved))
         else:
-            _in_workers(jobs, workers, root, finished)
+            _in_workers(jobs, workers, root, finished, show)
     finally:
         bar.close()  # an error's line then starts a line of its own
 
 
 def _run_unit(args) -> dict:
-    return prepare_unit(*args)
+    """A unit in a worker, the bytes it reads added to the pool's count as it goes and taken out as it ends (the
+    count is then the bytes the units under way have read)."""
+    read, weight = 0, _weight(args[0])
+
+    def moved(n: int) -> None:
+        nonlocal read
+        n = min(n, weight - read)
+        if n > 0:
+            read += n
+            with _UNDER_WAY.get_lock():
+                _UNDER_WAY.value += n
+    try:
+        return prepare_unit(*args, moved=moved)
+    finally:
+        with _UNDER_WAY.get_lock():
+            _UNDER_WAY.value -= read
 
 
-def _in_workers(jobs: list[tuple], workers: int, root: Path, finished) -> None:
-    """The units in `workers` processes, each `finished` as it ends. A worker killed from outside (the OOM killer)
-    breaks the pool, said in one line (multiprocessing.Pool replaced it and waited for its unit for ever); on any
-    error or Ctrl-C the other workers are stopped, not waited for."""
+def _in_workers(jobs: list[tuple], workers: int, root: Path, finished, show) -> None:
+    """The units in `workers` processes, each `finished` as it ends; `show(bytes)` once a second, with the bytes the
+    units under way have read. A worker killed from outside (the OOM killer) breaks the pool, said in one line
+    (multiprocessing.Pool replaced it and waited for its unit for ever); on any error or Ctrl-C the other workers are
+    stopped, not waited for."""
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
-    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_start, initargs=(os.getpid(),))
+    spawn = multiprocessing.get_context("spawn")
+    under_way = spawn.Value("q", 0)
+    pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=spawn, initializer=_worker_start,
+                               initargs=(os.getpid(), under_way))
     try:
         pending = {pool.submit(_run_unit, job): job[0] for job in jobs}
         while pending:
-            ended, _ = wait(pending, return_when=FIRST_COMPLETED)
+            ended, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
             for future in ended:
                 finished(pending.pop(future), future.result())
+            show(under_way.value)
     except BrokenProcessPool:
         _stop(pool)
         raise ConfigError(f"a worker of the prepare died (killed from outside, or out of memory: each holds up to "
@@ -207,9 +236,15 @@ def _stop(pool) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _worker_start(parent: int) -> None:
+_UNDER_WAY = None  # in a worker: the pool's count of the bytes its units under way have read (`_worker_start`)
+
+
+def _worker_start(parent: int, under_way=None) -> None:
     """A worker leaves Ctrl-C to the prepare (which stops the pool) and dies with it: a prepare killed with -9 leaves
-    no worker writing on into a directory that the same command, run again, is preparing (Linux: PR_SET_PDEATHSIG)."""
+    no worker writing on into a directory that the same command, run again, is preparing (Linux: PR_SET_PDEATHSIG).
+    `under_way`: the pool's shared count of bytes read (`_run_unit`)."""
+    global _UNDER_WAY
+    _UNDER_WAY = under_way
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes

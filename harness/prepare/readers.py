@@ -5,7 +5,10 @@ short raises EOFError, .zst too, so that the prepare can name it (`shards._guard
 """
 from __future__ import annotations
 
+import bz2
+import contextlib
 import csv
+import gzip
 import io
 import itertools
 import json
@@ -14,13 +17,16 @@ import zlib
 from collections import Counter
 
 from ..config.run import ConfigError
-from .inputs import CSV, FASTA, HUB, JSON, OPENERS, PARQUET, TEXT, Unit, compression_of, kind_of, kind_suffix
+from .inputs import CSV, FASTA, HUB, JSON, PARQUET, TEXT, Unit, compression_of, kind_of, kind_suffix
 
 BLOCK = 16 << 20  # bytes of text tokenized at a time
 BOM = b"\xef\xbb\xbf"
 
 
-def _open(path: str):
+@contextlib.contextmanager
+def _open(path: str, moved=None):
+    """The file's bytes, decompressed; `moved(n)`: told of the n bytes of the file on disk each read takes (a
+    compressed file's too, by the bytes of it read), so a long unit's progress moves as it is read."""
     comp = compression_of(path)
     if comp == ".zst":
         try:
@@ -28,17 +34,55 @@ def _open(path: str):
         except ImportError:
             raise ConfigError(f"--input {path}: reading .zst needs the zstandard package (pip install zstandard)") \
                 from None
-        # buffered: `text_blocks` and `fasta_records` read lines, which zstandard's own reader does not
-        return io.BufferedReader(_Zstd(path, zstandard.ZstdDecompressor()))
-    return OPENERS[comp](path, "rb") if comp else open(path, "rb")
+    with io.BufferedReader(_Counted(io.FileIO(path), moved) if moved else io.FileIO(path)) as disk:
+        if comp == ".zst":  # buffered: `text_blocks` and `fasta_records` read lines, which zstandard's reader does not
+            with io.BufferedReader(_Zstd(disk, zstandard.ZstdDecompressor())) as f:
+                yield f
+        elif comp:
+            with DECOMPRESSORS[comp](disk) as f:  # (which leaves `disk` open: closed here)
+                yield f
+        else:
+            yield disk
+
+
+DECOMPRESSORS = {".gz": lambda f: gzip.GzipFile(fileobj=f, mode="rb"), ".bz2": bz2.BZ2File, ".xz": lzma.LZMAFile}
+
+
+class _Counted(io.RawIOBase):
+    """A raw file that tells `moved(n)` of the bytes each read takes."""
+
+    def __init__(self, raw: io.RawIOBase, moved):
+        self.raw, self.moved = raw, moved
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self.raw.seekable()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer)
+        if n:
+            self.moved(n)
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
 
 
 class _Zstd(io.RawIOBase):
     """A .zst file's bytes, frame after frame; a stream cut short raises EOFError, as gzip, bz2 and lzma do
     (zstandard's own reader ends there quietly, the last document cut)."""
 
-    def __init__(self, path: str, dctx):
-        self.raw, self.dctx, self.d, self.fed = open(path, "rb"), dctx, dctx.decompressobj(), False
+    def __init__(self, raw, dctx):
+        self.raw, self.dctx, self.d, self.fed = raw, dctx, dctx.decompressobj(), False
         self.out, self.at = memoryview(b""), 0  # what the last input piece gave, and how much of it was read
 
     def readable(self) -> bool:
@@ -67,10 +111,10 @@ class _Zstd(io.RawIOBase):
         super().close()
 
 
-def text_blocks(unit: Unit):
+def text_blocks(unit: Unit, moved=None):
     """The unit's bytes in blocks that end at a line's end: the lines that start in its range (`data/rows.py`'s
     line rule), the last one completed."""
-    with _open(unit.path) as f:
+    with _open(unit.path, moved) as f:
         pos, end, first = 0, unit.end, unit.start == 0
         if unit.start > 0:
             f.seek(unit.start - 1)
@@ -114,10 +158,10 @@ def _block(f, n: int, compressed: bool) -> bytes:
     return b"".join(parts)
 
 
-def fasta_records(unit: Unit):
+def fasta_records(unit: Unit, moved=None):
     """The sequences of the records whose header line starts in the unit's range, in blocks of 10,000: a record under
     way at the range's start belongs to the unit before, one under way at its end is read to its end."""
-    with _open(unit.path) as f:
+    with _open(unit.path, moved) as f:
         if unit.start > 0:
             f.seek(unit.start - 1)
             f.readline()  # the line under way belongs to the unit before
@@ -144,19 +188,20 @@ def fasta_records(unit: Unit):
         yield block
 
 
-def documents(unit: Unit, text_field: str, counts: Counter):
-    """The unit's documents, as lists of str (a block's worth at a time); what is skipped is counted."""
+def documents(unit: Unit, text_field: str, counts: Counter, moved=None):
+    """The unit's documents, as lists of str (a block's worth at a time); what is skipped is counted. `moved(n)`: told
+    of the bytes of its file read (`_open`), a parquet row group's and a hub data set's not."""
     if unit.kind == FASTA:
-        for block in fasta_records(unit):
+        for block in fasta_records(unit, moved):
             yield _clean_lines(block, counts)
     elif unit.kind == TEXT:
-        for block in text_blocks(unit):
+        for block in text_blocks(unit, moved):
             lines = block.split(b"\n")
             if lines and lines[-1] == b"":
                 lines.pop()
             yield _clean_lines(lines, counts)
     elif unit.kind == JSON:
-        for block in text_blocks(unit):
+        for block in text_blocks(unit, moved):
             texts = []
             for line in block.split(b"\n"):
                 if not line.strip():
@@ -173,7 +218,7 @@ def documents(unit: Unit, text_field: str, counts: Counter):
                 texts.append(row.get(text_field) if isinstance(row, dict) else None)
             yield _clean_texts(texts, counts)
     elif unit.kind == CSV:
-        yield from _csv_texts(unit, text_field, counts)
+        yield from _csv_texts(unit, text_field, counts, moved)
     elif unit.kind == HUB:
         yield from _hub(unit.path[4:], text_field, counts)
     else:
@@ -187,12 +232,12 @@ def documents(unit: Unit, text_field: str, counts: Counter):
             yield _clean_texts(batch.column(0).to_pylist(), counts)
 
 
-def _csv_texts(unit: Unit, text_field: str, counts: Counter):
+def _csv_texts(unit: Unit, text_field: str, counts: Counter, moved=None):
     """A csv or tsv file's text column, 10,000 rows at a time. Bytes that are not UTF-8 are kept as surrogates so that
     `_clean_texts` skips their rows, as it does rows of another width than the header, as the raw path does; a BOM is
     no part of the header."""
     csv.field_size_limit(2**31 - 1)  # a document of any length (the default stops at 128 KiB)
-    with _open(unit.path) as raw:
+    with _open(unit.path, moved) as raw:
         text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
         reader = csv.reader(text, delimiter="\t" if kind_suffix(unit.path) == ".tsv" else ",")
         header = next(reader, None)

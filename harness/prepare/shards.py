@@ -89,13 +89,14 @@ class ShardWriter:
 
 
 def prepare_unit(unit: Unit, out: Path, tokenizer, text_field: str, val_fraction: float, seed: int,
-                 on_error: str) -> dict:
-    """The unit's shards and its record (`units/NNNNNN.json`, written last): what a rerun finds done."""
+                 on_error: str, moved=None) -> dict:
+    """The unit's shards and its record (`units/NNNNNN.json`, written last): what a rerun finds done. `moved(n)`:
+    told of the bytes of its file read as it goes (`readers._open`)."""
     dtype, counts = dtype_for(tokenizer.spec["vocab_size"]), Counter()
     writers = {s: ShardWriter(out, f"{s}-{unit.id:06d}", dtype) for s in ("train", "validation")}
     rng = np.random.default_rng([seed, unit.id])
     try:
-        for texts in _guarded(documents(unit, text_field, counts), unit, on_error, counts):
+        for texts in _guarded(documents(unit, text_field, counts, moved), unit, on_error, counts):
             ids, ends = tokenizer.encode(texts)
             held = rng.random(len(ends)) < val_fraction
             starts = np.concatenate([[0], ends[:-1]])
