@@ -61,7 +61,8 @@ def test_an_lm_resumed_on_windows_of_another_length_is_refused_unless_meant(tiny
         f"harness: error: --resume {tmp_path / 'run' / 'checkpoints' / 'step_00000002'}: trained on windows of 17 "
         f"tokens (data.seq_len 16), now 33 (data.seq_len 32): its place in the data, a count of windows, falls "
         f"elsewhere in the text, which would be read twice or skipped; pass --data-changed-ok to resume anyway")
-    meant = harness(tmp_path / "run", corpus, sets=longer, base=TINY_RUN, args=["--resume", "auto", "--data-changed-ok"])
+    meant = harness(tmp_path / "run", corpus, sets=longer, base=TINY_RUN,
+                    args=["--resume", "auto", "--data-changed-ok"])
     assert "resumed from" in meant.proc.stdout
 
 
@@ -274,7 +275,7 @@ def test_an_owner_name_hub_id_beside_a_folder_of_that_owner_is_still_looked_up(t
     assert last.endswith("; no folder owner/model-b here either; did you mean 'owner/model-a'?"), last
 
 
-def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(tiny_llama, tmp_path):
+def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(tiny_llama, tmp_path, corpus):
     """A node with no way to the Hub (nothing listens at HF_ENDPOINT here) reads a cached hub id from its snapshot,
     saying so: transformers had asked the Hub five times, with back-off, for every optional tokenizer file the
     snapshot lacks (minutes a load); `prepare lm --tokenizer` too. An id not cached is refused in one line."""
@@ -286,7 +287,8 @@ def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(t
     env = _env({"PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9",
                 "HF_HUB_OFFLINE": None})
     for args in (["plan", "--set", 'model.hf="harness-tests/tiny-llama"', "--set", "train.max_steps=1"],
-                 ["prepare", "lm", "--input", "text.txt", "--out", "corpus", "--tokenizer", "harness-tests/tiny-llama"]):
+                 ["prepare", "lm", "--input", "text.txt", "--out", "corpus", "--tokenizer",
+                  "harness-tests/tiny-llama"]):
         proc = subprocess.run([python(), "-m", "harness", *args], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)  # (the Hub's retries: over two minutes)
         assert proc.returncode == 0 and "Retrying" not in proc.stderr, proc.stderr[-2000:]
@@ -295,6 +297,14 @@ def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(t
         assert why, proc.stderr[-2000:]
         why = why.group(1)
         assert f"'harness-tests/tiny-llama' is read from its snapshot in the cache, {repo}" in proc.stderr
+    # trained by `harness launch` on 2 processes: each reads the snapshot, and the note is said once
+    sets = [*TINY_RUN, "train.max_steps=2", f"data.path={json.dumps(str(corpus))}",
+            f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", 'model.hf="harness-tests/tiny-llama"']
+    launch = ["launch", "--config_file", str(ROOT / "launch" / "cpu_2proc.yaml"), "train"]
+    launched = subprocess.run([python(), "-m", "harness", *launch, *[a for kv in sets for a in ("--set", kv)]],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert launched.returncode == 0 and "Retrying" not in launched.stderr, launched.stderr[-2000:]
+    assert (launched.stdout + launched.stderr).count("does not answer from here") == 1, launched.stderr[-2000:]
     proc = subprocess.run([python(), "-m", "harness", "plan", "--set", 'model.hf="harness-tests/absent"', "--set",
                            "train.max_steps=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Retrying" not in proc.stderr, proc.stderr[-2000:]  # (27 s of them)

@@ -84,7 +84,8 @@ def hub_source(ref: str, named: str = "model.hf") -> str:
         raise ConfigError(f"{named} = {ref!r}: {where}, and its cache here ({constants.HF_HUB_CACHE}) does not "
                           f"hold it; download it where the network allows (hf download {ref}) into the "
                           f"cache this machine reads, or name a local directory")
-    if os.environ.get("RANK", "0") == "0":
+    # once: by `harness launch`'s check or one process, not again by its rank 0 (distributed.world.under_launcher)
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("HARNESS_STATUS_FILE"):
         print(f"note: {where}: {named} = {ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 "
               f"says so at once)", file=sys.stderr)
     return cached
