@@ -199,7 +199,7 @@ CASES = [
      "Compressed file ended"),
     ("output-dir-under-a-file", [S, "run.output_dir=@rows.xml"], None, None, "rows.xml is a file, not a directory"),
     # writable to access() as root, not to mkdir: it had been "0 bytes free on its file system"
-    ("output-dir-in-proc", [S, 'run.output_dir="/proc/harness-run"'], None, None, "cannot write in /proc ("),
+    ("output-dir-in-proc", [S, 'run.output_dir="/proc/harness-run"'], None, None, "cannot write in /proc"),
 ]
 FILES = {"empty.txt": b"", "blank.jsonl": b" \n\n", "header.csv": b"text,label\n", "columns.csv": b"body,label\nx,1\n",
          "rows.xml": b"<rows/>\n", "body.jsonl": b'{"body": "a"}\n{"body": "b"}\n', "one.txt": b"short text\n",

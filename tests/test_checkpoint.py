@@ -134,12 +134,15 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus, cap
         evaluate_data(first.dir, tmp_path / "held.txt", sets=["data.seq_len=64"])
     # a file of the same name elsewhere replaces its entry, said; a run directory that cannot take eval.json (a
     # colleague's, read-only) keeps the scores given (it had ended in a traceback once they were made)
-    (tmp_path / "d2").mkdir()
-    shutil.copy(tmp_path / "held.txt", tmp_path / "d2" / "held.txt")
+    (tmp_path / "d2").mkdir()  # other lines under the same name; the same file named another way is no other data
+    lines = (tmp_path / "held.txt").read_text().splitlines(keepends=True)
+    (tmp_path / "d2" / "held.txt").write_text("".join(reversed(lines)))
     evaluate_data(first.dir, tmp_path / "held.txt")
-    capsys.readouterr()
+    evaluate_data(first.dir, tmp_path / "d2" / ".." / "held.txt")
+    assert "held the scores of" not in capsys.readouterr().err
     evaluate_data(first.dir, tmp_path / "d2" / "held.txt")
-    assert f"note: {first.dir / 'eval.json'}: the entry 'held.txt' held the scores of {tmp_path / 'held.txt'}; now " \
+    was = tmp_path / "d2" / ".." / "held.txt"
+    assert f"note: {first.dir / 'eval.json'}: the entry 'held.txt' held the scores of {was}; now " \
            f"{tmp_path / 'd2' / 'held.txt'}'s (--name NAME keeps both)" in capsys.readouterr().err
     (first.dir / ".eval.json.tmp").mkdir()  # (a write that fails: root writes through a read-only mode)
     assert evaluate_run(first.dir, "validation") == scored
@@ -154,7 +157,8 @@ def test_existing_run_dir_is_never_overwritten_unless_told(tmp_path, corpus, cap
     shutil.copytree(first.dir, tmp_path / "copy")
     copied = cli("train", "--run", str(tmp_path / "copy" / "config.toml"), "--resume", "auto")
     assert f"note: the run file {tmp_path / 'copy' / 'config.toml'} is a run directory's record, and names " \
-           f"run.output_dir = {first.dir}: this run is there, not in {tmp_path / 'copy'}" in copied.stdout, copied.stderr
+           f"run.output_dir = {first.dir}: this run is there, not in {tmp_path / 'copy'}" in copied.stdout, \
+        copied.stderr
     # and where no run is (a mistyped run.output_dir had started a new run without a word)
     fresh = harness(tmp_path / "typo", corpus, sets=["train.max_steps=1"], args=["--resume", "auto"])
     assert f"note: --resume auto: no run in {tmp_path / 'typo'} yet (it does not exist); starting from step 0" \
@@ -340,8 +344,8 @@ def test_a_step_saved_again_is_converted_again_not_read_from_its_earlier_convers
     assert not old.exists()
     # the checkpoints after step 2 are a branch the run left: set aside, the one it has passed removed (the rotation
     # had kept them as the newest, and a resume without `latest` took the newest)
-    assert "its later checkpoints (step_00000004, step_00000005) are set aside as step_N.past, removed once it saves " \
-           "at or past their steps" in rewound.proc.stdout
+    assert "its later checkpoints (step_00000004, step_00000005) are set aside as step_N.past (rename one back to " \
+           "resume it), removed once it saves at or past their steps" in rewound.proc.stdout
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == [
         "step_00000002", "step_00000004", "step_00000005.past"]
     reference = harness(rewind(run, tmp_path / "reference", 4), corpus, ds="zero1.json", sets=frozen,
@@ -438,16 +442,22 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus, capsys)
     assert "at step 3" in other.proc.stdout
     assert [m["step"] for m in other.metrics] == list(range(4, steps + 1))
     assert_losses_close(other.losses, {s: v for s, v in run.losses.items() if s > 3}, 1e-6)
-    # again into that directory, which holds a run of its own now: refused (the two runs' records had mixed)
+    # again into that directory, as a requeued job does: it goes on from its own checkpoints, said (torchtitan's
+    # initial_load_path likewise); into one holding another run's records up to that step: refused (they had mixed)
     before = (other.dir / "metrics.jsonl").read_text()
     again = harness(tmp_path / "b", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.save_every=3"],
-                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")], check=False)
-    assert again.proc.returncode == 2 and again.proc.stderr.strip().splitlines()[-1] == (
-        f"harness: error: --resume {run.dir / 'checkpoints' / 'step_00000003'}: another run's checkpoint, into "
-        f"{other.dir}, which holds a run of its own (metrics.jsonl, eval.jsonl, checkpoints up to step_{steps:08d}): "
-        f"the two runs' records would mix. --resume auto continues its own run; to go on from step_00000003, name a "
-        f"new run.output_dir"), again.proc.stderr[-2000:]
+                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")])
+    assert f"{other.dir} holds checkpoints of its own (latest step_{steps:08d}), saved since it started from there: " \
+           f"going on from them" in again.proc.stdout and "the run finished at step" in again.proc.stdout
     assert (other.dir / "metrics.jsonl").read_text() == before
+    (tmp_path / "c").mkdir()
+    shutil.copy(run.dir / "metrics.jsonl", tmp_path / "c" / "metrics.jsonl")
+    mixed = harness(tmp_path / "c", corpus, sets=["train.max_steps=0", "train.epochs=0.01", "train.save_every=3"],
+                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")], check=False)
+    assert mixed.proc.returncode == 2 and mixed.proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: --resume {run.dir / 'checkpoints' / 'step_00000003'}: another run's checkpoint, into "
+        f"{tmp_path / 'c'}, whose records (metrics.jsonl) hold steps up to 3 of a run of its own: the two runs' "
+        f"records would mix; to go on from step_00000003, name a new run.output_dir"), mixed.proc.stderr[-2000:]
     assert "| CPU threads 1 (OMP_NUM_THREADS) |" in run.proc.stdout  # the tests' launcher environment sets it
     # --resume auto on the finished run: said, and nothing evaluated, exported, logged or written again (other
     # settings on the command line included: config.toml stays the record of the run that made the weights)
@@ -478,6 +488,12 @@ def test_epochs_eval_every_and_resume_from_another_run(tmp_path, corpus, capsys)
                       args=["--resume", "auto"])  # (it had said "finished at step N of 2")
     assert f"the run finished at step {steps} (past the 2 steps this run asks for) and exported" in \
         shorter.proc.stdout
+    # resumed from its earlier checkpoint where that is its end: finished, its later checkpoints left as they are
+    kept = sorted(p.name for p in (run.dir / "checkpoints").iterdir())
+    short = harness(tmp_path / "a", corpus, sets=[*sets, "train.max_steps=3", "train.epochs=0.0"],
+                    args=["--resume", str(run.dir / "checkpoints" / "step_00000003")])
+    assert "the run finished at step 3 of 3" in short.proc.stdout, short.proc.stdout[-2000:]
+    assert sorted(p.name for p in (run.dir / "checkpoints").iterdir()) == kept
     # its export gone, resumed with fewer steps than it trained: evaluated and exported again (it had said "stopped
     # at step N of M (--stop-at)" and exported nothing, at every resume)
     (run.dir / "model.safetensors").unlink()
@@ -677,10 +693,10 @@ def test_optimizer_settings_changed_on_resume_take_effect_and_another_optimizer_
     harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--stop-at", "2"])
     for name in ("changed", "sgd"):
         shutil.copytree(tmp_path / "same", tmp_path / name)
-    early = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "2"],
+    early = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "1"],
                     check=False)  # (it had started in full to stop at once)
     assert early.proc.returncode == 2 and early.proc.stderr.strip().splitlines()[-1] == (
-        f"harness: error: --stop-at 2: the run resumes at step 2 ({tmp_path / 'same' / 'checkpoints' / 'step_00000002'}"
+        f"harness: error: --stop-at 1: the run resumes at step 2 ({tmp_path / 'same' / 'checkpoints' / 'step_00000002'}"
         f"), past it; name a later step, or resume an earlier checkpoint (--resume "
         f"{tmp_path / 'same' / 'checkpoints'}/step_N)"), early.proc.stderr[-2000:]
     same = harness(tmp_path / "same", corpus, ds="zero2.json", sets=flat, args=["--resume", "auto", "--stop-at", "9"])

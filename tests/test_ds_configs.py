@@ -367,3 +367,35 @@ def test_the_zero_values_accelerate_fills_are_filled_as_it_fills_them():
         zero = ds.config["zero_optimization"]
         assert (ds.zero_stage, zero["stage3_gather_16bit_weights_on_model_save"], ds.offload_optimizer) == \
             (3, True, True)
+
+
+def test_a_resume_says_only_the_optimizer_settings_that_differ_once_the_schedule_has_set_its_own():
+    """DeepSpeed's OneCycle cycles the momentum (Adam's beta1) by the step: the value a checkpoint holds is not the one
+    the optimizer is built with, and a resume that changed nothing had said "betas (0.85, 0.99) (the checkpoint's run
+    had (0.9, 0.99))"; a weight decay changed is said."""
+    import torch
+    from deepspeed.runtime.lr_schedules import OneCycle
+
+    from harness.distributed.optim import follow_config_settings, group_settings, settings_changed
+
+    weight = torch.nn.Parameter(torch.zeros(4))
+
+    def build(decay: float):
+        opt = torch.optim.AdamW([weight], lr=1e-3, betas=(0.9, 0.99), weight_decay=decay)
+        return opt, OneCycle(opt, cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=3, cycle_momentum=True,
+                             cycle_min_mom=0.85, cycle_max_mom=0.95)
+
+    opt, schedule = build(0.1)
+    for _ in range(2):
+        weight.grad = torch.ones(4)
+        opt.step()
+        schedule.step()
+    state, step = opt.state_dict(), schedule.last_batch_iteration
+    for decay, said in ((0.1, []), (0.0, ["weight_decay 0 (the checkpoint's run had 0.1)"])):
+        opt, schedule = build(decay)
+        built = group_settings(opt)
+        opt.load_state_dict(state)
+        saved = follow_config_settings(opt, built)
+        assert opt.param_groups[0]["weight_decay"] == decay  # the run's, whatever the checkpoint held
+        schedule.step(step)  # as follow_config_lr does: the momentum of that step
+        assert settings_changed(opt, saved) == said

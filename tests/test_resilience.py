@@ -522,8 +522,8 @@ def test_a_span_fetches_what_the_ledger_asks_but_never_past_the_last_step_a_prof
 
 def test_the_launcher_shows_progress_as_it_comes_holds_back_a_failing_jobs_tracebacks_and_reads_torchruns_cause(
         tmp_path):
-    """`launcher.Relay` on a made-up stream, fed whole and a byte at a time, and `launcher.ending` on what it held:
-    the real streams are the fault tests' above."""
+    """`launcher.relay.Relay` on a made-up stream, fed whole and a byte at a time, and `launcher.ending.ending` on
+    what it held: the real streams are the fault tests' above."""
     import io
 
     from harness.launcher.ending import ending

@@ -127,23 +127,31 @@ def group_settings(optimizer) -> list[dict]:
     return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
 
 
-def follow_config_settings(optimizer, built: list[dict]) -> list[str]:
+def follow_config_settings(optimizer, built: list[dict]) -> dict:
     """After a resume: the optimizer's settings of the run config (weight decay, betas, eps, momentum), not the
     checkpoint's: torch's load_state_dict takes every group's settings from the checkpoint, so a weight decay or a
-    beta changed on resume was silently the saved one. `built`: `group_settings` before the load. Returns "KEY NOW
-    (the checkpoint's run had THEN)" for each that changed (before `follow_config_lr`, whose DeepSpeed scheduler
-    may set momentum or betas at the step)."""
-    changed: dict[str, tuple] = {}
+    beta changed on resume was silently the saved one. `built`: `group_settings` before the load. Returns the
+    checkpoint's value of each that differed (`settings_changed` says which still do once a DeepSpeed scheduler
+    has set its momentum or betas at the step)."""
+    saved: dict = {}
     for group, mine in zip(optimizer.param_groups, built):
         for key, value in mine.items():
-            if key in group and group[key] != value:
-                changed.setdefault(key, (value, group[key]))
+            if key in group and _plain(group[key]) != _plain(value):
+                saved.setdefault(key, group[key])
             group[key] = value
-    return [f"{key} {_plain(now)} (the checkpoint's run had {_plain(then)})" for key, (now, then) in changed.items()]
+    return saved
+
+
+def settings_changed(optimizer, saved: dict) -> list[str]:
+    """"KEY NOW (the checkpoint's run had THEN)" for each of `follow_config_settings`'s that the first group holds
+    otherwise than the checkpoint now (OneCycle's momentum, cycled by the step, is the checkpoint's again)."""
+    group = optimizer.param_groups[0]
+    return [f"{key} {_plain(group[key])} (the checkpoint's run had {_plain(then)})" for key, then in saved.items()
+            if key in group and _plain(group[key]) != _plain(then)]
 
 
 def _plain(value):
-    """A setting as a note says it: 0.1, (0.9, 0.95)."""
+    """A setting as a note says it, and as two are compared: 0.1, (0.9, 0.95) (a list and a tuple alike)."""
     return f"({', '.join(f'{v:g}' for v in value)})" if isinstance(value, (tuple, list)) else \
         f"{value:g}" if isinstance(value, float) else repr(value)
 

@@ -104,7 +104,9 @@ def _record(run_dir: Path, entries: dict[str, dict]) -> None:
     results = json.loads(path.read_text()) if path.is_file() else {}
     for key, entry in entries.items():
         before = results.get(key)
-        if isinstance(before, dict) and before.get("data") not in (None, entry.get("data")):
+        other = before.get("data_sha256") != entry.get("data_sha256") if isinstance(before, dict) and \
+            "data_sha256" in before else False  # (the same file named another way is the same data)
+        if other and before.get("data") not in (None, entry.get("data")):
             print(f"note: {path}: the entry {key!r} held the scores of {before['data']}; now {entry['data']}'s "
                   f"(--name NAME keeps both)", file=sys.stderr, flush=True)
     results.update(entries)

@@ -66,16 +66,28 @@ class HFTokenizer:
 
     def __init__(self, name: str):
         self.name = name
+        self.where = self._source(name)
         self._load()
+
+    @staticmethod
+    def _source(name: str) -> str:
+        """Where the tokenizer is read from: a local directory, or a hub id (its cached snapshot where the Hub does
+        not answer: `models.hf.hub_source`); a name that is a path (./, /, ~, or more than OWNER/NAME) is not sent to
+        the Hub."""
+        from ..models.hf import hub_source
+
+        path = Path(name).expanduser()
+        if path.exists():
+            return name
+        if name.startswith((".", "/", "~")) or len(path.parts) > 2:
+            raise ConfigError(f"--tokenizer {name}: no such directory (a hub id is NAME or OWNER/NAME)")
+        return hub_source(name, "--tokenizer")
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
 
-        from ..models.hf import hub_source
-
-        where = self.name if Path(self.name).exists() else hub_source(self.name, "--tokenizer")
         try:
-            self.tok = AutoTokenizer.from_pretrained(where)
+            self.tok = AutoTokenizer.from_pretrained(self.where)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--tokenizer {self.name}: no tokenizer there ({str(e).splitlines()[0]})") from None
         if self.tok.eos_token_id is None:
@@ -83,11 +95,11 @@ class HFTokenizer:
         self.spec = {"kind": "hf", "name": self.name, "vocab_size": len(self.tok), "separator": self.tok.eos_token_id,
                      "fingerprint": fingerprint(self.tok)}
 
-    def __getstate__(self):  # a worker loads its own
-        return {"name": self.name}
+    def __getstate__(self):  # a worker loads its own, from where this one found it (no second look at the Hub)
+        return {"name": self.name, "where": self.where}
 
     def __setstate__(self, state):
-        self.name = state["name"]
+        self.name, self.where = state["name"], state["where"]
         self._load()
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

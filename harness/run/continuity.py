@@ -82,23 +82,24 @@ def check_same_optimizer(plan: Plan, found: Path) -> None:
 
 
 def check_history(plan: Plan, found: Path) -> None:
-    """Another run's checkpoint resumes only into a run directory with no history of its own: its records and
-    checkpoints had been kept, and the resumed run's added to them (one run's curves over two runs' steps, its
-    checkpoints beside the other's). Refused in one line; this run's own checkpoints resume (an earlier one too)."""
-    from .resume import latest as latest_of
+    """Another run's checkpoint resumes into a run directory whose records, if any, all come after it (a requeued
+    job that started from it and saved nothing yet: they are dropped past its step anyway); records at or before
+    its step are another run's history, which had been kept and the resumed run's added to it (one run's curves over
+    two runs' steps). Refused in one line. (A directory with checkpoints of its own goes on from them:
+    `resume_checkpoint`.)"""
+    from .resume import step_of
+    from .tracking import read_jsonl
 
     run_dir, own = plan.run_dir, plan.run_dir / "checkpoints"
     if found.parent.resolve() == own.resolve():
         return
-    held = [name for name in ("metrics.jsonl", "eval.jsonl") if (run_dir / name).is_file()]
-    latest = latest_of(own)
-    if latest is not None:
-        held.append(f"checkpoints up to {latest.name}")
+    step = step_of(found)
+    held = [name for name in ("metrics.jsonl", "eval.jsonl")
+            if any(isinstance(r.get("step"), int) and r["step"] <= step for r in read_jsonl(run_dir / name))]
     if held:
-        resume = "--resume auto continues its own run; " if latest is not None else ""
-        raise ConfigError(f"--resume {found}: another run's checkpoint, into {run_dir}, which holds a run of its own "
-                          f"({', '.join(held)}): the two runs' records would mix. {resume}to go on from {found.name}, "
-                          f"name a new run.output_dir")
+        raise ConfigError(f"--resume {found}: another run's checkpoint, into {run_dir}, whose records "
+                          f"({', '.join(held)}) hold steps up to {step} of a run of its own: the two runs' records "
+                          f"would mix; to go on from {found.name}, name a new run.output_dir")
 
 
 def data_identity(plan: Plan) -> dict | None:
@@ -150,6 +151,8 @@ def check_data_unchanged(plan: Plan, found: Path, changed_ok: bool) -> None:
 def _data_settings_changed(plan: Plan, found: Path) -> str:
     """The data settings of checkpoint `found`'s run (its config.toml, as its latest start wrote it) that differ now,
     for a refusal whose digests alone do not say what changed; "" where none or none can be read."""
+    if found.parent.name != "checkpoints":  # a checkpoint folder on its own: no run's config beside it
+        return ""
     try:
         old = flatten(read_toml(found.parent.parent / "config.toml"))
     except (OSError, ValueError, ConfigError):
@@ -241,4 +244,13 @@ def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
     if found is None:
         raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its checkpoints/ "
                           f"folder, or a step_* checkpoint)")
+    own = run_dir / "checkpoints"
+    if found.parent.resolve() != own.resolve() and (mine := latest(own)) is not None:
+        # a job started from another run's checkpoint, requeued with the same command (torchtitan's
+        # checkpoint.initial_load_path is read only where the run has no checkpoint of its own)
+        if say:
+            print(f"note: --resume {resume}: {run_dir} holds checkpoints of its own (latest {mine.name}), saved since "
+                  f"it started from there: going on from them (another run.output_dir starts from {found.name} again)",
+                  flush=True)
+        return mine
     return found

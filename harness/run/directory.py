@@ -28,6 +28,8 @@ def check_writable(run_dir: Path, described: str) -> None:
         raise ConfigError(f"{described}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{described}: cannot write in {existing}")
+    if existing == run_dir:  # written in at start anyway; a probe in it is a file the other ranks' checks see
+        return
     try:  # a folder made and removed: what access() grants root is not what /proc, /sys or a full quota allow
         os.rmdir(tempfile.mkdtemp(prefix=".harness-probe-", dir=existing))
     except OSError as e:
@@ -150,7 +152,8 @@ def check_replaceable(plan: Plan, overwrite: bool) -> None:
                           f"it, --overwrite to replace it (in Python: resume=\"auto\", overwrite=True), or set "
                           f"run.output_dir")
     if not is_run_dir(run_dir):
-        names = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES)  # (a run's own: not named)
+        names = sorted(p.name for p in run_dir.iterdir()  # (a run's own: not named)
+                       if p.name not in RUN_FILES and not p.name.startswith("launch_node"))
         held = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise ConfigError(f"{plan.run.describe('run.output_dir')}: --overwrite replaces a run directory, and "
                           f"{run_dir} is not one (no config.toml, and it holds {held}, which a run does not write): it "

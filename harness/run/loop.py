@@ -26,7 +26,7 @@ from .. import console
 from ..console import progress
 from ..data.corpus import is_corpus
 from ..data.batches import StepSampler, eval_batches, train_batches, training_collate
-from ..distributed.optim import follow_config_lr, follow_config_settings, group_settings
+from ..distributed.optim import follow_config_lr, follow_config_settings, group_settings, settings_changed
 from ..distributed.parallel import (
     build_engine,
     full_state_dict,
@@ -236,6 +236,8 @@ def _set_up(plan: Plan, world: World, resume_from: Path | None, stop_at: int | N
         finished = resume.finished(plan.run_dir, plan.run_dir / MODEL_FILE, world, start_step, max_steps, early)
         if finished is not None:  # nothing written: the run directory stays the finished run's record
             return {**finished, **({"best": selection.state()} if selection else {})}
+    if resume_from is not None and (note := _leave_later(plan, world, resume_from, start_step)):
+        notes.append(note)
     for note in notes:
         say(note)
     if resume_from is not None:
@@ -374,12 +376,7 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
     read = "unpickled whole (--trust-checkpoint)" if TRUST.get().checkpoint else "weights-only"
     say(f"resumed from {resume_from} at step {state['step']} (checkpoint read {read})")
     notes = [note] if (note := reshape.batch_note(resume_from, plan.ds, "data_position" in state)) else []
-    if world.is_main and resume_from.parent.resolve() == (plan.run_dir / "checkpoints").resolve() and \
-            (left := resume.set_aside_later(resume_from.parent, state["step"])):
-        notes.append(f"note: this run goes on from {resume_from.name}; its later checkpoints ({', '.join(left)}) are "
-                     f"set aside as step_N{resume.PAST}, removed once it saves at or past their steps")
-    if changed := follow_config_settings(schedule.optimizer, built):
-        notes.append(f"the optimizer's settings are this run's from step {state['step'] + 1}: {'; '.join(changed)}")
+    saved_settings = follow_config_settings(schedule.optimizer, built)
     was, kind = reshape.saved_schedule(resume_from), reshape.schedule_kind(plan.ds)
     if was and was != kind:  # (its state is its step: checkpoint.load)
         notes.append(f"the lr schedule is {kind} from step {state['step'] + 1} (the checkpoint's run had {was})")
@@ -390,7 +387,24 @@ def _resume(plan: Plan, world: World, engine, schedule, resume_from: Path, say) 
         changed = f"optimizer.lr {lr:g} (the checkpoint's run had {saved[0]:g})" if saved[0] != lr else \
             "the lr follows this run's schedule (its length and [schedule])"
         notes.append(f"{changed} from step {step}; lr there {now:.3g} (the checkpoint's run: {saved[1]:.3g})")
+    if changed := settings_changed(schedule.optimizer, saved_settings):  # (after a scheduler set its momentum)
+        notes.append(f"the optimizer's settings are this run's from step {state['step'] + 1}: {'; '.join(changed)}")
     return state, notes
+
+
+def _leave_later(plan: Plan, world: World, resume_from: Path, step: int) -> str | None:
+    """A run resumed from an earlier checkpoint of its own: its later checkpoints set aside as step_N.past (rank 0)
+    and `latest` pointed at the one resumed, as its records past `step` are dropped; the line that says so."""
+    own = plan.run_dir / "checkpoints"
+    if not world.is_main or resume_from.parent.resolve() != own.resolve():
+        return None
+    later = [p.name for p in resume.complete(own) if resume.step_of(p) > step]
+    if later:
+        resume.rewind_latest(own, step, resume.PAST)
+        return (f"note: this run goes on from {resume_from.name}; its later checkpoints ({', '.join(later)}) are set "
+                f"aside as step_N{resume.PAST} (rename one back to resume it), removed once it saves at or past their "
+                f"steps")
+    return None
 
 
 def _loop(run: Run, watch: Watch, beat: Heartbeat, teardown: contextlib.ExitStack) -> tuple[int, dict]:

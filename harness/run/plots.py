@@ -180,8 +180,9 @@ def plot(run_dirs: list[str | Path], out: str | Path, x: str = "step") -> Path:
     _check(run_dirs, out)
     panels = curves(run_dirs, x)
     if not panels:
-        raise ConfigError(f"nothing to draw: no metrics.jsonl or eval.jsonl with figures in "
-                          f"{', '.join(map(str, run_dirs))}")
+        why = "records with samples_seen (--x samples; those written before records had it: draw against the step)" \
+            if x == "samples" and curves(run_dirs) else "metrics.jsonl or eval.jsonl with figures"
+        raise ConfigError(f"nothing to draw: no {why} in {', '.join(map(str, run_dirs))}")
     cols = 2
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)

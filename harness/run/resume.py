@@ -69,35 +69,22 @@ def complete(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
 
 
-def rewind_latest(root: Path, max_step: int) -> Path | None:
+def rewind_latest(root: Path, max_step: int, suffix: str = BAD) -> Path | None:
     """Point `latest` at the newest checkpoint at or before `max_step` (rank 0), e.g. past weights gone bad; the
-    checkpoints after it are renamed `step_N.bad`, so no resume ever takes them (`resume_target` names them)."""
+    checkpoints after it are renamed `step_N` + `suffix` (`.bad`; `.past` for a branch left by a resume from an
+    earlier checkpoint), so no resume ever takes them (`resume_target` names the bad ones)."""
     good = [p for p in complete(root) if step_of(p) <= max_step]
-    for bad in [p for p in complete(root) if step_of(p) > max_step]:
-        aside = bad.with_name(bad.name + BAD)
-        if aside.exists():  # set aside by an earlier non-finite stop at the same step: the newer one replaces it
+    for later in [p for p in complete(root) if step_of(p) > max_step]:
+        aside = later.with_name(later.name + suffix)
+        if aside.exists():  # set aside by an earlier stop at the same step: the newer one replaces it
             shutil.rmtree(aside)
-        os.replace(bad, aside)
-        shutil.rmtree(bad.with_name(bad.name + UNIVERSAL), ignore_errors=True)  # made from the weights gone bad
+        os.replace(later, aside)
+        shutil.rmtree(later.with_name(later.name + UNIVERSAL), ignore_errors=True)  # made from the weights left
     if good:
         write_atomic(root / LATEST, good[-1].name + "\n")
     elif (root / LATEST).exists():
         (root / LATEST).unlink()
     return good[-1] if good else None
-
-
-def set_aside_later(root: Path, step: int) -> list[str]:
-    """The complete checkpoints after `step` in `root`, renamed `step_N.past` (rank 0): a run resumed from an earlier
-    checkpoint of its own leaves them (its records past `step` are dropped too). They had stayed beside the new ones,
-    kept by the rotation as the newest, and the newest complete one is what a resume takes where `latest` is gone."""
-    later = [p for p in complete(root) if step_of(p) > step]
-    for path in later:
-        aside = path.with_name(path.name + PAST)
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.replace(path, aside)
-        shutil.rmtree(path.with_name(path.name + UNIVERSAL), ignore_errors=True)
-    return [p.name for p in later]
 
 
 def step_of(path: Path) -> int:

@@ -84,13 +84,13 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
 
 
 def check_stop_at(plan: Plan, stop_at: int | None, found: Path | None, say: bool) -> None:
-    """--stop-at at or before the step resumed is refused (the run had started in full to stop at once, saying
-    "stopped at step 40"); past train.max_steps it is said (it ends there)."""
+    """--stop-at before the step resumed is refused (the run had started in full to stop at once, saying "stopped at
+    step 40"; at that step it is a requeued chunk's, done); past train.max_steps it is said (it ends there)."""
     from .resume import step_of
 
     if stop_at is None:
         return
-    if found is not None and stop_at <= (step := step_of(found)):
+    if found is not None and stop_at < (step := step_of(found)):
         raise ConfigError(f"--stop-at {stop_at}: the run resumes at step {step} ({found}), past it; name a later "
                           f"step, or resume an earlier checkpoint (--resume {found.parent}/step_N)")
     steps = plan.run.cfg.train.max_steps
