@@ -438,3 +438,30 @@ def test_plan_takes_the_launch_s_options_and_plans_its_world():
         "takes before `train`" in alone.stdout
     both = cli("plan", *main_job, "--num_processes", "2", "--world-size", "2")
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+ACCELERATE_DS = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 2
+  offload_optimizer_device: none
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+"""
+
+
+@pytest.mark.parametrize("where", ["accelerate config", "ds file"])
+def test_accelerate_mixed_precision_enables_the_section_a_deepspeed_config_lacks(where, tmp_path):
+    """As accelerate does (DeepSpeedPlugin.set_mixed_precision): mixed_precision bf16 with a DeepSpeed config that
+    has no bf16 section (accelerate's own DeepSpeed settings, as `accelerate config` writes them, or an HF-style file)
+    trains bf16; it had been refused as contradicting "fp32". A section that says otherwise is still refused
+    (test_plan_rejects_contradictions_naming_the_key)."""
+    args = ["--config_file", write(tmp_path, "accelerate.yaml", ACCELERATE_DS)] if where == "accelerate config" else \
+        ["--mixed-precision", "bf16", "--world-size", "2", "--ds",
+         write(tmp_path, "ds.json", json.dumps({"zero_optimization": {"stage": 2}}))]
+    out = plan("--set", "train.max_steps=3", *args)
+    assert out.returncode == 0, out.stderr
+    assert "accelerate mixed_precision='bf16', where " in out.stdout and "has no bf16 section" in out.stdout
+    assert "ZeRO stage 2, bf16," in out.stdout, out.stdout[-1500:]

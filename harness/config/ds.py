@@ -576,6 +576,11 @@ def _resolve_precision(ds: dict, source: dict, label: str, accel: str) -> str:
         ds.setdefault("bf16", ds.pop("bfloat16"))
         for key in [k for k in source if k.startswith("bfloat16.")]:
             source["bf16." + key.split(".", 1)[1]] = f"{source.pop(key)} (as bfloat16)"
+    if accel in ("fp16", "bf16") and accel not in ds:  # accelerate's DeepSpeedPlugin.set_mixed_precision adds it
+        other = ds.get("bf16" if accel == "fp16" else "fp16")
+        if not (isinstance(other, dict) and other.get("enabled") is True):  # (both on: refused below, as it does)
+            ds[accel] = {"enabled": True}
+            source[f"{accel}.enabled"] = f"accelerate mixed_precision={accel!r}, where {label} has no {accel} section"
     enabled = {}
     for name in ("fp16", "bf16"):
         section = ds.get(name)
