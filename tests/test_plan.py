@@ -190,6 +190,8 @@ def test_the_memory_on_paper_counts_the_optimizer_and_the_zero3_parameters_the_e
     (["--set", "optimizer.lr=0.001"], {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}},
      "optimizer.params.lr = 0.5 vs optimizer.lr = 0.001 (command line)"),
     ([], {"scheduler": {"type": "Cosine"}}, "scheduler.type = 'Cosine'"),
+    ([], {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}},  # schedule.warmup_steps 0
+     "DeepSpeed's WarmupLR refuses fewer than one warmup step (ValueError), and warms up over 2 at least"),
     ([], {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
     (["--set", "model.vocab_size=300"], None, "model.vocab_size = 300"),
     (["--set", "data.path=\"no/such/file.txt\""], None, "data.path not found"),

@@ -315,6 +315,7 @@ def _scheduler(section: Any, run: Resolved, label: str, out: Sections) -> None:
     steps = params.get("warmup_num_steps")
     if isinstance(steps, int) and steps < 1:
         raise ConfigError(f"scheduler.params.warmup_num_steps = {steps} ({label}; "
-                          f"{out.source.get('scheduler.params.warmup_num_steps', 'given')}): DeepSpeed's {kind} needs "
-                          f"at least one warmup step; set schedule.warmup_steps or the parameter")
+                          f"{out.source.get('scheduler.params.warmup_num_steps', 'given')}): DeepSpeed's {kind} "
+                          f"refuses fewer than one warmup step (ValueError), and warms up over 2 at least; set "
+                          f"schedule.warmup_steps or the parameter")
     out.scheduler = {"type": kind, "params": params}
