@@ -336,6 +336,17 @@ def test_hf_class_must_be_a_transformers_auto_class(tiny_llama):
                          'model.hf_class="AutoModelForNothing"']).cfg
     with pytest.raises(ConfigError, match="model.hf_class = 'AutoModelForNothing' is no transformers auto class"):
         get_task("lm").check(cfg)
+    # a class of another kind than the task trains: one line (a classifier had stopped at step 1 in the loss)
+    for name, gives in (("AutoModelForSequenceClassification", "LlamaForSequenceClassification"),
+                        ("LlamaModel", "LlamaModel")):
+        cfg = resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                             f'model.hf_class="{name}"']).cfg
+        with pytest.raises(ConfigError, match=f"model.hf_class = '{name}' gives {gives}, and the lm task trains what "
+                                              f"AutoModelForCausalLM gives for this config \\(LlamaForCausalLM\\)"):
+            get_task("lm").check(cfg)
+    for name in ("LlamaForCausalLM", "AutoModelForCausalLM"):  # its own kind, named either way
+        get_task("lm").check(resolve(None, ["train.max_steps=1", f"model.hf={json.dumps(str(tiny_llama))}",
+                                            f'model.hf_class="{name}"']).cfg)
 
 
 def test_hf_models_go_only_where_they_fit(tiny_llama, tmp_path, monkeypatch):

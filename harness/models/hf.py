@@ -134,6 +134,7 @@ def check(cfg: RunConfig, auto_class: str, positions: int | None = None) -> None
         _check_files(cfg, Path(source))
     cls = model_class(cfg, auto_class, config)
     if cls is not None:
+        _check_kind(cfg, auto_class, cls, config)
         _check_model(cfg, cls, config, positions or cfg.data.seq_len)
         if local:
             _check_weights(cfg, cls, config, weight_files(source))
@@ -208,6 +209,23 @@ def model_class(cfg: RunConfig, auto_class: str, config):
             return None
         raise ConfigError(f"model.hf = {cfg.model.hf!r} is a {config.model_type!r} model ({type(config).__name__}), "
                           f"for which model.hf_class = {name!r} has no class") from None
+
+
+def _check_kind(cfg: RunConfig, auto_class: str, cls, config) -> None:
+    """model.hf_class gives a model of the kind the task trains: the class its own auto class builds for this config,
+    or one derived from it (a classifier's head for the lm had trained to step 1, then stopped in its loss with a
+    traceback; a headless model, on its outputs)."""
+    if not cfg.model.hf_class:
+        return
+    auto = getattr(transformers_module(f"model.hf = {cfg.model.hf!r}"), auto_class)
+    try:
+        expected = auto._model_mapping[type(config)]
+    except KeyError:  # a config the task's auto class has no class for: the task's own checks say what it lacks
+        return
+    if not (isinstance(cls, type) and issubclass(cls, expected)):
+        raise ConfigError(f"model.hf_class = {cfg.model.hf_class!r} gives {cls.__name__}, and the {cfg.run.task} task "
+                          f"trains what {auto_class} gives for this config ({expected.__name__}): its outputs are "
+                          f"not what the task's loss reads; drop model.hf_class, or name a class of that kind")
 
 
 def _check_model(cfg: RunConfig, cls, config, positions: int) -> None:
