@@ -66,6 +66,18 @@ def test_an_lm_resumed_on_windows_of_another_length_is_refused_unless_meant(tiny
     assert "resumed from" in meant.proc.stdout
 
 
+def test_an_export_that_fails_for_another_reason_than_a_full_disk_is_not_said_to_be_one(tiny_llama, corpus, tmp_path):
+    """Any error writing the export had been said to be a full disk ("N GiB free there ... make room")."""
+    harness(tmp_path / "run", corpus, sets=hf_sets(tiny_llama), base=TINY_RUN, args=["--stop-at", "2"])
+    (tmp_path / "run" / "hf").write_text("a file where the export's folder goes")
+    failed = harness(tmp_path / "run", corpus, sets=hf_sets(tiny_llama), base=TINY_RUN, args=["--resume", "auto"],
+                     check=False)
+    line = failed.proc.stderr.strip().splitlines()[-1]
+    assert failed.proc.returncode == 3 and line.startswith("harness: error: the model could not be exported to "), line
+    assert "free there" not in line and line.endswith("The last checkpoint is kept: once that is put right, run the "
+                                                      "same command with --resume auto, which exports it"), line
+
+
 def test_hf_export_loads_with_transformers_alone_and_matches(cached_run, tiny_llama_shards, tmp_path):
     import torch
 

@@ -8,6 +8,7 @@ optimizer's fp32 master copy, not the 16-bit weights.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from .trust import TRUST, check_run_dir
 MODEL_FILE = "model.safetensors"
 
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # a disk or quota full, a file past its limit
 HF_DIR = "hf"  # beside model.safetensors for a Hugging Face model: what from_pretrained loads
 
 
@@ -54,12 +56,16 @@ def export_model(engine, run_dir: Path, world: World, task=None, cfg: RunConfig 
                     readable(f)
     except (OSError, RuntimeError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
-        failed = f"{type(e).__name__}: {one_line(e)}"
+        full = getattr(e, "errno", None) in FULL or any(os.strerror(n) in str(e) for n in FULL)  # (safetensors'
+        # own error holds the OS's words alone)
+        failed = (f"{type(e).__name__}: {one_line(e)}", full)
     failed = all_gather_objects(failed)[0]  # every rank stops, not only the one that wrote
     if failed:
-        raise TrainingStopped(f"the model could not be exported to {run_dir} ({failed}); "
-                              f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free there. The last checkpoint is "
-                              f"kept: make room and run the same command with --resume auto, which exports it")
+        why, full = failed  # (any other error had been said to be a full disk, with advice to make room)
+        fix = f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free there. The last checkpoint is kept: make room " \
+            f"and run" if full else "The last checkpoint is kept: once that is put right, run"
+        raise TrainingStopped(f"the model could not be exported to {run_dir} ({why}); {fix} the same command with "
+                              f"--resume auto, which exports it")
     return path if world.is_main else None
 
 
