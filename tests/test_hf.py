@@ -323,9 +323,17 @@ def test_a_cached_hub_id_loads_from_its_snapshot_where_the_hub_does_not_answer(t
     assert proc.returncode == 2 and "Retrying" not in proc.stderr, proc.stderr[-2000:]  # (27 s of them)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"harness: error: model.hf = 'harness-tests/absent': the Hugging Face Hub (http://127.0.0.1:9) does not answer "
-        f"from here ({why}), and its cache here ({tmp_path / 'hf' / 'hub'}) does not hold it; download it where the "
+        f"from here ({why}), and its cache here ({tmp_path / 'hf' / 'hub'}) does not hold it (did you mean "
+        f"'harness-tests/tiny-llama'?); download it where the "
         f"network allows (hf download harness-tests/absent) into the cache this machine reads, or name a local "
         f"directory")
+    # HF_HUB_OFFLINE=1: an id the cache lacks, refused the same way (transformers' paragraph named no cache)
+    proc = subprocess.run([python(), "-m", "harness", "plan", "--set", 'model.hf="harness-tests/tiny-lama"', "--set",
+                           "train.max_steps=1"], cwd=tmp_path, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"harness: error: model.hf = 'harness-tests/tiny-lama': HF_HUB_OFFLINE=1, and its cache here "
+        f"({tmp_path / 'hf' / 'hub'}) does not hold it (did you mean 'harness-tests/tiny-llama'?)"), proc.stderr[-2000:]
 
 
 def test_the_lm_packing_with_a_hugging_face_tokenizer_is_found_in_the_cache_at_the_next_start(tiny_llama, corpus):

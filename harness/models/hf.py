@@ -66,24 +66,32 @@ def hub_source(ref: str, named: str = "model.hf") -> str:
     in the Hugging Face cache, a local directory (said once). A compute node with no way out is common; there, for
     every file a snapshot lacks (a tokenizer's optional files, which a download of the model's own files never
     fetched), transformers asked the Hub five times, with back-off: 2 min 23 s to load a cached tokenizer. An id
-    not cached is refused at once (it took 27 s of retries to say so). Under HF_HUB_OFFLINE=1 the id is left to
-    `from_pretrained`."""
+    not cached is refused at once (it took 27 s of retries to say so), under HF_HUB_OFFLINE=1 too (transformers'
+    paragraph named no cache), with a did-you-mean among the ids cached; there a cached id is left to
+    `from_pretrained`, which reads the cache alone."""
     from huggingface_hub import constants, snapshot_download
 
-    if constants.HF_HUB_OFFLINE:
-        return ref
     try:
         cached = snapshot_download(ref, local_files_only=True)
     except Exception:  # noqa: BLE001 - not cached, or no id the cache can hold
         cached = None
-    why = _hub_unreachable(constants.ENDPOINT)
+    if constants.HF_HUB_OFFLINE and cached is not None:
+        return ref
+    why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else _hub_unreachable(constants.ENDPOINT)
     if why is None:
         return ref
-    where = f"the Hugging Face Hub ({constants.ENDPOINT}) does not answer from here ({why})"
+    where = why if constants.HF_HUB_OFFLINE else \
+        f"the Hugging Face Hub ({constants.ENDPOINT}) does not answer from here ({why})"
     if cached is None:
+        ids = [d.name.removeprefix("models--").replace("--", "/")
+               for d in Path(constants.HF_HUB_CACHE).glob("models--*")]
+        near = f" (did you mean {near!r}?)" if (near := closest(ref, ids)) else ""
+        folder = Path(ref)  # OWNER/NAME where a folder OWNER is here: a hub id, or a typo of a local folder
+        local = f"; no folder {ref} here either{_near(folder)}" \
+            if folder.parent.is_dir() and str(folder.parent) != "." else ""
         raise ConfigError(f"{named} = {ref!r}: {where}, and its cache here ({constants.HF_HUB_CACHE}) does not "
-                          f"hold it; download it where the network allows (hf download {ref}) into the "
-                          f"cache this machine reads, or name a local directory")
+                          f"hold it{near}; download it where the network allows (hf download {ref}) into the cache "
+                          f"this machine reads, or name a local directory{local}")
     # once: by `harness launch`'s check or one process, not again by its rank 0 (distributed.world.under_launcher)
     if os.environ.get("RANK", "0") == "0" and not os.environ.get("HARNESS_STATUS_FILE"):
         print(f"note: {where}: {named} = {ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 "
