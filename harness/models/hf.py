@@ -86,12 +86,9 @@ def hub_source(ref: str, named: str = "model.hf") -> str:
         ids = [d.name.removeprefix("models--").replace("--", "/")
                for d in Path(constants.HF_HUB_CACHE).glob("models--*")]
         near = f" (did you mean {near!r}?)" if (near := closest(ref, ids)) else ""
-        folder = Path(ref)  # OWNER/NAME where a folder OWNER is here: a hub id, or a typo of a local folder
-        local = f"; no folder {ref} here either{_near(folder)}" \
-            if folder.parent.is_dir() and str(folder.parent) != "." else ""
         raise ConfigError(f"{named} = {ref!r}: {where}, and its cache here ({constants.HF_HUB_CACHE}) does not "
                           f"hold it{near}; download it where the network allows (hf download {ref}) into the cache "
-                          f"this machine reads, or name a local directory{local}")
+                          f"this machine reads, or name a local directory{_no_folder(ref)}")
     # once: by `harness launch`'s check or one process, not again by its rank 0 (distributed.world.under_launcher)
     if os.environ.get("RANK", "0") == "0" and not os.environ.get("HARNESS_STATUS_FILE"):
         print(f"note: {where}: {named} = {ref!r} is read from its snapshot in the cache, {cached} (HF_HUB_OFFLINE=1 "
@@ -112,6 +109,15 @@ def _hub_unreachable(endpoint: str) -> str | None:
 
 
 HUB_TIMEOUT_S = 5.0
+
+
+def _no_folder(ref: str) -> str:
+    """For a hub id OWNER/NAME not found where a folder OWNER is here (a model downloaded beside it, or a typo of a
+    local folder): that there is no such folder either, with a did-you-mean; "" otherwise."""
+    folder = Path(ref)
+    if folder.exists() or not folder.parent.is_dir() or str(folder.parent) == ".":
+        return ""
+    return f"; no folder {ref} here either{_near(folder)}"
 
 
 def _near(path: Path) -> str:
@@ -319,10 +325,8 @@ def load_config(cfg: RunConfig):
             raise ConfigError(f"model.hf = {cfg.model.hf!r}: its config names code of its own (auto_map), which "
                               f"runs when the model loads; set model.trust_remote_code = true only if you trust "
                               f"its source") from None
-        where = Path(source)  # OWNER/NAME, where a folder OWNER is here: a hub id, or a typo of a local folder
-        local = f"; no folder {source} here either{_near(where)}" if not where.exists() and \
-            where.parent.is_dir() and str(where.parent) != "." else ""
-        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0].rstrip('.')}{local}") from None
+        raise ConfigError(f"model.hf = {cfg.model.hf!r}: {str(e).splitlines()[0].rstrip('.')}"
+                          f"{_no_folder(source)}") from None
 
 
 def takes_packed(cfg: RunConfig, auto_class: str) -> bool:

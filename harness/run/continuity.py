@@ -87,11 +87,11 @@ def check_history(plan: Plan, found: Path) -> None:
     its step are another run's history, which had been kept and the resumed run's added to it (one run's curves over
     two runs' steps). Refused in one line. (A directory with checkpoints of its own goes on from them:
     `resume_checkpoint`.)"""
-    from .resume import step_of
+    from .resume import is_own, step_of
     from .tracking import read_jsonl
 
-    run_dir, own = plan.run_dir, plan.run_dir / "checkpoints"
-    if found.parent.resolve() == own.resolve():
+    run_dir = plan.run_dir
+    if is_own(found, run_dir):
         return
     step = step_of(found)
     held = [name for name in ("metrics.jsonl", "eval.jsonl")
@@ -228,7 +228,7 @@ def _check_fits(plan: Plan, key: str, source: Path, raw: dict) -> None:
 def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
     """The checkpoint --resume names: `auto`'s (None where the run saved none yet: it starts from step 0), or the
     latest of a run directory or its checkpoints/ folder, or a step_* checkpoint given."""
-    from .resume import is_complete, latest, resume_target
+    from .resume import is_complete, is_own, latest, resume_target
 
     if resume == "auto":
         found = resume_target(run_dir / "checkpoints", say)
@@ -244,8 +244,7 @@ def resume_checkpoint(resume: str, run_dir: Path, say: bool) -> Path | None:
     if found is None:
         raise ConfigError(f"--resume {resume}: no checkpoint there (expected a run directory, its checkpoints/ "
                           f"folder, or a step_* checkpoint)")
-    own = run_dir / "checkpoints"
-    if found.parent.resolve() != own.resolve() and (mine := latest(own)) is not None:
+    if not is_own(found, run_dir) and (mine := latest(run_dir / "checkpoints")) is not None:
         # a job started from another run's checkpoint, requeued with the same command (torchtitan's
         # checkpoint.initial_load_path is read only where the run has no checkpoint of its own)
         if say:

@@ -396,7 +396,7 @@ def _leave_later(plan: Plan, world: World, resume_from: Path, step: int) -> str 
     """A run resumed from an earlier checkpoint of its own: its later checkpoints set aside as step_N.past (rank 0)
     and `latest` pointed at the one resumed, as its records past `step` are dropped; the line that says so."""
     own = plan.run_dir / "checkpoints"
-    if not world.is_main or resume_from.parent.resolve() != own.resolve():
+    if not world.is_main or not resume.is_own(resume_from, plan.run_dir):
         return None
     later = [p.name for p in resume.complete(own) if resume.step_of(p) > step]
     if later:

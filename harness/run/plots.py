@@ -37,9 +37,8 @@ def curves(run_dirs: list[str | Path], x: str = "step") -> list[dict]:
     """Per panel: its title and, per run, the (x, values) to draw; a panel no run has data for is left out. `x`:
     "step", or "samples" (the samples read by then: runs of other global batches compared by the data they read; an
     evaluation's from the records around its step)."""
-    runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
+    runs, metric = _runs(run_dirs)
     names = run_names([d for d, _, _ in runs])
-    metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
     panels = [("training loss", "loss", 1), ("learning rate", "lr", 1), ("validation loss", "loss", 2)]
     if metric:
         panels.append((f"validation {metric}", metric, 2))
@@ -67,6 +66,12 @@ def curves(run_dirs: list[str | Path], x: str = "step") -> list[dict]:
         if lines:
             out.append({"title": title, "key": key, "lines": lines, "best": best, "baselines": baselines})
     return out
+
+
+def _runs(run_dirs: list[str | Path]) -> tuple[list[tuple[Path, list[dict], list[dict]]], str | None]:
+    """Each run's (directory, metrics.jsonl's records, eval.jsonl's), and the task metric their evaluations hold."""
+    runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
+    return runs, next((m for _, _, evals in runs if (m := task_metric(evals))), None)
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:
@@ -142,8 +147,7 @@ def summary(run_dirs: list[str | Path]) -> str:
     """Each run's last figures, one row a run, beside the picture: its last step, training loss (`loss_avg`), last
     validation loss and task metric, and the evaluation train.select_best chose (a sweep had been read from the
     jsonl files by hand)."""
-    runs = [(Path(d), read_jsonl(Path(d) / "metrics.jsonl"), read_jsonl(Path(d) / "eval.jsonl")) for d in run_dirs]
-    metric = next((m for _, _, evals in runs if (m := task_metric(evals))), None)
+    runs, metric = _runs(run_dirs)
     header = ["run", "step", "training loss", "validation loss", *([f"validation {metric}"] if metric else []), "best"]
     rows = [header]
     for (run_dir, metrics, evals), name in zip(runs, run_names([d for d, _, _ in runs])):

@@ -19,7 +19,7 @@ from ..config.run import ConfigError
 from ..distributed import ds_patches
 from ..distributed.world import World, barrier
 from .checksums import write_sums
-from .resume import LAYOUT, UNIVERSAL, saved_layout
+from .resume import LAYOUT, UNIVERSAL, is_own, saved_layout
 from .trust import checkpoint_reads
 
 SOURCE = "source.json"  # in a universal conversion: what the checkpoint it was made from held (`_stamp`)
@@ -154,11 +154,10 @@ def conversion_of(path: Path, run_dir: Path) -> Path:
     """Where `to_universal` converts `path`: beside it when it is this run's own checkpoint (kept, and reused by a
     later resume), else in this run's checkpoints under a name of its source's (another run's directory is not this
     run's to write, and may be read-only)."""
-    own = run_dir / "checkpoints"
-    if path.parent.resolve() == own.resolve():
+    if is_own(path, run_dir):
         return path.with_name(path.name + UNIVERSAL)
     source = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    return own / f"{path.name}.from-{source}{UNIVERSAL}"
+    return run_dir / "checkpoints" / f"{path.name}.from-{source}{UNIVERSAL}"
 
 
 def to_universal(path: Path, out: Path, world: World, afresh: bool = False) -> Path:

@@ -33,6 +33,11 @@ PLACE = "place.json"  # the step and its place in the data (StepSampler.place): 
 SHAPES = "parameters.json"  # the model's parameters by name and shape: a resume into a model of other code is refused
 
 
+def is_own(path: Path, run_dir: Path) -> bool:
+    """Whether checkpoint `path` is in `run_dir`'s own checkpoints/ (not another run's)."""
+    return path.parent.resolve() == (run_dir / "checkpoints").resolve()
+
+
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 

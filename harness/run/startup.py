@@ -38,9 +38,9 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     from ..distributed.world import launched_rank, under_launcher
     from . import checksums, lock, reshape
 
-    run_dir = plan.run_dir
+    run_dir, say = plan.run_dir, launched_rank() == 0 and not under_launcher()  # (harness launch said its notes)
     check_writable(run_dir, plan.run.describe("run.output_dir"))
-    if launched_rank() == 0 and not under_launcher() and (note := _record_elsewhere(plan)):
+    if say and (note := _record_elsewhere(plan)):
         print(note, flush=True)
     # A live run in this directory: refused, whatever the flags say. Judged here by one process alone, before any
     # rank starts: `harness train`, or `harness launch` on the first node. A lock's holder is told by its pid on its
@@ -52,7 +52,7 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
         print(note, flush=True)
     if resume and overwrite:
         raise ConfigError(f"--resume {resume} and --overwrite: continue the run or replace it; name one")
-    found = resume_checkpoint(resume, run_dir, launched_rank() == 0 and not under_launcher()) if resume else None
+    found = resume_checkpoint(resume, run_dir, say) if resume else None
     if resume:
         if found is not None:
             checksums.check_records(found)  # what the checks below read: as it was saved
@@ -64,15 +64,15 @@ def preflight(plan: Plan, resume: str | None, overwrite: bool, data_changed_ok: 
     elif run_dir.exists() and any(run_dir.iterdir()):
         if overwrite or not never_trained(plan):
             check_replaceable(plan, overwrite)
-        elif launched_rank() == 0 and not under_launcher():
+        elif say:
             print(f"note: {run_dir} holds only the start-up files of a run that never trained a step: replaced",
                   flush=True)
-    check_stop_at(plan, stop_at, found, launched_rank() == 0 and not under_launcher())
+    check_stop_at(plan, stop_at, found, say)
     if launched_world_size() == 1:  # `harness launch`'s check, or one process: ranks would prepare the data at once
         from ..plan.render import meta_model  # prepares the data where the model's size depends on it
 
         if found is None and plan.run.cfg.model.init_from:
-            check_init_from(plan, launched_rank() == 0 and not under_launcher())
+            check_init_from(plan, say)
         model = meta_model(plan)
         # the loop checks ranks started otherwise
         problem = check_free_space(plan, sum(p.numel() for p in model.parameters()), found)

@@ -262,7 +262,7 @@ class LanguageModelTask:
             print(f"data: tokenizing {size / 2**20:,.0f} MB of {path} (at every start of a raw file)", flush=True)
         data = self._raw_data(cfg)
         if size > LARGE_RAW_BYTES:
-            print(f"data: tokenizing {os.path.getsize(path) / 2**20:,.0f} MB of {path} took "
+            print(f"data: tokenizing {size / 2**20:,.0f} MB of {path} took "
                   f"{time.monotonic() - started:.0f} s; `harness prepare lm --input {path} --out DIR` does it once "
                   f"(then data.path = DIR starts in seconds)", flush=True)
         return data
